@@ -1,0 +1,5 @@
+"""Executors: where jobs run. One interface (:mod:`.base`), several back ends."""
+from .base import (
+    Event, Executor, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
+    TrialTask,
+)

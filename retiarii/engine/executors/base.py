@@ -1,0 +1,119 @@
+"""The executor interface: how the engine hands training work to workers and hears back.
+
+The engine trains a trial in *segments*. A :class:`Job` trains one or more trials (several
+models in one job is how cross-model optimization runs merged models) from their last
+checkpoint up to a step, reporting a result after every step and writing a checkpoint at the
+end of the segment. Pausing a trial is simply not submitting its next segment, so a paused and
+resumed trial follows the trajectory of an uninterrupted one.
+
+Every executor (local processes, the simulator with its virtual clock, Ray) implements
+:class:`Executor`; the engine never knows which one it drives. Events come back through
+:meth:`Executor.next_event`, which blocks on a queue (no sleep-polling anywhere).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrialTask:
+    """One trial's share of a job."""
+
+    trial_id: str
+    spec: dict[str, Any]  # JSON: what a worker rebuilds the model and trainer from
+    start_step: int  # steps already trained (0 = fresh start)
+    stop_step: int  # train until this step, then checkpoint
+    checkpoint_in: str | None = None  # resume from here (None: fresh, or PBT donor given in spec)
+    checkpoint_out: str | None = None  # write the end-of-segment checkpoint here
+
+
+@dataclass
+class Job:
+    """A unit of work for one executor slot: one or more trials trained together."""
+
+    job_id: str
+    tasks: list[TrialTask]
+    attempt: int = 0  # retries of the same work after a failure
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobStarted:
+    job_id: str
+    worker: str  # a stable name of the slot ("local-0", "sim-3", a Ray node id)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """Metrics of one trial after one step (an epoch, a rung)."""
+
+    job_id: str
+    trial_id: str
+    step: int  # the step just completed, 1-based
+    metrics: dict[str, float]
+    time: float = 0.0  # executor clock when the step ended (virtual in the simulator)
+
+
+@dataclass(frozen=True)
+class TrialCheckpointed:
+    job_id: str
+    trial_id: str
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """A job that could not finish. ``trial_id`` names the culprit when one trial raised;
+    ``worker_lost`` is true when the worker process itself died (retry elsewhere)."""
+
+    job_id: str
+    trial_id: str | None
+    error: str
+    worker_lost: bool = False
+
+
+Event = JobStarted | TrialResult | TrialCheckpointed | JobFinished | JobFailed
+
+
+class Executor(abc.ABC):
+    """Runs jobs on ``num_slots`` slots; reports :data:`Event` s in the order they happen."""
+
+    num_slots: int
+
+    @abc.abstractmethod
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; it starts as soon as a slot is free."""
+
+    @abc.abstractmethod
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """Block until the next event, or ``timeout`` seconds (None: forever); None on timeout."""
+
+    @abc.abstractmethod
+    def cancel(self, job_id: str) -> None:
+        """Stop a queued or running job; it ends with :class:`JobFailed` (error ``"cancelled"``)."""
+
+    def now(self) -> float:
+        """The executor's clock in seconds (virtual for the simulator)."""
+        import time
+
+        return time.monotonic()
+
+    def close(self) -> None:
+        """Release workers. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
