@@ -1,0 +1,219 @@
+"""JSON encoding of the Python values that appear in a graph: call arguments, constructor
+arguments, constants.
+
+The IR never pickles. Every value a node needs (a kernel size tuple, a dtype, a slice, a
+reference to ``torch.cat``, a small tensor constant) is encoded to plain JSON here and decoded
+back to an equal value. Tags are one-key dicts whose key starts and ends with ``__``::
+
+    (3, 3)             -> {"__tuple__": [3, 3]}
+    torch.float32      -> {"__dtype__": "float32"}
+    slice(None, 2)     -> {"__slice__": [null, 2, null]}
+    torch.cat          -> {"__ref__": "torch:cat"}
+    input port 1       -> {"__in__": 1}
+
+``encode`` raises :class:`EncodeError` naming the value it cannot encode.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Callable
+
+import torch
+
+MAX_INLINE_TENSOR = 4096  # elements; larger tensors are described (shape, dtype), not stored
+
+# Namespaces searched, in order, for a callable that does not resolve from its own
+# __module__/__qualname__ (C functions such as torch._C._nn.linear report odd modules).
+_NAMESPACES = ("torch", "torch.nn.functional", "operator", "math", "builtins", "torch.Tensor")
+
+
+class EncodeError(TypeError):
+    """A value that cannot be stored in the IR as JSON."""
+
+
+class PortRef:
+    """Stands for "the value arriving on input port ``index``" inside an argument template."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self):
+        return f"PortRef({self.index})"
+
+    def __eq__(self, other):
+        return isinstance(other, PortRef) and other.index == self.index
+
+    def __hash__(self):
+        return hash(("PortRef", self.index))
+
+
+# ---- references to importable objects ------------------------------------------------------
+
+
+def resolve_ref(ref: str) -> Any:
+    """``"package.module:Qual.name"`` -> the object. Raises ImportError/AttributeError."""
+    module_name, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def ref_of(obj: Any) -> str:
+    """The import reference of a module-level function or class; it resolves back to ``obj``."""
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    candidates = []
+    if module and qualname and "<locals>" not in qualname:
+        candidates.append(f"{module}:{qualname}")
+    name = getattr(obj, "__name__", None)
+    if name:
+        candidates += [f"{ns.rsplit('.', 1)[0]}:{ns.rsplit('.', 1)[1]}.{name}" if ns == "torch.Tensor"
+                       else f"{ns}:{name}" for ns in _NAMESPACES]
+    for ref in candidates:
+        try:
+            if resolve_ref(ref) is obj:
+                return ref
+        except (ImportError, AttributeError, ValueError):
+            continue
+    raise EncodeError(
+        f"{obj!r} cannot be referenced by an import path; define it at module level "
+        f"(not inside a function or as a lambda) so a worker can import it")
+
+
+# ---- encode / decode ----------------------------------------------------------------------
+
+
+def _encode_tensor(t: torch.Tensor) -> dict:
+    if t.numel() > MAX_INLINE_TENSOR:
+        raise EncodeError(f"tensor of shape {tuple(t.shape)} is too large to inline "
+                          f"(> {MAX_INLINE_TENSOR} elements)")
+    t = t.detach().cpu()
+    return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."),
+                           "shape": list(t.shape),
+                           "data": [_encode_float(v) if isinstance(v, float) else v
+                                    for v in t.flatten().tolist()]}}
+
+
+def _encode_float(v: float) -> Any:
+    if math.isfinite(v):
+        return v
+    return {"__float__": repr(v)}  # 'nan', 'inf', '-inf'
+
+
+def encode(value: Any, module_encoder: Callable[[torch.nn.Module], dict] | None = None) -> Any:
+    """Encode ``value`` to JSON-compatible data (see the module docstring for the tags).
+
+    ``module_encoder`` encodes an ``nn.Module`` found among constructor arguments (e.g. an
+    activation module); without it, modules are rejected.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return _encode_float(value)
+    if isinstance(value, PortRef):
+        return {"__in__": value.index}
+    if isinstance(value, list):
+        return [encode(v, module_encoder) for v in value]
+    if isinstance(value, torch.Size):
+        return {"__size__": list(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, module_encoder) for v in value]}
+    if isinstance(value, dict):
+        return {"__dict__": [[encode(k, module_encoder), encode(v, module_encoder)]
+                             for k, v in value.items()]}
+    if isinstance(value, slice):
+        return {"__slice__": [encode(value.start), encode(value.stop), encode(value.step)]}
+    if value is Ellipsis:
+        return {"__ellipsis__": True}
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"__device__": str(value)}
+    if isinstance(value, (torch.memory_format, torch.layout)):
+        return {"__torchattr__": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.Tensor):
+        return _encode_tensor(value)
+    if isinstance(value, torch.nn.Module):
+        if module_encoder is None:
+            raise EncodeError(f"a module ({type(value).__name__}) cannot be used as a value here")
+        return {"__module__": module_encoder(value)}
+    if callable(value):
+        return {"__ref__": ref_of(value)}
+    raise EncodeError(f"value {value!r} of type {type(value).__name__} cannot be stored as JSON")
+
+
+def decode(data: Any, inputs: list | None = None,
+           module_decoder: Callable[[dict], torch.nn.Module] | None = None) -> Any:
+    """Inverse of :func:`encode`. ``{"__in__": k}`` becomes ``inputs[k]`` (or a
+    :class:`PortRef` when ``inputs`` is None)."""
+    if isinstance(data, list):
+        return [decode(v, inputs, module_decoder) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) != 1:
+        raise ValueError(f"malformed encoded value {data!r}: a tag dict has exactly one key")
+    (tag, payload), = data.items()
+    if tag == "__in__":
+        return PortRef(payload) if inputs is None else inputs[payload]
+    if tag == "__tuple__":
+        return tuple(decode(v, inputs, module_decoder) for v in payload)
+    if tag == "__size__":
+        return torch.Size(payload)
+    if tag == "__dict__":
+        return {decode(k, inputs, module_decoder): decode(v, inputs, module_decoder)
+                for k, v in payload}
+    if tag == "__float__":
+        return float(payload)
+    if tag == "__slice__":
+        return slice(*(decode(v, inputs, module_decoder) for v in payload))
+    if tag == "__ellipsis__":
+        return Ellipsis
+    if tag == "__dtype__":
+        return getattr(torch, payload)
+    if tag == "__device__":
+        return torch.device(payload)
+    if tag == "__torchattr__":
+        return getattr(torch, payload)
+    if tag == "__tensor__":
+        data_ = [decode(v) for v in payload["data"]]
+        return torch.tensor(data_, dtype=getattr(torch, payload["dtype"])).reshape(payload["shape"])
+    if tag == "__ref__":
+        return resolve_ref(payload)
+    if tag == "__module__":
+        if module_decoder is None:
+            raise ValueError("an encoded module needs a module decoder")
+        return module_decoder(payload)
+    raise ValueError(f"unknown tag {tag!r} in encoded value")
+
+
+def port_indices(data: Any) -> list[int]:
+    """Every input port index referenced in an encoded template, in order of appearance."""
+    found: list[int] = []
+
+    def walk(d):
+        if isinstance(d, list):
+            for v in d:
+                walk(v)
+        elif isinstance(d, dict):
+            if "__in__" in d and len(d) == 1:
+                found.append(d["__in__"])
+            else:
+                for v in d.values():
+                    walk(v)
+
+    walk(data)
+    return found
+
+
+def is_builtin_namespace(ref: str) -> bool:
+    """True for references into torch, operator, math or builtins (no user import needed)."""
+    root = ref.split(":", 1)[0].split(".", 1)[0]
+    return root in {"torch", "operator", "_operator", "math", "builtins"}
+
+
+__all__ = ["EncodeError", "PortRef", "encode", "decode", "ref_of", "resolve_ref",
+           "port_indices", "is_builtin_namespace"]

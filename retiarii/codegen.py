@@ -1,0 +1,442 @@
+"""Graph IR -> runnable ``nn.Module`` (through torch.fx) and -> standalone source (through libcst).
+
+``to_module`` installs one module per module attribute path (creating the intermediate
+containers, so state-dict keys equal the traced model's), then emits an ``fx.Graph`` with the
+nodes in the graph's topological order, which for a traced graph is the original execution
+order: outputs are bit-identical to the original model's on CPU.
+
+``to_source`` writes the same model as one readable class that imports only torch (and the
+user's own leaf modules)::
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+            self.layer1 = nn.ModuleDict({
+                '0': nn.ModuleDict({
+                    'conv1': nn.Conv2d(64, 64, 3, padding=1, bias=False),
+            ...
+        def forward(self, x):
+            conv1 = self.conv1(x)
+            ...
+"""
+from __future__ import annotations
+
+import inspect
+import keyword
+import math
+import operator
+import re
+from typing import Any
+
+import libcst as cst
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .codec import decode, resolve_ref
+from .graph import Graph, GraphError, Node
+from .modspec import build_module
+
+# ---- shared helpers ------------------------------------------------------------------------
+
+
+def _init_tensor(spec: dict) -> torch.Tensor:
+    """Initial value of a parameter/buffer node: stored exactly when small, else a default."""
+    if "init" in spec:
+        return decode(spec["init"]).clone()
+    shape, dtype = spec["shape"], getattr(torch, spec["dtype"])
+    if spec["buffer"] or not dtype.is_floating_point:
+        return torch.zeros(shape, dtype=dtype)
+    return nn.init.trunc_normal_(torch.empty(shape, dtype=dtype), std=0.02)
+
+
+def _owner_paths(graph: Graph) -> set[str]:
+    return {n.attr for n in graph.nodes if n.kind in ("module", "subgraph")}
+
+
+def _owned_by_module(path: str, owners: set[str]) -> bool:
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in owners for i in range(1, len(parts)))
+
+
+def _install(root: nn.Module, path: str, value: Any, buffer: bool = False,
+             persistent: bool = True) -> None:
+    *parents, leaf = path.split(".")
+    owner = root
+    for part in parents:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if isinstance(value, nn.Module):
+        owner.add_module(leaf, value)
+    elif buffer:
+        owner.register_buffer(leaf, value, persistent=persistent)
+    else:
+        owner.register_parameter(leaf, value)
+
+
+def _check_ports(node: Node) -> list[Node]:
+    inputs = node.inputs
+    if any(i is None for i in inputs):
+        raise GraphError(f"node {node.name!r} has a dangling input port "
+                         f"{inputs.index(None)}; connect it before emitting code")
+    return inputs
+
+
+# ---- to_module -----------------------------------------------------------------------------
+
+
+def to_module(graph: Graph, class_name: str = "GeneratedModel") -> fx.GraphModule:
+    """Emit a runnable ``fx.GraphModule`` with fresh weights; see the module docstring."""
+    root = nn.Module()
+    owners = _owner_paths(graph)
+    nodes = graph.nodes
+    installed: set[str] = set()
+    for node in nodes:  # modules first: parameters may be read from inside them
+        if node.kind == "module" and node.attr not in installed:
+            _install(root, node.attr, build_module(node.op.spec))
+            installed.add(node.attr)
+        elif node.kind == "subgraph":
+            _install(root, node.attr, to_module(node.op.graph, "Cell"))
+    non_persistent: list[str] = []
+    for i, node in enumerate(nodes):
+        if node.kind == "param" and not _owned_by_module(node.attr, owners):
+            spec = node.op.spec
+            value = _init_tensor(spec)
+            if not spec["buffer"]:
+                value = nn.Parameter(value, requires_grad=spec.get("requires_grad", True))
+            elif not spec.get("persistent", True):
+                non_persistent.append(node.attr)
+            _install(root, node.attr, value, buffer=spec["buffer"],
+                     persistent=spec.get("persistent", True))
+        elif node.kind == "constant":
+            node_attr = f"_constant_{i}"
+            root.register_buffer(node_attr, decode(node.op.spec["value"]), persistent=False)
+            non_persistent.append(node_attr)
+
+    fxg = fx.Graph()
+    env: dict[int, fx.Node] = {}
+    names = _PyNames()
+    for i, node in enumerate(nodes):
+        inputs = [env[x.uid] for x in _check_ports(node)]
+        args = decode(node.op.args, inputs, build_module)
+        kwargs = {k: decode(v, inputs, build_module) for k, v in node.op.kwargs.items()}
+        kind = node.kind
+        if kind == "input":
+            spec = node.op.spec or {}
+            default = decode(spec["default"]) if "default" in spec else inspect.Signature.empty
+            out = fxg.placeholder(node.op.target or node.name, default_value=default)
+        elif kind in ("module", "subgraph"):
+            out = fxg.call_module(node.attr, tuple(args), kwargs)
+        elif kind == "function":
+            out = fxg.call_function(resolve_ref(node.op.target), tuple(args), kwargs)
+        elif kind == "method":
+            out = fxg.call_method(node.op.target, tuple(args), kwargs)
+        elif kind == "param":
+            out = fxg.get_attr(node.attr)
+        elif kind == "constant":
+            out = fxg.get_attr(f"_constant_{i}")
+        else:  # output
+            out = fxg.output(args[0])
+        if kind not in ("input", "output"):
+            out.name = names.fresh(node.name)
+        env[node.uid] = out
+    gm = fx.GraphModule(root, fxg, class_name)
+    for path in non_persistent:  # GraphModule re-registers copied buffers as persistent
+        owner_path, _, leaf = path.rpartition(".")
+        (gm.get_submodule(owner_path) if owner_path else gm)._non_persistent_buffers_set.add(leaf)
+    return gm
+
+
+# ---- to_source -----------------------------------------------------------------------------
+
+_INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
+          operator.floordiv: "//", operator.mod: "%", operator.pow: "**", operator.matmul: "@",
+          operator.and_: "&", operator.or_: "|", operator.xor: "^", operator.lshift: "<<",
+          operator.rshift: ">>", operator.eq: "==", operator.ne: "!=", operator.lt: "<",
+          operator.le: "<=", operator.gt: ">", operator.ge: ">="}
+_PREFIX = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
+_DICT_ATTRS = set(dir(nn.ModuleDict))
+
+
+class _PyNames:
+    """Unique Python identifiers derived from node names."""
+
+    def __init__(self, reserved=("self", "torch", "nn", "F", "operator", "math")):
+        self.used = set(reserved)
+
+    def fresh(self, name: str) -> str:
+        base = re.sub(r"\W", "_", name).strip("_") or "v"
+        if base[0].isdigit():
+            base = "_" + base
+        if keyword.iskeyword(base) or base in dir(__builtins__ if isinstance(__builtins__, dict)
+                                                  else __builtins__):
+            base += "_"
+        out, i = base, 1
+        while out in self.used:
+            out, i = f"{base}_{i}", i + 1
+        self.used.add(out)
+        return out
+
+
+class _Source:
+    """Renders one class; collects the imports the rendered expressions need."""
+
+    def __init__(self):
+        self.imports: set[str] = set()
+
+    # -- references and literals
+    def ref(self, obj: Any) -> str:
+        name = getattr(obj, "__name__", None)
+        if obj is getattr(nn, name or "", None) and isinstance(obj, type):
+            return f"nn.{name}"
+        if getattr(torch.nn.functional, name or "", None) is obj:
+            self.imports.add("import torch.nn.functional as F")
+            return f"F.{name}"
+        if getattr(torch, name or "", None) is obj:
+            return f"torch.{name}"
+        if getattr(operator, name or "", None) is obj:
+            self.imports.add("import operator")
+            return f"operator.{name}"
+        if getattr(math, name or "", None) is obj:
+            self.imports.add("import math")
+            return f"math.{name}"
+        import builtins
+        if getattr(builtins, name or "", None) is obj:
+            return name
+        module, qual = obj.__module__, obj.__qualname__
+        if module.split(".")[0] == "torch":
+            return f"{module}.{qual}"
+        top = qual.split(".")[0]
+        self.imports.add(f"from {module} import {top}")
+        return qual
+
+    def literal(self, data: Any, inputs: list[str], index: bool = False) -> str:
+        """Render an encoded value; ``index`` renders a top-level tuple/slice as in ``x[...]``."""
+        if isinstance(data, list):
+            return "[" + ", ".join(self.literal(v, inputs) for v in data) + "]"
+        if not isinstance(data, dict):
+            return repr(data)
+        (tag, p), = data.items()
+        if tag == "__in__":
+            return inputs[p]
+        if tag == "__tuple__":
+            items = [self.literal(v, inputs, index=index) for v in p]
+            if index and items:
+                return ", ".join(items)
+            return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        if tag == "__slice__":
+            a, b, c = ("" if v is None else self.literal(v, inputs) for v in p)
+            if index:
+                return f"{a}:{b}" + (f":{c}" if c else "")
+            return f"slice({a or None}, {b or None}, {c or None})"
+        if tag == "__ellipsis__":
+            return "..."
+        if tag == "__size__":
+            return f"torch.Size({p!r})"
+        if tag == "__dict__":
+            return "{" + ", ".join(f"{self.literal(k, inputs)}: {self.literal(v, inputs)}"
+                                   for k, v in p) + "}"
+        if tag == "__float__":
+            return f"float({p!r})"
+        if tag in ("__dtype__", "__torchattr__"):
+            return f"torch.{p}"
+        if tag == "__device__":
+            return f"torch.device({p!r})"
+        if tag == "__tensor__":
+            values = decode(data)
+            return (f"torch.tensor({_tensor_list(values)!s}, dtype=torch.{p['dtype']})"
+                    + (f".reshape({tuple(p['shape'])!r})" if values.numel() == 0 else ""))
+        if tag == "__ref__":
+            return self.ref(resolve_ref(p))
+        if tag == "__module__":
+            return self.constructor(p)
+        raise GraphError(f"cannot render encoded value {data!r}")
+
+    def constructor(self, spec: dict) -> str:
+        cls = self.ref(resolve_ref(spec["cls"]))
+        args = [self.literal(v, []) for v in spec.get("args", [])]
+        args += [f"{k}={self.literal(v, [])}" for k, v in spec.get("kwargs", {}).items()]
+        return f"{cls}({', '.join(args)})"
+
+    def call(self, node: Node, inputs: list[str], module_expr: str | None) -> str:
+        op = node.op
+        args = [self.literal(v, inputs) for v in op.args]
+        kwargs = [f"{k}={self.literal(v, inputs)}" for k, v in op.kwargs.items()]
+        if op.kind in ("module", "subgraph"):
+            return f"{module_expr}({', '.join(args + kwargs)})"
+        if op.kind == "method":
+            return f"{args[0]}.{op.target}({', '.join(args[1:] + kwargs)})"
+        fn = resolve_ref(op.target)
+        if not kwargs and fn in _INFIX and len(args) == 2:
+            return f"{args[0]} {_INFIX[fn]} {args[1]}"
+        if not kwargs and fn in _PREFIX and len(args) == 1:
+            return f"{_PREFIX[fn]}{args[0]}"
+        if fn is operator.getitem and not kwargs and len(args) == 2:
+            return f"{args[0]}[{self.literal(op.args[1], inputs, index=True)}]"
+        if fn is getattr and len(op.args) == 2 and isinstance(op.args[1], str) \
+                and op.args[1].isidentifier():
+            return f"{args[0]}.{op.args[1]}"
+        return f"{self.ref(fn)}({', '.join(args + kwargs)})"
+
+
+def _tensor_list(t: torch.Tensor) -> Any:
+    def fmt(v):
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"float('{v}')"
+        return repr(v)
+    return fmt(t.tolist())
+
+
+def _access(path: str) -> str:
+    first, *rest = path.split(".")
+    out = f"self.{first}" if first.isidentifier() else f"getattr(self, {first!r})"
+    for part in rest:  # below the root, containers are nn.ModuleDicts
+        out += f".{part}" if part.isidentifier() and part not in _DICT_ATTRS else f"[{part!r}]"
+    return out
+
+
+class _Tree:
+    """Nested containers of the emitted class: path part -> constructor text or subtree."""
+
+    def __init__(self):
+        self.children: dict[str, Any] = {}
+
+    def put(self, path: str, expr: str) -> None:
+        *parents, leaf = path.split(".")
+        tree = self
+        for part in parents:
+            tree = tree.children.setdefault(part, _Tree())
+            if not isinstance(tree, _Tree):
+                raise GraphError(f"module path {path!r} lies inside the module {part!r}")
+        tree.children[leaf] = expr
+
+    def render(self, indent: int) -> str:
+        pad = " " * indent
+        items = []
+        for key, child in self.children.items():
+            if key in _DICT_ATTRS:
+                raise GraphError(f"submodule name {key!r} clashes with an nn.ModuleDict "
+                                 f"attribute; rename the node")
+            text = child.render(indent + 4) if isinstance(child, _Tree) else child
+            items.append(f"{pad}    {key!r}: {text},")
+        return "nn.ModuleDict({\n" + "\n".join(items) + f"\n{pad}}})"
+
+
+def to_source(graph: Graph, class_name: str = "Model") -> str:
+    """Standalone Python source of one ``nn.Module`` class; see the module docstring."""
+    if not class_name.isidentifier():
+        raise ValueError(f"class name {class_name!r} is not a Python identifier")
+    src = _Source()
+    names = _PyNames()
+    tree = _Tree()
+    params: list[str] = []
+    body: list[str] = []
+    signature: list[str] = []
+    _emit(graph, "", src, names, tree, params, body, signature, None)
+
+    init = ["super().__init__()"]
+    for key, child in tree.children.items():
+        text = child.render(0) if isinstance(child, _Tree) else child  # libcst indents it
+        init.append(f"self.{key} = {text}" if key.isidentifier()
+                    else f"self.add_module({key!r}, {text})")
+    init += params
+    imports = ["import torch", "import torch.nn as nn"] + sorted(src.imports)
+    cls = cst.ClassDef(
+        name=cst.Name(class_name),
+        bases=[cst.Arg(cst.parse_expression("nn.Module"))],
+        body=cst.IndentedBlock(body=[
+            _function("__init__", ["self"], init),
+            _function("forward", ["self"] + signature, body),
+        ]),
+        leading_lines=[cst.EmptyLine(), cst.EmptyLine()],
+    )
+    header = cst.parse_module(
+        f'"""{class_name}: generated by retiarii from the graph IR. Needs only torch."""\n'
+        + "\n".join(imports) + "\n")
+    return header.with_changes(body=list(header.body) + [cls]).code
+
+
+def _function(name: str, params: list[str], lines: list[str]) -> cst.FunctionDef:
+    stmts = [cst.parse_statement(line + "\n") for line in lines] or [cst.parse_statement("pass\n")]
+    return cst.FunctionDef(
+        name=cst.Name(name),
+        params=cst.parse_expression(f"lambda {', '.join(params)}: 0").params,
+        body=cst.IndentedBlock(body=stmts),
+        leading_lines=[] if name == "__init__" else [cst.EmptyLine(indent=False)],
+    )
+
+
+def _emit(graph: Graph, prefix: str, src: _Source, names: _PyNames, tree: _Tree,
+          params: list[str], body: list[str], signature: list[str],
+          cell_inputs: list[str] | None) -> list[str]:
+    """Append ``graph``'s statements to ``body``; return the output expression's inputs."""
+    env: dict[int, str] = {}
+    owners = {prefix + p for p in _owner_paths(graph)}
+    declared: set[str] = set()
+    inputs_seen = 0
+    for node in graph.nodes:
+        ins = [env[x.uid] for x in _check_ports(node)]
+        path = prefix + node.attr
+        if node.kind == "input":
+            if cell_inputs is None:
+                var = names.fresh(node.op.target or node.name)
+                spec = node.op.spec or {}
+                signature.append(var + (f"={src.literal(spec['default'], [])}"
+                                        if "default" in spec else ""))
+            else:
+                var = cell_inputs[inputs_seen]
+                inputs_seen += 1
+            env[node.uid] = var
+            continue
+        if node.kind == "output":
+            out = src.literal(node.op.args[0], ins)
+            if cell_inputs is None:
+                body.append(f"return {out}")
+                return []
+            var = names.fresh(prefix.rstrip(".") or "out")
+            body.append(f"{var} = {out}")
+            return [var]
+        if node.kind == "subgraph":
+            (env[node.uid],) = _emit(node.op.graph, path + ".", src, names, tree, params, body,
+                                     signature, ins)
+            continue
+        var = names.fresh(prefix + node.name)
+        if node.kind == "module":
+            if path not in declared:
+                tree.put(path, src.constructor(node.op.spec))
+                declared.add(path)
+            body.append(f"{var} = {src.call(node, ins, _access(path))}")
+        elif node.kind == "param":
+            if not _owned_by_module(path, owners) and path not in declared:
+                declared.add(path)
+                params.append(_param_line(path, node.op.spec, src))
+            body.append(f"{var} = {_access(path)}")
+        elif node.kind == "constant":
+            body.append(f"{var} = {src.literal(node.op.spec['value'], [])}")
+        else:
+            body.append(f"{var} = {src.call(node, ins, None)}")
+        env[node.uid] = var
+    raise GraphError("graph has no output node")
+
+
+def _param_line(path: str, spec: dict, src: _Source) -> str:
+    owner, _, leaf = path.rpartition(".")
+    owner_expr = _access(owner) if owner else "self"
+    if "init" in spec:
+        value = src.literal(spec["init"], [])
+    elif spec["buffer"] or not getattr(torch, spec["dtype"]).is_floating_point:
+        value = f"torch.zeros({tuple(spec['shape'])!r}, dtype=torch.{spec['dtype']})"
+    else:
+        value = (f"nn.init.trunc_normal_(torch.empty({tuple(spec['shape'])!r}, "
+                 f"dtype=torch.{spec['dtype']}), std=0.02)")
+    if spec["buffer"]:
+        persistent = "" if spec.get("persistent", True) else ", persistent=False"
+        return f"{owner_expr}.register_buffer({leaf!r}, {value}{persistent})"
+    grad = "" if spec.get("requires_grad", True) else ", requires_grad=False"
+    return f"{owner_expr}.register_parameter({leaf!r}, nn.Parameter({value}{grad}))"

@@ -1,0 +1,200 @@
+"""Checkpoints: everything the next training step reads, in one file.
+
+A trial is trained in segments (see :mod:`retiarii.engine.executors.base`); between two segments
+it lives only in its checkpoint, which may be loaded by another worker process. The contract of
+``DESIGN.md`` is that a paused and resumed trial follows exactly the trajectory of an
+uninterrupted one, so a checkpoint holds:
+
+- the model weights, the optimizer state and the LR scheduler position;
+- the python, numpy and torch (CPU and CUDA) RNG states;
+- the step counter and the data position (epoch and batch index: the data order of an epoch is a
+  function of the seed and the epoch, so no data loader is pickled).
+
+Files are written with :func:`torch.save` to a temporary name and renamed into place, so a
+crash never leaves half a checkpoint behind; they are read with ``torch.load(weights_only=True)``,
+which unpickles nothing but tensors and plain containers. That is why the RNG states are stored
+as tensors and lists rather than as the tuples the RNG modules hand out, and why :func:`save`
+checks the whole state up front: an object that ``weights_only`` cannot read back fails at save
+time, naming where it sits, instead of at resume time.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "retiarii-checkpoint"
+VERSION = 1
+
+__all__ = ["CheckpointError", "save", "load", "capture_rng", "restore_rng", "seed_rng"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, not ours, or holds something unloadable."""
+
+
+# ---- RNG states as plain tensors ------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """The python, numpy and torch RNG states, in a form ``weights_only`` loading accepts.
+
+    Example::
+
+        state = capture_rng(); a = torch.rand(2); restore_rng(state); assert torch.equal(a, torch.rand(2))
+    """
+    version, mt, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),  # uint32 -> int64: exact
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": [],
+    }
+    # Only read CUDA states once CUDA is up: asking earlier would initialize it as a side effect.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back the RNG states captured by :func:`capture_rng`.
+
+    Example::
+
+        restore_rng(capture_rng())
+
+    Args:
+        state: the dict :func:`capture_rng` returned (possibly after a save/load round trip).
+    """
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["name"], keys, n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        devices = torch.cuda.device_count()
+        if devices != len(state["cuda"]):
+            raise CheckpointError(
+                f"the checkpoint holds RNG states for {len(state['cuda'])} CUDA devices but "
+                f"{devices} are visible; resume with the same number of visible GPUs"
+            )
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_rng(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) from one integer.
+
+    Example::
+
+        seed_rng(0); a = torch.rand(1); seed_rng(0); assert torch.equal(a, torch.rand(1))
+
+    Args:
+        seed: any non-negative integer; numpy's legacy RNG only takes 32 bits, so it gets
+            ``seed % 2**32``.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---- save / load ----------------------------------------------------------------------------
+
+# What torch.load(weights_only=True) reconstructs. Anything else in a state fails at load time.
+_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device,
+           torch.Size)
+
+
+def _check_loadable(obj: Any, where: str) -> None:
+    if isinstance(obj, _LEAVES):
+        return
+    if isinstance(obj, (dict, collections.OrderedDict)):
+        for key, value in obj.items():
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise CheckpointError(f"{where} has a key of type {type(key).__name__}; "
+                                      "weights_only loading only accepts plain keys")
+            _check_loadable(value, f"{where}[{key!r}]")
+        return
+    if isinstance(obj, (list, tuple, set)):
+        for i, value in enumerate(obj):
+            _check_loadable(value, f"{where}[{i}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+        "torch.load(weights_only=True) cannot read back; keep checkpoint state to tensors, "
+        "numbers, strings and containers (an LR scheduler built on a lambda, for instance, "
+        "needs a picklable callable object or a built-in schedule instead)"
+    )
+
+
+def save(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Write ``state`` atomically to ``path`` (a temporary file, fsync, then rename).
+
+    Example::
+
+        save("runs/ckpt/t1-3.pt", {"step": 3, "model": model.state_dict(), "rng": capture_rng()})
+
+    Args:
+        path: where the checkpoint goes; its directory is created when missing.
+        state: a dict of tensors, numbers, strings and containers (checked before writing).
+    """
+    path = os.fspath(path)
+    _check_loadable(state, "checkpoint state")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, "version": VERSION, "state": state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(path: str | os.PathLike, map_location: str | torch.device | None = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save` with ``torch.load(weights_only=True)``.
+
+    Example::
+
+        state = load("runs/ckpt/t1-3.pt"); model.load_state_dict(state["model"])
+
+    Args:
+        path: the checkpoint file.
+        map_location: device the tensors land on (``"cpu"`` by default).
+
+    Raises:
+        CheckpointError: the file is missing, truncated or corrupt, or not a retiarii checkpoint;
+            the message names the file.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist; was it deleted, or written "
+                              "on another machine's disk?")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # zip errors, unpickling errors, EOF: all mean "unreadable"
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a torch file ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); delete it and resume the trial "
+            "from an earlier checkpoint"
+        ) from err
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is a torch file but not a retiarii checkpoint")
+    if payload.get("version", 0) > VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {payload['version']}, newer "
+                              f"than this retiarii reads ({VERSION}); upgrade retiarii")
+    return payload["state"]

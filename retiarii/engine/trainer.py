@@ -1,0 +1,502 @@
+"""Trainers: how one model is trained, one epoch (one *step*, one rung) at a time.
+
+A :class:`Trainer` is shaped like a Lightning module minus the model: the engine calls
+``configure_optimizers``, ``training_step`` and ``validation_step`` with the model as an argument,
+so one trainer object serves every model of a space. :class:`ClassifierTrainer` is the default
+(cross-entropy classification on a named data set or on tensors you give it).
+
+:class:`TrialRun` holds one trial's training state in memory and trains it epoch by epoch; it
+saves and restores that state through :mod:`retiarii.engine.checkpoint`. Each run owns its own
+python/numpy/torch RNG streams, swapped in around every epoch, so several trials can share a
+process (one job, several models) and a resumed trial draws exactly the numbers it would have
+drawn had it never stopped. :func:`train_trial` is the one-call form: train steps
+``[start, stop)`` from a checkpoint and write the next one.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import importlib.util
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+
+__all__ = ["Trainer", "ClassifierConfig", "ClassifierTrainer", "TrialRun", "TrainingError",
+           "train_trial", "load_dataset"]
+
+
+class TrainingError(RuntimeError):
+    """A trial's training went wrong (NaN loss, a bad ``training_step``); fails that trial only."""
+
+
+def _batch_size(batch: Any) -> int:
+    """Examples in ``batch``: the length of its first tensor (1 when there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_size(next(iter(batch.values())))
+    return 1
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class Trainer(abc.ABC):
+    """Base class of trainers; subclass it and write the four abstract methods.
+
+    The data order of an epoch must be a function of the epoch (and your seed) only: that is what
+    lets a checkpoint record the data position as (epoch, batch) instead of pickling a loader.
+
+    Example::
+
+        class MyTrainer(Trainer):
+            epochs = 3
+            def train_dataloader(self, hparams, epoch):
+                g = torch.Generator().manual_seed(epoch)
+                idx = torch.randperm(len(X), generator=g)
+                return [(X[i], Y[i]) for i in idx.split(32)]
+            def val_dataloader(self, hparams):
+                return [(Xv, Yv)]
+            def training_step(self, model, batch, hparams):
+                x, y = batch
+                return F.cross_entropy(model(x), y)
+            def validation_step(self, model, batch):
+                x, y = batch
+                return {"val_acc": (model(x).argmax(1) == y).float().mean()}
+    """
+
+    epochs: int = 1  # steps of a full trial; a trial's hparams["epochs"] overrides it
+
+    def num_epochs(self, hparams: dict) -> int:
+        """Epochs of a full trial under ``hparams``."""
+        return int(hparams.get("epochs", self.epochs))
+
+    def configure_optimizers(self, model: nn.Module, hparams: dict) -> Any:
+        """An optimizer; or ``(optimizer, lr_scheduler)``; or Lightning's dict
+        ``{"optimizer": o, "lr_scheduler": s | {"scheduler": s, "interval": "epoch" | "step"}}``.
+        The default is Adam with ``hparams["lr"]`` (1e-3 when absent)."""
+        return torch.optim.Adam(model.parameters(), lr=float(hparams.get("lr", 1e-3)))
+
+    @abc.abstractmethod
+    def train_dataloader(self, hparams: dict, epoch: int) -> Iterable:
+        """The batches of ``epoch`` (0-based), in an order determined by the epoch."""
+
+    @abc.abstractmethod
+    def val_dataloader(self, hparams: dict) -> Iterable:
+        """The validation batches."""
+
+    @abc.abstractmethod
+    def training_step(self, model: nn.Module, batch: Any, hparams: dict) -> torch.Tensor:
+        """The scalar loss of one batch; the engine runs backward and the optimizer step."""
+
+    @abc.abstractmethod
+    def validation_step(self, model: nn.Module, batch: Any) -> dict[str, Any]:
+        """Metrics of one batch; averaged over the epoch, weighted by batch size."""
+
+
+# ---- the default trainer: classification --------------------------------------------------
+
+_DATASETS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per-process cache
+
+
+def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    # Read scikit-learn's bundled CSV directly: importing sklearn costs ~2 s per worker process.
+    spec = importlib.util.find_spec("sklearn")
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") \
+        if spec and spec.origin else ""
+    if os.path.exists(path):
+        data = np.loadtxt(path, delimiter=",")
+        pixels, target = data[:, :-1], data[:, -1]
+    else:  # a future layout: the public loader gives the same arrays
+        from sklearn.datasets import load_digits
+        digits = load_digits()
+        pixels, target = digits.data, digits.target
+    x = torch.tensor(pixels / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # (N, 64) -> (N, 1, 8, 8)
+    y = torch.tensor(target, dtype=torch.int64)
+    return x, y
+
+
+_LOADERS: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {"digits": _load_digits}
+
+
+def load_dataset(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A named data set as ``(X, y)`` tensors, cached per process.
+
+    Example::
+
+        x, y = load_dataset("digits")   # x: (1797, 1, 8, 8) in [0, 1], y: (1797,) int64
+
+    Args:
+        name: one of ``"digits"`` (scikit-learn's 8x8 handwritten digits, 10 classes).
+    """
+    if name not in _LOADERS:
+        raise ValueError(f"unknown dataset {name!r}; known: {sorted(_LOADERS)}, or give "
+                         "ClassifierTrainer(dataset=(X, y)) with your own tensors")
+    if name not in _DATASETS:
+        _DATASETS[name] = _LOADERS[name]()
+    return _DATASETS[name]
+
+
+@dataclass
+class ClassifierConfig:
+    """Settings of :class:`ClassifierTrainer`. A trial's hparams override any field by name,
+    which is how a ValueChoice over, say, the learning rate reaches the trainer."""
+
+    dataset: Any = "digits"  # a name for load_dataset, or an (X, y) pair of tensors
+    batch_size: int = 64  # small: digits has 1437 training images, so ~23 steps per epoch
+    epochs: int = 10  # steps of a full trial (the scheduler's max_t)
+    optimizer: str = "adam"  # "adam", "adamw" or "sgd"; Adam needs the least tuning
+    lr: float = 1e-3  # Adam's customary default
+    weight_decay: float = 0.0  # off by default: the tiny models of a search rarely overfit in 10 epochs
+    momentum: float = 0.9  # SGD only
+    lr_schedule: str | None = None  # None (constant) or "cosine" (annealed to 0 over `epochs`)
+    val_fraction: float = 0.2  # held-out share for val_acc / val_loss
+    split_seed: int = 0  # fixes the train/val split: every trial must be judged on the same images
+    seed: int = 0  # data order: epoch e is shuffled by a generator seeded from (seed, e)
+
+
+_OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+class ClassifierTrainer(Trainer):
+    """The default trainer: cross-entropy classification; reports ``train_loss``, ``val_loss``
+    and ``val_acc`` after every epoch.
+
+    Example::
+
+        trainer = ClassifierTrainer(dataset="digits", epochs=4, lr=3e-3)
+        run = TrialRun(lambda: MyCNN(), trainer, hparams={"batch_size": 32})
+        metrics = run.train_epoch()      # {"train_loss": ..., "val_loss": ..., "val_acc": ...}
+
+    Args:
+        config: a :class:`ClassifierConfig`; keyword arguments override its fields.
+    """
+
+    def __init__(self, config: ClassifierConfig | None = None, **overrides: Any):
+        names = {f.name for f in dataclasses.fields(ClassifierConfig)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"ClassifierTrainer got unknown settings {unknown}; known: {sorted(names)}")
+        self.config = dataclasses.replace(config or ClassifierConfig(), **overrides)
+        self._splits: dict[tuple, tuple] = {}
+
+    @property
+    def epochs(self) -> int:  # type: ignore[override]
+        return self.config.epochs
+
+    def value(self, name: str, hparams: dict) -> Any:
+        """Setting ``name``: the trial's ``hparams[name]`` when given, else the config's."""
+        value = hparams.get(name, getattr(self.config, name))
+        plain = (str, int, float, type(None)) if name != "dataset" else (str, tuple, list)
+        if not isinstance(value, plain) or isinstance(value, bool):
+            raise TypeError(
+                f"ClassifierTrainer setting {name}={value!r} is not a plain value; a ValueChoice "
+                f"must be sampled by the engine into the trial's hparams[{name!r}]")
+        return value
+
+    def num_epochs(self, hparams: dict) -> int:
+        return int(self.value("epochs", hparams))
+
+    def _split(self, hparams: dict) -> tuple[tuple, tuple]:
+        dataset, fraction, seed = (self.value(k, hparams)
+                                   for k in ("dataset", "val_fraction", "split_seed"))
+        key = (dataset if isinstance(dataset, str) else id(dataset), fraction, seed)
+        if key not in self._splits:
+            if isinstance(dataset, str):
+                x, y = load_dataset(dataset)
+            else:
+                if len(dataset) != 2 or len(dataset[0]) != len(dataset[1]):
+                    raise ValueError("ClassifierTrainer(dataset=...) takes a name or an (X, y) "
+                                     "pair of tensors with one label per example")
+                x, y = (torch.as_tensor(t) for t in dataset)
+            order = np.random.default_rng(seed).permutation(len(x))
+            n_val = int(round(len(x) * float(fraction)))
+            if not 0 < n_val < len(x):
+                raise ValueError(f"val_fraction={fraction} leaves no training or no validation "
+                                 f"example out of {len(x)}")
+            val, train = torch.from_numpy(order[:n_val]), torch.from_numpy(order[n_val:])
+            self._splits[key] = ((x[train], y[train]), (x[val], y[val]))
+        return self._splits[key]
+
+    def train_dataloader(self, hparams: dict, epoch: int) -> list:
+        (x, y), _ = self._split(hparams)
+        batch_size = int(self.value("batch_size", hparams))
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        # SeedSequence([seed, epoch]) is platform independent: the order is a pure function.
+        order = np.random.default_rng([int(self.value("seed", hparams)), epoch]).permutation(len(x))
+        idx = torch.from_numpy(order)
+        return [(x[i], y[i]) for i in idx.split(batch_size)]
+
+    def val_dataloader(self, hparams: dict) -> list:
+        _, (x, y) = self._split(hparams)
+        return [(x[i:i + 512], y[i:i + 512]) for i in range(0, len(x), 512)]
+
+    def configure_optimizers(self, model: nn.Module, hparams: dict) -> Any:
+        name = str(self.value("optimizer", hparams)).lower()
+        if name not in _OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(_OPTIMIZERS)}")
+        kwargs = {"lr": float(self.value("lr", hparams)),
+                  "weight_decay": float(self.value("weight_decay", hparams))}
+        if name == "sgd":
+            kwargs["momentum"] = float(self.value("momentum", hparams))
+        optimizer = _OPTIMIZERS[name](model.parameters(), **kwargs)
+        schedule = self.value("lr_schedule", hparams)
+        if schedule is None:
+            return optimizer
+        if schedule != "cosine":
+            raise ValueError(f"unknown lr_schedule {schedule!r}; use None or 'cosine'")
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.num_epochs(hparams))
+        return optimizer, sched
+
+    def training_step(self, model: nn.Module, batch: Any, hparams: dict) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    def validation_step(self, model: nn.Module, batch: Any) -> dict[str, Any]:
+        x, y = batch
+        logits = model(x)  # (B, classes)
+        return {"val_loss": nn.functional.cross_entropy(logits, y),
+                "val_acc": (logits.argmax(dim=1) == y).float().mean()}
+
+
+# ---- one trial's training state -------------------------------------------------------------
+
+
+def _parse_optimizers(out: Any) -> tuple[torch.optim.Optimizer, Any, str]:
+    """(optimizer, lr scheduler or None, "epoch" | "step") from configure_optimizers' answer."""
+    sched, interval = None, "epoch"
+    if isinstance(out, dict):
+        opt, sched = out.get("optimizer"), out.get("lr_scheduler")
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
+        opt, sched = out
+    else:
+        opt = out
+    if isinstance(sched, dict):
+        sched, interval = sched.get("scheduler"), sched.get("interval", "epoch")
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"configure_optimizers returned {type(out).__name__}; return an optimizer, "
+                        "(optimizer, lr_scheduler) or {'optimizer': ..., 'lr_scheduler': ...}")
+    if interval not in ("epoch", "step"):
+        raise ValueError(f"lr_scheduler interval must be 'epoch' or 'step', got {interval!r}")
+    return opt, sched, interval
+
+
+class TrialRun:
+    """One trial's model, optimizer, LR scheduler, RNG streams and position, trained per epoch.
+
+    Example::
+
+        run = TrialRun(lambda: space.build(sample), ClassifierTrainer(epochs=4), seed=0)
+        for _ in range(2):
+            print(run.step + 1, run.train_epoch())
+        run.save("t1.pt")                       # later, perhaps in another process:
+        run = TrialRun(lambda: space.build(sample), ClassifierTrainer(epochs=4), checkpoint="t1.pt")
+
+    Args:
+        build: makes the model; called with the trial's RNG seeded, so initial weights follow
+            from ``seed``.
+        trainer: a :class:`Trainer`.
+        hparams: the trial's hyper-parameters, handed to every trainer call.
+        seed: seeds the trial's python, numpy and torch RNG streams on a fresh start.
+        checkpoint: resume from this file. When its hparams differ from ``hparams`` (a PBT
+            child), optimizer settings come from the new hparams, the learning rate scaled by
+            new/old initial lr so an LR schedule keeps its position; weights, moments and RNG
+            streams come from the checkpoint.
+        device: where to train; the first visible GPU when there is one, else the CPU.
+        trial_id: names the trial in errors and in the checkpoint.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], trainer: Trainer, hparams: dict | None = None,
+                 *, seed: int = 0, checkpoint: str | None = None,
+                 device: str | torch.device | None = None, trial_id: str = "trial"):
+        self.trainer, self.hparams, self.trial_id = trainer, dict(hparams or {}), trial_id
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.epoch, self.batch = 0, 0  # data position: epochs done, batches done in this epoch
+        outer = ckpt.capture_rng()
+        try:
+            ckpt.seed_rng(seed)
+            model = build()
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"trial {trial_id}: building the model gave a "
+                                f"{type(model).__name__}, not a torch.nn.Module")
+            self.model = model.to(self.device)
+            self.optimizer, self.scheduler, self.interval = _parse_optimizers(
+                trainer.configure_optimizers(self.model, self.hparams))
+            self._rng = ckpt.capture_rng()
+            if checkpoint is not None:
+                self._load(checkpoint)
+        finally:
+            ckpt.restore_rng(outer)
+
+    @property
+    def step(self) -> int:
+        """Steps (epochs) completed."""
+        return self.epoch
+
+    @contextlib.contextmanager
+    def _own_rng(self):
+        """Swap this trial's RNG streams in for the duration of the block."""
+        outer = ckpt.capture_rng()
+        ckpt.restore_rng(self._rng)
+        try:
+            yield
+        finally:
+            self._rng = ckpt.capture_rng()
+            ckpt.restore_rng(outer)
+
+    def train_epoch(self) -> dict[str, float]:
+        """Train the rest of the current epoch, validate, and return the epoch's metrics."""
+        trainer, model, opt = self.trainer, self.model, self.optimizer
+        with self._own_rng():
+            batches: Iterable = trainer.train_dataloader(self.hparams, self.epoch)
+            if self.batch:  # resuming mid-epoch: the order is a function of the epoch, so skip
+                batches = itertools.islice(iter(batches), self.batch, None)
+            model.train()
+            total, count = torch.zeros((), device=self.device), 0
+            for batch in batches:
+                batch = _to_device(batch, self.device)
+                loss = trainer.training_step(model, batch, self.hparams)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TrainingError(f"trial {self.trial_id}: training_step must return a "
+                                        f"scalar loss tensor, got {type(loss).__name__}")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if self.scheduler is not None and self.interval == "step":
+                    self.scheduler.step()
+                n = _batch_size(batch)
+                total += loss.detach().reshape(()) * n  # no .item(): no device sync per batch
+                count += n
+                self.batch += 1
+            if count == 0:
+                raise TrainingError(f"trial {self.trial_id}: train_dataloader gave no batch "
+                                    f"for epoch {self.epoch}")
+            train_loss = float(total) / count
+            if not math.isfinite(train_loss):
+                raise TrainingError(
+                    f"trial {self.trial_id}: training loss is {train_loss} in epoch "
+                    f"{self.epoch + 1}; the model diverged (lower the learning rate, or check "
+                    "the model for an unstable operation)")
+            if self.scheduler is not None and self.interval == "epoch":
+                self.scheduler.step()
+            metrics = {"train_loss": train_loss, **self._validate()}
+        self.epoch, self.batch = self.epoch + 1, 0
+        return metrics
+
+    @torch.no_grad()
+    def _validate(self) -> dict[str, float]:
+        self.model.eval()
+        sums: dict[str, float] = {}
+        count = 0
+        for batch in self.trainer.val_dataloader(self.hparams):
+            batch = _to_device(batch, self.device)
+            n = _batch_size(batch)
+            for name, value in self.trainer.validation_step(self.model, batch).items():
+                sums[name] = sums.get(name, 0.0) + float(value) * n
+            count += n
+        return {name: total / max(count, 1) for name, total in sums.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next step reads (see :mod:`retiarii.engine.checkpoint`)."""
+        return {
+            "trial_id": self.trial_id,
+            "step": self.step,
+            "data_position": {"epoch": self.epoch, "batch": self.batch},
+            "hparams": self.hparams,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": self._rng,
+        }
+
+    def save(self, path: str) -> None:
+        """Write the checkpoint atomically to ``path``."""
+        ckpt.save(path, self.state_dict())
+
+    def _load(self, path: str) -> None:
+        state = ckpt.load(path, map_location=self.device)
+        try:
+            self.model.load_state_dict(state["model"])
+            fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(state["optimizer"])
+            if (self.scheduler is None) != (state["lr_scheduler"] is None):
+                raise ValueError("the checkpoint and the trainer disagree on having an LR scheduler")
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(state["lr_scheduler"])
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit trial {self.trial_id}'s "
+                                       f"model or optimizer: {err}") from err
+        if state.get("hparams") != self.hparams:  # exploit & explore: the new settings win
+            for group, new in zip(self.optimizer.param_groups, fresh):
+                old_initial = group.get("initial_lr", group["lr"])
+                new_initial = new.get("initial_lr", new["lr"])
+                lr = group["lr"] * new_initial / old_initial if old_initial else new["lr"]
+                group.update(new)
+                group["lr"] = lr
+            if self.scheduler is not None:
+                self.scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in fresh]
+        self.epoch = int(state["data_position"]["epoch"])
+        self.batch = int(state["data_position"]["batch"])
+        self._rng = state["rng"]
+
+
+def train_trial(build: Callable[[], nn.Module], trainer: Trainer, hparams: dict | None = None, *,
+                start_step: int = 0, stop_step: int, checkpoint_in: str | None = None,
+                checkpoint_out: str | None = None,
+                report: Callable[[int, dict[str, float]], None] | None = None,
+                seed: int = 0, trial_id: str = "trial") -> TrialRun:
+    """Train one trial for steps ``[start_step, stop_step)`` and checkpoint it.
+
+    Example::
+
+        train_trial(build, ClassifierTrainer(epochs=4), stop_step=2, checkpoint_out="a.pt",
+                    report=lambda step, m: print(step, m["val_acc"]))
+        train_trial(build, ClassifierTrainer(epochs=4), start_step=2, stop_step=4,
+                    checkpoint_in="a.pt", checkpoint_out="b.pt")
+
+    Args:
+        build, trainer, hparams, seed, trial_id: as for :class:`TrialRun`.
+        start_step: steps already done; must equal the step of ``checkpoint_in`` (0 when fresh).
+        stop_step: train until this many steps are done.
+        checkpoint_in: resume from this checkpoint (None: a fresh start).
+        checkpoint_out: write the end-of-segment checkpoint here (None: don't).
+        report: called as ``report(step, metrics)`` after every step, step 1-based.
+    """
+    run = TrialRun(build, trainer, hparams, seed=seed, checkpoint=checkpoint_in, trial_id=trial_id)
+    check_segment(run, start_step, stop_step, checkpoint_in)
+    while run.step < stop_step:
+        metrics = run.train_epoch()
+        if report is not None:
+            report(run.step, metrics)
+    if checkpoint_out is not None:
+        run.save(checkpoint_out)
+    return run
+
+
+def check_segment(run: TrialRun, start_step: int, stop_step: int, checkpoint_in: str | None) -> None:
+    """Raise a clear error when a segment's bounds disagree with the run's position."""
+    if run.step != start_step:
+        where = f"checkpoint {checkpoint_in} is at step {run.step}" if checkpoint_in \
+            else "a fresh start is at step 0 (give checkpoint_in to resume)"
+        raise ValueError(f"trial {run.trial_id}: the task starts at step {start_step} but {where}")
+    if stop_step < start_step:
+        raise ValueError(f"trial {run.trial_id}: stop_step {stop_step} is before start_step {start_step}")

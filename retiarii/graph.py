@@ -1,0 +1,486 @@
+"""The Graph IR: the single source of truth for a model.
+
+A :class:`Graph` holds :class:`Node` s connected by edges into numbered input ports. Each node
+computes one value (its single output) with an :class:`Operation`:
+
+==========  =====================================================  ===========================
+kind        what it computes                                       ``target``
+==========  =====================================================  ===========================
+input       a graph input (a ``forward`` argument)                 the argument name
+output      the graph's result; ``args[0]`` is its structure       None
+module      ``module(*args, **kwargs)``, module from ``spec``     None (the class is in spec)
+function    ``fn(*args, **kwargs)``                                 import ref, ``"torch:cat"``
+method      ``args[0].name(*args[1:], **kwargs)``                  method name, ``"view"``
+param       a parameter or buffer read directly                    None
+constant    a tensor constant                                      None
+subgraph    a cell: ``graph(*args)``                               None (the Graph is ``graph``)
+==========  =====================================================  ===========================
+
+Call arguments are *templates*: encoded values (see :mod:`retiarii.codec`) in which
+``{"__in__": k}`` stands for the value arriving on input port ``k``. The edges live in a
+networkx ``MultiDiGraph`` (key = destination port), so there is exactly one place that says
+what feeds what.
+
+Node names follow the module hierarchy (``layer1.0.conv1``); a module node's ``attr`` is the
+attribute path its module lives at (several call nodes may share one module). Every node has a
+``uid`` that never changes once assigned: copies keep it, and edits of other nodes do not touch
+it, which is what lets the engine tell which nodes two models of one base share.
+
+Example::
+
+    >>> g = retiarii.trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
+    >>> [n.name for n in g.nodes]
+    ['input', '0', '1', 'output']
+    >>> g.lint(); m = g.to_module()
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import heapq
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import networkx as nx
+
+from .codec import decode, port_indices, resolve_ref
+
+SCHEMA_VERSION = 1
+KINDS = ("input", "output", "module", "function", "method", "param", "constant", "subgraph")
+
+
+class GraphError(ValueError):
+    """A graph that breaks an invariant, or JSON that does not describe a graph."""
+
+
+@dataclass
+class Operation:
+    """What a node computes. All fields are JSON data (already encoded)."""
+
+    kind: str
+    target: str | None = None
+    args: list = field(default_factory=list)  # call template (encoded), ports as {"__in__": k}
+    kwargs: dict = field(default_factory=dict)
+    spec: dict | None = None  # module: {"cls", "args", "kwargs"}; param/constant/input: details
+    attr: str | None = None  # module/param/subgraph: attribute path in the emitted nn.Module
+    graph: "Graph | None" = None  # subgraph only
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GraphError(f"unknown operation kind {self.kind!r}; expected one of {KINDS}")
+
+    @property
+    def num_ports(self) -> int:
+        idx = port_indices([self.args, self.kwargs])
+        return max(idx) + 1 if idx else 0
+
+    def to_data(self, with_names: bool = True) -> dict:
+        data: dict[str, Any] = {"kind": self.kind}
+        if self.target is not None:
+            data["target"] = self.target
+        if self.args:
+            data["args"] = self.args
+        if self.kwargs:
+            data["kwargs"] = self.kwargs
+        if self.spec is not None:
+            data["spec"] = self.spec
+        if with_names and self.attr is not None:
+            data["attr"] = self.attr
+        if self.graph is not None:
+            data["graph"] = self.graph.to_data()
+        return data
+
+    @classmethod
+    def from_data(cls, data: dict) -> "Operation":
+        sub = data.get("graph")
+        return cls(kind=data["kind"], target=data.get("target"), args=data.get("args", []),
+                   kwargs=data.get("kwargs", {}), spec=data.get("spec"), attr=data.get("attr"),
+                   graph=Graph.from_data(sub) if sub is not None else None)
+
+    def copy(self) -> "Operation":
+        return Operation(self.kind, self.target, copy.deepcopy(self.args),
+                         copy.deepcopy(self.kwargs), copy.deepcopy(self.spec), self.attr,
+                         self.graph.copy() if self.graph is not None else None)
+
+    def describe(self) -> str:
+        if self.kind == "module":
+            return self.spec["cls"].rsplit(":", 1)[-1] if self.spec else "module"
+        if self.kind in ("function", "method"):
+            return str(self.target).rsplit(":", 1)[-1]
+        return self.kind
+
+
+class Node:
+    """One operation in a graph. Edges are read through the graph (``inputs``, ``users``)."""
+
+    __slots__ = ("graph", "uid", "name", "op", "meta", "_seq")
+
+    def __init__(self, graph: "Graph", uid: int, name: str, op: Operation, seq: int):
+        self.graph = graph
+        self.uid = uid
+        self.name = name
+        self.op = op
+        self.meta: dict[str, Any] = {}  # JSON data: shape, scope, source line, ...
+        self._seq = seq  # creation order; breaks ties in the topological order
+
+    @property
+    def kind(self) -> str:
+        return self.op.kind
+
+    @property
+    def inputs(self) -> list["Node | None"]:
+        """The node feeding each input port (None for a dangling port)."""
+        ports: list[Node | None] = [None] * self.op.num_ports
+        for src, _, port in self.graph._nx.in_edges(self.uid, keys=True):
+            if port < len(ports):
+                ports[port] = self.graph._nodes[src]
+        return ports
+
+    @property
+    def users(self) -> list["Node"]:
+        seen = dict.fromkeys(dst for _, dst in self.graph._nx.out_edges(self.uid))
+        return [self.graph._nodes[u] for u in seen]
+
+    @property
+    def attr(self) -> str:
+        return self.op.attr or self.name
+
+    def __repr__(self):
+        return f"Node({self.name!r}, {self.op.describe()}, uid={self.uid})"
+
+
+class Graph:
+    """A dataflow graph of :class:`Node` s; see the module docstring."""
+
+    def __init__(self):
+        self._nx = nx.MultiDiGraph()
+        self._nodes: dict[int, Node] = {}
+        self._by_name: dict[str, int] = {}
+        self._next_uid = 0
+        self._next_seq = 0
+        self._order: list[Node] | None = None
+        self.meta: dict[str, Any] = {}  # JSON data: forward signature, origin, ...
+
+    # ---- reading ------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[Node]:
+        """All nodes in a topological order that keeps creation order where it is free."""
+        if self._order is None:
+            self._order = self._topological()
+        return list(self._order)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> Node:
+        try:
+            return self._nodes[self._by_name[name]]
+        except KeyError:
+            raise KeyError(f"no node named {name!r} in the graph") from None
+
+    def node_by_uid(self, uid: int) -> Node:
+        return self._nodes[uid]
+
+    @property
+    def input_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind == "input"]
+
+    @property
+    def output_node(self) -> Node:
+        outs = [n for n in self._nodes.values() if n.kind == "output"]
+        if len(outs) != 1:
+            raise GraphError(f"a graph has exactly one output node, found {len(outs)}")
+        return outs[0]
+
+    def _topological(self) -> list[Node]:
+        indeg = {u: 0 for u in self._nodes}
+        for _, dst in self._nx.edges():
+            indeg[dst] += 1
+        ready = [(n._seq, u) for u, n in self._nodes.items() if indeg[u] == 0]
+        heapq.heapify(ready)
+        order: list[Node] = []
+        while ready:
+            _, u = heapq.heappop(ready)
+            order.append(self._nodes[u])
+            for _, dst in self._nx.out_edges(u):
+                indeg[dst] -= 1
+                if indeg[dst] == 0:
+                    heapq.heappush(ready, (self._nodes[dst]._seq, dst))
+        if len(order) != len(self._nodes):
+            cycle = nx.find_cycle(self._nx)
+            names = " -> ".join(self._nodes[e[0]].name for e in cycle)
+            raise GraphError(f"the graph has a cycle: {names}")
+        return order
+
+    # ---- editing (the primitives mutators build on) -----------------------------------------
+    def add_node(self, name: str, op: Operation, uid: int | None = None) -> Node:
+        if name in self._by_name:
+            raise GraphError(f"a node named {name!r} already exists")
+        if uid is None:
+            uid = self._next_uid
+        elif uid in self._nodes:
+            raise GraphError(f"uid {uid} is already used by {self._nodes[uid].name!r}")
+        self._next_uid = max(self._next_uid, uid + 1)
+        node = Node(self, uid, name, op, self._next_seq)
+        self._next_seq += 1
+        self._nodes[uid] = node
+        self._by_name[name] = uid
+        self._nx.add_node(uid)
+        self._order = None
+        return node
+
+    def unique_name(self, base: str) -> str:
+        if base not in self._by_name:
+            return base
+        i = 1
+        while f"{base}_{i}" in self._by_name:
+            i += 1
+        return f"{base}_{i}"
+
+    def remove_node(self, node: Node) -> None:
+        if node.users:
+            raise GraphError(f"cannot remove {node.name!r}: still used by "
+                             f"{[u.name for u in node.users]}")
+        self._nx.remove_node(node.uid)
+        del self._nodes[node.uid]
+        del self._by_name[node.name]
+        self._order = None
+
+    def connect(self, src: Node, dst: Node, port: int) -> None:
+        """Feed ``src``'s output into ``dst``'s input ``port`` (replacing what fed it)."""
+        self.disconnect_port(dst, port)
+        self._nx.add_edge(src.uid, dst.uid, key=port)
+        self._order = None
+
+    def disconnect_port(self, dst: Node, port: int) -> Node | None:
+        for src, _, p in list(self._nx.in_edges(dst.uid, keys=True)):
+            if p == port:
+                self._nx.remove_edge(src, dst.uid, key=port)
+                self._order = None
+                return self._nodes[src]
+        return None
+
+    def ports_between(self, src: Node, dst: Node) -> list[int]:
+        data = self._nx.get_edge_data(src.uid, dst.uid) or {}
+        return sorted(data)
+
+    def set_op(self, node: Node, op: Operation) -> None:
+        """Give ``node`` a new operation; edges into ports the new op lacks are dropped."""
+        node.op = op
+        for src, _, p in list(self._nx.in_edges(node.uid, keys=True)):
+            if p >= op.num_ports:
+                self._nx.remove_edge(src, node.uid, key=p)
+        self._order = None
+
+    def rename(self, node: Node, name: str) -> None:
+        if name != node.name:
+            if name in self._by_name:
+                raise GraphError(f"a node named {name!r} already exists")
+            del self._by_name[node.name]
+            node.name = name
+            self._by_name[name] = node.uid
+
+    # ---- invariants ------------------------------------------------------------------------
+    def lint(self, deep: bool = True) -> None:
+        """Check every invariant; raise :class:`GraphError` listing all that are broken.
+
+        Acyclic; exactly one output, with no users; every port an op references fed by exactly
+        one edge and no edge into a port that does not exist; names and attribute paths
+        consistent; every referenced class/function importable and (``deep``) every module
+        spec constructible.
+        """
+        problems: list[str] = []
+        try:
+            self._order = self._topological()
+        except GraphError as e:
+            problems.append(str(e))
+        outs = [n for n in self._nodes.values() if n.kind == "output"]
+        if len(outs) != 1:
+            problems.append(f"expected exactly one output node, found {len(outs)}")
+        modules_at: dict[str, Node] = {}
+        for node in self._nodes.values():
+            where = f"node {node.name!r} ({node.op.describe()})"
+            if self._by_name.get(node.name) != node.uid:
+                problems.append(f"{where}: name index out of sync")
+            ports = node.op.num_ports
+            fed: dict[int, int] = {}
+            for _, _, p in self._nx.in_edges(node.uid, keys=True):
+                fed[p] = fed.get(p, 0) + 1
+            for p in range(ports):
+                if fed.get(p, 0) != 1:
+                    problems.append(f"{where}: input port {p} has {fed.get(p, 0)} edges "
+                                    f"(expected 1)")
+            for p in fed:
+                if p >= ports:
+                    problems.append(f"{where}: an edge enters port {p}, which the operation "
+                                    f"does not read")
+            if node.kind == "output" and node.users:
+                problems.append(f"{where}: the output node has users")
+            if node.kind == "input" and ports:
+                problems.append(f"{where}: an input node takes no inputs")
+            problems += _check_op(node, where, deep)
+            if node.kind == "module":
+                other = modules_at.setdefault(node.attr, node)
+                if other is not node and (other.op.spec != node.op.spec):
+                    problems.append(f"{where}: shares attribute {node.attr!r} with "
+                                    f"{other.name!r} but their module specs differ")
+        owners = set(modules_at) | {n.attr for n in self._nodes.values() if n.kind == "subgraph"}
+        for path in owners:
+            parts = path.split(".")
+            for i in range(1, len(parts)):
+                if ".".join(parts[:i]) in owners:
+                    problems.append(f"module path {path!r} lies inside the module "
+                                    f"{'.'.join(parts[:i])!r}")
+        if problems:
+            raise GraphError("graph lint failed:\n  - " + "\n  - ".join(problems))
+
+    # ---- copies, JSON ------------------------------------------------------------------------
+    def copy(self) -> "Graph":
+        """A deep copy; every node keeps its uid."""
+        return Graph.from_data(self.to_data())
+
+    def to_data(self) -> dict:
+        nodes = []
+        for node in sorted(self._nodes.values(), key=lambda n: n._seq):
+            nodes.append({"uid": node.uid, "name": node.name, "op": node.op.to_data(),
+                          **({"meta": node.meta} if node.meta else {})})
+        edges = sorted([s, d, p] for s, d, p in self._nx.edges(keys=True))
+        return {"format": "retiarii.graph", "version": SCHEMA_VERSION, "nodes": nodes,
+                "edges": edges, "next_uid": self._next_uid,
+                **({"meta": self.meta} if self.meta else {})}
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Serialize to JSON (never pickle). ``Graph.from_json(g.to_json())`` equals ``g``."""
+        return json.dumps(self.to_data(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_data(cls, data: Any) -> "Graph":
+        if not isinstance(data, dict) or data.get("format") != "retiarii.graph":
+            raise GraphError("not a retiarii graph: expected an object with "
+                             "\"format\": \"retiarii.graph\"")
+        version = data.get("version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise GraphError(f"graph JSON has schema version {version!r}; this retiarii reads "
+                             f"versions up to {SCHEMA_VERSION}. Upgrade retiarii to load it")
+        g = cls()
+        try:
+            for nd in data["nodes"]:
+                node = g.add_node(nd["name"], Operation.from_data(nd["op"]), uid=nd["uid"])
+                node.meta = nd.get("meta", {})
+            for src, dst, port in data["edges"]:
+                if src not in g._nodes or dst not in g._nodes:
+                    raise GraphError(f"edge {src}->{dst} names a node that does not exist")
+                g._nx.add_edge(src, dst, key=port)
+            g._next_uid = max(g._next_uid, data.get("next_uid", 0))
+            g.meta = data.get("meta", {})
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, GraphError):
+                raise
+            raise GraphError(f"malformed graph JSON: {type(e).__name__}: {e}") from None
+        return g
+
+    @classmethod
+    def from_json(cls, text: str) -> "Graph":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GraphError(f"graph JSON does not parse: {e}") from None
+        return cls.from_data(data)
+
+    # ---- structural hash -----------------------------------------------------------------
+    def node_hashes(self) -> dict[int, str]:
+        """uid -> hash of (operation, hashes of its inputs in port order); names/uids ignored."""
+        hashes: dict[int, str] = {}
+        seen_attrs: set[str] = set()
+        for node in self.nodes:
+            op = node.op.to_data(with_names=False)
+            if node.kind == "subgraph":
+                op["graph"] = node.op.graph.structural_hash()
+            if node.kind == "module":
+                # A second call of one module (tied weights) differs from an independent copy.
+                op["reuses_module"] = node.attr in seen_attrs
+                seen_attrs.add(node.attr)
+            if node.kind == "input":
+                op["position"] = [n.uid for n in self.input_nodes].index(node.uid)
+            ins = [hashes[i.uid] if i is not None else None for i in node.inputs]
+            payload = json.dumps([op, ins], sort_keys=True)
+            hashes[node.uid] = hashlib.sha256(payload.encode()).hexdigest()
+        return hashes
+
+    def structural_hash(self) -> str:
+        """Hash of the whole structure: equal structures hash equal, whatever names and uids."""
+        return hashlib.sha256("".join(sorted(self.node_hashes().values())).encode()).hexdigest()
+
+    # ---- emitting ----------------------------------------------------------------------------
+    def to_module(self, class_name: str = "GeneratedModel"):
+        """A runnable ``nn.Module`` (fresh weights) whose state-dict keys follow the node names."""
+        from .codegen import to_module
+
+        return to_module(self, class_name)
+
+    def to_source(self, class_name: str = "Model") -> str:
+        """Standalone, readable Python source of one ``nn.Module`` class (imports torch only)."""
+        from .codegen import to_source
+
+        return to_source(self, class_name)
+
+    def __repr__(self):
+        return f"Graph({len(self._nodes)} nodes)"
+
+
+def _check_op(node: Node, where: str, deep: bool) -> list[str]:
+    op = node.op
+    problems = []
+    try:
+        if op.kind == "function":
+            fn = resolve_ref(op.target)
+            if not callable(fn):
+                problems.append(f"{where}: target {op.target!r} is not callable")
+        elif op.kind == "module":
+            if not op.spec or "cls" not in op.spec:
+                problems.append(f"{where}: a module operation needs a spec with 'cls'")
+            else:
+                resolve_ref(op.spec["cls"])
+                if deep:
+                    _check_constructible(op.spec)
+        elif op.kind == "method" and not isinstance(op.target, str):
+            problems.append(f"{where}: a method operation needs the method name as target")
+        elif op.kind == "subgraph":
+            if op.graph is None:
+                problems.append(f"{where}: a subgraph operation holds no graph")
+            else:
+                op.graph.lint(deep)
+        elif op.kind in ("param", "constant") and not op.spec:
+            problems.append(f"{where}: needs a spec (shape, dtype or value)")
+        decode(op.args)
+        for value in op.kwargs.values():
+            decode(value)
+    except GraphError as e:
+        problems.append(f"{where}: subgraph: {e}")
+    except Exception as e:  # noqa: BLE001 - report any failure to re-create as a lint problem
+        problems.append(f"{where}: not re-creatable: {type(e).__name__}: {e}")
+    return problems
+
+
+_CONSTRUCTIBLE: set[str] = set()
+
+
+def _check_constructible(spec: dict) -> None:
+    key = json.dumps(spec, sort_keys=True)
+    if key in _CONSTRUCTIBLE:
+        return
+    import torch
+
+    from .modspec import build_module
+
+    with torch.device("meta"):
+        build_module(spec)
+    _CONSTRUCTIBLE.add(key)
+

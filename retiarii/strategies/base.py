@@ -1,0 +1,524 @@
+"""The strategy interface: ask for a sample, tell its result, save and restore the search.
+
+A strategy is *instantiation control*: it decides, choice by choice, which model of a space is
+built next. It never knows what a choice means. It drives the space only through the sampler
+protocol of ``docs/architecture.md``: ``space.sample(sampler)`` calls
+``sampler.choose(label, candidates, context) -> int`` for every choice it reaches (so
+conditional choices only appear when they exist) and returns a model whose ``.sample`` is the
+ordered dict ``label -> key``. Which base model a space starts from is, for a space with several
+bases, one more choice like any other, so it needs no extra call.
+
+Every algorithm (one per file) subclasses :class:`Strategy` and fills in three hooks:
+``_propose(space) -> Draw`` (the next candidate sample), ``_on_tell(key, score)`` (learn from a
+result, ``score`` always higher-is-better) and ``_state`` / ``_load_state`` for its own JSON
+state. The base class does everything the algorithms share: ``mode``, dedup of proposed samples,
+the ``max_models`` / ``max_time`` budget, bookkeeping of pending and told samples, errors for
+foreign samples, and the JSON state that lets a resumed experiment continue the same search.
+
+Training control (continue / pause / stop / start from a parent's checkpoint) is the other half
+of steering, and belongs to the schedulers; the engine combines one of each.
+"""
+from __future__ import annotations
+
+import abc
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol
+
+
+class SpaceExhausted(Exception):
+    """The strategy has nothing new to propose: the space, or the budget, is used up."""
+
+
+class BudgetExhausted(SpaceExhausted):
+    """``max_models`` or ``max_time`` is reached (a :class:`SpaceExhausted`, so one ``except``
+    catches both ways a search ends)."""
+
+
+class Sampler(Protocol):
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        """Index into ``candidates`` (their keys) for the choice ``label``; ``context`` is the
+        sample so far."""
+
+
+# ---- helpers on samples and candidates ----------------------------------------------------
+
+
+def sample_key(sample: dict) -> str:
+    """A canonical string for a sample, equal for equal choices whatever their order.
+
+    Example:
+        >>> sample_key({"b": 1, "a": "conv"}) == sample_key({"a": "conv", "b": 1})
+        True
+    """
+    # NOTE: keys are compared through JSON, never with ==, because 1 == 1.0 == True in Python
+    # while they are three different candidates of a choice.
+    return json.dumps(sample, sort_keys=True, separators=(",", ":"))
+
+
+def index_of(candidates: list, key: Any) -> int | None:
+    """The index of ``key`` among ``candidates`` (compared as JSON), or ``None``.
+
+    Example:
+        >>> index_of([1, True, 1.0], True)
+        1
+    """
+    wanted = json.dumps(key)
+    for i, candidate in enumerate(candidates):
+        if json.dumps(candidate) == wanted:
+            return i
+    return None
+
+
+def _check_sample(sample: Any, where: str) -> dict:
+    if not isinstance(sample, dict):
+        raise TypeError(f"{where}: a sample is a dict label -> key, got {type(sample).__name__}")
+    try:
+        json.dumps(sample)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where}: the sample {sample!r} is not JSON-serializable ({e}); keys "
+                        f"of candidates must be JSON scalars") from None
+    return sample
+
+
+# ---- samplers -------------------------------------------------------------------------------
+
+
+class FunctionSampler:
+    """Adapts a function ``fn(label, candidates, context) -> int`` to the sampler protocol.
+
+    Example:
+        >>> FunctionSampler(lambda label, candidates, context: 0).choose("op", ["a", "b"], {})
+        0
+    """
+
+    def __init__(self, fn: Callable[[str, list, dict], int]):
+        self.fn = fn
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        return self.fn(label, candidates, context)
+
+
+class RandomSampler:
+    """Picks every choice uniformly at random with ``rng`` (a ``random.Random``).
+
+    Example:
+        >>> RandomSampler(random.Random(0)).choose("op", ["a", "b", "c"], {}) in (0, 1, 2)
+        True
+    """
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        return self.rng.randrange(len(candidates))
+
+
+class ReplaySampler:
+    """Follows ``sample`` wherever it has the label and its key is still a candidate, and asks
+    ``fallback`` for the other choices (those that did not exist when ``sample`` was made).
+
+    ``overrides`` maps a label to a function ``(candidates, key_in_sample) -> int`` that decides
+    that choice instead (how evolution mutates one choice).
+
+    Example:
+        >>> ReplaySampler({"op": "b"}).choose("op", ["a", "b"], {})
+        1
+    """
+
+    def __init__(self, sample: dict, fallback: Sampler | None = None,
+                 overrides: dict[str, Callable[[list, Any], int]] | None = None):
+        self.sample = sample
+        self.fallback = fallback
+        self.overrides = overrides or {}
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        if label in self.overrides:
+            return self.overrides[label](candidates, self.sample.get(label))
+        index = index_of(candidates, self.sample[label]) if label in self.sample else None
+        if index is not None:
+            return index
+        if self.fallback is None:
+            raise ValueError(f"replaying {self.sample}: the space asks for {label!r} with "
+                             f"candidates {candidates}, which the sample does not decide")
+        return self.fallback.choose(label, candidates, context)
+
+
+class _Recorder:
+    """Wraps a sampler and records ``(label, candidates)`` of every choice, in order."""
+
+    def __init__(self, inner: Sampler):
+        self.inner = inner
+        self.trace: list[tuple[str, list]] = []
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        candidates = list(candidates)
+        self.trace.append((label, candidates))
+        index = self.inner.choose(label, candidates, context)
+        if isinstance(index, bool) or not isinstance(index, int) \
+                or not 0 <= index < len(candidates):
+            raise ValueError(f"sampler {type(self.inner).__name__} returned {index!r} for "
+                             f"{label!r}; it must be an int index into {candidates}")
+        return index
+
+
+@dataclass
+class Draw:
+    """A proposed sample and the candidates of each of its choices (``trace``: a list of
+    ``(label, candidates)``, or ``None`` where not known, e.g. for enumerated models)."""
+
+    sample: dict
+    trace: list[tuple[str, list]] | None
+
+
+def draw(space: Any, sampler: Sampler) -> Draw:
+    """Builds one model of ``space`` with ``sampler`` and returns its sample and trace.
+
+    Example:
+        >>> class Space:   # any object with sample(sampler) -> object with .sample
+        ...     def sample(self, sampler):
+        ...         i = sampler.choose("op", ["a", "b"], {})
+        ...         return type("Model", (), {"sample": {"op": ["a", "b"][i]}})()
+        >>> draw(Space(), FunctionSampler(lambda *_: 1))
+        Draw(sample={'op': 'b'}, trace=[('op', ['a', 'b'])])
+
+    Args:
+        space: anything with ``sample(sampler)`` returning an object with ``.sample``.
+        sampler: decides each choice.
+    """
+    recorder = _Recorder(sampler)
+    model = space.sample(recorder)
+    sample = _check_sample(getattr(model, "sample", None),
+                           f"{type(space).__name__}.sample() returned a model whose .sample")
+    return Draw(dict(sample), recorder.trace)
+
+
+# ---- the base class -------------------------------------------------------------------------
+
+
+@dataclass
+class _Record:
+    """What the strategy knows about one distinct sample."""
+
+    sample: dict
+    trace: int | None  # index into Strategy._traces, or None (foreign or enumerated)
+    pending: int = 0  # proposed and not yet told (more than 1 only with dedup=False)
+    values: list = field(default_factory=list)  # told values (None = the model failed)
+    proposed: bool = True  # False for a foreign sample told without being proposed
+
+
+def _rng_state(rng: random.Random) -> list:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _set_rng_state(rng: random.Random, state: list) -> None:
+    rng.setstate((state[0], tuple(state[1]), state[2]))
+
+
+class Strategy(abc.ABC):
+    """Base of every exploration strategy: ask / tell, dedup, budget, JSON state.
+
+    Example (with any concrete strategy and any space):
+        >>> from retiarii.strategies import Random
+        >>> class Space:
+        ...     def sample(self, sampler):
+        ...         i = sampler.choose("op", ["conv", "pool"], {})
+        ...         return type("Model", (), {"sample": {"op": ["conv", "pool"][i]}})()
+        ...     def size(self):
+        ...         return 2
+        >>> s = Random(seed=0)
+        >>> sample = s.ask(Space())
+        >>> s.tell(sample, 0.9)
+        >>> s.ask(Space()) != sample      # never the same sample twice (dedup=True)
+        True
+
+    Args:
+        seed: seeds the strategy's random generator; equal seeds give equal searches, in any
+            process. ``None`` draws a seed from the OS (the state still saves and restores).
+        mode: ``"max"`` (default, a higher value is better) or ``"min"``.
+        dedup: never propose a sample already proposed (default). ``False`` allows repeats,
+            e.g. to re-evaluate a noisy model.
+        max_models: raise :class:`BudgetExhausted` once this many samples were proposed.
+        max_time: raise :class:`BudgetExhausted` once this many seconds passed since the first
+            ``ask`` (time while the strategy was saved and not running does not count).
+        clock: the time source for ``max_time`` (seconds); tests pass a fake one.
+    """
+
+    #: Whether ``tell`` takes samples this strategy never proposed (they join its history).
+    accepts_foreign: bool = False
+    #: Proposals in a row that may repeat a known sample before falling back to a random new
+    #: one; ``None`` for strategies that walk the space and never repeat (grid).
+    max_duplicate_tries: int | None = 100
+
+    def __init__(self, *, seed: int | None = None, mode: str = "max", dedup: bool = True,
+                 max_models: int | None = None, max_time: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if mode not in ("max", "min"):
+            raise ValueError(f"{type(self).__name__}: mode must be 'max' or 'min', got {mode!r}")
+        if max_models is not None and (not isinstance(max_models, int) or max_models < 1):
+            raise ValueError(f"{type(self).__name__}: max_models must be a positive int or "
+                             f"None, got {max_models!r}")
+        if max_time is not None and not max_time > 0:
+            raise ValueError(f"{type(self).__name__}: max_time must be positive seconds or "
+                             f"None, got {max_time!r}")
+        self.seed = seed
+        self.mode = mode
+        self.dedup = dedup
+        self.max_models = max_models
+        self.max_time = max_time
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._records: dict[str, _Record] = {}
+        self._told: list[tuple[str, float | None]] = []  # (sample key, value) in tell order
+        self._traces: list[tuple[tuple[str, int], ...]] = []  # choices as (label, cands id)
+        self._trace_ids: dict[str, int] = {}
+        self._candidate_lists: list[list] = []  # interned: many models share candidate lists
+        self._candidate_ids: dict[str, int] = {}
+        self._num_proposed = 0
+        self._elapsed_before = 0.0
+        self._started_at: float | None = None
+        self._checked: tuple[int, float | int] | None = None  # (id(space), space.size())
+
+    # -- the public interface ----------------------------------------------------------------
+
+    def check(self, space: Any) -> None:
+        """Raises a clear error now if this strategy cannot search ``space``.
+
+        ``ask`` calls it on first use; the engine may call it before it launches anything.
+        """
+        if not callable(getattr(space, "sample", None)):
+            raise TypeError(f"{type(self).__name__} needs a space with sample(sampler) (a "
+                            f"retiarii.ModelSpace); got {type(space).__name__}")
+        self._checked = (id(space), self._space_size(space))
+
+    def ask(self, space: Any) -> dict:
+        """Proposes the next sample (``label -> key``) of ``space``.
+
+        Raises:
+            SpaceExhausted: nothing new is left to propose.
+            BudgetExhausted: ``max_models`` or ``max_time`` is reached.
+        """
+        if self._checked is None or self._checked[0] != id(space):
+            self.check(space)
+        if self._started_at is None:
+            self._started_at = self._clock()
+        self._check_budget()
+        tries = 0
+        while True:
+            proposal = self._propose(space)
+            key = sample_key(proposal.sample)
+            if not (self.dedup and key in self._records):
+                break
+            tries += 1
+            if self.max_duplicate_tries is not None and tries >= self.max_duplicate_tries:
+                proposal, key = self._new_at_random(space, tries)
+                break
+        self._record(proposal, key)
+        return dict(proposal.sample)
+
+    def tell(self, sample: dict, value: float | None) -> None:
+        """Reports the final result of a proposed sample.
+
+        Args:
+            sample: a sample returned by :meth:`ask`.
+            value: the model's final metric (higher is better unless ``mode="min"``), or
+                ``None`` when the model failed: it is never proposed again and counts as
+                worse than any result.
+        """
+        sample = _check_sample(sample, f"{type(self).__name__}.tell")
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{type(self).__name__}.tell: value must be a finite number "
+                                 f"(or None for a failed model), got {value!r} for {sample}")
+            value = float(value)
+        key = sample_key(sample)
+        record = self._records.get(key)
+        if record is None or record.pending == 0:
+            if not self.accepts_foreign:
+                what = "never proposed" if record is None else "already told"
+                raise ValueError(
+                    f"{type(self).__name__}.tell: {sample} was {what}; tell each sample "
+                    f"returned by ask() exactly once (RegularizedEvolution and TPE accept "
+                    f"foreign samples)")
+            if record is None:
+                record = self._records[key] = _Record(dict(sample), None, proposed=False)
+        else:
+            record.pending -= 1
+        record.values.append(value)
+        self._told.append((key, value))
+        self._on_tell(key, None if value is None else self._score(value))
+
+    def on_step(self, sample: dict, step: int, metrics: dict) -> None:
+        """Per-step feedback of a pending sample (an epoch's metrics). The strategies here
+        decide from final results only; a strategy that learns from curves overrides this."""
+        key = sample_key(_check_sample(sample, f"{type(self).__name__}.on_step"))
+        if key not in self._records:
+            raise ValueError(f"{type(self).__name__}.on_step: {sample} was never proposed")
+
+    def best(self) -> tuple[dict, float] | None:
+        """The best told sample and its value (``None`` before any successful tell)."""
+        told = [(k, v) for k, v in self._told if v is not None]
+        if not told:
+            return None
+        key, value = max(told, key=lambda kv: self._score(kv[1]))
+        return dict(self._records[key].sample), value
+
+    @property
+    def num_proposed(self) -> int:
+        """How many samples ``ask`` returned so far."""
+        return self._num_proposed
+
+    def state_dict(self) -> dict:
+        """The whole search state as JSON-serializable data (for the store)."""
+        return {
+            "strategy": type(self).__name__,
+            "config": self._config(),
+            "rng": _rng_state(self._rng),
+            "candidate_lists": self._candidate_lists,
+            "traces": [[list(c) for c in t] for t in self._traces],
+            "records": [[r.sample, r.trace, r.pending, r.values, r.proposed]
+                        for r in self._records.values()],
+            "told": [list(t) for t in self._told],
+            "num_proposed": self._num_proposed,
+            "elapsed": self._elapsed(),
+            "algorithm": self._state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict` output; the search continues exactly where it was."""
+        name = type(self).__name__
+        if state.get("strategy") != name:
+            raise ValueError(f"{name}.load_state_dict: the state was saved by "
+                             f"{state.get('strategy')!r}; restore it into that strategy")
+        if state["config"] != self._config():
+            raise ValueError(f"{name}.load_state_dict: the state was saved with "
+                             f"{state['config']} but this strategy has {self._config()}; "
+                             f"construct it with the saved settings")
+        _set_rng_state(self._rng, state["rng"])
+        self._candidate_lists = [list(c) for c in state["candidate_lists"]]
+        self._candidate_ids = {json.dumps(c): i for i, c in enumerate(self._candidate_lists)}
+        self._traces = [tuple((c[0], c[1]) for c in t) for t in state["traces"]]
+        self._trace_ids = {json.dumps(t): i for i, t in enumerate(self._traces)}
+        self._records = {}
+        for sample, trace, pending, values, proposed in state["records"]:
+            self._records[sample_key(sample)] = _Record(sample, trace, pending, values, proposed)
+        self._told = [(k, v) for k, v in state["told"]]
+        self._num_proposed = state["num_proposed"]
+        self._elapsed_before = state["elapsed"]
+        self._started_at = None
+        self._checked = None
+        self._load_state(state["algorithm"])
+
+    # -- what subclasses implement ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _propose(self, space: Any) -> Draw:
+        """The next candidate sample; the base class drops it if it repeats a known one."""
+
+    def _on_tell(self, key: str, score: float | None) -> None:
+        """Learns from a result; ``score`` is higher-is-better whatever ``mode`` is."""
+
+    def _config(self) -> dict:
+        """The settings a saved state must match (JSON)."""
+        return {"mode": self.mode, "dedup": self.dedup}
+
+    def _state(self) -> dict:
+        return {}
+
+    def _load_state(self, state: dict) -> None:
+        pass
+
+    # -- helpers for subclasses ---------------------------------------------------------------
+
+    def _score(self, value: float) -> float:
+        return value if self.mode == "max" else -value
+
+    def _random_draw(self, space: Any) -> Draw:
+        return draw(space, RandomSampler(self._rng))
+
+    def _trace(self, key: str, space: Any | None = None) -> list[tuple[str, list]] | None:
+        """The ``(label, candidates)`` of a known sample; replays it through ``space`` when it
+        was not recorded (a foreign or enumerated sample) and a space is given."""
+        record = self._records[key]
+        if record.trace is None and space is not None:
+            record.trace = self._intern(draw(space, ReplaySampler(record.sample)).trace)
+        if record.trace is None:
+            return None
+        return [(label, self._candidate_lists[c]) for label, c in self._traces[record.trace]]
+
+    def _observations(self) -> Iterable[tuple[dict, float]]:
+        """Told samples with their scores (higher is better), failed ones left out."""
+        for key, value in self._told:
+            if value is not None:
+                yield self._records[key].sample, self._score(value)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _space_size(self, space: Any) -> float | int:
+        size = getattr(space, "size", None)
+        return size() if callable(size) else math.inf
+
+    def _elapsed(self) -> float:
+        running = 0.0 if self._started_at is None else self._clock() - self._started_at
+        return self._elapsed_before + running
+
+    def _check_budget(self) -> None:
+        name = type(self).__name__
+        if self.max_models is not None and self._num_proposed >= self.max_models:
+            raise BudgetExhausted(f"{name}: max_models={self.max_models} samples proposed")
+        if self.max_time is not None and self._elapsed() >= self.max_time:
+            raise BudgetExhausted(f"{name}: max_time={self.max_time}s used "
+                                  f"({self._elapsed():.1f}s since the first ask)")
+
+    def _new_at_random(self, space: Any, tries: int) -> tuple[Draw, str]:
+        """After ``tries`` repeated proposals: a random new sample, or SpaceExhausted."""
+        for _ in range(self.max_duplicate_tries or 100):
+            proposal = self._random_draw(space)
+            key = sample_key(proposal.sample)
+            if key not in self._records:
+                return proposal, key
+        size = self._checked[1] if self._checked else self._space_size(space)
+        name = type(self).__name__
+        if size == math.inf:
+            raise SpaceExhausted(
+                f"{name}: {tries} proposals and as many random draws all repeated known "
+                f"samples of this unbounded space; pass dedup=False to allow repeats")
+        # Random draws hit known samples only: the space is (nearly) used up, so look for the
+        # few unseen models in its enumeration.
+        unseen = [m.sample for m in space.enumerate() if sample_key(m.sample) not in
+                  self._records]
+        if not unseen:
+            raise SpaceExhausted(f"{name}: all {size} models of the space were proposed")
+        sample = dict(unseen[self._rng.randrange(len(unseen))])
+        return draw(space, ReplaySampler(sample)), sample_key(sample)
+
+    def _intern(self, trace: list[tuple[str, list]] | None) -> int | None:
+        if trace is None:
+            return None
+        compact = []
+        for label, candidates in trace:
+            text = json.dumps(candidates)
+            if text not in self._candidate_ids:
+                self._candidate_ids[text] = len(self._candidate_lists)
+                self._candidate_lists.append(list(candidates))
+            compact.append((label, self._candidate_ids[text]))
+        text = json.dumps(compact)
+        if text not in self._trace_ids:
+            self._trace_ids[text] = len(self._traces)
+            self._traces.append(tuple(compact))
+        return self._trace_ids[text]
+
+    def _record(self, proposal: Draw, key: str) -> None:
+        record = self._records.get(key)
+        if record is None:
+            record = self._records[key] = _Record(dict(proposal.sample),
+                                                  self._intern(proposal.trace))
+        elif record.trace is None:
+            record.trace = self._intern(proposal.trace)
+        record.pending += 1
+        self._num_proposed += 1

@@ -1,0 +1,91 @@
+"""Small stand-ins the engine tests build models and trainers from.
+
+Workers import these by reference (``"tests.engine_helpers:SPACE"`` won't do: ``tests`` is not a
+package), so specs use the file path: ``ref("SPACE")`` gives ``"/abs/.../engine_helpers.py:SPACE"``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+from retiarii.engine.trainer import ClassifierTrainer
+
+
+def ref(attr: str) -> str:
+    """An import reference to ``attr`` of this file, as TrialTask specs carry them."""
+    return f"{os.path.abspath(__file__)}:{attr}"
+
+
+class TinyCNN(nn.Module):
+    """A small CNN for 1x8x8 digits: conv -> relu -> (dropout) -> pool -> linear."""
+
+    def __init__(self, width: int = 8, dropout: float = 0.0):
+        super().__init__()
+        self.conv = nn.Conv2d(1, width, kernel_size=3, padding=1)
+        self.drop = nn.Dropout(dropout)  # consumes torch RNG: checks that RNG state is restored
+        self.head = nn.Linear(width * 4 * 4, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))  # (B, 1, 8, 8) -> (B, W, 8, 8)
+        h = nn.functional.max_pool2d(self.drop(h), 2)  # -> (B, W, 4, 4)
+        return self.head(h.flatten(1))  # -> (B, 10)
+
+
+class TinySpace:
+    """A two-choice space with ``build(sample)``, the only call workers make on a space.
+
+    Special samples make models that misbehave on purpose:
+    ``{"fail": "shape"}`` builds a model whose forward raises a shape error,
+    ``{"fail": "nan"}`` one whose loss is NaN, ``{"fail": "die"}`` one that SIGKILLs its own
+    worker process in forward, ``{"fail": "hang"}`` one that blocks forever in forward,
+    ``{"fail": "stop"}`` one that SIGSTOPs its worker (alive, but its heartbeats cease).
+    """
+
+    def build(self, sample: dict) -> nn.Module:
+        fail = sample.get("fail")
+        if fail == "shape":
+            return nn.Sequential(nn.Flatten(), nn.Linear(63, 10))  # digits flatten to 64
+        if fail == "nan":
+            return _Nan()
+        if fail == "die":
+            return _Die()
+        if fail == "hang":
+            return _Hang()
+        if fail == "stop":
+            return _Stop()
+        return TinyCNN(width=int(sample.get("width", 8)), dropout=float(sample.get("dropout", 0.0)))
+
+
+class _Nan(TinyCNN):
+    def forward(self, x):
+        return super().forward(x) * float("nan")
+
+
+class _Die(TinyCNN):
+    def forward(self, x):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Hang(TinyCNN):
+    def forward(self, x):
+        import threading
+
+        threading.Event().wait()  # never set: the test cancels the job
+
+
+class _Stop(TinyCNN):
+    def forward(self, x):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+SPACE = TinySpace()
+
+# A trainer instance referenced directly by specs (the other form is {"class", "config"}).
+TRAINER = ClassifierTrainer(dataset="digits", epochs=4, batch_size=64, lr=3e-3, seed=1)
+
+# Same, with a cosine LR schedule and SGD momentum: more state the checkpoint must carry.
+TRAINER_SGD_COSINE = ClassifierTrainer(dataset="digits", epochs=4, batch_size=32, optimizer="sgd",
+                                       lr=0.05, momentum=0.9, lr_schedule="cosine", seed=2)
