@@ -3,10 +3,19 @@
 The public API: trace a PyTorch model into the graph IR, define a space with mutators, pick a
 strategy, run an experiment. See README.md and docs/.
 """
+from . import nn, ops
+from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .graph import Graph, GraphError, Node, Operation
+from .match import Chain, Pattern, TargetError
 from .modspec import leaf
+from .mutator import MutationError, Mutator, SampleError, apply_mutator
+from .shapes import ShapeMismatchError
+from .space import Model, ModelSpace, SpaceError
 from .trace import TraceError, trace
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "GraphError", "Node", "Operation", "TraceError", "leaf", "trace"]
+__all__ = ["Chain", "Graph", "GraphError", "InputChoice", "LayerChoice", "Model", "ModelSpace",
+           "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
+           "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
+           "apply_mutator", "leaf", "nn", "ops", "trace"]

@@ -112,6 +112,8 @@ def encode(value: Any, module_encoder: Callable[[torch.nn.Module], dict] | None 
     """
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if hasattr(value, "__retiarii_encode__"):  # inline choices (ValueChoice) encode themselves
+        return value.__retiarii_encode__()
     if isinstance(value, float):
         return _encode_float(value)
     if isinstance(value, PortRef):
@@ -183,6 +185,10 @@ def decode(data: Any, inputs: list | None = None,
         return torch.tensor(data_, dtype=getattr(torch, payload["dtype"])).reshape(payload["shape"])
     if tag == "__ref__":
         return resolve_ref(payload)
+    if tag == "__choice__":  # an unresolved ValueChoice: its default (the first value)
+        from .choices import evaluate_choice
+
+        return evaluate_choice(payload, None)
     if tag == "__module__":
         if module_decoder is None:
             raise ValueError("an encoded module needs a module decoder")

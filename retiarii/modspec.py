@@ -195,7 +195,8 @@ def module_spec(module: nn.Module) -> dict:
     cls = type(module)
     recorded = module.__dict__.get("_retiarii_init")
     try:
-        cls_ref = ref_of(cls)
+        # retiarii.nn layers stand for the torch.nn class they wrap (exports need only torch)
+        cls_ref = ref_of(getattr(cls, "_retiarii_base", cls))
     except EncodeError as e:
         raise SpecError(f"module class {cls.__qualname__} is not importable: {e}") from None
     if recorded is not None:

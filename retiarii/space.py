@@ -1,0 +1,307 @@
+"""ModelSpace: base models + mutators; sample, replay, enumerate and count the models.
+
+Example::
+
+    >>> space = retiarii.ModelSpace(Net(), [retiarii.apply_mutator(["relu", "pool", "fc"],
+    ...                                                              InceptionMutator())],
+    ...                             example_input=torch.randn(1, 1, 8, 8))
+    >>> space.size()
+    360
+    >>> model = space.random_sample(seed=0)
+    >>> model.sample
+    {'paths': 3, 'op0': 'conv', 'op1': 'pool', 'op2': 'dconv'}
+    >>> space.replay(model.sample).graph.structural_hash() == model.graph.structural_hash()
+    True
+    >>> net = space.build(model.sample)        # an nn.Module, shapes checked
+
+A *sample* maps each choice's label to the key of the chosen candidate (docs/architecture.md).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from torch import nn
+
+from .graph import Graph
+from .mutator import BoundMutator, Context, Mutator, SampleError
+
+_TOUCHING = {"replace": ("node",), "delete_node": ("node",), "connect": ("dst",),
+             "disconnect": ("dst",), "materialize": ("node",)}
+
+
+class SpaceError(ValueError):
+    """A request the space cannot serve (enumerating an unbounded space, ...)."""
+
+
+@dataclass
+class Model:
+    """One instantiated model of a space."""
+
+    graph: Graph
+    sample: dict  # label -> chosen key, in the order the choices were made
+    history: list  # the primitives applied, one record each
+    base: int = 0  # index of the base model it came from
+    hparams: dict = field(default_factory=dict)  # trainer hyper-parameters chosen in the sample
+
+    def structural_hash(self) -> str:
+        return self.graph.structural_hash()
+
+    def to_module(self) -> nn.Module:
+        return self.graph.to_module()
+
+    def touched(self) -> set[int]:
+        """uids of base nodes whose operation or inputs the mutations changed (or deleted)."""
+        out = set()
+        for rec in self.history:
+            for key in _TOUCHING.get(rec["primitive"], ()):
+                out.add(rec[key])
+        return out
+
+    def created(self) -> set[int]:
+        return {rec["node"] for rec in self.history if rec["primitive"] == "create_node"} | {
+            uid for rec in self.history if rec["primitive"] == "splice" for uid in rec["nodes"]}
+
+    def shared_nodes(self, other: "Model") -> set[int]:
+        """uids of base nodes that both models hold unchanged (same op, same inputs' uids).
+
+        This is read from the mutation histories, not by comparing graphs: cross-model
+        optimization relies on it. Nodes downstream of a changed node are still reported
+        shared (same op and weights shape); whether their *values* agree is the optimizer's
+        question, answered by also requiring their ancestors to be shared.
+        """
+        if other.base != self.base:
+            return set()
+        mine = set(self.graph._nodes) - self.created() - self.touched()
+        theirs = set(other.graph._nodes) - other.created() - other.touched()
+        return mine & theirs
+
+    def differing_nodes(self, other: "Model") -> set[int]:
+        """uids present in either model that are not shared."""
+        return (set(self.graph._nodes) | set(other.graph._nodes)) - self.shared_nodes(other)
+
+
+# ---- samplers --------------------------------------------------------------------------------
+
+
+def _as_sampler(sampler: Any):
+    if hasattr(sampler, "choose"):
+        return sampler
+    if callable(sampler):
+        class _Fn:
+            def choose(self, label, candidates, context):
+                return sampler(label, candidates, context)
+        return _Fn()
+    raise TypeError(f"a sampler has a choose(label, candidates, context) method or is such a "
+                    f"callable; got {sampler!r}")
+
+
+class RandomSampler:
+    """Uniform choices from a seeded ``random.Random``."""
+
+    def __init__(self, seed: int | None = None):
+        self.rng = random.Random(seed)
+
+    def choose(self, label, candidates, context) -> int:
+        return self.rng.randrange(len(candidates))
+
+
+class ReplaySampler:
+    """Answers every choice from a sample; complains about labels or values that do not fit."""
+
+    def __init__(self, sample: dict):
+        if not isinstance(sample, dict):
+            raise SampleError(f"a sample is a dict of label -> chosen key, not {sample!r}")
+        self.sample = sample
+        self.used: set[str] = set()
+
+    def choose(self, label, candidates, context) -> int:
+        if label not in self.sample:
+            raise SampleError(f"the sample has no value for choice {label!r} (candidates "
+                              f"{candidates}); it was made for another space")
+        value = self.sample[label]
+        if value not in candidates:
+            raise SampleError(f"choice {label!r}: {value!r} is not among the candidates "
+                              f"{candidates}")
+        self.used.add(label)
+        return candidates.index(value)
+
+
+class _PrefixSampler:
+    """Answers choice i with ``prefix[i]`` (0 past the prefix); records every choice's arity."""
+
+    def __init__(self, prefix: Sequence[int]):
+        self.prefix = prefix
+        self.arity: list[int] = []
+
+    def choose(self, label, candidates, context) -> int:
+        i = len(self.arity)
+        self.arity.append(len(candidates))
+        return self.prefix[i] if i < len(self.prefix) else 0
+
+
+# ---- the space -----------------------------------------------------------------------------
+
+
+class ModelSpace:
+    """Base models and the mutators that define a space around them.
+
+    Args:
+        base_model_or_models: an ``nn.Module`` or a list of them (a choice labelled
+            ``"base"`` then picks one). Inline choices inside them (LayerChoice, InputChoice,
+            ValueChoice, Repeat) compile into mutators that run before ``mutators``.
+        mutators: :class:`~retiarii.Mutator` s, bound to targets with
+            :func:`~retiarii.apply_mutator` (an unbound mutator gets ``targets=[]`` and finds
+            its own nodes through ``self.graph``).
+        example_input: a tensor (or tuple of tensors) used by :meth:`instantiate` to check
+            shapes and settle lazy modules' sizes.
+        concrete_args, leaf_modules: passed to :func:`retiarii.trace`.
+    """
+
+    def __init__(self, base_model_or_models: nn.Module | Sequence[nn.Module],
+                 mutators: Sequence[Mutator | BoundMutator] = (), example_input: Any = None,
+                 concrete_args: dict | None = None, leaf_modules: Sequence = ()):
+        from .choices import trace_space
+
+        bases = base_model_or_models if isinstance(base_model_or_models, (list, tuple)) \
+            else [base_model_or_models]
+        if not bases:
+            raise ValueError("a ModelSpace needs at least one base model")
+        self.bases = [trace_space(m, concrete_args, leaf_modules) for m in bases]
+        self.base_names = [type(m).__name__ for m in bases]
+        if len(set(self.base_names)) < len(bases):
+            self.base_names = [f"{n}#{i}" for i, n in enumerate(self.base_names)]
+        self.mutators: list[BoundMutator] = []
+        for i, m in enumerate(mutators):
+            bound = m if isinstance(m, BoundMutator) else BoundMutator(None, m)
+            if bound.mutator.label is None:
+                bound.mutator.label = f"{type(bound.mutator).__name__.lower()}{i}"
+            self.mutators.append(bound)
+        self.example_input = example_input
+        self.hparams: dict[str, Any] = {}  # name -> ValueChoice, see with_hparams
+
+    def with_hparams(self, hparams: dict) -> "ModelSpace":
+        """Add trainer hyper-parameters (ValueChoices) as choices of this space, explored like
+        architecture choices. The chosen values land in ``Model.hparams``."""
+        from .choices import ValueChoice
+
+        for name, value in hparams.items():
+            if isinstance(value, ValueChoice):
+                self.hparams[name] = value
+        return self
+
+    @property
+    def open_ended(self) -> bool:
+        return any(b.mutator.open_ended for b in self.mutators)
+
+    # ---- building models ------------------------------------------------------------------
+    def sample(self, sampler: Any) -> Model:
+        """Build one model, asking ``sampler.choose(label, candidates, context)`` for every
+        choice as it is reached (conditional choices only when they exist)."""
+        sampler = _as_sampler(sampler)
+        ctx = Context(graph=None, sampler=sampler, sample={}, history=[], created=set(),
+                      deleted={})
+        base = 0
+        if len(self.bases) > 1:
+            base = sampler.choose("base", list(self.base_names), {})
+            ctx.sample["base"] = self.base_names[base]
+        graph, inline = self.bases[base]
+        ctx.graph = graph.copy()
+        for mutator in inline:
+            mutator.apply(ctx, [])
+        for bound in self.mutators:
+            bound.apply(ctx)
+        hparams = {}
+        for name, choice in self.hparams.items():
+            hparams[name] = choice.choose_in(ctx)
+        return Model(ctx.graph, ctx.sample, ctx.history, base, hparams)
+
+    def random_sample(self, seed: int | None = None) -> Model:
+        return self.sample(RandomSampler(seed))
+
+    def replay(self, sample: dict) -> Model:
+        """Rebuild the model of ``sample`` exactly (same structural hash)."""
+        sampler = ReplaySampler(sample)
+        model = self.sample(sampler)
+        unknown = set(sample) - sampler.used - {"base"}
+        if unknown:
+            raise SampleError(f"the sample has labels this space never asks for: "
+                              f"{sorted(unknown)}; known labels: {list(model.sample)}")
+        return model
+
+    def instantiate(self, sample: dict) -> Model:
+        """:meth:`replay`, then check shapes on ``example_input`` and settle lazy modules.
+
+        Raises:
+            ShapeMismatchError: naming the node, the expected and actual shapes, and the
+                choices that led there.
+        """
+        from .shapes import propagate
+
+        model = self.replay(sample)
+        if self.example_input is not None:
+            propagate(model, self.example_input)
+        return model
+
+    def build(self, sample: dict) -> nn.Module:
+        """The runnable ``nn.Module`` of ``sample`` (fresh weights); what workers call."""
+        return self.instantiate(sample).to_module()
+
+    # ---- the whole space --------------------------------------------------------------------
+    def _run(self, prefix: Sequence[int]) -> tuple[Model, list[int]]:
+        sampler = _PrefixSampler(prefix)
+        model = self.sample(sampler)
+        return model, sampler.arity
+
+    def enumerate(self) -> Iterator[Model]:
+        """Every model of a finite space, once each, in a deterministic order."""
+        if self.open_ended:
+            raise SpaceError("the space is unbounded (it has open-ended mutators); it cannot "
+                             "be enumerated")
+        prefix: list[int] = []
+        while True:
+            model, arity = self._run(prefix)
+            yield model
+            full = prefix + [0] * (len(arity) - len(prefix))
+            j = len(full) - 1
+            while j >= 0 and full[j] + 1 >= arity[j]:
+                j -= 1
+            if j < 0:
+                return
+            prefix = full[:j] + [full[j] + 1]
+
+    def size(self, exact: bool = False) -> int | float:
+        """The number of distinct samples, counted without emitting any module.
+
+        Returns ``math.inf`` for an unbounded space. The count walks the tree of choices; a
+        choice whose every value leads to the same sequence of later choices is counted as a
+        factor instead of being walked (so a space of 10^20 independent choices is counted in
+        a few hundred mutator runs). That shortcut assumes choices only change which choices
+        follow one at a time, not through combinations of values; ``exact=True`` walks every
+        branch instead.
+        """
+        if self.open_ended:
+            return math.inf
+
+        def shape(prefix):
+            return self._run(prefix)[1]
+
+        def count(prefix: list[int]) -> int:
+            arity = shape(prefix)
+            k = len(prefix)
+            if len(arity) == k:
+                return 1
+            n = arity[k]
+            if not exact:
+                tails = {tuple(shape(prefix + [i])[k + 1:]) for i in range(1, n)}
+                if tails <= {tuple(arity[k + 1:])}:
+                    return n * count(prefix + [0])
+            return sum(count(prefix + [i]) for i in range(n))
+
+        return count([])
+
+    def __repr__(self):
+        return (f"ModelSpace(bases={self.base_names}, mutators="
+                f"{[b.mutator.label for b in self.mutators]})")
