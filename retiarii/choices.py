@@ -209,9 +209,7 @@ class LayerChoice(nn.Module):
         if isinstance(candidates, dict):
             keys, mods = [str(k) for k in candidates], list(candidates.values())
         else:
-            mods = list(candidates)
-            names = [type(m).__name__ for m in mods]
-            keys = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+            keys, mods = candidate_keys(list(candidates))  # class names, as mutators use
         if not mods:
             raise ValueError("LayerChoice needs at least one candidate")
         bad = [k for k in keys if "." in k or not k]
@@ -396,7 +394,8 @@ class _LayerChoiceMutator(_Inline):
         if kind == "op":
             self.replace(node, payload)
         else:
-            mapping = _splice(self, node, payload, f"{node.name}.{self.keys[index]}.")
+            key = str(self.keys[index]).replace("#", "_")
+            mapping = _splice(self, node, payload, f"{node.name}.{key}.")
             self.run_nested(nested, mapping)
 
 
@@ -589,7 +588,8 @@ def _on_layer_choice(conv, n: fx.Node, module: LayerChoice) -> None:
 
     path = str(n.target)
     scope = _TraceScope.current()
-    options = [_candidate(m, f"{path}.{key}.") for key, m in zip(module.keys, module.options)]
+    options = [_candidate(m, f"{path}.{str(key).replace('#', '_')}.")
+               for key, m in zip(module.keys, module.options)]
     args, feeds = conv.template([list(n.args), dict(n.kwargs)])
     kind, payload, _ = options[0]
     op = payload.copy() if kind == "op" else Operation("subgraph", graph=payload.copy())

@@ -61,9 +61,8 @@ def candidate_key(value: Any) -> Any:
     """The JSON key that stands for ``value`` in a sample (see docs/architecture.md)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, nn.Module):
-        return repr(value) if len(repr(value)) <= 80 and "\n" not in repr(value) \
-            else type(value).__name__
+    if isinstance(value, nn.Module):  # the class name; duplicates get "#i" in candidate_keys
+        return type(value).__name__
     if isinstance(value, functools.partial):
         kw = ", ".join(f"{k}={v!r}" for k, v in value.keywords.items())
         return f"{candidate_key(value.func)}({kw})"
@@ -83,7 +82,9 @@ def candidate_key(value: Any) -> Any:
 def candidate_keys(candidates: Sequence | dict) -> tuple[list, list]:
     """(keys, values) of a candidate list or a dict of named candidates; keys made unique."""
     if isinstance(candidates, dict):
-        keys, values = [str(k) for k in candidates], list(candidates.values())
+        keys = [k if k is None or isinstance(k, (bool, int, float, str)) else str(k)
+                for k in candidates]
+        values = list(candidates.values())
     else:
         values = list(candidates)
         keys = [candidate_key(v) for v in values]
@@ -193,6 +194,7 @@ class Context:
     history: list  # one record per primitive call
     created: set  # uids created while building this model
     deleted: dict  # uid -> name of nodes deleted (for dangling-port errors)
+    example_input: Any = None  # the space's example input: lets mutators read shapes
 
 
 class Mutator:
@@ -227,15 +229,25 @@ class Mutator:
     def apply(self, ctx: Context, targets: list) -> None:
         """Run ``mutate`` on ``ctx.graph``; check that no port is left dangling."""
         self._ctx, self._calls = ctx, 0
+        start = len(ctx.history)
         try:
             self.mutate(targets)
-            self._check_dangling()
+            self._check_dangling(start)
         finally:
             self._ctx = None
 
-    def _check_dangling(self) -> None:
+    def _check_dangling(self, start: int = 0) -> None:
+        # Only a node that a primitive recorded since ``start`` touched (its op replaced, an
+        # input disconnected, a feeder deleted, or created by it) can have lost an input;
+        # checking those alone keeps this linear in the edit, not in the graph's size.
         g = self.graph
-        for node in g.nodes:
+        touched: set[int] = set()
+        for rec in self._ctx.history[start:]:
+            touched.update(rec[k] for k in ("node", "dst") if k in rec)
+            touched.update(rec.get("users", ()))
+            touched.update(rec.get("nodes", ()))
+        for node in sorted((g._nodes[u] for u in touched if u in g._nodes),
+                           key=lambda n: n._seq):
             for port, src in enumerate(node.inputs):
                 if src is None:
                     culprit = self._deleted_feeder(node)
@@ -276,10 +288,11 @@ class Mutator:
             label: the choice's name in samples; calls with the same label share one decision.
         """
         keys, values = candidate_keys(candidates)
-        if not values:
-            raise MutationError(f"{self._name}.choose: the list of candidates is empty")
         if label is None:
             label = f"{self._name}/{self._calls}"
+        if not values:
+            raise MutationError(f"{self._name}.choose: the list of candidates for choice "
+                                f"{label!r} is empty")
         self._calls += 1
         sample = self._ctx.sample
         if label in sample:  # a tied choice: same label, same decision

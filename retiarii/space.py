@@ -188,8 +188,8 @@ class ModelSpace:
         from .choices import ValueChoice
 
         for name, value in hparams.items():
-            if isinstance(value, ValueChoice):
-                self.hparams[name] = value
+            if isinstance(value, ValueChoice):  # plain values are not choices
+                self.hparams[name] = ValueChoice(value.values, label=value.label or name)
         return self
 
     @property
@@ -202,7 +202,7 @@ class ModelSpace:
         choice as it is reached (conditional choices only when they exist)."""
         sampler = _as_sampler(sampler)
         ctx = Context(graph=None, sampler=sampler, sample={}, history=[], created=set(),
-                      deleted={})
+                      deleted={}, example_input=self.example_input)
         base = 0
         if len(self.bases) > 1:
             base = sampler.choose("base", list(self.base_names), {})
