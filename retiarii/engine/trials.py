@@ -1,0 +1,590 @@
+"""The trial lifecycle and the control loop that steers trials with a scheduler's decisions.
+
+A :class:`Trial` moves through ``PENDING -> RUNNING -> PAUSED <-> RUNNING -> TERMINATED``, with
+``RUNNING -> ERRORED -> PENDING`` on a retry from its last checkpoint; any other move raises
+:class:`IllegalTransition`. The :class:`TrialRunner` keeps every executor slot busy: it trains
+each trial one *segment* (a :class:`~.executors.Job`) at a time, asks the scheduler for a
+:class:`~retiarii.strategies.Decision` after every step and applies it, hands a freed slot to
+the next trial in the same step (reclaim, repack, relaunch), creates the trials a scheduler
+spawns from their parent's checkpoint, and retries failed trials. Every transition is written to
+the journal before it takes effect, and :meth:`TrialRunner.resume` rebuilds the run from the
+journal after the driver dies.
+
+The runner knows nothing of the executor beyond its interface and nothing of the scheduler
+beyond :class:`~retiarii.strategies.scheduler.Scheduler`.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..strategies.scheduler import Decision, Scheduler, Spawn
+from .executors.base import (
+    Executor, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
+)
+
+
+class TrialState(enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    TERMINATED = "TERMINATED"
+    ERRORED = "ERRORED"
+
+
+_S = TrialState
+ALLOWED = {  # RUNNING -> PENDING only when a restarted driver requeues what was running
+    _S.PENDING: {_S.RUNNING, _S.TERMINATED},
+    _S.RUNNING: {_S.PAUSED, _S.TERMINATED, _S.ERRORED, _S.PENDING},
+    _S.PAUSED: {_S.RUNNING, _S.TERMINATED},
+    _S.ERRORED: {_S.PENDING},
+    _S.TERMINATED: set(),
+}
+
+
+class IllegalTransition(ValueError):
+    """A trial was asked to move between two states the lifecycle does not connect."""
+
+
+@dataclass
+class Trial:
+    """One training run: its spec, where it stands, and how to resume it."""
+
+    trial_id: str
+    config: dict[str, Any]  # the spec a worker rebuilds the model and trainer from
+    state: TrialState = TrialState.PENDING
+    parent: str | None = None  # PBT: the trial whose checkpoint this one starts from
+    parent_step: int | None = None  # ... and the step of that (pinned) checkpoint
+    donor: str | None = None  # ... and its path
+    max_steps: int | None = None  # complete after this step (None: the scheduler decides)
+    spawned: bool = False  # created by the scheduler's next_spawn
+    step: int = 0  # last step reported
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> path
+    attempts: int = 0  # failures so far
+    error: str | None = None
+    last_result: dict[str, Any] | None = None
+    time_total: float = 0.0  # executor seconds spent training this trial
+
+    def move(self, new: TrialState) -> None:
+        """Change state, refusing moves the lifecycle does not allow."""
+        if new not in ALLOWED[self.state]:
+            raise IllegalTransition(f"trial {self.trial_id!r} cannot go from {self.state.name} to "
+                                    f"{new.name}")
+        self.state = new
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The config under the name the executor's :class:`TrialTask` uses."""
+        return self.config
+
+    def resume_point(self) -> tuple[int, str | None]:
+        """(step, checkpoint path) the next segment starts from: its own latest checkpoint, else
+        the donor's, else a fresh start."""
+        if self.checkpoints:
+            step = max(self.checkpoints)
+            return step, self.checkpoints[step]
+        if self.donor is not None:
+            return int(self.parent_step or 0), self.donor
+        return 0, None
+
+    def to_record(self) -> dict[str, Any]:
+        """The immutable part, as the journal stores it when the trial is added."""
+        return {"trial_id": self.trial_id, "config": self.config, "parent": self.parent,
+                "parent_step": self.parent_step, "donor": self.donor,
+                "max_steps": self.max_steps, "spawned": self.spawned}
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> "Trial":
+        return cls(rec["trial_id"], dict(rec["config"]), parent=rec.get("parent"),
+                   parent_step=rec.get("parent_step"), donor=rec.get("donor"),
+                   max_steps=rec.get("max_steps"), spawned=bool(rec.get("spawned")))
+
+
+class Journal(Protocol):
+    """Where the runner writes what happens, before it takes effect (the SQLite store).
+
+    ``scheduler_state`` receives ``{"scheduler": scheduler.state_dict(), "fed": {trial: step},
+    "known": n}`` (the last step of each trial the scheduler has seen, and how many trials it
+    knew of); it is opaque to the store and only the latest one matters. ``records()`` returns
+    what was written as ``(kind, payload)`` pairs with the payloads of :class:`MemoryJournal`:
+    ``trial_added`` in creation order, each trial's transitions, results and checkpoints in the
+    order written (no order is needed *between* trials or kinds), and the latest
+    ``scheduler_state``. :meth:`TrialRunner.resume` folds them.
+    """
+
+    def trial_added(self, trial: Trial) -> None: ...
+    def transition(self, trial_id: str, old: TrialState, new: TrialState, reason: str) -> None: ...
+    def result(self, trial_id: str, step: int, metrics: dict, time: float) -> None: ...
+    def checkpoint(self, trial_id: str, step: int, path: str) -> None: ...
+    def scheduler_state(self, state: dict) -> None: ...
+    def records(self) -> list[tuple[str, dict]]: ...
+
+
+class MemoryJournal:
+    """An in-memory :class:`Journal` for tests; payloads go through JSON, as in a store.
+
+    Example:
+        >>> j = MemoryJournal()
+        >>> j.checkpoint("t1", 3, "ckpt/t1/3")
+        >>> j.records()
+        [('checkpoint', {'trial_id': 't1', 'step': 3, 'path': 'ckpt/t1/3'})]
+    """
+
+    def __init__(self):
+        self._records: list[tuple[str, dict]] = []
+
+    def _write(self, kind: str, payload: dict) -> None:
+        self._records.append((kind, json.loads(json.dumps(payload, allow_nan=False))))
+
+    def trial_added(self, trial: Trial) -> None:
+        self._write("trial_added", trial.to_record())
+
+    def transition(self, trial_id, old, new, reason) -> None:
+        self._write("transition", {"trial_id": trial_id, "old": old.value, "new": new.value,
+                                   "reason": reason})
+
+    def result(self, trial_id, step, metrics, time) -> None:
+        self._write("result", {"trial_id": trial_id, "step": step, "metrics": metrics,
+                               "time": time})
+
+    def checkpoint(self, trial_id, step, path) -> None:
+        self._write("checkpoint", {"trial_id": trial_id, "step": step, "path": path})
+
+    def scheduler_state(self, state: dict) -> None:
+        self._write("scheduler_state", {"state": state})
+
+    def records(self) -> list[tuple[str, dict]]:
+        return list(self._records)
+
+
+def _result_dict(step: int, metrics: dict) -> dict:
+    """What a scheduler sees: the metrics (with ``time_total_s``) and ``training_iteration``."""
+    return {**metrics, "training_iteration": step}
+
+
+@dataclass
+class _Flight:
+    """A submitted segment of one trial."""
+
+    trial_id: str
+    task: TrialTask
+    worker: str | None = None
+    started: float | None = None
+    mark: float = 0.0  # clock of the last result (time accounting)
+    buffered: dict | None = None  # the segment's last result, fed once its checkpoint exists
+    outcome: str | None = None  # "stop" / "pause" once decided; the segment then only finishes
+
+
+class TrialRunner:
+    """Drive trials on an executor under a scheduler until no work is left or a budget is hit.
+
+    Example:
+        >>> from retiarii.engine.executors.simulated import SimulatedExecutor
+        >>> from retiarii.strategies.scheduler import Scheduler
+        >>> ex = SimulatedExecutor(2, curve=lambda spec, step: {"loss": spec["lr"] / step})
+        >>> runner = TrialRunner(ex, Scheduler(), max_steps=3)
+        >>> for lr in (0.1, 0.2, 0.3):
+        ...     _ = runner.add_trial({"lr": lr})
+        >>> runner.run()
+        True
+        >>> [t.state.name for t in runner.trials.values()], ex.now()
+        (['TERMINATED', 'TERMINATED', 'TERMINATED'], 6.0)
+
+    Args:
+        executor: where segments run (its ``num_slots`` is the number of workers).
+        scheduler: the training-control algorithm.
+        journal: written before every transition; None keeps nothing.
+        max_failures: retries of a failing trial (from its last checkpoint) before it stays
+            ERRORED.
+        segment: steps per job. The scheduler still decides after every step; a PAUSE or STOP
+            before a segment's end cancels it (a paused trial then resumes from its last
+            checkpoint, redoing those steps), so keep it 1 or a divisor of the rung length.
+        max_steps: default length of a trial (None: until the scheduler stops it).
+        max_total_steps: compute budget in steps; max_time: budget on the executor's clock.
+            Once hit, no segment starts and running trials pause at their segment's end.
+        checkpoint_dir: where ``checkpoint_out`` paths point.
+    """
+
+    def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
+                 *, max_failures: int = 3, segment: int = 1, max_steps: int | None = None,
+                 max_total_steps: int | None = None, max_time: float | None = None,
+                 checkpoint_dir: str = "checkpoints"):
+        if segment < 1:
+            raise ValueError(f"segment must be >= 1 step, got {segment}")
+        self.executor, self.scheduler, self.journal = executor, scheduler, journal
+        self.max_failures, self.segment, self.max_steps = max_failures, segment, max_steps
+        self.max_total_steps, self.max_time = max_total_steps, max_time
+        self.checkpoint_dir = checkpoint_dir.rstrip("/")
+        self.trials: dict[str, Trial] = {}
+        self.steps_trained = 0  # every step any job reported, replays included
+        self.timeline: list[dict] = []  # one entry per finished job: worker, start, end
+        self._order: dict[str, int] = {}
+        self._inflight: dict[str, _Flight] = {}
+        self._job_of: dict[str, str] = {}
+        self._fed: dict[str, int] = {}
+        self._journaled: dict[str, int] = {}
+        self._orphans: dict[str, Trial] = {}
+        # the waiting trials, each an ordered {trial: creation index} (sorted lazily)
+        self._waiting: dict[TrialState, dict[str, int]] = {TrialState.PENDING: {},
+                                                           TrialState.PAUSED: {}}
+        self._unsorted: set[TrialState] = set()
+        self._jobs = 0
+        self._ids = 0
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def add_trial(self, config: dict, trial_id: str | None = None,
+                  max_steps: int | None = None) -> Trial:
+        """Add a PENDING trial (a fresh start) and tell the scheduler."""
+        trial_id = trial_id or self._new_id()
+        if trial_id in self.trials or trial_id in self._orphans:
+            raise ValueError(f"a trial named {trial_id!r} already exists")
+        trial = Trial(trial_id, dict(config), max_steps=max_steps or self.max_steps)
+        self._register(trial)
+        self._after_scheduler()
+        return trial
+
+    def run(self, max_events: int | None = None) -> bool:
+        """Process events until no work is left (True) or ``max_events`` were handled (False)."""
+        self._fill()
+        handled = 0
+        while self._inflight:
+            if max_events is not None and handled >= max_events:
+                return False
+            event = self.executor.next_event()
+            if event is None:
+                raise RuntimeError(f"{type(self.executor).__name__}.next_event() returned None "
+                                   f"while {len(self._inflight)} job(s) are in flight")
+            self._on_event(event)
+            handled += 1
+            self._fill()
+        if not self.budget_hit():
+            self._close_leftovers()
+        return True
+
+    def budget_hit(self) -> bool:
+        return ((self.max_total_steps is not None and self.steps_trained >= self.max_total_steps)
+                or (self.max_time is not None and self.executor.now() >= self.max_time))
+
+    def checkpoints(self) -> list[tuple[str, int, str]]:
+        """(trial, step, path) of every checkpoint written (input to garbage collection)."""
+        return [(t, s, p) for t, tr in self.trials.items()
+                for s, p in sorted(tr.checkpoints.items())]
+
+    def states(self) -> dict[str, TrialState]:
+        return {t: tr.state for t, tr in self.trials.items()}
+
+    @classmethod
+    def resume(cls, executor: Executor, scheduler: Scheduler, journal: Journal,
+               **kwargs: Any) -> "TrialRunner":
+        """Rebuild a runner from ``journal`` after the driver died; the scheduler gets its saved
+        state back, RUNNING trials go back to PENDING and continue from their last checkpoint."""
+        runner = cls(executor, scheduler, journal, **kwargs)
+        saved, results = None, []
+        for kind, p in journal.records():
+            if kind == "trial_added":
+                if p["trial_id"] not in runner.trials:
+                    runner.trials[p["trial_id"]] = Trial.from_record(p)
+                    runner._order[p["trial_id"]] = len(runner._order)
+            elif kind == "scheduler_state":
+                saved = p["state"]
+            elif kind == "transition":
+                trial = runner.trials[p["trial_id"]]
+                trial.state = TrialState(p["new"])
+                if trial.state is TrialState.ERRORED:
+                    trial.attempts, trial.error = trial.attempts + 1, p["reason"]
+            elif kind == "result":
+                trial = runner.trials[p["trial_id"]]
+                results.append((trial, p))
+                runner._journaled[trial.trial_id] = max(runner._journaled.get(trial.trial_id, 0),
+                                                        p["step"])
+                trial.step, trial.last_result = p["step"], _result_dict(p["step"], p["metrics"])
+                trial.time_total = trial.last_result.get("time_total_s", trial.time_total)
+            elif kind == "checkpoint":
+                runner.trials[p["trial_id"]].checkpoints[p["step"]] = p["path"]
+        known = 0
+        if saved is not None:
+            scheduler.load_state_dict(saved["scheduler"])
+            runner._fed, known = dict(saved["fed"]), saved["known"]
+        for trial_id, index in runner._order.items():
+            trial = runner.trials[trial_id]
+            if index >= known and trial.state is TrialState.PENDING:  # the scheduler never knew it
+                if trial.spawned:  # adopted if the scheduler spawns it again
+                    runner._orphans[trial_id] = runner.trials.pop(trial_id)
+                    continue
+                scheduler.on_trial_add(trial_id, trial.config)
+            runner._track(trial)
+        for trial, p in results:  # segment ends whose checkpoint exists but were never decided
+            if (trial.trial_id in runner.trials and p["step"] > runner._fed.get(trial.trial_id, 0)
+                    and p["step"] <= max(trial.checkpoints, default=0)):
+                runner._feed(trial, _result_dict(p["step"], p["metrics"]), None)
+        for trial in runner.trials.values():
+            if trial.state is TrialState.RUNNING:
+                runner._move(trial, TrialState.PENDING, "driver restarted")
+            elif trial.state is TrialState.ERRORED and trial.attempts <= runner.max_failures:
+                runner._move(trial, TrialState.PENDING, "retry after driver restart")
+        runner._after_scheduler()
+        return runner
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        while True:
+            self._ids += 1
+            trial_id = f"trial-{self._ids:04d}"
+            if trial_id not in self.trials and trial_id not in self._orphans:
+                return trial_id
+
+    def _register(self, trial: Trial) -> None:
+        if self.journal is not None:
+            self.journal.trial_added(trial)
+        self.trials[trial.trial_id] = trial
+        self._order[trial.trial_id] = len(self._order)
+        self._track(trial)
+        self.scheduler.on_trial_add(trial.trial_id, trial.config)
+
+    def _move(self, trial: Trial, new: TrialState, reason: str) -> None:
+        """Journal, then apply, one lifecycle transition."""
+        if new not in ALLOWED[trial.state]:
+            trial.move(new)  # raises with the trial named
+        if self.journal is not None:
+            self.journal.transition(trial.trial_id, trial.state, new, reason)
+        trial.move(new)
+        self._track(trial)
+
+    def _track(self, trial: Trial) -> None:
+        """Keep the waiting lists in step with the trial's state."""
+        for state, waiting in self._waiting.items():
+            if state is trial.state:
+                index = self._order[trial.trial_id]
+                if waiting and index < next(reversed(waiting.values())):
+                    self._unsorted.add(state)  # a retry or resume: not the newest trial
+                waiting[trial.trial_id] = index
+            else:
+                waiting.pop(trial.trial_id, None)
+
+    def _after_scheduler(self) -> None:
+        """Apply the scheduler's stop list, then save its state (with what it has seen)."""
+        for trial_id in self.scheduler.trials_to_stop():
+            trial = self.trials.get(trial_id)
+            if trial is None:
+                raise ValueError(f"{type(self.scheduler).__name__}.trials_to_stop() named "
+                                 f"{trial_id!r}, which is not a trial of this run")
+            if trial.state in (TrialState.PENDING, TrialState.PAUSED):
+                self._move(trial, TrialState.TERMINATED, "stopped by scheduler")
+            elif trial.state is TrialState.RUNNING:
+                self._stop_running(trial, "stopped by scheduler")
+        if self.journal is not None:
+            self.journal.scheduler_state({"scheduler": self.scheduler.state_dict(),
+                                          "fed": dict(self._fed), "known": len(self._order)})
+
+    def _stop_running(self, trial: Trial, reason: str) -> None:
+        self._move(trial, TrialState.TERMINATED, reason)
+        flight = self._inflight.get(self._job_of.get(trial.trial_id, ""))
+        if flight is not None and flight.outcome is None:
+            flight.outcome = "stop"
+            if trial.step < flight.task.stop_step or flight.buffered is not None:
+                self.executor.cancel(self._job_of[trial.trial_id])
+        self.scheduler.on_trial_complete(trial.trial_id, trial.last_result or {})
+
+    # ---- launching ------------------------------------------------------------------------
+
+    def _candidates(self) -> list[str]:
+        """PENDING trials in creation order, then PAUSED ones (none with a job in flight)."""
+        out = []
+        for state, waiting in self._waiting.items():
+            if state in self._unsorted:
+                self._waiting[state] = waiting = dict(sorted(waiting.items(), key=lambda x: x[1]))
+                self._unsorted.discard(state)
+            busy = waiting.keys() & self._job_of.keys()  # paused, their last segment finishing
+            out.extend(waiting if not busy else (t for t in waiting if t not in busy))
+        return out
+
+    def _fill(self) -> None:
+        """Give every free slot a trial: the scheduler's pick, else a spawned one."""
+        while len(self._inflight) < self.executor.num_slots and not self.budget_hit():
+            candidates = self._candidates()
+            pick = self.scheduler.choose_trial_to_run(candidates) if candidates else None
+            if pick is not None and pick not in candidates:
+                raise ValueError(f"{type(self.scheduler).__name__}.choose_trial_to_run returned "
+                                 f"{pick!r}, which is not one of the PENDING/PAUSED candidates")
+            spawn = None if pick is not None else self.scheduler.next_spawn()
+            if pick is None and spawn is None:
+                self._after_scheduler()
+                return
+            trial = self.trials[pick] if pick is not None else self._add_spawn(spawn)
+            self._after_scheduler()
+            if trial.state in (TrialState.PENDING, TrialState.PAUSED):
+                self._launch(trial)
+
+    def _add_spawn(self, spawn: Spawn) -> Trial:
+        if not isinstance(spawn, Spawn):
+            raise TypeError(f"{type(self.scheduler).__name__}.next_spawn() returned {spawn!r}; "
+                            f"return a retiarii.strategies.Spawn or None")
+        trial_id = spawn.trial_id or self._new_id()
+        if trial_id in self._orphans:  # re-spawned after a restart: it is already journaled
+            trial = self._orphans.pop(trial_id)
+            if trial.parent != spawn.parent or trial.config != dict(spawn.config):
+                raise ValueError(f"the scheduler re-spawned {trial_id!r} differently after a "
+                                 f"restart (parent/config changed): its state is inconsistent")
+            self.trials[trial_id] = trial
+            self._track(trial)
+            self.scheduler.on_trial_add(trial_id, trial.config)
+            return trial
+        if trial_id in self.trials:
+            raise ValueError(f"{type(self.scheduler).__name__} spawned {trial_id!r}, which exists")
+        donor, step = None, None
+        if spawn.parent is not None:
+            parent = self.trials.get(spawn.parent)
+            if parent is None:
+                raise ValueError(f"spawn of {trial_id!r} names parent {spawn.parent!r}, which is "
+                                 f"not a trial of this run")
+            step = spawn.parent_step if spawn.parent_step is not None else max(
+                parent.checkpoints, default=None)
+            donor = parent.checkpoints.get(step)
+            if donor is None:
+                raise ValueError(f"spawn of {trial_id!r} needs a checkpoint of {spawn.parent!r} at "
+                                 f"step {step}, but it has {sorted(parent.checkpoints)}")
+        if self.max_steps is not None and (step or 0) >= self.max_steps:
+            raise ValueError(f"spawn of {trial_id!r} starts at step {step}, but the runner's "
+                             f"max_steps={self.max_steps} leaves it nothing to train: raise "
+                             f"max_steps or end the scheduler sooner (PBT: max_generations)")
+        trial = Trial(trial_id, dict(spawn.config), parent=spawn.parent, parent_step=step,
+                      donor=donor, max_steps=self.max_steps, spawned=True)
+        self._register(trial)
+        return trial
+
+    def _launch(self, trial: Trial) -> None:
+        resumed = trial.state is TrialState.PAUSED
+        self._move(trial, TrialState.RUNNING, "resumed" if resumed else "started")
+        self._submit(trial)
+
+    def _submit(self, trial: Trial, worker: str | None = None) -> None:
+        start, ckpt = trial.resume_point()
+        stop = start + self.segment
+        if trial.max_steps is not None:
+            stop = min(stop, trial.max_steps)
+        if stop <= start:
+            self._stop_running(trial, f"already at max_steps={trial.max_steps}")
+            return
+        self._jobs += 1
+        job_id = f"{trial.trial_id}@{stop}#{self._jobs}"
+        task = TrialTask(trial.trial_id, trial.config, start, stop, ckpt,
+                         f"{self.checkpoint_dir}/{trial.trial_id}/step-{stop:06d}")
+        self._inflight[job_id] = _Flight(trial.trial_id, task, mark=self.executor.now())
+        self._job_of[trial.trial_id] = job_id
+        meta = {} if worker is None else {"worker": worker}  # a placement hint, may be ignored
+        self.executor.submit(Job(job_id, [task], attempt=trial.attempts, meta=meta))
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def _on_event(self, event) -> None:
+        flight = self._inflight.get(event.job_id)
+        if flight is None:
+            return  # an event of a job we no longer track (cancelled)
+        trial = self.trials[flight.trial_id]
+        if isinstance(event, JobStarted):
+            flight.worker, flight.started = event.worker, self.executor.now()
+            flight.mark = flight.started
+        elif isinstance(event, TrialResult):
+            self._on_result(trial, flight, event)
+        elif isinstance(event, TrialCheckpointed):
+            if self.journal is not None:
+                self.journal.checkpoint(trial.trial_id, event.step, event.path)
+            trial.checkpoints[event.step] = event.path
+            if (flight.buffered is not None and flight.outcome is None
+                    and event.step == flight.task.stop_step):
+                result, flight.buffered = flight.buffered, None
+                self._feed(trial, result, flight)
+        elif isinstance(event, (JobFinished, JobFailed)):
+            self._inflight.pop(event.job_id)
+            self._job_of.pop(trial.trial_id, None)
+            self.timeline.append({"job_id": event.job_id, "trial_id": trial.trial_id,
+                                  "worker": flight.worker, "start": flight.started,
+                                  "end": self.executor.now(),
+                                  "failed": isinstance(event, JobFailed)})
+            if flight.outcome is not None:
+                return  # stopped or paused: the slot is simply free again
+            if isinstance(event, JobFailed):
+                self._on_failure(trial, event)
+                return
+            if flight.buffered is not None:  # an executor that wrote no checkpoint
+                self._feed(trial, flight.buffered, None)
+            self._after_continue(trial, flight.worker)
+
+    def _on_result(self, trial: Trial, flight: _Flight, event: TrialResult) -> None:
+        self.steps_trained += 1
+        trial.time_total += max(0.0, event.time - flight.mark)
+        flight.mark = event.time
+        if flight.outcome is not None or event.step <= self._fed.get(trial.trial_id, 0):
+            return  # decided already, or a step replayed after a retry
+        metrics = {**event.metrics, "time_total_s": trial.time_total}
+        if event.step > self._journaled.get(trial.trial_id, 0):
+            if self.journal is not None:
+                self.journal.result(trial.trial_id, event.step, metrics, event.time)
+            self._journaled[trial.trial_id] = event.step
+        trial.step, trial.last_result = event.step, _result_dict(event.step, metrics)
+        if event.step == flight.task.stop_step:
+            flight.buffered = trial.last_result  # decide once the checkpoint exists
+        else:
+            self._feed(trial, trial.last_result, flight)
+
+    def _feed(self, trial: Trial, result: dict, flight: _Flight | None) -> None:
+        """Ask the scheduler about one result and apply its decision (journal first)."""
+        step = result["training_iteration"]
+        decision = self.scheduler.on_trial_result(trial.trial_id, result)
+        if not isinstance(decision, Decision):
+            raise TypeError(f"{type(self.scheduler).__name__}.on_trial_result returned "
+                            f"{decision!r}; return a retiarii.strategies.Decision")
+        self._fed[trial.trial_id] = step
+        mid_segment = flight is not None and step < flight.task.stop_step
+        done = trial.max_steps is not None and step >= trial.max_steps
+        if trial.state is not TrialState.RUNNING:  # replaying a decision already journaled
+            if trial.state is TrialState.TERMINATED:
+                self.scheduler.on_trial_complete(trial.trial_id, result)
+        elif decision is Decision.STOP or done:
+            self._stop_running(trial, "stopped by scheduler" if decision is Decision.STOP
+                               else f"completed max_steps={trial.max_steps}")
+        elif decision is Decision.PAUSE:
+            self._move(trial, TrialState.PAUSED, "paused by scheduler")
+            if flight is not None:
+                flight.outcome = "pause"
+                if mid_segment:  # resumes from the last checkpoint, redoing these steps
+                    self.executor.cancel(self._job_of[trial.trial_id])
+        self._after_scheduler()
+
+    def _after_continue(self, trial: Trial, worker: str | None) -> None:
+        """A segment ended with CONTINUE: train the next one at once, preferably on the same
+        worker (or pause on budget)."""
+        if trial.state is not TrialState.RUNNING:
+            return
+        if self.budget_hit():
+            self._move(trial, TrialState.PAUSED, "budget exhausted")
+        else:
+            self._submit(trial, worker)
+
+    def _on_failure(self, trial: Trial, event: JobFailed) -> None:
+        if trial.state is not TrialState.RUNNING:
+            return
+        trial.attempts += 1
+        trial.error = event.error
+        kind = "worker lost" if event.worker_lost else "error"
+        self._move(trial, TrialState.ERRORED, f"{kind}: {event.error}")
+        if trial.attempts <= self.max_failures:
+            step, _ = trial.resume_point()
+            self._move(trial, TrialState.PENDING, f"retry {trial.attempts} from step {step}")
+        else:
+            self.scheduler.on_trial_error(trial.trial_id)
+            self._after_scheduler()
+
+    def _close_leftovers(self) -> None:
+        """The search is over: trials the scheduler never ran again are terminated."""
+        for trial in self._orphans.values():
+            self.trials[trial.trial_id] = trial
+            self._track(trial)
+        self._orphans.clear()
+        for trial in self.trials.values():
+            if trial.state in (TrialState.PENDING, TrialState.PAUSED):
+                self._move(trial, TrialState.TERMINATED, "search finished without running it")

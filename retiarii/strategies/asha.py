@@ -1,0 +1,252 @@
+"""Asynchronous successive halving (ASHA): stop-based as in Ray Tune, or promotion-based."""
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+
+from .scheduler import Decision, Scheduler, check_mode, check_state, from_json_float, json_float
+
+
+def rung_milestones(grace_period: float, max_t: float, reduction_factor: float, s: int) -> list:
+    """Milestones of bracket ``s``, highest first, with Ray's rounding.
+
+    The count is ``int(log(max_t / grace_period) / log(rf) - s + 1)`` (truncation, float
+    arithmetic of ``np.log``) and milestone ``k`` is ``grace_period * rf ** (k + s)``.
+
+    >>> rung_milestones(1, 10, 2, 0)
+    [8, 4, 2, 1]
+    """
+    count = int(np.log(max_t / grace_period) / np.log(reduction_factor) - s + 1)
+    return [grace_period * reduction_factor ** (k + s) for k in reversed(range(count))]
+
+
+def _cutoff(recorded: dict[str, float], reduction_factor: float) -> float | None:
+    """The ``(1 - 1/rf)`` percentile of a rung (linear interpolation, NaNs ignored)."""
+    if not recorded:
+        return None
+    values = np.fromiter(recorded.values(), dtype=float, count=len(recorded))
+    nan = np.isnan(values)
+    if nan.all():
+        return float("nan")  # what np.nanpercentile returns, without its warning
+    # np.nanpercentile is np.percentile of the non-NaN values (and much slower)
+    return float(np.percentile(values[~nan] if nan.any() else values,
+                               (1 - 1 / reduction_factor) * 100))
+
+
+def _rank_key(value: float) -> float:
+    return -math.inf if math.isnan(value) else value
+
+
+class _Bracket:
+    """The rungs of one bracket: ``[(milestone, {trial: signed metric})]``, highest first.
+
+    ``promoted[i]`` holds the trials already promoted out of rung ``i`` (promotion variant).
+    """
+
+    def __init__(self, milestones: list, reduction_factor: float, stop_last_trials: bool):
+        self.rf = reduction_factor
+        self.stop_last_trials = stop_last_trials
+        self.rungs: list[tuple[float, dict[str, float]]] = [(m, {}) for m in milestones]
+        self.promoted: list[set[str]] = [set() for _ in milestones]
+        self._ranked: list[list[tuple]] = [[] for _ in milestones]  # (-value, arrival, trial)
+        self.latest: dict[str, int] = {}  # trial -> index of the highest rung it is recorded at
+        self.waiting: set[str] = set()  # recorded at their latest rung, not promoted out of it
+
+    def on_result(self, trial_id: str, time: float, value: float) -> Decision:
+        """Ray's rule: at the highest milestone passed and not yet recorded, stop the trial if
+        its value is strictly below the rung's cutoff (computed before recording it)."""
+        for milestone, recorded in self.rungs:
+            if time >= milestone and trial_id in recorded and not self.stop_last_trials:
+                break
+            if time < milestone or trial_id in recorded:
+                continue
+            cutoff = _cutoff(recorded, self.rf)
+            action = Decision.STOP if cutoff is not None and value < cutoff else Decision.CONTINUE
+            recorded[trial_id] = value
+            return action
+        return Decision.CONTINUE
+
+    def record(self, trial_id: str, time: float, value: float) -> bool:
+        """Promotion variant: record at the highest milestone passed and not yet recorded."""
+        for index, (milestone, recorded) in enumerate(self.rungs):
+            if time >= milestone and trial_id not in recorded:
+                self._rank(index, trial_id, value)
+                recorded[trial_id] = value
+                if index <= self.latest.get(trial_id, index):
+                    self.latest[trial_id] = index
+                    self.waiting.add(trial_id)
+                return True
+            if time >= milestone:
+                return False
+        return False
+
+    def _rank(self, index: int, trial_id: str, value: float) -> None:
+        """Keep rung ``index`` sorted best first; ties keep arrival order, NaN ranks last."""
+        ranked = self._ranked[index]
+        bisect.insort(ranked, (-_rank_key(value), len(ranked), trial_id))
+
+    def promotable(self, index: int) -> list[str]:
+        """Trials of rung ``index`` in its top ``floor(n / rf)``, best first, not yet promoted."""
+        recorded, promoted = self.rungs[index][1], self.promoted[index]
+        ranked = self._ranked[index]
+        top = ranked[: int(len(recorded) // self.rf)]
+        return [t for _, _, t in top if t not in promoted]
+
+    def promote(self, index: int, trial_id: str) -> None:
+        self.promoted[index].add(trial_id)
+        if self.latest.get(trial_id) == index:
+            self.waiting.discard(trial_id)
+
+    def to_json(self) -> dict:
+        return {"rungs": [[m, {t: json_float(v) for t, v in r.items()}] for m, r in self.rungs],
+                "promoted": [sorted(p) for p in self.promoted]}
+
+    def load_json(self, data: dict) -> None:
+        self.rungs = [(m, {t: from_json_float(v) for t, v in r.items()}) for m, r in data["rungs"]]
+        self.promoted = [set(p) for p in data["promoted"]]
+        self._ranked = [[] for _ in self.rungs]
+        for i, (_, recorded) in enumerate(self.rungs):  # recorded dicts keep arrival order
+            for t, v in recorded.items():
+                self._rank(i, t, v)
+        self.latest = {}
+        for i in reversed(range(len(self.rungs))):  # lowest rung first: the highest one wins
+            for t in self.rungs[i][1]:
+                self.latest[t] = i
+        self.waiting = {t for t, i in self.latest.items() if t not in self.promoted[i]}
+
+
+class ASHA(Scheduler):
+    """Asynchronous successive halving over rungs spaced by ``reduction_factor``.
+
+    Bracket ``s`` has milestones ``grace_period * rf ** (k + s)`` for
+    ``k < int(log(max_t / grace_period) / log(rf) - s + 1)``. A trial is assigned to a bracket
+    when added, at random with probability ``softmax(number of rungs)`` (Ray's rule, drawn from
+    ``numpy.random.RandomState(seed)``; one bracket needs no draw).
+
+    Stop-based (default; decides exactly as Ray Tune's ``AsyncHyperBandScheduler``): a result
+    with time ``>= max_t`` is STOP. Otherwise, at the highest milestone the trial has passed and
+    not yet been recorded at, the cutoff is the ``(1 - 1/rf) * 100`` percentile of the values
+    already recorded there (linear interpolation, ``np.nanpercentile``; the trial's own value is
+    not included); the trial is stopped if its value is strictly below the cutoff (values are
+    negated for ``mode="min"``), then recorded. A NaN value is never below a cutoff, so it
+    continues (and is ignored by later cutoffs); a rung passed over without a result at it is
+    recorded later only if a higher rung was already recorded (Ray's walk down the rungs).
+
+    Promotion-based (``promotion=True``, Li et al.'s ASHA): a trial reaching a milestone is
+    recorded there and PAUSED. When a worker is free, :meth:`choose_trial_to_run` promotes the
+    best unpromoted trial among the top ``floor(n / rf)`` of the highest rung that has one
+    (ties by arrival, NaN last), else starts a new trial; trials that never make the cut stay
+    paused and are terminated when the search ends. ``max_t`` completes a trial (STOP).
+
+    Example:
+        >>> s = ASHA("loss", "min", grace_period=1, max_t=4, reduction_factor=2)
+        >>> [s.on_trial_result(t, {"training_iteration": 1, "loss": l}).name
+        ...  for t, l in [("a", 0.5), ("b", 0.9), ("c", 0.4)]]
+        ['CONTINUE', 'STOP', 'CONTINUE']
+
+    Args:
+        metric: the result key to compare; mode: ``"min"`` or ``"max"``.
+        grace_period: the first milestone (``min_t``). max_t: the last time a trial trains to.
+        reduction_factor: rung spacing and selection rate (keep the top ``1/rf``).
+        brackets: number of brackets (1 = plain ASHA).
+        time_attr: the result key that measures progress.
+        stop_last_trials: STOP trials at ``max_t`` (Ray's flag).
+        promotion: pause at rungs and promote (Li et al.) instead of stopping early.
+        seed: seeds the bracket draw.
+    """
+
+    def __init__(self, metric: str, mode: str = "max", grace_period: float = 1, max_t: float = 100,
+                 reduction_factor: float = 4, brackets: int = 1,
+                 time_attr: str = "training_iteration", stop_last_trials: bool = True,
+                 promotion: bool = False, seed: int | None = None):
+        self.sign = check_mode(mode)
+        if not max_t > 0 or not grace_period > 0 or max_t < grace_period:
+            raise ValueError(f"need 0 < grace_period <= max_t, got grace_period={grace_period}, "
+                             f"max_t={max_t}")
+        if not reduction_factor > 1:
+            raise ValueError(f"reduction_factor must be > 1, got {reduction_factor}")
+        if brackets < 1:
+            raise ValueError(f"brackets must be >= 1, got {brackets}")
+        self.metric, self.mode, self.time_attr = metric, mode, time_attr
+        self.max_t, self.rf, self.promotion = max_t, reduction_factor, promotion
+        self.stop_last_trials = stop_last_trials
+        self._brackets = [
+            _Bracket(rung_milestones(grace_period, max_t, reduction_factor, s),
+                     reduction_factor, stop_last_trials) for s in range(brackets)]
+        self._trial_bracket: dict[str, int] = {}
+        self._dead: set[str] = set()  # promotion variant: failed trials never chosen
+        self._rng = np.random.RandomState(seed)
+
+    def _bracket_of(self, trial_id: str) -> _Bracket:
+        if trial_id not in self._trial_bracket:
+            self.on_trial_add(trial_id, {})  # tolerate plain-number driving without on_trial_add
+        return self._brackets[self._trial_bracket[trial_id]]
+
+    def on_trial_add(self, trial_id: str, config: dict) -> None:
+        if trial_id in self._trial_bracket:
+            return
+        if len(self._brackets) == 1:
+            self._trial_bracket[trial_id] = 0
+            return
+        sizes = np.array([len(b.rungs) for b in self._brackets])
+        probs = np.e ** (sizes - sizes.max())
+        self._trial_bracket[trial_id] = int(self._rng.choice(len(sizes), p=probs / probs.sum()))
+
+    def on_trial_result(self, trial_id: str, result: dict) -> Decision:
+        if self.time_attr not in result or self.metric not in result:
+            return Decision.CONTINUE
+        time = result[self.time_attr]
+        if time >= self.max_t and (self.stop_last_trials or self.promotion):
+            return Decision.STOP
+        value = self.sign * float(result[self.metric])
+        bracket = self._bracket_of(trial_id)
+        if self.promotion:
+            return Decision.PAUSE if bracket.record(trial_id, time, value) else Decision.CONTINUE
+        return bracket.on_result(trial_id, time, value)
+
+    def on_trial_complete(self, trial_id: str, result: dict) -> None:
+        if self.promotion or self.time_attr not in result or self.metric not in result:
+            return
+        if trial_id in self._trial_bracket:  # Ray records the final result, then forgets the trial
+            self._brackets[self._trial_bracket.pop(trial_id)].on_result(
+                trial_id, result[self.time_attr], self.sign * float(result[self.metric]))
+
+    def on_trial_error(self, trial_id: str) -> None:
+        self._dead.add(trial_id)
+
+    def choose_trial_to_run(self, candidates: list[str]) -> str | None:
+        if not self.promotion:
+            return super().choose_trial_to_run(candidates)
+        allowed = set(candidates) - self._dead
+        # the highest milestone first, across brackets
+        rungs = sorted(((m, bi, ri) for bi, b in enumerate(self._brackets)
+                        for ri, (m, _) in enumerate(b.rungs)), key=lambda x: -x[0])
+        for _, bi, ri in rungs:
+            for trial_id in self._brackets[bi].promotable(ri):
+                if trial_id in allowed:
+                    self._brackets[bi].promote(ri, trial_id)
+                    return trial_id
+        for trial_id in candidates:
+            if trial_id in allowed and trial_id not in self._bracket_of(trial_id).waiting:
+                return trial_id
+        return None
+
+    def state_dict(self) -> dict:
+        kind, keys, pos, has_gauss, gauss = self._rng.get_state()
+        return {"kind": "ASHA", "brackets": [b.to_json() for b in self._brackets],
+                "trial_bracket": dict(self._trial_bracket), "dead": sorted(self._dead),
+                "rng": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(state, "ASHA")
+        if len(state["brackets"]) != len(self._brackets):
+            raise ValueError(f"saved ASHA state has {len(state['brackets'])} brackets, this one "
+                             f"{len(self._brackets)}: build it with the same arguments")
+        for b, data in zip(self._brackets, state["brackets"]):
+            b.load_json(data)
+        self._trial_bracket = dict(state["trial_bracket"])
+        self._dead = set(state["dead"])
+        kind, keys, pos, has_gauss, gauss = state["rng"]
+        self._rng.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
