@@ -2,3 +2,15 @@
 
 One algorithm per file; each is importable from here.
 """
+from .scheduler import Decision, Scheduler, Spawn
+from .median_stopping import MedianStopping
+from .asha import ASHA
+from .hyperband import Hyperband
+from .hypertrick import HyperTrick
+from .pbt import PBT, Categorical, Continuous, Discrete, Integer
+from .base import BudgetExhausted, SpaceExhausted, Strategy
+from .random_search import Random
+from .grid import GridSearch
+from .evolution import RegularizedEvolution
+from .rl import PolicyBasedRL
+from .tpe import TPE

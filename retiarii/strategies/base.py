@@ -87,21 +87,6 @@ def _check_sample(sample: Any, where: str) -> dict:
 # ---- samplers -------------------------------------------------------------------------------
 
 
-class FunctionSampler:
-    """Adapts a function ``fn(label, candidates, context) -> int`` to the sampler protocol.
-
-    Example:
-        >>> FunctionSampler(lambda label, candidates, context: 0).choose("op", ["a", "b"], {})
-        0
-    """
-
-    def __init__(self, fn: Callable[[str, list, dict], int]):
-        self.fn = fn
-
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        return self.fn(label, candidates, context)
-
-
 class RandomSampler:
     """Picks every choice uniformly at random with ``rng`` (a ``random.Random``).
 
@@ -182,7 +167,7 @@ def draw(space: Any, sampler: Sampler) -> Draw:
         ...     def sample(self, sampler):
         ...         i = sampler.choose("op", ["a", "b"], {})
         ...         return type("Model", (), {"sample": {"op": ["a", "b"][i]}})()
-        >>> draw(Space(), FunctionSampler(lambda *_: 1))
+        >>> draw(Space(), ReplaySampler({"op": "b"}))
         Draw(sample={'op': 'b'}, trace=[('op', ['a', 'b'])])
 
     Args:
@@ -281,7 +266,8 @@ class Strategy(abc.ABC):
         self._num_proposed = 0
         self._elapsed_before = 0.0
         self._started_at: float | None = None
-        self._checked: tuple[int, float | int] | None = None  # (id(space), space.size())
+        self._checked: int | None = None  # id() of the space check() accepted
+        self._size: tuple[int, float | int] | None = None  # (id(space), space.size())
 
     # -- the public interface ----------------------------------------------------------------
 
@@ -293,7 +279,7 @@ class Strategy(abc.ABC):
         if not callable(getattr(space, "sample", None)):
             raise TypeError(f"{type(self).__name__} needs a space with sample(sampler) (a "
                             f"retiarii.ModelSpace); got {type(space).__name__}")
-        self._checked = (id(space), self._space_size(space))
+        self._checked = id(space)
 
     def ask(self, space: Any) -> dict:
         """Proposes the next sample (``label -> key``) of ``space``.
@@ -302,7 +288,7 @@ class Strategy(abc.ABC):
             SpaceExhausted: nothing new is left to propose.
             BudgetExhausted: ``max_models`` or ``max_time`` is reached.
         """
-        if self._checked is None or self._checked[0] != id(space):
+        if self._checked != id(space):
             self.check(space)
         if self._started_at is None:
             self._started_at = self._clock()
@@ -314,6 +300,9 @@ class Strategy(abc.ABC):
             if not (self.dedup and key in self._records):
                 break
             tries += 1
+            if tries == 1 and len(self._records) >= self._space_size(space):
+                raise SpaceExhausted(f"{type(self).__name__}: all {len(self._records)} models "
+                                     f"of the space were proposed")
             if self.max_duplicate_tries is not None and tries >= self.max_duplicate_tries:
                 proposal, key = self._new_at_random(space, tries)
                 break
@@ -411,7 +400,7 @@ class Strategy(abc.ABC):
         self._num_proposed = state["num_proposed"]
         self._elapsed_before = state["elapsed"]
         self._started_at = None
-        self._checked = None
+        self._checked = self._size = None
         self._load_state(state["algorithm"])
 
     # -- what subclasses implement ------------------------------------------------------------
@@ -460,8 +449,11 @@ class Strategy(abc.ABC):
     # -- internals ----------------------------------------------------------------------------
 
     def _space_size(self, space: Any) -> float | int:
-        size = getattr(space, "size", None)
-        return size() if callable(size) else math.inf
+        """``space.size()``, asked once per space (counting may walk the space)."""
+        if self._size is None or self._size[0] != id(space):
+            size = getattr(space, "size", None)
+            self._size = (id(space), size() if callable(size) else math.inf)
+        return self._size[1]
 
     def _elapsed(self) -> float:
         running = 0.0 if self._started_at is None else self._clock() - self._started_at
@@ -477,12 +469,12 @@ class Strategy(abc.ABC):
 
     def _new_at_random(self, space: Any, tries: int) -> tuple[Draw, str]:
         """After ``tries`` repeated proposals: a random new sample, or SpaceExhausted."""
-        for _ in range(self.max_duplicate_tries or 100):
+        for _ in range(100):
             proposal = self._random_draw(space)
             key = sample_key(proposal.sample)
             if key not in self._records:
                 return proposal, key
-        size = self._checked[1] if self._checked else self._space_size(space)
+        size = self._space_size(space)
         name = type(self).__name__
         if size == math.inf:
             raise SpaceExhausted(

@@ -50,7 +50,7 @@ class GridSearch(Strategy):
 
     def check(self, space: Any) -> None:
         super().check(space)
-        size = self._checked[1]
+        size = self._space_size(space)
         if size == math.inf or not callable(getattr(space, "enumerate", None)):
             raise ValueError(
                 f"GridSearch needs a finite space it can enumerate, but this "

@@ -20,7 +20,8 @@ class Random(Strategy):
         >>> class Space:
         ...     def sample(self, sampler):
         ...         ops = ["conv3x3", "conv5x5", "maxpool"]
-        ...         return type("Model", (), {"sample": {"op": ops[sampler.choose("op", ops, {})]}})()
+        ...         op = ops[sampler.choose("op", ops, {})]
+        ...         return type("Model", (), {"sample": {"op": op}})()
         ...     def size(self):
         ...         return 3
         >>> s = Random(seed=1)

@@ -1,7 +1,9 @@
 """Policy-based RL: an LSTM controller emits the choices one by one and learns with REINFORCE
-and a moving-average baseline (Zoph et al., NASNet, CVPR 2018; Pham et al., ENAS, ICML 2018)."""
+and a moving-average baseline (Zoph & Le, ICLR 2017, whose controller NASNet reuses; Pham et
+al., ENAS, ICML 2018)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -17,6 +19,22 @@ def _uniform_(tensor: torch.Tensor, seed: int, scale: float) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         return tensor.uniform_(-scale, scale, generator=generator)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Runs the controller on one intra-op thread, then restores the setting.
+
+    The controller's tensors are tiny, so torch's thread pool brings no speed, only contention:
+    on a loaded 2-core machine a tell took 7x longer with 2 threads (OpenMP workers spinning).
+    The setting is process-wide; the engine trains models in worker processes, not here.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _head_seed(base_seed: int, head: str) -> int:
@@ -131,7 +149,7 @@ class PolicyBasedRL(Strategy):
     with its candidate list), created when the choice is first met, so only the choices that
     exist in a sample are emitted and trained. Asynchronous use: each pending sample keeps its
     recorded choices, so a ``tell`` after other asks still trains on the right sequence (a
-    slightly off-policy update, as in asynchronous ENAS-style controllers). A proposal that
+    slightly off-policy update: the policy may have moved since that sample was drawn). A proposal that
     repeats a known sample is redrawn (``dedup=True``) without a gradient step.
 
     Example:
@@ -157,7 +175,8 @@ class PolicyBasedRL(Strategy):
         hidden_size: LSTM width; 32 is plenty for spaces of tens of choices and CPU-fast
             (ENAS uses 100 for 100+ decisions).
         learning_rate: Adam's step; higher than ENAS's 3.5e-4 because a search here trains the
-            controller on hundreds of models, not tens of thousands.
+            controller on hundreds of models, not tens of thousands (0.005-0.02 did equally
+            well on ``benchmarks/strategies.py``; 0.05 collapsed too early).
         baseline_decay: the moving-average factor of the baseline (ENAS: 0.99 over a long run;
             0.9 follows a short run's rising rewards).
         entropy_weight: bonus on the policy's entropy; keeps exploring (ENAS: 1e-4).
@@ -168,7 +187,7 @@ class PolicyBasedRL(Strategy):
     """
 
     def __init__(self, *, seed: int | None = None, hidden_size: int = 32,
-                 learning_rate: float = 0.05, baseline_decay: float = 0.9,
+                 learning_rate: float = 0.01, baseline_decay: float = 0.9,
                  entropy_weight: float = 1e-3, tanh_constant: float | None = 2.5,
                  init_scale: float = 0.1, **common: Any):
         super().__init__(seed=seed, **common)
@@ -223,14 +242,15 @@ class PolicyBasedRL(Strategy):
         Example: see the class docstring.
         """
         trace = draw(space, ReplaySampler(sample)).trace
-        with torch.no_grad():
+        with torch.no_grad(), _one_thread():
             log_prob, _ = self._log_prob(trace, sample)
         return math.exp(log_prob.item())
 
     # -- the strategy hooks -------------------------------------------------------------------
 
     def _propose(self, space: Any) -> Draw:
-        return draw(space, _ControllerSampler(self))
+        with _one_thread():
+            return draw(space, _ControllerSampler(self))
 
     def _on_tell(self, key: str, score: float | None) -> None:
         if score is None:  # a failed model teaches nothing about the metric
@@ -247,11 +267,12 @@ class PolicyBasedRL(Strategy):
             self._spread = decay * self._spread + (1 - decay) * advantage ** 2
         if self._spread > 0:
             advantage /= math.sqrt(self._spread)
-        log_prob, entropy = self._log_prob(self._trace(key), self._records[key].sample)
-        loss = -advantage * log_prob - self.entropy_weight * entropy
-        self._optimizer.zero_grad()
-        loss.backward()
-        self._optimizer.step()
+        with _one_thread():
+            log_prob, entropy = self._log_prob(self._trace(key), self._records[key].sample)
+            loss = -advantage * log_prob - self.entropy_weight * entropy
+            self._optimizer.zero_grad()
+            loss.backward()
+            self._optimizer.step()
 
     def _config(self) -> dict:
         return {**super()._config(), "hidden_size": self.hidden_size,
