@@ -3,7 +3,7 @@
 The public API: trace a PyTorch model into the graph IR, define a space with mutators, pick a
 strategy, run an experiment. See README.md and docs/.
 """
-from . import nn, ops
+from . import engine, mutators, nn, ops, strategies
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
@@ -18,4 +18,4 @@ __version__ = "0.1.0"
 __all__ = ["Chain", "Graph", "GraphError", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
            "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
-           "apply_mutator", "leaf", "nn", "ops", "trace"]
+           "apply_mutator", "engine", "leaf", "mutators", "nn", "ops", "strategies", "trace"]

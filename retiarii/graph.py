@@ -35,10 +35,10 @@ Example::
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import heapq
 import json
+import marshal
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -99,13 +99,14 @@ class Operation:
                    graph=Graph.from_data(sub) if sub is not None else None)
 
     def copy(self) -> "Operation":
-        return Operation(self.kind, self.target, copy.deepcopy(self.args),
-                         copy.deepcopy(self.kwargs), copy.deepcopy(self.spec), self.attr,
+        return Operation(self.kind, self.target, _copy_data(self.args),
+                         _copy_data(self.kwargs), _copy_data(self.spec), self.attr,
                          self.graph.copy() if self.graph is not None else None)
 
     def describe(self) -> str:
         if self.kind == "module":
-            return self.spec["cls"].rsplit(":", 1)[-1] if self.spec else "module"
+            cls = self.spec.get("cls") if isinstance(self.spec, dict) else None
+            return cls.rsplit(":", 1)[-1] if isinstance(cls, str) else "module"
         if self.kind in ("function", "method"):
             return str(self.target).rsplit(":", 1)[-1]
         return self.kind
@@ -132,15 +133,19 @@ class Node:
     def inputs(self) -> list["Node | None"]:
         """The node feeding each input port (None for a dangling port)."""
         ports: list[Node | None] = [None] * self.op.num_ports
-        for src, _, port in self.graph._nx.in_edges(self.uid, keys=True):
-            if port < len(ports):
-                ports[port] = self.graph._nodes[src]
+        nodes = self.graph._nodes
+        # NOTE: networkx's adjacency dicts (pred[dst][src][port]) are read directly here and in
+        # ``users``/``_topological``: these run for every node on every edit, and the public
+        # edge views cost several times more.
+        for src, edges in self.graph._nx._pred[self.uid].items():
+            for port in edges:
+                if port < len(ports):
+                    ports[port] = nodes[src]
         return ports
 
     @property
     def users(self) -> list["Node"]:
-        seen = dict.fromkeys(dst for _, dst in self.graph._nx.out_edges(self.uid))
-        return [self.graph._nodes[u] for u in seen]
+        return [self.graph._nodes[u] for u in self.graph._nx._succ[self.uid]]
 
     @property
     def attr(self) -> str:
@@ -200,19 +205,18 @@ class Graph:
         return outs[0]
 
     def _topological(self) -> list[Node]:
-        indeg = {u: 0 for u in self._nodes}
-        for _, dst in self._nx.edges():
-            indeg[dst] += 1
-        ready = [(n._seq, u) for u, n in self._nodes.items() if indeg[u] == 0]
+        pred, succ, nodes = self._nx._pred, self._nx._succ, self._nodes
+        indeg = {u: len(pred[u]) for u in nodes}  # distinct predecessors not yet emitted
+        ready = [(n._seq, u) for u, n in nodes.items() if not indeg[u]]
         heapq.heapify(ready)
         order: list[Node] = []
         while ready:
             _, u = heapq.heappop(ready)
-            order.append(self._nodes[u])
-            for _, dst in self._nx.out_edges(u):
+            order.append(nodes[u])
+            for dst in succ[u]:
                 indeg[dst] -= 1
-                if indeg[dst] == 0:
-                    heapq.heappush(ready, (self._nodes[dst]._seq, dst))
+                if not indeg[dst]:
+                    heapq.heappush(ready, (nodes[dst]._seq, dst))
         if len(order) != len(self._nodes):
             cycle = nx.find_cycle(self._nx)
             names = " -> ".join(self._nodes[e[0]].name for e in cycle)
@@ -274,10 +278,11 @@ class Graph:
     def set_op(self, node: Node, op: Operation) -> None:
         """Give ``node`` a new operation; edges into ports the new op lacks are dropped."""
         node.op = op
+        ports = op.num_ports
         for src, _, p in list(self._nx.in_edges(node.uid, keys=True)):
-            if p >= op.num_ports:
+            if p >= ports:
                 self._nx.remove_edge(src, node.uid, key=p)
-        self._order = None
+                self._order = None  # only a removed edge can change the order
 
     def rename(self, node: Node, name: str) -> None:
         if name != node.name:
@@ -338,13 +343,27 @@ class Graph:
                 if ".".join(parts[:i]) in owners:
                     problems.append(f"module path {path!r} lies inside the module "
                                     f"{'.'.join(parts[:i])!r}")
+        for node in self._nodes.values():  # a module's own tensor read directly (tied weights)
+            parts = node.attr.split(".") if node.kind == "param" and deep else []
+            owner = next((".".join(parts[:i]) for i in range(1, len(parts))
+                          if ".".join(parts[:i]) in modules_at), None)
+            if owner is not None:
+                problems += _check_owned_tensor(node, modules_at[owner], node.attr[len(owner) + 1:])
         if problems:
             raise GraphError("graph lint failed:\n  - " + "\n  - ".join(problems))
 
     # ---- copies, JSON ------------------------------------------------------------------------
     def copy(self) -> "Graph":
-        """A deep copy; every node keeps its uid."""
-        return Graph.from_data(self.to_data())
+        """A deep copy; every node keeps its uid, and nothing is shared with ``self`` (mutators
+        edit call templates in place)."""
+        g = Graph()
+        for node in sorted(self._nodes.values(), key=lambda n: n._seq):
+            g.add_node(node.name, node.op.copy(), uid=node.uid).meta = _copy_data(node.meta)
+        for src, dst, port in sorted(self._nx.edges(keys=True)):  # as from_data adds them
+            g._nx.add_edge(src, dst, key=port)
+        g._next_uid = max(g._next_uid, self._next_uid)
+        g.meta = _copy_data(self.meta)
+        return g
 
     def to_data(self) -> dict:
         nodes = []
@@ -366,9 +385,13 @@ class Graph:
             raise GraphError("not a retiarii graph: expected an object with "
                              "\"format\": \"retiarii.graph\"")
         version = data.get("version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
+        if not _is_int(version) or version < 1:
+            raise GraphError(f"graph JSON has an invalid schema version {version!r}; expected "
+                             f"an integer from 1 to {SCHEMA_VERSION}")
+        if version > SCHEMA_VERSION:
             raise GraphError(f"graph JSON has schema version {version!r}; this retiarii reads "
                              f"versions up to {SCHEMA_VERSION}. Upgrade retiarii to load it")
+        _check_schema(data)
         g = cls()
         try:
             for nd in data["nodes"]:
@@ -407,7 +430,8 @@ class Graph:
                 # A second call of one module (tied weights) differs from an independent copy.
                 op["reuses_module"] = node.attr in seen_attrs
                 seen_attrs.add(node.attr)
-            if node.kind == "input":
+            if node.kind == "input":  # its position matters, not the argument's name
+                op.pop("target", None)
                 op["position"] = [n.uid for n in self.input_nodes].index(node.uid)
             ins = [hashes[i.uid] if i is not None else None for i in node.inputs]
             payload = json.dumps([op, ins], sort_keys=True)
@@ -435,6 +459,70 @@ class Graph:
         return f"Graph({len(self._nodes)} nodes)"
 
 
+def _copy_data(data: Any) -> Any:
+    """A deep copy of JSON data (dicts, lists, tuples, scalars), much faster than deepcopy.
+
+    marshal copies exact builtin types in C (this is an in-memory copy, never stored); it
+    refuses anything else (a str enum, a tensor), which the walk below copies by hand.
+    """
+    try:
+        return marshal.loads(marshal.dumps(data))
+    except ValueError:
+        return _copy_walk(data)
+
+
+def _copy_walk(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _copy_walk(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_copy_walk(v) for v in data)
+    return data
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_schema(data: dict) -> None:
+    """Raise :class:`GraphError` naming the first field of graph JSON with a wrong type, so a
+    corrupt file fails on load, not somewhere in lint or codegen."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise GraphError(f"malformed graph JSON: {what}")
+
+    need(isinstance(data.get("nodes"), list), '"nodes" must be a list')
+    need(isinstance(data.get("edges"), list), '"edges" must be a list')
+    need(_is_int(data.get("next_uid", 0)), '"next_uid" must be an integer')
+    meta = data.get("meta", {})
+    need(isinstance(meta, dict), '"meta" must be an object')
+    modules = meta.get("modules", [])
+    need(isinstance(modules, list) and all(isinstance(m, str) for m in modules),
+         '"meta.modules" must be a list of module paths')
+    for i, nd in enumerate(data["nodes"]):
+        need(isinstance(nd, dict), f"node #{i} must be an object")
+        where = f"node #{i} ({nd.get('name')!r})"
+        need(_is_int(nd.get("uid")), f'{where}: "uid" must be an integer')
+        need(isinstance(nd.get("name"), str) and nd["name"] != "",
+             f'{where}: "name" must be a non-empty string')
+        need(isinstance(nd.get("meta", {}), dict), f'{where}: "meta" must be an object')
+        op = nd.get("op")
+        need(isinstance(op, dict), f'{where}: "op" must be an object')
+        need(op.get("kind") in KINDS, f'{where}: op "kind" must be one of {KINDS}, '
+                                      f'not {op.get("kind")!r}')
+        for key, typ in (("target", str), ("attr", str), ("spec", dict), ("graph", dict)):
+            need(op.get(key) is None or isinstance(op[key], typ),
+                 f'{where}: op "{key}" must be {typ.__name__} or absent')
+        need(isinstance(op.get("args", []), list), f'{where}: op "args" must be a list')
+        need(isinstance(op.get("kwargs", {}), dict), f'{where}: op "kwargs" must be an object')
+        ports = port_indices([op.get("args", []), op.get("kwargs", {})])
+        need(all(_is_int(p) and p >= 0 for p in ports),
+             f'{where}: every {{"__in__": port}} must name a port number >= 0')
+    for j, edge in enumerate(data["edges"]):
+        need(isinstance(edge, list) and len(edge) == 3 and all(_is_int(x) for x in edge)
+             and edge[2] >= 0, f"edge #{j} must be [source uid, destination uid, port], "
+                               f"not {edge!r}")
+
+
 def _check_op(node: Node, where: str, deep: bool) -> list[str]:
     op = node.op
     problems = []
@@ -452,6 +540,10 @@ def _check_op(node: Node, where: str, deep: bool) -> list[str]:
                     _check_constructible(op.spec)
         elif op.kind == "method" and not isinstance(op.target, str):
             problems.append(f"{where}: a method operation needs the method name as target")
+        elif op.kind == "method" and not (op.args and isinstance(op.args[0], dict)
+                                          and set(op.args[0]) == {"__in__"}):
+            problems.append(f"{where}: a method's first argument (the object it is called on) "
+                            f"must be an input port")
         elif op.kind == "subgraph":
             if op.graph is None:
                 problems.append(f"{where}: a subgraph operation holds no graph")
@@ -459,6 +551,12 @@ def _check_op(node: Node, where: str, deep: bool) -> list[str]:
                 op.graph.lint(deep)
         elif op.kind in ("param", "constant") and not op.spec:
             problems.append(f"{where}: needs a spec (shape, dtype or value)")
+        elif op.kind in ("param", "constant"):
+            _check_tensor_spec(op.kind, op.spec)
+        elif op.kind == "input" and op.spec:
+            decode(op.spec.get("default"))
+        if port_indices(op.spec):
+            problems.append(f"{where}: its spec refers to an input port ({{\"__in__\": ...}})")
         decode(op.args)
         for value in op.kwargs.values():
             decode(value)
@@ -467,6 +565,49 @@ def _check_op(node: Node, where: str, deep: bool) -> list[str]:
     except Exception as e:  # noqa: BLE001 - report any failure to re-create as a lint problem
         problems.append(f"{where}: not re-creatable: {type(e).__name__}: {e}")
     return problems
+
+
+def _check_tensor_spec(kind: str, spec: dict) -> None:
+    """Raise if a param/constant spec cannot give its tensor (what codegen will build)."""
+    import torch
+
+    if kind == "constant":
+        if not isinstance(decode(spec["value"]), torch.Tensor):
+            raise ValueError("the constant's value is not a tensor")
+        return
+    dtype = getattr(torch, spec["dtype"])
+    if not isinstance(dtype, torch.dtype) or not isinstance(spec["shape"], list) \
+            or not all(_is_int(d) and d >= 0 for d in spec["shape"]):
+        raise ValueError(f"bad shape {spec['shape']!r} or dtype {spec['dtype']!r}")
+    for flag in ("buffer", "requires_grad", "persistent"):
+        if not isinstance(spec[flag] if flag == "buffer" else spec.get(flag, False), bool):
+            raise ValueError(f"{flag!r} must be true or false")
+    if "init" in spec:
+        init = decode(spec["init"])
+        if not isinstance(init, torch.Tensor) or list(init.shape) != spec["shape"] \
+                or init.dtype != dtype:
+            raise ValueError("the initial value does not match the shape and dtype")
+
+
+def _check_owned_tensor(node: Node, owner: Node, name: str) -> list[str]:
+    """A param node inside a module's path must name a tensor of that module, same shape."""
+    import torch
+
+    from .modspec import build_module
+
+    try:
+        with torch.device("meta"):
+            module = build_module(owner.op.spec)
+    except Exception:  # noqa: BLE001 - the owner's own check reports it
+        return []
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    where = f"node {node.name!r} (param)"
+    if name not in tensors:
+        return [f"{where}: the module {owner.name!r} has no parameter or buffer {name!r}"]
+    if list(tensors[name].shape) != node.op.spec.get("shape"):
+        return [f"{where}: shape {node.op.spec.get('shape')} differs from {name!r} of the "
+                f"module {owner.name!r}: {list(tensors[name].shape)}"]
+    return []
 
 
 _CONSTRUCTIBLE: set[str] = set()

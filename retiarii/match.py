@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
+import re
 from typing import Any, Callable
 
 import networkx as nx
@@ -59,11 +61,18 @@ class Chain(Pattern):
         return f"Chain{self.elements!r}"
 
 
+@functools.lru_cache(maxsize=512)
+def _glob(pattern: str) -> Callable:
+    """``fnmatch.fnmatchcase(name, pattern)`` as a compiled regex match, made once."""
+    return re.compile(fnmatch.translate(pattern)).match
+
+
 def predicate(spec: Any) -> Callable[[Node], bool]:
     """A node test from a name, a glob, a module class, a function, or a callable(Node)."""
     if isinstance(spec, str):
         if any(c in spec for c in "*?["):
-            return lambda n: fnmatch.fnmatchcase(n.name, spec)
+            match = _glob(spec)
+            return lambda n: match(n.name) is not None
         return lambda n: n.name == spec
     if isinstance(spec, type):
         def is_module_of(n: Node) -> bool:

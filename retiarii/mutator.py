@@ -27,7 +27,6 @@ primitive and the node on failure, (2) edit the graph, (3) record the edit in th
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ import networkx as nx
 from torch import nn
 
 from .codec import PortRef, encode, port_indices, ref_of
-from .graph import Graph, GraphError, Node, Operation
+from .graph import Graph, GraphError, Node, Operation, _copy_data
 from .match import match_targets
 from .modspec import SpecError, is_marked_leaf, is_torch_builtin, module_spec
 
@@ -88,6 +87,8 @@ def candidate_keys(candidates: Sequence | dict) -> tuple[list, list]:
     else:
         values = list(candidates)
         keys = [candidate_key(v) for v in values]
+    if all(type(k) is str for k in keys) and len(set(keys)) == len(keys):
+        return keys, values  # already unique (the common case; the loop below would agree)
     seen: dict[Any, int] = {}
     for i, k in enumerate(keys):
         marker = json.dumps(k, sort_keys=True)
@@ -389,10 +390,10 @@ class Mutator:
                                 f"{node.kind} {node.name!r}")
         operation = as_operation(op, f"{self._name}.replace({node.name!r})")
         if not operation.args and not port_indices(operation.kwargs):
-            operation.args = copy.deepcopy(node.op.args) if node.kind != "method" \
-                else copy.deepcopy(node.op.args[:1])
+            operation.args = _copy_data(node.op.args) if node.kind != "method" \
+                else _copy_data(node.op.args[:1])
             if not operation.kwargs and node.kind in ("module", "subgraph"):
-                operation.kwargs = copy.deepcopy(node.op.kwargs)
+                operation.kwargs = _copy_data(node.op.kwargs)
         if operation.kind in ("module", "subgraph"):
             operation.attr = node.name  # a new module of its own, even if the old was shared
         self.graph.set_op(node, operation)

@@ -57,6 +57,7 @@ def _shape(value: Any) -> Any:
 class _Prop(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, model):
         super().__init__(gm)
+        self.extra_traceback = False  # our error already names the node; keep its message
         self.model = model
         self.ir = model.graph
 
@@ -79,8 +80,11 @@ class _Prop(fx.Interpreter):
 
 
 def _choices_for(model, node) -> dict:
-    """The choices made by the mutations that touched ``node`` or the nodes feeding it."""
-    uids = {node.uid} | {i.uid for i in node.inputs if i is not None}
+    """The choices made by the mutations that touched ``node`` or any node upstream of it
+    (a width changed three layers up breaks this one)."""
+    import networkx as nx
+
+    uids = {node.uid} | nx.ancestors(node.graph._nx, node.uid)
     labels: list[str] = []
     for rec in model.history:
         if uids & {rec.get(k) for k in ("node", "dst", "src")} or \
