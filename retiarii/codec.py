@@ -171,6 +171,8 @@ def decode(data: Any, inputs: list | None = None,
     if tag == "__float__":
         return float(payload)
     if tag == "__slice__":
+        if not isinstance(payload, list) or len(payload) != 3:
+            raise ValueError(f"malformed encoded slice {data!r}: expected [start, stop, step]")
         return slice(*(decode(v, inputs, module_decoder) for v in payload))
     if tag == "__ellipsis__":
         return Ellipsis

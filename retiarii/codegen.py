@@ -22,6 +22,7 @@ user's own leaf modules)::
 """
 from __future__ import annotations
 
+import builtins
 import inspect
 import keyword
 import math
@@ -78,6 +79,16 @@ def _install(root: nn.Module, path: str, value: Any, buffer: bool = False,
         owner.register_parameter(leaf, value)
 
 
+def _registration_rank(graph: Graph):
+    """path -> its rank in the traced model's module registration order (``meta["modules"]``).
+
+    Modules are installed in this order, not in call order, so that containers, and with them
+    state-dict keys, come out in the original's order; paths the original lacks go last.
+    """
+    rank = {p: i for i, p in enumerate(graph.meta.get("modules", ()))}
+    return lambda path: rank.get(path, len(rank))
+
+
 def _check_ports(node: Node) -> list[Node]:
     inputs = node.inputs
     if any(i is None for i in inputs):
@@ -95,27 +106,28 @@ def to_module(graph: Graph, class_name: str = "GeneratedModel") -> fx.GraphModul
     owners = _owner_paths(graph)
     nodes = graph.nodes
     installed: set[str] = set()
-    for node in nodes:  # modules first: parameters may be read from inside them
+    rank = _registration_rank(graph)
+    # A parameter's owner is the module path it lives in ("" for the root).
+    for node in sorted(nodes, key=lambda n: rank(n.attr if n.kind != "param"
+                                                 else n.attr.rpartition(".")[0])):
         if node.kind == "module" and node.attr not in installed:
             _install(root, node.attr, build_module(node.op.spec))
             installed.add(node.attr)
         elif node.kind == "subgraph":
             _install(root, node.attr, to_module(node.op.graph, "Cell"))
-    non_persistent: list[str] = []
-    for i, node in enumerate(nodes):
-        if node.kind == "param" and not _owned_by_module(node.attr, owners):
+        elif node.kind == "param" and not _owned_by_module(node.attr, owners) \
+                and node.attr not in installed:
+            installed.add(node.attr)
             spec = node.op.spec
             value = _init_tensor(spec)
             if not spec["buffer"]:
                 value = nn.Parameter(value, requires_grad=spec.get("requires_grad", True))
-            elif not spec.get("persistent", True):
-                non_persistent.append(node.attr)
             _install(root, node.attr, value, buffer=spec["buffer"],
                      persistent=spec.get("persistent", True))
-        elif node.kind == "constant":
+    for i, node in enumerate(nodes):
+        if node.kind == "constant":
             node_attr = f"_constant_{i}"
             root.register_buffer(node_attr, decode(node.op.spec["value"]), persistent=False)
-            non_persistent.append(node_attr)
 
     fxg = fx.Graph()
     env: dict[int, fx.Node] = {}
@@ -143,11 +155,14 @@ def to_module(graph: Graph, class_name: str = "GeneratedModel") -> fx.GraphModul
             out = fxg.output(args[0])
         if kind not in ("input", "output"):
             out.name = names.fresh(node.name)
+        out.meta["retiarii_uid"] = node.uid  # lets analyses (shapes.py) report our nodes
         env[node.uid] = out
     gm = fx.GraphModule(root, fxg, class_name)
-    for path in non_persistent:  # GraphModule re-registers copied buffers as persistent
-        owner_path, _, leaf = path.rpartition(".")
-        (gm.get_submodule(owner_path) if owner_path else gm)._non_persistent_buffers_set.add(leaf)
+    # GraphModule copies modules into fresh containers in call order and re-registers buffers
+    # as persistent; adopt root's own hierarchy (registration order, non-persistent buffers
+    # marked) so the state dict equals the original's, key order included.
+    for attr in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        gm.__dict__[attr] = root.__dict__[attr]
     return gm
 
 
@@ -160,6 +175,7 @@ _INFIX = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.true
           operator.le: "<=", operator.gt: ">", operator.ge: ">="}
 _PREFIX = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
 _DICT_ATTRS = set(dir(nn.ModuleDict))
+_BUILTINS = set(dir(builtins))  # (not __builtins__: a dict inside an imported module)
 
 
 class _PyNames:
@@ -172,8 +188,7 @@ class _PyNames:
         base = re.sub(r"\W", "_", name).strip("_") or "v"
         if base[0].isdigit():
             base = "_" + base
-        if keyword.iskeyword(base) or base in dir(__builtins__ if isinstance(__builtins__, dict)
-                                                  else __builtins__):
+        if keyword.iskeyword(base) or base in _BUILTINS:
             base += "_"
         out, i = base, 1
         while out in self.used:
@@ -204,7 +219,6 @@ class _Source:
         if getattr(math, name or "", None) is obj:
             self.imports.add("import math")
             return f"math.{name}"
-        import builtins
         if getattr(builtins, name or "", None) is obj:
             return name
         module, qual = obj.__module__, obj.__qualname__
@@ -316,8 +330,25 @@ class _Tree:
                 raise GraphError(f"module path {path!r} lies inside the module {part!r}")
         tree.children[leaf] = expr
 
+    def ensure(self, path: str) -> None:
+        """Create the (possibly empty) container at ``path``: it holds a parameter."""
+        tree = self
+        for part in path.split(".") if path else []:
+            tree = tree.children.setdefault(part, _Tree())
+            if not isinstance(tree, _Tree):
+                raise GraphError(f"a parameter under {path!r} lies inside the module {part!r}")
+
+    def sort(self, rank, prefix: str = "") -> None:
+        """Order children by ``rank`` of their full path (stable for equal ranks)."""
+        self.children = dict(sorted(self.children.items(), key=lambda kv: rank(prefix + kv[0])))
+        for key, child in self.children.items():
+            if isinstance(child, _Tree):
+                child.sort(rank, f"{prefix}{key}.")
+
     def render(self, indent: int) -> str:
         pad = " " * indent
+        if not self.children:
+            return "nn.ModuleDict()"
         items = []
         for key, child in self.children.items():
             if key in _DICT_ATTRS:
@@ -339,6 +370,7 @@ def to_source(graph: Graph, class_name: str = "Model") -> str:
     body: list[str] = []
     signature: list[str] = []
     _emit(graph, "", src, names, tree, params, body, signature, None)
+    tree.sort(_registration_rank(graph))
 
     init = ["super().__init__()"]
     for key, child in tree.children.items():
@@ -415,8 +447,13 @@ def _emit(graph: Graph, prefix: str, src: _Source, names: _PyNames, tree: _Tree,
         elif node.kind == "param":
             if not _owned_by_module(path, owners) and path not in declared:
                 declared.add(path)
+                tree.ensure(path.rpartition(".")[0])
                 params.append(_param_line(path, node.op.spec, src))
-            body.append(f"{var} = {_access(path)}")
+            owner, _, leaf = path.rpartition(".")  # a tensor, not a submodule: no [key]
+            owner_expr = _access(owner) if owner else "self"
+            plain = leaf.isidentifier() and leaf not in _DICT_ATTRS
+            body.append(f"{var} = {owner_expr}.{leaf}" if plain
+                        else f"{var} = getattr({owner_expr}, {leaf!r})")
         elif node.kind == "constant":
             body.append(f"{var} = {src.literal(node.op.spec['value'], [])}")
         else:

@@ -103,6 +103,7 @@ _OVERRIDES: dict[str, dict[str, Callable[[nn.Module], Any]]] = {
 _OVERRIDES["TransformerDecoderLayer"] = _OVERRIDES["TransformerEncoderLayer"]
 
 
+@functools.lru_cache(maxsize=None)  # inspect.signature is slow; classes are few
 def _signature(cls: type) -> inspect.Signature:
     if issubclass(cls, nn.RNNBase):
         # LSTM/GRU/RNN take *args, **kwargs and forward them to RNNBase(mode, ...).

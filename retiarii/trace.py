@@ -15,7 +15,9 @@ A model fx cannot trace (a branch on a tensor's value, iterating over a tensor) 
 """
 from __future__ import annotations
 
+import linecache
 import os
+import sys
 import traceback
 from typing import Any, Callable, Iterable
 
@@ -29,6 +31,7 @@ from .modspec import SpecError, is_marked_leaf, is_torch_builtin, module_spec
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
+_FX_TRACE = fx.Tracer.trace.__code__  # the frame that calls the model's forward
 
 # Modules with their own conversion (inline choices register here): type -> handler.
 # A handler gets (converter, fx_node, module) and returns the Node it created.
@@ -42,7 +45,7 @@ class TraceError(Exception):
 class _Tracer(fx.Tracer):
     def __init__(self, leaf_modules: Iterable):
         super().__init__()
-        self.record_stack_traces = True
+        self.proxy_buffer_attributes = True  # else buffer-only math is folded to a constant
         self._leaf_types = tuple(x for x in leaf_modules if isinstance(x, type))
         self._leaf_ids = {id(x) for x in leaf_modules if isinstance(x, nn.Module)}
         self._leaf_names = {x for x in leaf_modules if isinstance(x, str)}
@@ -56,6 +59,10 @@ class _Tracer(fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["scope"] = self.scope.module_path
+        # The user's line, found by walking frames: fx's record_stack_traces would format the
+        # whole stack for every node, a third of the time of tracing a ResNet-50.
+        if kind not in ("placeholder", "output"):  # made by fx itself, not by a user line
+            node.meta["source"] = _caller_source(sys._getframe(1))
         return node
 
     def call_module(self, m, forward, args, kwargs):
@@ -73,6 +80,18 @@ def _user_frame(tb) -> traceback.FrameSummary | None:
         fname = os.path.abspath(frame.filename)
         if not fname.startswith(_TORCH_DIR) and not fname.startswith(_OWN_DIR):
             return frame
+    return None
+
+
+def _caller_source(frame) -> str | None:
+    """``"file:line: code"`` of the innermost frame of user code, from ``frame`` outwards;
+    None for nodes fx makes itself, outside the model's code."""
+    while frame is not None and frame.f_code is not _FX_TRACE:
+        fname = frame.f_code.co_filename
+        if not fname.startswith((_TORCH_DIR, _OWN_DIR)):
+            code = linecache.getline(fname, frame.f_lineno).strip()
+            return f"{fname}:{frame.f_lineno}: {code}"
+        frame = frame.f_back
     return None
 
 
@@ -94,12 +113,15 @@ def _trace_error(root: nn.Module, tracer: _Tracer, exc: Exception) -> TraceError
 class _Converter:
     """Builds our Graph from a traced fx.Graph."""
 
-    def __init__(self, root: nn.Module, tensor_names: set[str], constants: dict[str, Any]):
+    def __init__(self, root: nn.Module, tensor_names: set[str], constants: dict[str, Any],
+                 concrete_args: dict[str, Any] | None = None):
         self.root = root
+        self.concrete_args = concrete_args or {}
         self.constants = constants
         self.graph = Graph()
         self.tensor_names = tensor_names  # parameters and buffers of the model itself
         self.env: dict[fx.Node, Any] = {}  # fx node -> our Node
+        self.inline: list = []  # mutators compiled from inline choices (choices.py)
         self.module_calls: dict[str, int] = {}
 
     def template(self, value: Any) -> tuple[Any, list]:
@@ -125,9 +147,8 @@ class _Converter:
         node = self.graph.add_node(self.graph.unique_name(name), op)
         for port, src in enumerate(feeds):
             self.graph.connect(self.env[src], node, port)
-        if fx_node.stack_trace:
-            node.meta["source"] = fx_node.stack_trace.strip().splitlines()[-2].strip() \
-                if len(fx_node.stack_trace.strip().splitlines()) >= 2 else fx_node.stack_trace
+        if fx_node.meta.get("source"):
+            node.meta["source"] = fx_node.meta["source"]
         self.env[fx_node] = node
         return node
 
@@ -143,6 +164,12 @@ class _Converter:
     def on_placeholder(self, n):
         spec = {"default": encode(n.args[0])} if n.args else None
         name = str(n.target).lstrip("*")
+        base = name.rpartition("_")[0]
+        value = self.concrete_args.get(base, fx.PH)
+        if name == f"{base}_1" and (value is None or type(value) in (bool, int, float, str)):
+            # fx renames a concrete argument ``flag`` to ``flag_1`` (asserting its value) and
+            # keeps the old default; restore the name and default to the traced value.
+            name, spec = base, {"default": encode(value)}
         self.add(name, Operation("input", target=name, spec=spec), [], n)
 
     def on_get_attr(self, n):
@@ -222,6 +249,35 @@ def _get_attr(root: nn.Module, target: str) -> Any:
     return obj
 
 
+def trace_with_choices(module: nn.Module, concrete_args: dict[str, Any] | None = None,
+                       leaf_modules: Iterable = ()) -> tuple[Graph, list]:
+    """:func:`trace`, also returning the mutators compiled from inline choices."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"trace() takes an nn.Module, not {type(module).__name__}")
+    tensor_names = {k for k, _ in module.named_parameters(remove_duplicate=False)}
+    tensor_names |= {k for k, _ in module.named_buffers(remove_duplicate=False)}
+    before = set(vars(module))
+    tracer = _Tracer(leaf_modules)
+    try:
+        fx_graph = tracer.trace(module, concrete_args=concrete_args)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every trace failure becomes a TraceError
+        raise _trace_error(module, tracer, e) from e
+    finally:
+        # fx parks tensor constants (``_tensor_constant0``) on the root; keep them, undo that.
+        parked = {name: vars(module)[name] for name in set(vars(module)) - before}
+        for name in parked:
+            delattr(module, name)
+    converter = _Converter(module, tensor_names, parked, concrete_args)
+    graph = converter.convert(fx_graph)
+    graph.meta = {"class": type(module).__name__,
+                  "forward": [n.op.target for n in graph.input_nodes],
+                  # registration order, which codegen follows so state-dict keys keep theirs
+                  "modules": [name for name, _ in module.named_modules()]}
+    return graph, converter.inline
+
+
 def trace(module: nn.Module, concrete_args: dict[str, Any] | None = None,
           leaf_modules: Iterable = ()) -> Graph:
     """Trace ``module`` with torch.fx into a :class:`~retiarii.graph.Graph`.
@@ -240,29 +296,11 @@ def trace(module: nn.Module, concrete_args: dict[str, Any] | None = None,
             recoverable: decorate the class with :func:`retiarii.leaf`, or it must be a
             ``torch.nn`` layer.
 
+    Inline choices (LayerChoice, ...) trace to their first candidate; use
+    :class:`retiarii.ModelSpace` to explore them.
+
     Raises:
         TraceError: fx cannot trace the model, or a module/tensor cannot be stored in the IR.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"trace() takes an nn.Module, not {type(module).__name__}")
-    tensor_names = {k for k, _ in module.named_parameters(remove_duplicate=False)}
-    tensor_names |= {k for k, _ in module.named_buffers(remove_duplicate=False)}
-    before = set(vars(module))
-    tracer = _Tracer(leaf_modules)
-    try:
-        fx_graph = tracer.trace(module, concrete_args=concrete_args)
-    except TraceError:
-        raise
-    except Exception as e:  # noqa: BLE001 - every trace failure becomes a TraceError
-        raise _trace_error(module, tracer, e) from e
-    finally:
-        # fx parks tensor constants (``_tensor_constant0``) on the root; keep them, undo that.
-        parked = {name: vars(module)[name] for name in set(vars(module)) - before}
-        for name in parked:
-            delattr(module, name)
-    converter = _Converter(module, tensor_names, parked)
-    graph = converter.convert(fx_graph)
-    graph.meta = {"class": type(module).__name__,
-                  "forward": [n.target for n in fx_graph.nodes if n.op == "placeholder"]}
-    return graph
+    return trace_with_choices(module, concrete_args, leaf_modules)[0]
 
