@@ -440,10 +440,14 @@ def _emit(graph: Graph, prefix: str, src: _Source, names: _PyNames, tree: _Tree,
             continue
         var = names.fresh(prefix + node.name)
         if node.kind == "module":
-            if path not in declared:
-                tree.put(path, src.constructor(node.op.spec))
-                declared.add(path)
-            body.append(f"{var} = {src.call(node, ins, _access(path))}")
+            inline = _inline_expr(node, ins)
+            if inline is not None:  # a weightless merge (retiarii.ops): plain torch code
+                body.append(f"{var} = {inline}")
+            else:
+                if path not in declared:
+                    tree.put(path, src.constructor(node.op.spec))
+                    declared.add(path)
+                body.append(f"{var} = {src.call(node, ins, _access(path))}")
         elif node.kind == "param":
             if not _owned_by_module(path, owners) and path not in declared:
                 declared.add(path)
@@ -460,6 +464,21 @@ def _emit(graph: Graph, prefix: str, src: _Source, names: _PyNames, tree: _Tree,
             body.append(f"{var} = {src.call(node, ins, None)}")
         env[node.uid] = var
     raise GraphError("graph has no output node")
+
+
+def _inline_expr(node: Node, inputs: list[str]) -> str | None:
+    """Modules that say how to write themselves as an expression (``export_expr``, e.g. the
+    merges of :mod:`retiarii.ops`) are exported inline, so the file needs only torch."""
+    cls = resolve_ref(node.op.spec["cls"])
+    render = getattr(cls, "export_expr", None)
+    if render is None or node.op.kwargs or any(not _is_port(a) for a in node.op.args):
+        return None
+    kwargs = {k: decode(v) for k, v in node.op.spec.get("kwargs", {}).items()}
+    return render([inputs[a["__in__"]] for a in node.op.args], kwargs)
+
+
+def _is_port(data) -> bool:
+    return isinstance(data, dict) and len(data) == 1 and "__in__" in data
 
 
 def _param_line(path: str, spec: dict, src: _Source) -> str:
