@@ -86,6 +86,25 @@ SPACE = TinySpace()
 # A trainer instance referenced directly by specs (the other form is {"class", "config"}).
 TRAINER = ClassifierTrainer(dataset="digits", epochs=4, batch_size=64, lr=3e-3, seed=1)
 
-# Same, with a cosine LR schedule and SGD momentum: more state the checkpoint must carry.
+# Few, large batches: for executor tests, where what is trained matters less than the events.
+FAST = ClassifierTrainer(dataset="digits", epochs=4, batch_size=256, lr=1e-2, seed=1)
+
+
+
+class DyingTrainer(ClassifierTrainer):
+    """SIGKILLs its worker as epoch ``hparams["die_in_epoch"]`` begins, once: the file
+    ``hparams["die_marker"]`` remembers it happened, so the retry trains normally."""
+
+    def train_dataloader(self, hparams, epoch):
+        marker = hparams.get("die_marker")
+        if marker and epoch == hparams.get("die_in_epoch") and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().train_dataloader(hparams, epoch)
+
+
+DYING = DyingTrainer(FAST.config)
+
+# Same as TRAINER, with a cosine LR schedule and SGD momentum: more state the checkpoint must carry.
 TRAINER_SGD_COSINE = ClassifierTrainer(dataset="digits", epochs=4, batch_size=32, optimizer="sgd",
                                        lr=0.05, momentum=0.9, lr_schedule="cosine", seed=2)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..strategies.scheduler import Decision, Scheduler, Spawn
 from .executors.base import (
@@ -205,12 +205,21 @@ class TrialRunner:
         max_total_steps: compute budget in steps; max_time: budget on the executor's clock.
             Once hit, no segment starts and running trials pause at their segment's end.
         checkpoint_dir: where ``checkpoint_out`` paths point.
+        source: asked for the config of a new trial whenever a slot is free and the scheduler
+            has nothing to resume or spawn (an exploration strategy's instantiation control);
+            None when it has nothing more.
+        on_result: called with (trial, result) after every result the scheduler saw.
+        on_trial_end: called with the trial once it is TERMINATED, or ERRORED for good.
+        id_prefix: prepended to generated trial ids.
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
                  *, max_failures: int = 3, segment: int = 1, max_steps: int | None = None,
                  max_total_steps: int | None = None, max_time: float | None = None,
-                 checkpoint_dir: str = "checkpoints"):
+                 checkpoint_dir: str = "checkpoints",
+                 source: Callable[[], dict | None] | None = None,
+                 on_result: Callable[[Trial, dict], None] | None = None,
+                 on_trial_end: Callable[[Trial], None] | None = None, id_prefix: str = ""):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         self.executor, self.scheduler, self.journal = executor, scheduler, journal
@@ -232,6 +241,8 @@ class TrialRunner:
         self._unsorted: set[TrialState] = set()
         self._jobs = 0
         self._ids = 0
+        self.source, self.on_result, self.on_trial_end = source, on_result, on_trial_end
+        self.id_prefix = id_prefix  # trial ids are unique per store: one prefix per experiment
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -333,7 +344,7 @@ class TrialRunner:
     def _new_id(self) -> str:
         while True:
             self._ids += 1
-            trial_id = f"trial-{self._ids:04d}"
+            trial_id = f"{self.id_prefix}trial-{self._ids:04d}"
             if trial_id not in self.trials and trial_id not in self._orphans:
                 return trial_id
 
@@ -353,6 +364,10 @@ class TrialRunner:
             self.journal.transition(trial.trial_id, trial.state, new, reason)
         trial.move(new)
         self._track(trial)
+        final = new is TrialState.TERMINATED or (new is TrialState.ERRORED
+                                                 and trial.attempts > self.max_failures)
+        if final and self.on_trial_end is not None:
+            self.on_trial_end(trial)
 
     def _track(self, trial: Trial) -> None:
         """Keep the waiting lists in step with the trial's state."""
@@ -411,10 +426,17 @@ class TrialRunner:
                 raise ValueError(f"{type(self.scheduler).__name__}.choose_trial_to_run returned "
                                  f"{pick!r}, which is not one of the PENDING/PAUSED candidates")
             spawn = None if pick is not None else self.scheduler.next_spawn()
-            if pick is None and spawn is None:
+            config = self.source() if pick is None and spawn is None and self.source else None
+            if pick is None and spawn is None and config is None:
                 self._after_scheduler()
                 return
-            trial = self.trials[pick] if pick is not None else self._add_spawn(spawn)
+            if pick is not None:
+                trial = self.trials[pick]
+            elif spawn is not None:
+                trial = self._add_spawn(spawn)
+            else:
+                trial = Trial(self._new_id(), dict(config), max_steps=self.max_steps)
+                self._register(trial)
             self._after_scheduler()
             if trial.state in (TrialState.PENDING, TrialState.PAUSED):
                 self._launch(trial)
@@ -539,6 +561,8 @@ class TrialRunner:
             raise TypeError(f"{type(self.scheduler).__name__}.on_trial_result returned "
                             f"{decision!r}; return a retiarii.strategies.Decision")
         self._fed[trial.trial_id] = step
+        if self.on_result is not None:
+            self.on_result(trial, result)
         mid_segment = flight is not None and step < flight.task.stop_step
         done = trial.max_steps is not None and step >= trial.max_steps
         if trial.state is not TrialState.RUNNING:  # replaying a decision already journaled

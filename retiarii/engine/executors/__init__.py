@@ -3,3 +3,4 @@ from .base import (
     Event, Executor, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
     TrialTask,
 )
+from .local import LocalExecutor

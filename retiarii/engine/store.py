@@ -1,0 +1,610 @@
+"""The store: everything the engine knows about a run, in one SQLite file (via sqlite-utils).
+
+Experiments, models (sample, graph, structural hash), trials and their lifecycle events, metrics,
+checkpoints, and the strategy's and scheduler's saved state. Kill the driver at any moment and
+the file says where every trial stood, because the trial runner journals each state transition
+here *before* it takes effect (:meth:`Store.transition`). ``docs/store.md`` documents every table
+and column for querying a finished run with the ``sqlite-utils`` command.
+
+The file runs in WAL mode with ``synchronous=NORMAL``: a commit is an append to the log, readers
+(``retiarii status`` while a run goes on) never block the writer, and a crash of the process
+loses nothing committed (a power cut may lose the last commits, never consistency). Metric rows
+are buffered and written in batches; the buffer is flushed before any other write and any read,
+so a checkpoint row is never on disk before the metrics that led to it.
+
+The schema carries a version; :data:`MIGRATIONS` upgrades older files on open, in order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import time as _time
+from typing import Any, Iterable
+
+import sqlite_utils
+
+__all__ = ["Store", "StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES"]
+
+STATES = ("PENDING", "RUNNING", "PAUSED", "TERMINATED", "ERRORED")
+APPLICATION = "retiarii"
+
+
+class StoreError(RuntimeError):
+    """A store file that cannot be used (corrupt, not ours, too new) or a journal call that
+    contradicts what the store holds."""
+
+
+# ---- schema and migrations ------------------------------------------------------------------
+
+
+def _schema_v1(db: sqlite_utils.Database) -> None:
+    """The first schema: every table of docs/store.md."""
+    db["meta"].create({"key": str, "value": str}, pk="key")
+    db["experiments"].create(
+        {"id": int, "name": str, "config": str, "seed": int, "status": str,
+         "created": float, "updated": float}, pk="id", not_null=["status"])
+    db["models"].create(
+        {"id": int, "experiment_id": int, "sample": str, "graph": str, "hash": str,
+         "parent": int, "status": str, "value": float, "created": float, "updated": float},
+        pk="id", foreign_keys=[("experiment_id", "experiments", "id")], not_null=["status"])
+    db["models"].create_index(["hash"])
+    db["models"].create_index(["experiment_id", "status"])
+    db["trials"].create(
+        {"id": str, "seq": int, "experiment_id": int, "model_id": int, "spec": str,
+         "hparams": str, "parent": str, "record": str, "state": str, "attempts": int,
+         "worker": str, "step": int, "checkpoint": str, "error": str, "created": float,
+         "started": float, "updated": float, "ended": float},
+        pk="id", not_null=["seq", "state", "attempts", "step"], defaults={"attempts": 0, "step": 0},
+        foreign_keys=[("experiment_id", "experiments", "id"), ("model_id", "models", "id")])
+    db["trials"].create_index(["seq"], unique=True)
+    db["trials"].create_index(["experiment_id", "state"])
+    db["trials"].create_index(["model_id"])
+    db["events"].create(
+        {"id": int, "trial_id": str, "old_state": str, "new_state": str, "reason": str,
+         "worker": str, "time": float},
+        pk="id", foreign_keys=[("trial_id", "trials", "id")], not_null=["new_state"])
+    db["events"].create_index(["trial_id"])
+    # One value per (trial, metric, step): a retried step replaces what the failed attempt wrote.
+    db["metrics"].create(
+        {"trial_id": str, "step": int, "name": str, "value": float, "time": float},
+        pk=("trial_id", "name", "step"), foreign_keys=[("trial_id", "trials", "id")])
+    db["checkpoints"].create(
+        {"trial_id": str, "step": int, "path": str, "pinned": int, "time": float},
+        pk=("trial_id", "step"), not_null=["path", "pinned"], defaults={"pinned": 0},
+        foreign_keys=[("trial_id", "trials", "id")])
+    db["checkpoints"].create_index(["path"])
+    for table in ("strategy_state", "scheduler_state"):
+        db[table].create({"experiment_id": int, "state": str, "time": float}, pk="experiment_id")
+
+
+# MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
+MIGRATIONS = [_schema_v1]
+SCHEMA_VERSION = 1
+
+
+def _state(state: Any) -> str:
+    """A state as its string (TrialState enum members carry the string as their value)."""
+    name = getattr(state, "value", state)
+    if name not in STATES:
+        raise StoreError(f"unknown trial state {state!r}; states are {', '.join(STATES)}")
+    return name
+
+
+def _json(obj: Any) -> str | None:
+    return None if obj is None else json.dumps(obj)
+
+
+def _unjson(row: dict, *columns: str) -> dict:
+    for column in columns:
+        if row.get(column) is not None:
+            row[column] = json.loads(row[column])
+    return row
+
+
+class Store:
+    """A run's SQLite file: open (or create) it, journal trials, query results.
+
+    Example::
+
+        store = Store("runs/exp.db")
+        exp = store.add_experiment({"strategy": "random"}, seed=0)
+        model = store.add_model({"op": "conv3x3"}, graph={"nodes": []}, hash="ab12")
+        store.trial_added(trial)                  # the TrialRunner's journal calls ...
+        store.transition(trial.trial_id, "PENDING", "RUNNING", "scheduled")
+        store.result(trial.trial_id, 1, {"val_acc": 0.91}, time=3.2)
+        store.best_models("val_acc", mode="max", k=5)
+        store.close()
+
+    Args:
+        path: the database file; created with the current schema when missing or empty.
+        batch_size: buffered metric rows that trigger a write.
+        flush_interval: seconds after which buffered metric rows are written at the next call.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, batch_size: int = 2000,
+                 flush_interval: float = 1.0):
+        self.path = os.fspath(path)
+        self.batch_size, self.flush_interval = batch_size, flush_interval
+        self.experiment_id: int | None = None  # the experiment journal calls attach to
+        self._buffer: list[tuple] = []
+        self._buffered_since = 0.0
+        if os.path.dirname(self.path):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.db = None  # type: ignore[assignment]
+        try:
+            self.db = sqlite_utils.Database(self.path)
+            self.db.execute("PRAGMA busy_timeout=10000")  # a second opener waits, not fails
+            self.db.enable_wal()
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self._migrate()
+        except sqlite3.DatabaseError as err:
+            if self.db is not None:
+                self.db.close()
+            raise StoreError(f"{self.path} is not a usable SQLite database ({err}); it is "
+                             "corrupt or another kind of file: give a new path, or restore "
+                             "it from a backup") from err
+        except BaseException:
+            if self.db is not None:
+                self.db.close()
+            raise
+
+    def _migrate(self) -> None:
+        assert len(MIGRATIONS) == SCHEMA_VERSION, "every schema version needs its migration"
+        tables = set(self.db.table_names())
+        if not tables:
+            version = 0
+        elif "meta" not in tables:
+            raise StoreError(f"{self.path} is a SQLite database but not a retiarii store (it has "
+                             f"tables {sorted(tables)[:5]}, no 'meta'); give a new path")
+        else:
+            meta = {r["key"]: r["value"] for r in self.db["meta"].rows}
+            if meta.get("application") != APPLICATION:
+                raise StoreError(f"{self.path} is a SQLite database but not a retiarii store")
+            version = int(meta.get("schema_version", 0))
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"{self.path} has store schema version {version}, written by a newer "
+                             f"retiarii; this one reads up to version {SCHEMA_VERSION}: upgrade "
+                             "retiarii to open it")
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            with self.db.atomic():  # a failed migration leaves the file at its old version
+                MIGRATIONS[target - 1](self.db)
+                self.db["meta"].upsert_all(
+                    [{"key": "application", "value": APPLICATION},
+                     {"key": "schema_version", "value": str(target)}], pk="key")
+
+    @property
+    def schema_version(self) -> int:
+        """The file's schema version."""
+        return int(self.db["meta"].get("schema_version")["value"])
+
+    def close(self) -> None:
+        """Write buffered metrics and close the file. Idempotent."""
+        if self.db is not None:
+            self.flush()
+            self.db.close()
+            self.db = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- experiments and models ---------------------------------------------------------
+
+    def add_experiment(self, config: dict, seed: int | None = None, *, name: str | None = None,
+                       status: str = "running") -> int:
+        """Record a new experiment and make it the current one; returns its id."""
+        now = _time.time()
+        self.flush()
+        table = self.db["experiments"].insert(
+            {"name": name, "config": _json(config), "seed": seed, "status": status,
+             "created": now, "updated": now})
+        self.experiment_id = table.last_pk
+        return self.experiment_id
+
+    def use_experiment(self, experiment_id: int) -> dict:
+        """Make an existing experiment current (resuming a run); returns it."""
+        experiment = self.get_experiment(experiment_id)
+        self.experiment_id = experiment_id
+        return experiment
+
+    def get_experiment(self, experiment_id: int | None = None) -> dict:
+        """An experiment row, ``config`` decoded; the current one by default."""
+        experiment_id = self._experiment(experiment_id)
+        try:
+            return _unjson(self.db["experiments"].get(experiment_id), "config")
+        except sqlite_utils.db.NotFoundError:
+            raise StoreError(f"{self.path} has no experiment {experiment_id}") from None
+
+    def experiments(self) -> list[dict]:
+        """All experiments, oldest first."""
+        return [_unjson(r, "config") for r in self.db["experiments"].rows_where(order_by="id")]
+
+    def set_experiment_status(self, status: str, experiment_id: int | None = None) -> None:
+        """Mark an experiment ``running``, ``done``, ``interrupted``, ..."""
+        self.flush()
+        self.db["experiments"].update(self._experiment(experiment_id),
+                                      {"status": status, "updated": _time.time()})
+
+    def add_model(self, sample: dict, graph: dict | None = None, hash: str | None = None, *,
+                  parent: int | None = None, status: str = "pending") -> int:
+        """Record a model of the current experiment; returns its id.
+
+        Args:
+            sample: the choices (label -> key) that rebuild it from the space.
+            graph: its Graph IR as JSON-ready data.
+            hash: its structural hash, for deduplication.
+            parent: the model it was mutated from (evolution), if any.
+            status: ``pending``, ``training``, ``trained`` or ``failed``.
+        """
+        now = _time.time()
+        self.flush()
+        return self.db["models"].insert(
+            {"experiment_id": self.experiment_id, "sample": _json(sample), "graph": _json(graph),
+             "hash": hash, "parent": parent, "status": status, "created": now, "updated": now}
+        ).last_pk
+
+    def get_model(self, model_id: int) -> dict:
+        """A model row with ``sample`` and ``graph`` decoded."""
+        try:
+            return _unjson(self.db["models"].get(model_id), "sample", "graph")
+        except sqlite_utils.db.NotFoundError:
+            raise StoreError(f"{self.path} has no model {model_id}") from None
+
+    def set_model_status(self, model_id: int, status: str, value: float | None = None) -> None:
+        """Set a model's status and, once known, ``value``: the result its strategy was told."""
+        self.flush()
+        changes: dict[str, Any] = {"status": status, "updated": _time.time()}
+        if value is not None:
+            changes["value"] = value
+        self.db["models"].update(model_id, changes)
+
+    def models(self, status: str | None = None) -> list[dict]:
+        """The current experiment's models (all when none is current), oldest first, decoded."""
+        self.flush()
+        where, params = self._scope("models")
+        if status is not None:
+            where, params = f"{where} AND status = ?", [*params, status]
+        return [_unjson(r, "sample", "graph")
+                for r in self.db["models"].rows_where(where, params, order_by="id")]
+
+    def finished_hashes(self, statuses: Iterable[str] = ("trained", "failed")) -> set[str]:
+        """Structural hashes of the current experiment's models in ``statuses`` (all
+        experiments when none is current): what a strategy should not propose again."""
+        statuses = list(statuses)
+        where = f"hash IS NOT NULL AND status IN ({', '.join('?' * len(statuses))})"
+        params: list = list(statuses)
+        if self.experiment_id is not None:
+            where += " AND experiment_id = ?"
+            params.append(self.experiment_id)
+        return {r["hash"] for r in self.db["models"].rows_where(where, params, select="hash")}
+
+    # ---- the journal the TrialRunner writes, before each change takes effect ------------
+
+    def trial_added(self, trial: Any) -> None:
+        """Record a new trial: ``.trial_id``, ``.spec`` (what a worker rebuilds it from),
+        ``.config``, ``.parent``, ``.state``; the model id from ``.model_id`` or
+        ``spec["model_id"]``. ``.to_record()``, when the trial has it, is kept verbatim for
+        :meth:`records`."""
+        state, now = _state(trial.state), _time.time()
+        spec = trial.spec if trial.spec is not None else {}
+        model_id = getattr(trial, "model_id", None)
+        if model_id is None and isinstance(spec, dict):
+            model_id = spec.get("model_id")
+        record = dict(trial.to_record()) if hasattr(trial, "to_record") else \
+            {"trial_id": trial.trial_id, "config": trial.config, "parent": trial.parent}
+        if record.get("config") == spec:
+            del record["config"]  # the runner's config *is* the spec: keep one copy
+        hparams = spec.get("hparams") if isinstance(spec, dict) else None
+        self.flush()
+        try:
+            with self.db.atomic():
+                seq = self.db.execute("SELECT coalesce(max(seq), 0) + 1 FROM trials").fetchone()[0]
+                self.db["trials"].insert(
+                    {"id": trial.trial_id, "seq": seq, "experiment_id": self.experiment_id,
+                     "model_id": model_id, "spec": _json(spec), "hparams": _json(hparams),
+                     "parent": trial.parent, "record": _json(record), "state": state,
+                     "attempts": 0, "step": 0, "created": now, "updated": now})
+                self.db["events"].insert({"trial_id": trial.trial_id, "old_state": None,
+                                          "new_state": state, "reason": "added", "time": now})
+        except sqlite3.IntegrityError:
+            raise StoreError(f"trial {trial.trial_id!r} is already in {self.path}; trial ids "
+                             "must be unique within a store") from None
+
+    def transition(self, trial_id: str, old_state: Any, new_state: Any, reason: str = "", *,
+                   worker: str | None = None) -> None:
+        """Record ``old_state -> new_state`` (an ``events`` row and the trial's new state, in
+        one transaction). Entering ERRORED counts an attempt and keeps ``reason`` as the error;
+        ``worker`` names the slot a RUNNING trial went to."""
+        old, new, now = _state(old_state), _state(new_state), _time.time()
+        self.flush()
+        with self.db.atomic():
+            row = self.db.execute("SELECT state, started FROM trials WHERE id = ?",
+                                  [trial_id]).fetchone()
+            if row is None:
+                raise StoreError(f"transition of unknown trial {trial_id!r}; journal "
+                                 "trial_added(trial) first")
+            if row[0] != old:
+                raise StoreError(f"trial {trial_id!r} is {row[0]} in the store, but the "
+                                 f"transition {old} -> {new} starts from {old}")
+            # Plain SQL: this runs on every state change of every trial, and sqlite-utils'
+            # insert/update re-read the table schema each call (4x slower here).
+            self.db.execute(
+                "INSERT INTO events (trial_id, old_state, new_state, reason, worker, time) "
+                "VALUES (?, ?, ?, ?, ?, ?)", [trial_id, old, new, reason, worker, now])
+            changes: dict[str, Any] = {"state": new, "updated": now,
+                                       "ended": now if new in ("TERMINATED", "ERRORED") else None}
+            if new == "RUNNING":
+                changes["worker"] = worker
+                if row[1] is None:
+                    changes["started"] = now
+            if new == "ERRORED":
+                changes["error"] = reason
+            assignments = ", ".join(f"{column} = ?" for column in changes)
+            if new == "ERRORED":
+                assignments += ", attempts = attempts + 1"
+            self.db.execute(f"UPDATE trials SET {assignments} WHERE id = ?",
+                            [*changes.values(), trial_id])
+
+    def result(self, trial_id: str, step: int, metrics: dict[str, Any], time: float) -> None:
+        """Buffer one metric row per entry of ``metrics`` (NaN is stored as NULL)."""
+        if not self._buffer:
+            self._buffered_since = _time.monotonic()
+        for name, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise StoreError(f"metric {name!r} of trial {trial_id!r} at step {step} is "
+                                 f"{value!r}, not a number; report numbers only") from None
+            self._buffer.append((trial_id, int(step), str(name),
+                                 None if math.isnan(number) else number, float(time)))
+        if len(self._buffer) >= self.batch_size or \
+                _time.monotonic() - self._buffered_since >= self.flush_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered metric rows in one transaction."""
+        if not self._buffer:
+            return
+        rows, self._buffer = self._buffer, []
+        # executemany of tuples: sqlite-utils' insert_all builds and inspects a dict per row,
+        # 1.3-2x slower end to end (benchmarks/store.py); this is the engine's hottest write.
+        with self.db.atomic():
+            self.db.conn.executemany(
+                "INSERT OR REPLACE INTO metrics (trial_id, step, name, value, time) "
+                "VALUES (?, ?, ?, ?, ?)", rows)
+
+    def checkpoint(self, trial_id: str, step: int, path: str) -> None:
+        """Record that ``trial_id``'s state after ``step`` steps is in the file ``path``."""
+        now = _time.time()
+        self.flush()
+        if self.db.execute("SELECT 1 FROM trials WHERE id = ?", [trial_id]).fetchone() is None:
+            raise StoreError(f"checkpoint of unknown trial {trial_id!r}; journal "
+                             "trial_added(trial) first")
+        with self.db.atomic():
+            self.db["checkpoints"].upsert(
+                {"trial_id": trial_id, "step": int(step), "path": os.fspath(path), "pinned": 0,
+                 "time": now}, pk=("trial_id", "step"))
+            self.db["trials"].update(trial_id, {"checkpoint": os.fspath(path), "step": int(step),
+                                                "updated": now})
+
+    def scheduler_state(self, state: dict) -> None:
+        """Save the scheduler's ``state_dict()`` for the current experiment (latest wins)."""
+        self._save_state("scheduler_state", state)
+
+    def records(self) -> list[tuple[str, dict]]:
+        """The journal read back, for ``TrialRunner.resume``: ``trial_added`` payloads in
+        creation order, then each trial's transitions, results and checkpoints in the order
+        written, then the latest ``scheduler_state`` (the payloads of ``MemoryJournal``)."""
+        self.flush()
+        where, params = self._scope()
+        out: list[tuple[str, dict]] = []
+        for spec, record in self.db.execute(
+                f"SELECT spec, record FROM trials t WHERE {where} ORDER BY seq", params):
+            payload = json.loads(record)
+            payload.setdefault("config", json.loads(spec))
+            out.append(("trial_added", payload))
+        for trial_id, old, new, reason in self.db.execute(
+                f"SELECT e.trial_id, e.old_state, e.new_state, e.reason FROM events e JOIN trials t "
+                f"ON t.id = e.trial_id WHERE e.old_state IS NOT NULL AND {where} ORDER BY e.id",
+                params):  # (the 'added' pseudo-event has no old state and no transition)
+            out.append(("transition", {"trial_id": trial_id, "old": old, "new": new,
+                                       "reason": reason}))
+        current: dict | None = None
+        for trial_id, step, name, value, time in self.db.execute(
+                f"SELECT m.trial_id, m.step, m.name, m.value, m.time FROM metrics m JOIN trials t "
+                f"ON t.id = m.trial_id WHERE {where} ORDER BY t.seq, m.step, m.rowid", params):
+            if current is None or (current["trial_id"], current["step"]) != (trial_id, step):
+                current = {"trial_id": trial_id, "step": step, "metrics": {}, "time": time}
+                out.append(("result", current))
+            current["metrics"][name] = math.nan if value is None else value
+        for trial_id, step, path in self.db.execute(
+                f"SELECT c.trial_id, c.step, c.path FROM checkpoints c JOIN trials t "
+                f"ON t.id = c.trial_id WHERE {where} ORDER BY t.seq, c.rowid", params):
+            out.append(("checkpoint", {"trial_id": trial_id, "step": step, "path": path}))
+        state = self.load_scheduler_state()
+        if state is not None:
+            out.append(("scheduler_state", {"state": state}))
+        return out
+
+    # ---- saved algorithm state ------------------------------------------------------------
+
+    def save_strategy_state(self, state: dict) -> None:
+        """Save the strategy's ``state_dict()`` for the current experiment (latest wins)."""
+        self._save_state("strategy_state", state)
+
+    def load_strategy_state(self) -> dict | None:
+        return self._load_state("strategy_state")
+
+    def load_scheduler_state(self) -> dict | None:
+        return self._load_state("scheduler_state")
+
+    def _save_state(self, table: str, state: dict) -> None:
+        self.flush()  # the results a scheduler has seen are on disk before its state
+        # Key 0 holds the state of a store used without experiments. Plain SQL: the runner
+        # saves its scheduler's state after every decision.
+        self.db.execute(f"INSERT OR REPLACE INTO [{table}] (experiment_id, state, time) "
+                        "VALUES (?, ?, ?)", [self.experiment_id or 0, json.dumps(state),
+                                             _time.time()])
+
+    def _load_state(self, table: str) -> dict | None:
+        row = self.db.execute(f"SELECT state FROM [{table}] WHERE experiment_id = ?",
+                              [self.experiment_id or 0]).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def _experiment(self, experiment_id: int | None) -> int:
+        experiment_id = self.experiment_id if experiment_id is None else experiment_id
+        if experiment_id is None:
+            raise StoreError("no current experiment: call add_experiment() or use_experiment()")
+        return experiment_id
+
+    def _scope(self, alias: str = "t") -> tuple[str, list]:
+        """SQL restricting trials to the current experiment (nothing when there is none)."""
+        if self.experiment_id is None:
+            return "1", []
+        return f"{alias}.experiment_id = ?", [self.experiment_id]
+
+    def get_trial(self, trial_id: str) -> dict:
+        """A trial row with ``spec``, ``hparams`` and ``record`` decoded."""
+        self.flush()
+        try:
+            return _unjson(self.db["trials"].get(trial_id), *_TRIAL_JSON)
+        except sqlite_utils.db.NotFoundError:
+            raise StoreError(f"{self.path} has no trial {trial_id!r}") from None
+
+    def trials(self, states: Iterable[Any] | None = None) -> list[dict]:
+        """The current experiment's trials (decoded), optionally only those in ``states``."""
+        self.flush()
+        where, params = self._scope("trials")
+        if states is not None:
+            names = [_state(s) for s in states]
+            where += f" AND state IN ({', '.join('?' * len(names))})"
+            params += names
+        return [_unjson(r, *_TRIAL_JSON)
+                for r in self.db["trials"].rows_where(where, params, order_by="seq")]
+
+    def events(self, trial_id: str | None = None) -> list[dict]:
+        """State transitions in the order they were journaled."""
+        self.flush()
+        if trial_id is None:
+            return list(self.db["events"].rows_where(order_by="id"))
+        return list(self.db["events"].rows_where("trial_id = ?", [trial_id], order_by="id"))
+
+    def counts_by_state(self) -> dict[str, int]:
+        """How many of the current experiment's trials are in each state (all five keys)."""
+        self.flush()
+        where, params = self._scope()
+        counts = dict.fromkeys(STATES, 0)
+        for state, n in self.db.execute(
+                f"SELECT state, count(*) FROM trials t WHERE {where} GROUP BY state", params):
+            counts[state] = n
+        return counts
+
+    def learning_curve(self, trial_id: str, metric: str) -> list[tuple[int, float | None]]:
+        """``[(step, value), ...]`` of one trial's metric, by step."""
+        self.flush()
+        return [tuple(r) for r in self.db.execute(
+            "SELECT step, value FROM metrics WHERE trial_id = ? AND name = ? ORDER BY step",
+            [trial_id, metric])]
+
+    def learning_curves(self, metric: str) -> dict[str, list[tuple[int, float | None]]]:
+        """Every trial's curve of ``metric`` in the current experiment."""
+        self.flush()
+        where, params = self._scope()
+        curves: dict[str, list] = {}
+        for trial_id, step, value in self.db.execute(
+                f"SELECT m.trial_id, m.step, m.value FROM metrics m JOIN trials t ON t.id = m.trial_id "
+                f"WHERE m.name = ? AND {where} ORDER BY m.trial_id, m.step", [metric, *params]):
+            curves.setdefault(trial_id, []).append((step, value))
+        return curves
+
+    def final_values(self, metric: str) -> list[tuple[str, float, float | None]]:
+        """``(trial_id, end time, value at its last step)`` of every ended trial (TERMINATED,
+        or ERRORED for good), in the order they ended; for best-so-far plots."""
+        self.flush()
+        where, params = self._scope()
+        return [tuple(r) for r in self.db.execute(
+            f"SELECT t.id, t.ended, (SELECT m.value FROM metrics m WHERE m.trial_id = t.id AND "
+            f"m.name = ? ORDER BY m.step DESC LIMIT 1) FROM trials t WHERE t.ended IS NOT NULL "
+            f"AND {where} ORDER BY t.ended, t.seq", [metric, *params])]
+
+    def best_trials(self, metric: str, mode: str = "max", k: int = 10,
+                    reduce: str = "last") -> list[dict]:
+        """The ``k`` best trials by ``metric``: its value at the trial's last step
+        (``reduce="last"``) or its best value over all steps (``"best"``).
+        Rows: trial_id, model_id, value, step."""
+        order = _order(mode)
+        if reduce not in ("last", "best"):
+            raise ValueError(f"reduce must be 'last' or 'best', got {reduce!r}")
+        within = "m.step DESC" if reduce == "last" else f"m.value {order}, m.step"
+        where, params = self._scope()
+        self.flush()
+        sql = f"""
+            SELECT trial_id, model_id, value, step FROM (
+                SELECT m.trial_id, t.model_id, m.value, m.step,
+                       ROW_NUMBER() OVER (PARTITION BY m.trial_id ORDER BY {within}) AS rn
+                FROM metrics m JOIN trials t ON t.id = m.trial_id
+                WHERE m.name = ? AND m.value IS NOT NULL AND {where})
+            WHERE rn = 1 ORDER BY value {order}, trial_id LIMIT ?"""
+        return list(self.db.query(sql, [metric, *params, int(k)]))
+
+    def best_models(self, metric: str, mode: str = "max", k: int = 10,
+                    reduce: str = "last") -> list[dict]:
+        """The ``k`` best models, each scored by its best trial (see :meth:`best_trials`).
+        Rows: model_id, trial_id, value, step, sample (decoded), hash, status."""
+        trials = self.best_trials(metric, mode, k=-1, reduce=reduce)  # LIMIT -1: all
+        best: dict[int, dict] = {}
+        for row in trials:  # already sorted best first: the first row per model wins
+            if row["model_id"] is not None and row["model_id"] not in best:
+                best[row["model_id"]] = row
+        out = []
+        for model_id, row in list(best.items())[:k if k >= 0 else None]:
+            model = self.get_model(model_id)
+            out.append({"model_id": model_id, "trial_id": row["trial_id"], "value": row["value"],
+                        "step": row["step"], "sample": model["sample"], "hash": model["hash"],
+                        "status": model["status"]})
+        return out
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def checkpoints(self, trial_id: str) -> list[dict]:
+        """A trial's checkpoint rows, by step."""
+        self.flush()
+        return list(self.db["checkpoints"].rows_where("trial_id = ?", [trial_id], order_by="step"))
+
+    def last_checkpoint(self, trial_id: str) -> dict | None:
+        """The trial's latest checkpoint row (``step``, ``path``), or None."""
+        rows = self.checkpoints(trial_id)
+        return rows[-1] if rows else None
+
+    def pin_checkpoint(self, trial_id: str, step: int, pinned: bool = True) -> None:
+        """Keep (or stop keeping) a checkpoint from :meth:`stale_checkpoints` (e.g. a PBT donor)."""
+        self.flush()
+        self.db["checkpoints"].update((trial_id, int(step)), {"pinned": int(pinned)})
+
+    def stale_checkpoints(self) -> list[dict]:
+        """Checkpoints no resume needs: not their trial's latest, and not pinned. The engine may
+        delete the files, then :meth:`forget_checkpoint` them."""
+        self.flush()
+        return list(self.db.query(
+            "SELECT c.trial_id, c.step, c.path FROM checkpoints c WHERE c.pinned = 0 AND c.step < "
+            "(SELECT max(step) FROM checkpoints d WHERE d.trial_id = c.trial_id) "
+            "ORDER BY c.trial_id, c.step"))
+
+    def forget_checkpoint(self, trial_id: str, step: int) -> None:
+        self.flush()
+        self.db["checkpoints"].delete((trial_id, int(step)))
+
+
+_TRIAL_JSON = ("spec", "hparams", "record")
+
+
+def _order(mode: str) -> str:
+    if mode not in ("max", "min"):
+        raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+    return "DESC" if mode == "max" else "ASC"

@@ -1,0 +1,250 @@
+"""What runs inside a worker: rebuild each trial of a :class:`Job` from its spec and train it.
+
+A worker never receives a pickled model. A :class:`TrialTask` carries a JSON ``spec``::
+
+    {
+      "space":   "package.module:attr" | "/abs/path/file.py:attr",   # an object with .build(sample)
+      "sample":  {...},                                              # the choices, as space.py defines
+      "trainer": "package.module:attr"                               # a Trainer instance (or class)
+               | {"class": "retiarii.engine.trainer:ClassifierTrainer", "config": {...}},
+      "hparams": {...},                                              # the trial's hyper-parameters
+      "seed":    0,                                                  # optional; seeds the trial's RNG
+    }
+
+:func:`run_job` trains the tasks of a job side by side in this process, one epoch of each in
+turn, every task with its own model, optimizer, RNG streams and metrics, and reports events
+through ``emit``. It is the same code whichever executor hosts it.
+
+Events of one job, in order: ``JobStarted``; ``TrialResult`` after every step of every task;
+``TrialCheckpointed`` when a task reaches its ``stop_step`` (and has a ``checkpoint_out``); then
+exactly one terminal event. A task that raises stops only that task; the others run on. The job
+then ends with ``JobFinished`` when no task failed, ``JobFailed(trial_id=X)`` when trial X alone
+failed, and ``JobFailed(trial_id=None)`` naming every culprit in ``error`` when several did. In
+every ``JobFailed``, the trials that did not report ``TrialCheckpointed`` are the ones that did
+not finish their segment.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+from .executors.base import (
+    Event, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
+)
+
+__all__ = ["resolve_ref", "WorkerContext", "run_job"]
+
+_MAX_ERROR_CHARS = 4000  # a traceback tail: enough to find the line, small enough for the store
+
+
+def _load_file_module(path: str):
+    # One module per file, named after its path, so two files with the same name don't collide
+    # and a second reference to the file reuses the loaded module.
+    name = "_retiarii_ref_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    if not os.path.isfile(path):
+        raise ImportError(f"import reference names file {path}, which does not exist")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def resolve_ref(ref: str) -> Any:
+    """The object an import reference names.
+
+    Example::
+
+        resolve_ref("retiarii.engine.trainer:ClassifierTrainer")
+        resolve_ref("/home/me/project/spaces.py:SPACE")
+
+    Args:
+        ref: ``"package.module:attr"`` or ``"/absolute/path/file.py:attr"``; ``attr`` may be
+            dotted (``"module:Class.attribute"``).
+    """
+    if not isinstance(ref, str) or ":" not in ref.lstrip("/"):
+        raise ValueError(f"import reference {ref!r} must look like 'package.module:attr' or "
+                         "'/abs/path/file.py:attr'")
+    where, _, attr = ref.rpartition(":")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isabs(where):
+            raise ValueError(f"import reference {ref!r}: a file path must be absolute, since "
+                             "workers may run in another directory")
+        obj = _load_file_module(where)
+    else:
+        obj = importlib.import_module(where)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(f"import reference {ref!r}: {where} has no attribute {attr!r}") from None
+    return obj
+
+
+class WorkerContext:
+    """Per-process caches of the spaces and trainers that specs refer to.
+
+    Example::
+
+        context = WorkerContext()
+        space, trainer = context.space(spec["space"]), context.trainer(spec["trainer"])
+    """
+
+    def __init__(self) -> None:
+        self._spaces: dict[str, Any] = {}
+        self._trainers: dict[str, Any] = {}
+
+    def space(self, ref: str) -> Any:
+        """The space object ``ref`` names; it must have ``build(sample)``."""
+        if ref not in self._spaces:
+            space = resolve_ref(ref)
+            if not callable(getattr(space, "build", None)):
+                raise TypeError(f"spec['space'] = {ref!r} names a {type(space).__name__}, which has "
+                                "no build(sample) method; point it at a ModelSpace")
+            self._spaces[ref] = space
+        return self._spaces[ref]
+
+    def trainer(self, spec: Any) -> Any:
+        """The trainer of ``spec['trainer']``: a reference, or ``{"class": ref, "config": {...}}``."""
+        from .trainer import Trainer
+
+        key = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+        if key in self._trainers:
+            return self._trainers[key]
+        if isinstance(spec, str):
+            trainer = resolve_ref(spec)
+            if isinstance(trainer, type) and issubclass(trainer, Trainer):
+                trainer = trainer()
+        elif isinstance(spec, dict) and "class" in spec:
+            cls = resolve_ref(spec["class"])
+            if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+                raise TypeError(f"spec['trainer']['class'] = {spec['class']!r} is not a Trainer subclass")
+            trainer = cls(**(spec.get("config") or {}))
+        else:
+            raise TypeError("spec['trainer'] must be an import reference to a Trainer, or "
+                            f"{{'class': ref, 'config': {{...}}}}; got {spec!r}")
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"spec['trainer'] = {spec!r} names a {type(trainer).__name__}, "
+                            "not a retiarii Trainer")
+        self._trainers[key] = trainer
+        return trainer
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: message`` and the tail of the traceback, for events and the store."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return f"{type(err).__name__}: {err}\n{text[-_MAX_ERROR_CHARS:]}"
+
+
+def _open_task(task: TrialTask, context: WorkerContext):
+    """A :class:`TrialRun` for ``task``, at ``task.start_step``."""
+    from .trainer import TrialRun, check_segment
+
+    spec = task.spec
+    for key in ("space", "sample", "trainer"):
+        if key not in spec:
+            raise KeyError(f"trial {task.trial_id}: its spec lacks {key!r} (see "
+                           "retiarii.engine.worker for the spec format)")
+    space, trainer = context.space(spec["space"]), context.trainer(spec["trainer"])
+    sample = spec["sample"]
+    run = TrialRun(lambda: space.build(sample), trainer, spec.get("hparams") or {},
+                   seed=int(spec.get("seed") or 0), checkpoint=task.checkpoint_in,
+                   trial_id=task.trial_id)
+    check_segment(run, task.start_step, task.stop_step, task.checkpoint_in)
+    return run
+
+
+def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
+            context: WorkerContext | None = None, clock: Callable[[], float] = time.monotonic,
+            cancelled: Callable[[], bool] = lambda: False) -> None:
+    """Train every task of ``job`` and report through ``emit`` (see the module docstring).
+
+    Example::
+
+        events = []
+        run_job(Job("j1", [TrialTask("t1", spec, 0, 2, None, "/tmp/t1-2.pt")]), events.append)
+
+    Args:
+        job: the tasks to train.
+        emit: called with each event, in order.
+        worker: the name that ``JobStarted`` reports.
+        context: caches of spaces and trainers, kept for the life of the process.
+        clock: the timestamp of ``TrialResult`` (the executor's clock).
+        cancelled: asked before every step; True ends the job there with
+            ``JobFailed(error="cancelled")``.
+    """
+    context = context or WorkerContext()
+    emit = _guarded(emit)
+    emit(JobStarted(job.job_id, worker))
+    failures: dict[str, str] = {}
+    runs = {}
+    for task in job.tasks:
+        try:
+            runs[task.trial_id] = _open_task(task, context)
+        except Exception as err:  # the trial's own problem: bad spec, build error, bad checkpoint
+            failures[task.trial_id] = describe_error(err)
+    active = [task for task in job.tasks if task.trial_id in runs]
+    while active:
+        for task in list(active):  # one step of each task in turn
+            if cancelled():
+                emit(JobFailed(job.job_id, None, "cancelled"))
+                return
+            run = runs[task.trial_id]
+            try:
+                if run.step < task.stop_step:
+                    metrics = run.train_epoch()
+                    emit(TrialResult(job.job_id, task.trial_id, run.step, metrics, clock()))
+                if run.step >= task.stop_step and task.checkpoint_out is not None:
+                    run.save(task.checkpoint_out)
+            except _EmitError:
+                raise
+            except Exception as err:  # fails this trial only
+                failures[task.trial_id] = describe_error(err)
+            if task.trial_id in failures or run.step >= task.stop_step:
+                active.remove(task)
+                del runs[task.trial_id]  # free the model before the others' next epochs
+                if task.trial_id not in failures and task.checkpoint_out is not None:
+                    emit(TrialCheckpointed(job.job_id, task.trial_id, task.stop_step,
+                                           task.checkpoint_out))
+    _release_cuda_cache()
+    if not failures:
+        emit(JobFinished(job.job_id))
+    elif len(failures) == 1:
+        (trial_id, error), = failures.items()
+        emit(JobFailed(job.job_id, trial_id, error))
+    else:
+        emit(JobFailed(job.job_id, None,
+                       "\n".join(f"trial {t}: {e}" for t, e in failures.items())))
+
+
+class _EmitError(ConnectionError):
+    """Reporting failed (the driver is gone): not the trial's fault, so never blamed on it;
+    an OSError, so the worker loop exits quietly."""
+
+
+def _guarded(emit: Callable[[Event], None]) -> Callable[[Event], None]:
+    def guarded(event: Event) -> None:
+        try:
+            emit(event)
+        except Exception as err:
+            raise _EmitError(f"could not report {type(event).__name__}: {err}") from err
+    return guarded
+
+
+def _release_cuda_cache() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # after an OOM the next job should not inherit the fragments
