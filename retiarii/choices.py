@@ -441,7 +441,11 @@ class _RepeatMutator(_Inline):
 
 
 class _ValueChoiceMutator(_Inline):
-    """Chooses the ValueChoices used in a graph and writes the values into its nodes."""
+    """Chooses the ValueChoices used by the nodes of a graph and writes the values in.
+
+    It runs after the graph's other inline choices, so it sees the candidates they picked; a
+    ValueChoice used only by candidates that were not picked is not asked for (conditional).
+    """
 
     def __init__(self, uids: list[int], labels: dict[str, list]):
         super().__init__("valuechoices")
@@ -450,15 +454,32 @@ class _ValueChoiceMutator(_Inline):
     def mutate(self, targets):
         from .codec import decode
 
+        nodes = [self.graph.node_by_uid(u) for u in (self.remap.get(u, u) for u in self.uids)
+                 if u in self.graph._nodes]
+        used = set()
+        for node in nodes:
+            used |= _labels_in([node.op.args, node.op.kwargs, node.op.spec])
         chosen = {label: self.choose([decode(v) for v in values], label)
-                  for label, values in self.labels.items()}
-        for uid in self.uids:
-            node = self.node(uid)
+                  for label, values in self.labels.items() if label in used}
+        for node in nodes:
+            if not _labels_in([node.op.args, node.op.kwargs, node.op.spec]):
+                continue
             op = node.op.copy()
             op.args, op.kwargs = _substitute(op.args, chosen), _substitute(op.kwargs, chosen)
             op.spec = _substitute(op.spec, chosen)
             self.graph.set_op(node, op)  # keeps the module path: tied modules stay tied
             self._record("replace", node=node.uid, name=node.name, op=op.describe())
+
+
+def _labels_in(data: Any) -> set[str]:
+    if isinstance(data, list):
+        return set().union(*(_labels_in(v) for v in data)) if data else set()
+    if isinstance(data, dict):
+        if len(data) == 1 and "__choice__" in data:
+            p = data["__choice__"]
+            return _labels_in(p["args"]) if "op" in p else {p["label"]}
+        return set().union(*(_labels_in(v) for v in data.values())) if data else set()
+    return set()
 
 
 def _substitute(data: Any, chosen: dict) -> Any:
@@ -474,14 +495,14 @@ def _substitute(data: Any, chosen: dict) -> Any:
 # ---- tracing inline choices ------------------------------------------------------------------------
 
 
-def _arg_names(node: Node) -> list[str]:
-    """Constructor parameter names of a module node, to name its ValueChoices readably."""
+def _arg_names(op: Operation) -> list[str]:
+    """Constructor parameter names of a module operation, to name its ValueChoices readably."""
     import inspect
 
     from .codec import resolve_ref
 
     try:
-        cls = resolve_ref(node.op.spec["cls"])
+        cls = resolve_ref(op.spec["cls"])
         return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     except (TypeError, ValueError, ImportError, AttributeError, KeyError):
         return []
@@ -503,8 +524,9 @@ class _TraceScope:
         return cls.stack[-1] if cls.stack else cls("", {})
 
 
-def _compile_value_choices(graph: Graph, scope: _TraceScope,
-                           skip: set[int]) -> _ValueChoiceMutator | None:
+def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
+                           candidates: list[tuple[str, Operation]]
+                           ) -> _ValueChoiceMutator | None:
     """Give every ValueChoice in ``graph`` its final label; one mutator that chooses them."""
     labels: dict[str, list] = {}
     uids: list[int] = []
@@ -532,28 +554,30 @@ def _compile_value_choices(graph: Graph, scope: _TraceScope,
                              f"{labels[label]} and {p['values']}")
         return {"label": label, "values": p["values"]}
 
-    for node in graph.nodes:
-        if node.uid in skip:
-            continue
-        op = node.op
-        before = json_of(op)
-        if node.kind == "module" and op.spec is not None:
-            names = _arg_names(node)
+    owned = [(n.name, n.op) for n in graph.nodes if n.uid not in skip] + candidates
+    for name, op in owned:
+        node = _Named(name)
+        if op.kind == "module" and op.spec is not None:
+            names = _arg_names(op)
             op.spec = {**op.spec,
                        "args": [visit(v, names[i] if i < len(names) else f"arg{i}", node)
                                 for i, v in enumerate(op.spec.get("args", []))],
                        "kwargs": {k: visit(v, k, node) for k, v in op.spec.get("kwargs", {}).items()}}
         op.args = [visit(v, f"arg{i}", node) for i, v in enumerate(op.args)]
         op.kwargs = {k: visit(v, k, node) for k, v in op.kwargs.items()}
-        if json_of(op) != before or "__choice__" in before:
-            uids.append(node.uid)
+    uids = [n.uid for n in graph.nodes if n.uid not in skip]
     return _ValueChoiceMutator(uids, labels) if labels else None
 
 
-def json_of(op: Operation) -> str:
-    import json
+def _placeholder_name(graph: Graph, mutator: "_LayerChoiceMutator") -> str:
+    return graph.node_by_uid(mutator.uid).name if mutator.uid in graph._nodes else mutator.label
 
-    return json.dumps([op.args, op.kwargs, op.spec], sort_keys=True)
+
+class _Named:
+    """Where a ValueChoice is used, for its automatic label."""
+
+    def __init__(self, name: str):
+        self.name = name
 
 
 def trace_space(module: nn.Module, concrete_args: dict | None = None,
@@ -570,7 +594,10 @@ def trace_space(module: nn.Module, concrete_args: dict | None = None,
     _TraceScope.stack.append(scope)
     try:
         graph, inline = trace_with_choices(module, concrete_args, leaf_modules)
-        values = _compile_value_choices(graph, scope, scope.claimed)
+        candidates = [(_placeholder_name(graph, m),
+                       payload) for m in inline if isinstance(m, _LayerChoiceMutator)
+                      for kind, payload, _ in m.options if kind == "op"]
+        values = _compile_value_choices(graph, scope, scope.claimed, candidates)
     finally:
         _TraceScope.stack.pop()
     return graph, inline + ([values] if values else [])
