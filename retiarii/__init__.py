@@ -5,6 +5,8 @@ strategy, run an experiment. See README.md and docs/.
 """
 from . import engine, mutators, nn, ops, strategies
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
+from .engine import Experiment, ExperimentError
+from .engine.trainer import ClassifierTrainer as Trainer
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
 from .modspec import leaf
@@ -15,7 +17,7 @@ from .trace import TraceError, trace
 
 __version__ = "0.1.0"
 
-__all__ = ["Chain", "Graph", "GraphError", "InputChoice", "LayerChoice", "Model", "ModelSpace",
+__all__ = ["Experiment", "ExperimentError", "Trainer", "Chain", "Graph", "GraphError", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
            "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
            "apply_mutator", "engine", "leaf", "mutators", "nn", "ops", "strategies", "trace"]

@@ -1,0 +1,318 @@
+"""The experiment: a space and a strategy become trained models, every fact in SQLite.
+
+The engine owns the loop; the algorithms only return decisions. A :class:`~.trials.TrialRunner`
+keeps every worker busy and applies the scheduler's decisions (training control); whenever a
+slot is free and nothing waits to resume, it asks this experiment for a new trial, which asks
+the strategy for a sample (instantiation control), instantiates it through the space (shapes
+checked), skips structures already trained, and records the model before it is trained. When a
+trial ends its final metric goes back to the strategy. The store journals everything before it
+takes effect, so after a crash (even SIGKILL) ``resume()`` carries on: finished trials are
+kept, running ones continue from their last checkpoint, the strategy and the scheduler continue
+from their saved state.
+
+Example::
+
+    space = rt.ModelSpace(Net(), [...], example_input=torch.zeros(1, 1, 8, 8))
+    exp = rt.Experiment(space, rt.strategies.RegularizedEvolution(32, 8),
+                        rt.Trainer(dataset="digits", epochs=5), store="runs/exp.db", workers=2)
+    exp.run(max_models=200)          # kill it any time; then exp.resume() or `retiarii resume`
+
+Workers rebuild models from the sample (never a pickled model), so the space must be importable:
+define it at module level of a file or package (in a script, guard the run with
+``if __name__ == "__main__":``, as for any multiprocessing program).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from ..choices import ValueChoice
+from ..codec import ref_of
+from ..mutator import MutationError, SampleError
+from ..shapes import ShapeMismatchError
+from ..strategies.base import SpaceExhausted
+from ..strategies.scheduler import Scheduler
+from .store import Store
+from .trainer import ClassifierTrainer, Trainer
+from .trials import Trial, TrialRunner, TrialState
+
+
+class ExperimentError(RuntimeError):
+    """An experiment that cannot start or resume as asked; the message says why and the fix."""
+
+
+# ---- how workers find the space and the trainer ---------------------------------------------
+
+
+def object_ref(obj: Any, what: str) -> str:
+    """An import reference a worker resolves to ``obj``: ``"pkg.mod:name"``, or
+    ``"/abs/file.py:name"`` for an object defined in the running script."""
+    if isinstance(obj, str):
+        return obj
+    for name, module in list(sys.modules.items()):
+        if module is None or name.startswith("_retiarii_ref_"):
+            continue
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            if value is obj:
+                if name == "__main__":
+                    path = getattr(module, "__file__", None)
+                    if path:
+                        return f"{os.path.abspath(path)}:{attr}"
+                    continue
+                return f"{name}:{attr}"
+    raise ExperimentError(
+        f"the {what} is not a module-level variable of an importable module or script, so "
+        f"worker processes cannot rebuild it. Define it at module level (e.g. `space = "
+        f"ModelSpace(...)` in myspace.py) or pass its reference as a string "
+        f"('myspace.py:space')")
+
+
+def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
+    """(what a worker rebuilds the trainer from, the trainer's ValueChoice hyper-parameters)."""
+    if type(trainer) is ClassifierTrainer:
+        config = dataclasses.asdict(trainer.config)
+        choices = {k: v for k, v in config.items() if isinstance(v, ValueChoice)}
+        config.update({k: v.default for k, v in choices.items()})
+        try:
+            json.dumps(config)
+            return {"class": ref_of(ClassifierTrainer), "config": config}, choices
+        except TypeError:
+            pass  # (X, y) tensors as dataset: fall back to a reference to the object
+        return object_ref(trainer, "trainer"), choices
+    choices = {k: v for k, v in vars(trainer).items() if isinstance(v, ValueChoice)}
+    return object_ref(trainer, "trainer"), choices
+
+
+def _space_fingerprint(space) -> dict:
+    return {"bases": [g.structural_hash() for g, _ in space.bases],
+            "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
+            "hparams": {k: v.values for k, v in space.hparams.items()}}
+
+
+# ---- the experiment -----------------------------------------------------------------------
+
+
+class Experiment:
+    """Search ``space`` with ``strategy``, training each model with ``trainer``.
+
+    Args:
+        space: a :class:`~retiarii.ModelSpace` defined at module level (or its reference).
+        strategy: instantiation control, e.g. ``rt.strategies.Random(seed=0)``.
+        trainer: a :class:`~retiarii.Trainer`; its ValueChoice settings become choices.
+        store: the SQLite file (created with its folder; checkpoints go next to it).
+        workers: worker processes (one per GPU in ``devices``, else CPU shares).
+        devices: GPU ids; None uses every visible GPU, [] forces CPU.
+        max_models: stop proposing after this many distinct models.
+        max_time: seconds; no new segment starts after it (running ones pause).
+        seed: seeds the trials' weights and data order (trial i gets seed + i).
+        scheduler: training control (``rt.strategies.ASHA(...)``...); default: train every
+            model for the trainer's epochs.
+        metric, mode: the reported metric the strategy optimizes, and its direction.
+        max_failures: retries of a failing trial from its last checkpoint.
+        dedup: do not train a structure (same structural hash and hyper-parameters) twice.
+        executor: an :class:`~.executors.Executor` to use instead of local processes.
+        progress: called with a summary dict after each finished trial (the CLI's display).
+        origin: JSON kept with the experiment saying how it was made (the CLI's flags, so
+            that ``retiarii resume`` can rebuild it); not compared on resume.
+    """
+
+    def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
+                 workers: int = 2, devices=None, max_models: int | None = None,
+                 max_time: float | None = None, seed: int = 0,
+                 scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
+                 max_failures: int = 3, dedup: bool = True, executor=None,
+                 progress: Callable[[dict], None] | None = None, origin: dict | None = None):
+        self.space_ref = object_ref(space, "space")
+        self.space = space if not isinstance(space, str) else _resolve(space)
+        self.strategy, self.trainer = strategy, trainer
+        self.trainer_spec, hp = trainer_spec(trainer)
+        self.space.with_hparams(hp)
+        self.path, self.workers, self.devices = str(store), workers, devices
+        self.max_models, self.max_time, self.seed = max_models, max_time, seed
+        self.scheduler = scheduler or Scheduler()
+        self.metric, self.mode, self.max_failures, self.dedup = metric, mode, max_failures, dedup
+        self.executor, self.progress, self.origin = executor, progress, origin
+        self.store: Store | None = None
+        self._models: dict[str, dict] = {}  # trial id -> {"model_id", "sample"}
+        self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
+        self._count = 0  # models proposed so far (this experiment, resumes included)
+
+    # ---- public ---------------------------------------------------------------------------
+    def config(self) -> dict:
+        """What a resume must match (budgets may change between runs)."""
+        return {"space": {"ref": self.space_ref, **_space_fingerprint(self.space)},
+                "strategy": {"class": ref_of(type(self.strategy)),
+                             "config": self.strategy._config(), "seed": self.strategy.seed},
+                "scheduler": {"class": ref_of(type(self.scheduler))},
+                "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
+                "mode": self.mode, "dedup": self.dedup}
+
+    def run(self, max_models: int | None = None, max_time: float | None = None) -> dict:
+        """Start a new experiment in the store and run it to the end; returns a summary."""
+        self._budgets(max_models, max_time)
+        self._open()
+        self.store.add_experiment({**self.config(), "origin": self.origin}, self.seed,
+                                  name=os.path.basename(self.path))
+        return self._loop(resume=False)
+
+    def resume(self, max_models: int | None = None, max_time: float | None = None) -> dict:
+        """Continue the latest experiment of the store (after Ctrl-C, a crash or SIGKILL)."""
+        self._budgets(max_models, max_time)
+        self._open()
+        experiments = self.store.experiments()
+        if not experiments:
+            raise ExperimentError(f"{self.path} holds no experiment to resume; use run()")
+        saved = dict(self.store.use_experiment(experiments[-1]["id"])["config"])
+        saved.pop("origin", None)
+        mine = json.loads(json.dumps(self.config()))
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if diff:
+            raise ExperimentError(
+                f"cannot resume {self.path}: this experiment differs from the stored one in "
+                f"{diff} (stored: { {k: saved.get(k) for k in diff} }). Resume with the same "
+                f"space, strategy, trainer and seed, or run() a new experiment")
+        state = self.store.load_strategy_state()
+        if state is not None:
+            self.strategy.load_state_dict(state)
+        return self._loop(resume=True)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _budgets(self, max_models, max_time):
+        self.max_models = max_models if max_models is not None else self.max_models
+        self.max_time = max_time if max_time is not None else self.max_time
+
+    def _open(self):
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        self.store = Store(self.path)
+        self.checkpoint_dir = os.path.splitext(os.path.abspath(self.path))[0] + ".checkpoints"
+
+    def _loop(self, resume: bool) -> dict:
+        store = self.store
+        eid = store.experiment_id
+        for row in store.models():
+            if row["hash"]:
+                self._known[self._dedup_key(row["hash"], row["sample"])] = row.get("value")
+        self._count = len(store.models())
+        for row in store.trials():
+            self._models[row["id"]] = {"model_id": row["model_id"],
+                                       "sample": row["spec"].get("sample")}
+        executor = self.executor
+        if executor is None:
+            from .executors.local import LocalExecutor
+
+            executor = LocalExecutor(self.workers, self.devices)
+        epochs = getattr(self.trainer, "epochs", None)
+        kwargs = dict(max_failures=self.max_failures, max_steps=epochs,
+                      checkpoint_dir=self.checkpoint_dir, source=self._next_trial,
+                      on_result=self._on_result, on_trial_end=self._on_trial_end,
+                      id_prefix=f"e{eid}-")
+        started = time.monotonic()
+        self._deadline = None if self.max_time is None else started + self.max_time
+        store.set_experiment_status("running")
+        try:
+            if resume:
+                runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
+            else:
+                runner = TrialRunner(executor, self.scheduler, store, **kwargs)
+            self.runner = runner
+            runner.run()
+            store.flush()
+            done = not runner.budget_hit()
+            store.set_experiment_status("done" if done else "stopped")
+        except KeyboardInterrupt:
+            store.set_experiment_status("interrupted")
+            raise
+        finally:
+            if self.executor is None:
+                executor.close()
+            store.flush()
+        return self.summary()
+
+    def _dedup_key(self, structure_hash: str, sample: dict) -> str:
+        hp = {k: sample.get(k) for k in sorted(self.space.hparams)}
+        return hashlib.sha256(json.dumps([structure_hash, hp]).encode()).hexdigest()
+
+    def _budget_left(self) -> bool:
+        if self.max_models is not None and self._count >= self.max_models:
+            return False
+        return self._deadline is None or time.monotonic() < self._deadline
+
+    def _next_trial(self) -> dict | None:
+        """The runner's source: the strategy's next model as a trial config, or None."""
+        duplicates = 0
+        while self._budget_left():
+            try:
+                sample = self.strategy.ask(self.space)
+            except SpaceExhausted:
+                return None
+            try:
+                model = self.space.instantiate(sample)
+            except (ShapeMismatchError, MutationError, SampleError) as e:
+                self._count += 1  # a model that cannot be built fails alone, recorded
+                self.store.add_model(sample, None, None, status="failed")
+                self.strategy.tell(sample, None)
+                self._save_strategy(f"{type(e).__name__}: {e}")
+                continue
+            key = self._dedup_key(model.structural_hash(), sample)
+            if self.dedup and key in self._known:
+                duplicates += 1
+                self.strategy.tell(sample, self._known[key])
+                self._save_strategy()
+                if duplicates > 1000:
+                    return None  # the strategy keeps proposing trained structures
+                continue
+            self._count += 1
+            model_id = self.store.add_model(sample, model.graph.to_data(),
+                                            model.structural_hash(), status="training")
+            self._known[key] = None
+            config = {"space": self.space_ref, "sample": sample, "trainer": self.trainer_spec,
+                      "hparams": model.hparams, "seed": self.seed + self._count - 1,
+                      "model_id": model_id}
+            self._save_strategy()
+            return config
+        return None
+
+    def _save_strategy(self, note: str | None = None) -> None:
+        self.store.save_strategy_state(self.strategy.state_dict())
+
+    def _on_result(self, trial: Trial, result: dict) -> None:
+        sample = trial.config.get("sample")
+        if sample is not None:
+            self.strategy.on_step(sample, result["training_iteration"], result)
+
+    def _on_trial_end(self, trial: Trial) -> None:
+        sample, model_id = trial.config.get("sample"), trial.config.get("model_id")
+        value = (trial.last_result or {}).get(self.metric)
+        failed = trial.state is TrialState.ERRORED or value is None
+        if model_id is not None:
+            self.store.set_model_status(model_id, "failed" if failed else "trained", value)
+        if sample is not None:
+            key = self._dedup_key(self.store.get_model(model_id)["hash"], sample) \
+                if model_id is not None else None
+            if key is not None:
+                self._known[key] = value
+            try:
+                self.strategy.tell(sample, value)
+            except (KeyError, ValueError):
+                pass  # a trial of an earlier run this strategy state never proposed
+            self._save_strategy()
+        if self.progress is not None:
+            self.progress(self.summary())
+
+    def summary(self) -> dict:
+        counts = self.store.counts_by_state()
+        best = self.store.best_models(self.metric, self.mode, 5)
+        return {"store": self.path, "models": self._count, "trials": counts, "best": best,
+                "max_models": self.max_models}
+
+
+def _resolve(ref: str):
+    from .worker import resolve_ref
+
+    return resolve_ref(ref)
