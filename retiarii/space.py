@@ -18,8 +18,10 @@ A *sample* maps each choice's label to the key of the chosen candidate (docs/arc
 """
 from __future__ import annotations
 
+import copy
 import math
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -181,16 +183,22 @@ class ModelSpace:
             self.mutators.append(bound)
         self.example_input = example_input
         self.hparams: dict[str, Any] = {}  # name -> ValueChoice, see with_hparams
+        # The module that built this space: where worker processes import it from.
+        self.defined_in = sys._getframe(1).f_globals.get("__name__")
 
     def with_hparams(self, hparams: dict) -> "ModelSpace":
-        """Add trainer hyper-parameters (ValueChoices) as choices of this space, explored like
-        architecture choices. The chosen values land in ``Model.hparams``."""
+        """This space plus trainer hyper-parameters (ValueChoices) as choices, explored like
+        architecture choices; the chosen values land in ``Model.hparams``. Returns a new space
+        (sharing the traced bases); plain values in ``hparams`` are not choices and are
+        ignored."""
         from .choices import ValueChoice
 
+        space = copy.copy(self)
+        space.hparams = dict(self.hparams)
         for name, value in hparams.items():
-            if isinstance(value, ValueChoice):  # plain values are not choices
-                self.hparams[name] = ValueChoice(value.values, label=value.label or name)
-        return self
+            if isinstance(value, ValueChoice):
+                space.hparams[name] = ValueChoice(value.values, label=value.label or name)
+        return space
 
     @property
     def open_ended(self) -> bool:

@@ -54,12 +54,16 @@ def object_ref(obj: Any, what: str) -> str:
     ``"/abs/file.py:name"`` for an object defined in the running script."""
     if isinstance(obj, str):
         return obj
-    for name, module in list(sys.modules.items()):
-        if module is None or name.startswith("_retiarii_ref_"):
+    home = getattr(obj, "defined_in", None)  # ModelSpace remembers the module that made it
+    names = [home] if home in sys.modules else []
+    names += [n for n in list(sys.modules) if n not in (home, "__main__")] + ["__main__"]
+    for name in names:
+        module = sys.modules.get(name)
+        if module is None:
             continue
         for attr, value in list(getattr(module, "__dict__", {}).items()):
             if value is obj:
-                if name == "__main__":
+                if name == "__main__" or name.startswith("_retiarii_ref_"):  # loaded from a file
                     path = getattr(module, "__file__", None)
                     if path:
                         return f"{os.path.abspath(path)}:{attr}"
@@ -131,21 +135,25 @@ class Experiment:
         self.space = space if not isinstance(space, str) else _resolve(space)
         self.strategy, self.trainer = strategy, trainer
         self.trainer_spec, hp = trainer_spec(trainer)
-        self.space.with_hparams(hp)
+        hp = {k: v for k, v in hp.items() if k not in self.space.hparams}
+        # The strategy searches the space plus the trainer's ValueChoices; workers rebuild from
+        # the space itself, so those labels are kept out of the sample they get.
+        self.search_space = self.space.with_hparams(hp)
+        self._trainer_labels = {self.search_space.hparams[k].label for k in hp}
         self.path, self.workers, self.devices = str(store), workers, devices
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()
         self.metric, self.mode, self.max_failures, self.dedup = metric, mode, max_failures, dedup
         self.executor, self.progress, self.origin = executor, progress, origin
         self.store: Store | None = None
-        self._models: dict[str, dict] = {}  # trial id -> {"model_id", "sample"}
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
+        self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends
         self._count = 0  # models proposed so far (this experiment, resumes included)
 
     # ---- public ---------------------------------------------------------------------------
     def config(self) -> dict:
         """What a resume must match (budgets may change between runs)."""
-        return {"space": {"ref": self.space_ref, **_space_fingerprint(self.space)},
+        return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
                              "config": self.strategy._config(), "seed": self.strategy.seed},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
@@ -199,9 +207,6 @@ class Experiment:
             if row["hash"]:
                 self._known[self._dedup_key(row["hash"], row["sample"])] = row.get("value")
         self._count = len(store.models())
-        for row in store.trials():
-            self._models[row["id"]] = {"model_id": row["model_id"],
-                                       "sample": row["spec"].get("sample")}
         executor = self.executor
         if executor is None:
             from .executors.local import LocalExecutor
@@ -235,7 +240,7 @@ class Experiment:
         return self.summary()
 
     def _dedup_key(self, structure_hash: str, sample: dict) -> str:
-        hp = {k: sample.get(k) for k in sorted(self.space.hparams)}
+        hp = {k: sample.get(k) for k in sorted(self.search_space.hparams)}
         return hashlib.sha256(json.dumps([structure_hash, hp]).encode()).hexdigest()
 
     def _budget_left(self) -> bool:
@@ -248,18 +253,19 @@ class Experiment:
         duplicates = 0
         while self._budget_left():
             try:
-                sample = self.strategy.ask(self.space)
+                sample = self.strategy.ask(self.search_space)
             except SpaceExhausted:
                 return None
             try:
-                model = self.space.instantiate(sample)
+                model = self.search_space.instantiate(sample)
             except (ShapeMismatchError, MutationError, SampleError) as e:
                 self._count += 1  # a model that cannot be built fails alone, recorded
                 self.store.add_model(sample, None, None, status="failed")
                 self.strategy.tell(sample, None)
                 self._save_strategy(f"{type(e).__name__}: {e}")
                 continue
-            key = self._dedup_key(model.structural_hash(), sample)
+            structure = model.structural_hash()  # hashes every node: compute it once
+            key = self._dedup_key(structure, sample)
             if self.dedup and key in self._known:
                 duplicates += 1
                 self.strategy.tell(sample, self._known[key])
@@ -268,12 +274,15 @@ class Experiment:
                     return None  # the strategy keeps proposing trained structures
                 continue
             self._count += 1
-            model_id = self.store.add_model(sample, model.graph.to_data(),
-                                            model.structural_hash(), status="training")
+            model_id = self.store.add_model(sample, model.graph.to_data(), structure,
+                                            status="training")
             self._known[key] = None
-            config = {"space": self.space_ref, "sample": sample, "trainer": self.trainer_spec,
+            self._keys[model_id] = key
+            config = {"space": self.space_ref, "trainer": self.trainer_spec,
+                      "sample": {k: v for k, v in sample.items()
+                                 if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
-                      "model_id": model_id}
+                      "model_id": model_id, "choices": sample}
             self._save_strategy()
             return config
         return None
@@ -282,19 +291,24 @@ class Experiment:
         self.store.save_strategy_state(self.strategy.state_dict())
 
     def _on_result(self, trial: Trial, result: dict) -> None:
-        sample = trial.config.get("sample")
+        sample = trial.config.get("choices")
         if sample is not None:
             self.strategy.on_step(sample, result["training_iteration"], result)
 
     def _on_trial_end(self, trial: Trial) -> None:
-        sample, model_id = trial.config.get("sample"), trial.config.get("model_id")
+        sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
         value = (trial.last_result or {}).get(self.metric)
         failed = trial.state is TrialState.ERRORED or value is None
         if model_id is not None:
             self.store.set_model_status(model_id, "failed" if failed else "trained", value)
         if sample is not None:
-            key = self._dedup_key(self.store.get_model(model_id)["hash"], sample) \
-                if model_id is not None else None
+            key = None
+            if model_id is not None:
+                # The key computed when it was proposed (saves reading the model's graph back);
+                # a model of an earlier run (resume) takes its hash from the store.
+                key = self._keys.pop(model_id, None)
+                if key is None:
+                    key = self._dedup_key(self.store.get_model(model_id)["hash"], sample)
             if key is not None:
                 self._known[key] = value
             try:

@@ -1,0 +1,194 @@
+"""The engine end to end: real worker processes on digits, the store, kills and resumes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import retiarii as rt
+from exp_driver import experiment
+from exp_space import EXAMPLE, failing_space, space, trainer
+from retiarii.engine.store import Store
+
+HERE = Path(__file__).resolve().parent
+FINAL = {"TERMINATED", "ERRORED"}
+
+
+def _trained(store_path):
+    """(sample, {step: val_acc}) of every model of the latest experiment, in creation order."""
+    with Store(store_path) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        out = []
+        for trial in store.trials():
+            curve = dict(store.learning_curve(trial["id"], "val_acc"))
+            out.append((trial["spec"]["choices"], curve, trial["state"]))
+        return out
+
+
+def _invariants(store_path, max_models, epochs=2):
+    with Store(store_path) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        trials, models = store.trials(), store.models()
+        assert all(t["state"] in FINAL for t in trials), [t["state"] for t in trials]
+        assert len(models) == max_models
+        # the same structure may come back with other hyper-parameters, never with the same
+        keys = [(m["hash"], m["sample"].get("lr")) for m in models]
+        assert len(set(keys)) == len(keys), "a model was trained twice"
+        per_model = {}
+        for t in trials:
+            per_model.setdefault(t["model_id"], []).append(t)
+        assert all(len(ts) == 1 for ts in per_model.values()), "a model got a second trial"
+        for t in trials:
+            if t["state"] == "TERMINATED":
+                steps = [s for s, _ in store.learning_curve(t["id"], "val_acc")]
+                assert steps == list(range(1, epochs + 1)), (t["id"], steps)  # continuous
+        events = store.events()
+        assert all(e["new_state"] for e in events)
+        return trials, models
+
+
+def test_experiment_end_to_end_on_digits(tmp_path):
+    db = tmp_path / "e2e.db"
+    summary = experiment(str(db), max_models=5, workers=2).run()
+    trials, models = _invariants(db, 5)
+    assert summary["models"] == 5 and summary["trials"]["TERMINATED"] == 5
+    assert all(m["status"] == "trained" for m in models)
+    assert 0.3 < summary["best"][0]["value"] <= 1.0  # digits learns something in 2 epochs
+    samples = [json.dumps(m["sample"], sort_keys=True) for m in models]
+    assert len(set(samples)) == 5
+    with Store(db) as store:  # every transition journaled, in lifecycle order
+        states = [e["new_state"] for e in store.events(trials[0]["id"])]
+    assert states == ["PENDING", "RUNNING", "TERMINATED"]
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    whole = tmp_path / "whole.db"
+    experiment(str(whole), max_models=4, workers=1).run()
+    parts = tmp_path / "parts.db"
+    experiment(str(parts), max_models=2, workers=1).run()
+    experiment(str(parts), max_models=4, workers=1).resume()  # a new object, as after a crash
+    a, b = _trained(whole), _trained(parts)
+    assert [s for s, _, _ in a] == [s for s, _, _ in b]  # the same models, in the same order
+    assert [c for _, c, _ in a] == [c for _, c, _ in b]  # the same metrics, bit for bit
+
+
+def _events(db) -> int:
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
+            return con.execute("SELECT count(*) FROM events").fetchone()[0]
+    except sqlite3.Error:
+        return 0  # not created yet
+
+
+def test_driver_sigkilled_at_many_moments_then_resumed(tmp_path):
+    db = tmp_path / "killed.db"
+    driver = [sys.executable, str(HERE / "exp_driver.py"), str(db)]
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    # Kill points are progress marks (journaled transitions): right after the first trial is
+    # added, while the first ones run, as trials end and start, and near the end.
+    kills = 0
+    for i, mark in enumerate([1, 4, 9, 14, 19, 24]):
+        mode = "run" if i == 0 else "resume"
+        proc = subprocess.Popen(driver + [mode, "6", "2"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and _events(db) < mark and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the driver and its workers, at once
+            kills += 1
+        proc.wait()
+    assert kills >= 5
+    done = subprocess.run(driver + ["resume", "6", "2"], env=env, capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    _invariants(db, 6)
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        assert store.get_experiment()["status"] == "done"
+        reasons = [e["reason"] for e in store.events()]
+    assert "driver restarted" in reasons  # RUNNING trials were requeued, not lost
+
+
+def test_a_model_that_always_fails_fails_alone(tmp_path):
+    db = tmp_path / "failing.db"
+    exp = rt.Experiment(failing_space, rt.strategies.Random(seed=0), trainer, store=str(db),
+                        workers=2, max_models=6, seed=0, max_failures=1)
+    summary = exp.run()
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        trials = store.trials()
+        failed = [t for t in trials if t["state"] == "ERRORED"]
+        ok = [t for t in trials if t["state"] == "TERMINATED"]
+        assert failed and ok and len(failed) + len(ok) == 6
+        assert all(t["spec"]["choices"]["act"] == "nan" for t in failed)
+        assert all(t["spec"]["choices"]["act"] != "nan" for t in ok)
+        assert all("loss is nan" in (t["error"] or "") for t in failed)
+        assert all(t["attempts"] == 2 for t in failed)  # tried, retried once, given up
+        assert {m["status"] for m in store.models() if m["sample"]["act"] == "nan"} == {"failed"}
+    assert summary["trials"]["ERRORED"] == len(failed)
+
+
+def test_resuming_with_another_config_is_refused(tmp_path):
+    db = tmp_path / "cfg.db"
+    experiment(str(db), max_models=1, workers=1).run()
+    other = rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=str(db),
+                          workers=1, max_models=2, seed=1)
+    with pytest.raises(rt.ExperimentError, match=r"differs from the stored one in \['seed'\]"):
+        other.resume()
+
+
+def test_cli_run_status_plot_export_round_trip(tmp_path):
+    from retiarii.cli import main
+
+    db, out = tmp_path / "cli.db", tmp_path / "best"
+    space_file = HERE / "exp_space.py"
+    assert main(["run", str(space_file), "--strategy", "random", "--max-models", "3",
+                 "--workers", "2", "--store", str(db), "--epochs", "1"]) == 0
+    assert main(["status", str(db), "--json"]) == 0
+    assert main(["plot", str(db), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert main(["export", str(db), "--top", "2", "--out", str(out)]) == 0
+    exported = sorted(out.glob("model_*.py"))
+    assert len(exported) == 2
+    x = torch.randn(4, 1, 8, 8)
+    torch.save(x, tmp_path / "x.pt")
+    for py in exported:
+        info = json.loads(py.with_suffix(".json").read_text())
+        # the reference: the space's own model of that sample with the exported weights
+        from retiarii.engine.worker import resolve_ref
+
+        ref_space = resolve_ref(f"{space_file}:space")
+        arch = {k: v for k, v in info["sample"].items() if k != "lr"}  # lr: a trainer choice
+        ref = ref_space.build(arch)
+        ref.load_state_dict(torch.load(py.with_suffix(".pt"), weights_only=True))
+        ref.eval()
+        script = (f"import torch, importlib.util, sys\n"
+                  f"class Block:\n"
+                  f"    def find_spec(self, name, path=None, target=None):\n"
+                  f"        if name.split('.')[0] == 'retiarii':\n"
+                  f"            raise ImportError('retiarii is not installed here')\n"
+                  f"sys.meta_path.insert(0, Block())\n"
+                  f"try:\n    import retiarii\n    sys.exit('retiarii importable')\n"
+                  f"except ImportError:\n    pass\n"
+                  f"torch.set_num_threads(1)\n"
+                  f"spec = importlib.util.spec_from_file_location('m', {str(py)!r})\n"
+                  f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+                  f"cls = [v for k, v in vars(m).items() if k.startswith('Model')][0]\n"
+                  f"net = cls(); net.load_state_dict(torch.load({str(py.with_suffix('.pt'))!r}))\n"
+                  f"net.eval()\n"
+                  f"torch.save(net(torch.load({str(tmp_path / 'x.pt')!r})), "
+                  f"{str(tmp_path / 'y.pt')!r})\n")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        run = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True,
+                             text=True, timeout=120, env=env, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+        with torch.no_grad():
+            assert torch.equal(torch.load(tmp_path / "y.pt"), ref(x))
