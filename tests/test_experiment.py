@@ -192,3 +192,41 @@ def test_cli_run_status_plot_export_round_trip(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
         with torch.no_grad():
             assert torch.equal(torch.load(tmp_path / "y.pt"), ref(x))
+
+
+def test_pbt_runs_inside_an_experiment_with_lineage_and_gc(tmp_path):
+    db = tmp_path / "pbt.db"
+    pbt = rt.strategies.PBT("val_acc", "max", {"lr": rt.strategies.Continuous(0.003, 0.3)},
+                            population_size=2, steps_per_trial=1, max_generations=3, seed=0)
+    fixed = rt.Trainer(dataset="digits", epochs=3, batch_size=128)
+    exp = rt.Experiment(space, rt.strategies.Random(seed=0), fixed, store=str(db), workers=2,
+                        seed=0, scheduler=pbt)
+    exp.run()
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        trials = {t["id"]: t for t in store.trials()}
+        assert len(trials) == 2 + 2 * 2  # generation 0, then two children per generation
+        assert all(t["state"] == "TERMINATED" for t in trials.values())
+        for t in trials.values():
+            steps = [s for s, _ in store.learning_curve(t["id"], "val_acc")]
+            if t["parent"] is None:
+                assert steps == [1]
+                continue
+            parent = trials[t["parent"]]
+            # a child trains the parent's model from the parent's last step, with new hparams
+            assert t["model_id"] == parent["model_id"]
+            assert steps == [max(s for s, _ in store.learning_curve(parent["id"], "val_acc")) + 1]
+            lr, parent_lr = t["spec"]["hparams"]["lr"], parent["spec"]["hparams"]["lr"]
+            assert any(lr == pytest.approx(min(0.3, max(0.003, parent_lr * f)))
+                       for f in (0.8, 1.2))  # the paper's perturbation, clipped
+            assert t["spec"]["sample"] == parent["spec"]["sample"]
+        kept = {(c["trial_id"], c["step"]): c["path"] for t in trials
+                for c in store.checkpoints(t)}
+    # garbage collection kept what PBT can still need and deleted the rest from disk and store
+    for path in kept.values():
+        assert os.path.exists(path)
+    on_disk = {str(p) for p in Path(str(db).replace(".db", ".checkpoints")).rglob("step-*")}
+    assert on_disk == set(kept.values())
+    best = pbt.best_trial()
+    lineage = pbt.lineage(best)
+    assert lineage[-1]["trial_id"] == best and lineage[0]["parent"] is None

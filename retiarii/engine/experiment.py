@@ -213,10 +213,12 @@ class Experiment:
 
             executor = LocalExecutor(self.workers, self.devices)
         epochs = getattr(self.trainer, "epochs", None)
+        source = None if self.scheduler.spawns_trials else self._next_trial
         kwargs = dict(max_failures=self.max_failures, max_steps=epochs,
-                      checkpoint_dir=self.checkpoint_dir, source=self._next_trial,
+                      checkpoint_dir=self.checkpoint_dir, source=source,
                       on_result=self._on_result, on_trial_end=self._on_trial_end,
-                      id_prefix=f"e{eid}-")
+                      id_prefix=f"e{eid}-", spawn_config=self._spawn_config)
+        self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
         store.set_experiment_status("running")
@@ -287,6 +289,40 @@ class Experiment:
             return config
         return None
 
+    def _spawn_config(self, spawn, parent: Trial | None) -> dict:
+        """A scheduler's spawn (PBT) as a worker spec: a child keeps its parent's model and
+        gets the spawn's hyper-parameters; a fresh trial takes a new model from the strategy."""
+        if parent is not None:
+            base = dict(parent.config)
+        else:
+            base = None
+            while base is None:  # the population needs a model: budgets do not apply here
+                saved, self.max_models, self._deadline = (self.max_models, self._deadline), \
+                    None, None
+                try:
+                    base = self._next_trial()
+                finally:
+                    self.max_models, self._deadline = saved
+                if base is None:
+                    raise ExperimentError("the strategy has no model left for a new PBT trial")
+        return {**base, "hparams": {**base.get("hparams", {}), **spawn.config}}
+
+    def _collect_garbage(self) -> None:
+        """Delete the checkpoints the scheduler says nothing will read again."""
+        runner = getattr(self, "runner", None)
+        if runner is None:  # still being rebuilt by TrialRunner.resume
+            return
+        states = {t: s.value for t, s in runner.states().items()}
+        doomed = self.scheduler.deletable_checkpoints(runner.checkpoints(), states)
+        for trial_id, step, path in runner.checkpoints():
+            if path in doomed:
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+                self.store.forget_checkpoint(trial_id, step)
+                runner.trials[trial_id].checkpoints.pop(step, None)
+
     def _save_strategy(self, note: str | None = None) -> None:
         self.store.save_strategy_state(self.strategy.state_dict())
 
@@ -316,6 +352,7 @@ class Experiment:
             except (KeyError, ValueError):
                 pass  # a trial of an earlier run this strategy state never proposed
             self._save_strategy()
+        self._collect_garbage()
         if self.progress is not None:
             self.progress(self.summary())
 

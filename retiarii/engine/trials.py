@@ -211,6 +211,9 @@ class TrialRunner:
         on_result: called with (trial, result) after every result the scheduler saw.
         on_trial_end: called with the trial once it is TERMINATED, or ERRORED for good.
         id_prefix: prepended to generated trial ids.
+        spawn_config: turns a scheduler's :class:`Spawn` (hyper-parameters) and its parent
+            trial into the config the child trial runs with (the experiment makes a worker
+            spec of it); default: the spawn's config as it is.
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
@@ -219,7 +222,8 @@ class TrialRunner:
                  checkpoint_dir: str = "checkpoints",
                  source: Callable[[], dict | None] | None = None,
                  on_result: Callable[[Trial, dict], None] | None = None,
-                 on_trial_end: Callable[[Trial], None] | None = None, id_prefix: str = ""):
+                 on_trial_end: Callable[[Trial], None] | None = None, id_prefix: str = "",
+                 spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         self.executor, self.scheduler, self.journal = executor, scheduler, journal
@@ -243,6 +247,7 @@ class TrialRunner:
         self._ids = 0
         self.source, self.on_result, self.on_trial_end = source, on_result, on_trial_end
         self.id_prefix = id_prefix  # trial ids are unique per store: one prefix per experiment
+        self.spawn_config = spawn_config or (lambda spawn, parent: dict(spawn.config))
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -448,7 +453,10 @@ class TrialRunner:
         trial_id = spawn.trial_id or self._new_id()
         if trial_id in self._orphans:  # re-spawned after a restart: it is already journaled
             trial = self._orphans.pop(trial_id)
-            if trial.parent != spawn.parent or trial.config != dict(spawn.config):
+            hparams = trial.config.get("hparams") or {}  # an experiment's spec holds them here
+            same = trial.config == dict(spawn.config) or all(
+                hparams.get(k) == v for k, v in spawn.config.items())
+            if trial.parent != spawn.parent or not same:
                 raise ValueError(f"the scheduler re-spawned {trial_id!r} differently after a "
                                  f"restart (parent/config changed): its state is inconsistent")
             self.trials[trial_id] = trial
@@ -473,7 +481,8 @@ class TrialRunner:
             raise ValueError(f"spawn of {trial_id!r} starts at step {step}, but the runner's "
                              f"max_steps={self.max_steps} leaves it nothing to train: raise "
                              f"max_steps or end the scheduler sooner (PBT: max_generations)")
-        trial = Trial(trial_id, dict(spawn.config), parent=spawn.parent, parent_step=step,
+        config = self.spawn_config(spawn, self.trials.get(spawn.parent))
+        trial = Trial(trial_id, config, parent=spawn.parent, parent_step=step,
                       donor=donor, max_steps=self.max_steps, spawned=True)
         self._register(trial)
         return trial

@@ -148,6 +148,8 @@ class PBT(Scheduler):
         id_prefix: prefix of the trial ids it creates.
     """
 
+    spawns_trials = True
+
     def __init__(self, metric: str | list[str], mode: str = "max",
                  space: Mapping[str, Any] | None = None, population_size: int = 8,
                  steps_per_trial: int = 1, max_generations: int | None = None,

@@ -127,6 +127,10 @@ class Scheduler:
         'CONTINUE'
     """
 
+    #: True for schedulers that create every trial themselves (PBT): an experiment then asks
+    #: its strategy for an architecture only when the scheduler spawns a fresh trial.
+    spawns_trials: bool = False
+
     def on_trial_add(self, trial_id: str, config: dict) -> None:
         """A trial exists and may be run."""
 
@@ -151,6 +155,21 @@ class Scheduler:
     def trials_to_stop(self) -> list[str]:
         """Trials to terminate now (each id is returned once)."""
         return []
+
+    def deletable_checkpoints(self, checkpoints, states, keep_lineage_of=None) -> set[str]:
+        """Paths of checkpoints garbage collection may delete: all but the latest of each
+        trial (a paused trial resumes from its latest; a finished one is exported from it).
+        Schedulers whose trials start from others' checkpoints (PBT) keep more.
+
+        Args:
+            checkpoints: ``(trial_id, step, path)`` of every checkpoint that exists.
+            states: trial id -> state (unused here; PBT reads it).
+            keep_lineage_of: unused here (PBT: trials whose lineage must stay replayable).
+        """
+        latest: dict[str, int] = {}
+        for trial_id, step, _ in checkpoints:
+            latest[trial_id] = max(step, latest.get(trial_id, step))
+        return {path for trial_id, step, path in checkpoints if step < latest[trial_id]}
 
     def state_dict(self) -> dict:
         """Everything needed to continue the same search, as JSON-serializable data."""
