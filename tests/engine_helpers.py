@@ -108,3 +108,26 @@ DYING = DyingTrainer(FAST.config)
 # Same as TRAINER, with a cosine LR schedule and SGD momentum: more state the checkpoint must carry.
 TRAINER_SGD_COSINE = ClassifierTrainer(dataset="digits", epochs=4, batch_size=32, optimizer="sgd",
                                        lr=0.05, momentum=0.9, lr_schedule="cosine", seed=2)
+
+
+# ---- a journal that dies mid-write (the driver crashing) ------------------------------------
+
+from retiarii.engine.trials import MemoryJournal  # noqa: E402
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashingJournal(MemoryJournal):
+    """Dies, like the driver would, on its n-th write (in the middle of handling an event)."""
+
+    def __init__(self, crash_at=None):
+        super().__init__()
+        self.crash_at, self.writes = crash_at, 0
+
+    def _write(self, kind, payload):
+        self.writes += 1
+        if self.writes == self.crash_at:
+            raise Crash()
+        super()._write(kind, payload)

@@ -13,6 +13,8 @@ from retiarii.engine.trials import MemoryJournal, TrialRunner, TrialState
 from retiarii.engine.executors.base import Job, TrialResult, TrialTask
 from retiarii.strategies import PBT, Categorical, Continuous, Discrete, Integer
 
+from engine_helpers import Crash, CrashingJournal
+
 
 def res(t, value, metric="loss"):
     return {"training_iteration": t, metric: value}
@@ -262,22 +264,6 @@ def test_gc_never_removes_what_the_run_still_needs():
 # ---- the driver dies mid-PBT ----------------------------------------------------------------
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashingJournal(MemoryJournal):
-    """Dies (like the driver would) on its n-th write, mid-way through handling an event."""
-
-    def __init__(self, crash_at=None):
-        super().__init__()
-        self.crash_at, self.writes = crash_at, 0
-
-    def _write(self, kind, payload):
-        self.writes += 1
-        if self.writes == self.crash_at:
-            raise Crash()
-        super()._write(kind, payload)
 
 
 def lineage_is_intact(ex, runner):

@@ -18,6 +18,8 @@ from retiarii.engine.trials import (
 from retiarii.strategies import ASHA, Hyperband, HyperTrick, MedianStopping, Scheduler
 from retiarii.strategies.scheduler import Decision
 
+from engine_helpers import Crash, CrashingJournal
+
 R, P, T, E, Q = (TrialState.RUNNING, TrialState.PAUSED, TrialState.TERMINATED,
                  TrialState.ERRORED, TrialState.PENDING)
 
@@ -301,22 +303,6 @@ def test_kill_driver_and_resume_gives_the_uninterrupted_outcome(make_sched):
         assert _outcome(resumed) == expected, kill_after
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashingJournal(MemoryJournal):
-    """Dies, like the driver would, on its n-th write (in the middle of handling an event)."""
-
-    def __init__(self, crash_at=None):
-        super().__init__()
-        self.crash_at, self.writes = crash_at, 0
-
-    def _write(self, kind, payload):
-        self.writes += 1
-        if self.writes == self.crash_at:
-            raise Crash()
-        super()._write(kind, payload)
 
 
 @pytest.mark.parametrize("make_sched", [

@@ -13,6 +13,7 @@ import torch.fx as fx
 from ..graph import Graph, Node, Operation
 from ..match import predicate
 from ..mutator import MutationError, Mutator, as_operation
+from ..shapes import _shape
 
 # Node kinds that compute a tensor from their inputs (what a skip edge may leave or enter).
 COMPUTING = ("module", "function", "method", "subgraph")
@@ -102,14 +103,6 @@ def steps(mutator: Mutator, count: int | None) -> Iterator[int]:
 
 _SHAPE_CACHE: dict[str, dict[int, Any]] = {}
 _CACHE_SIZE = 256
-
-
-def _shape(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return list(value.shape)
-    if isinstance(value, (list, tuple)):
-        return [_shape(v) for v in value]
-    return None
 
 
 class _Record(fx.Interpreter):
