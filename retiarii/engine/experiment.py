@@ -313,8 +313,9 @@ class Experiment:
         if runner is None:  # still being rebuilt by TrialRunner.resume
             return
         states = {t: s.value for t, s in runner.states().items()}
-        doomed = self.scheduler.deletable_checkpoints(runner.checkpoints(), states)
-        for trial_id, step, path in runner.checkpoints():
+        checkpoints = runner.checkpoints()  # every trial's: list them once per trial end
+        doomed = self.scheduler.deletable_checkpoints(checkpoints, states)
+        for trial_id, step, path in checkpoints:
             if path in doomed:
                 try:
                     os.remove(path)
