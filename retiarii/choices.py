@@ -456,14 +456,11 @@ class _ValueChoiceMutator(_Inline):
 
         nodes = [self.graph.node_by_uid(u) for u in (self.remap.get(u, u) for u in self.uids)
                  if u in self.graph._nodes]
-        used = set()
-        for node in nodes:
-            used |= _labels_in([node.op.args, node.op.kwargs, node.op.spec])
+        tagged = [n for n in nodes if _labels_in([n.op.args, n.op.kwargs, n.op.spec])]
+        used = set().union(*(_labels_in([n.op.args, n.op.kwargs, n.op.spec]) for n in tagged))
         chosen = {label: self.choose([decode(v) for v in values], label)
                   for label, values in self.labels.items() if label in used}
-        for node in nodes:
-            if not _labels_in([node.op.args, node.op.kwargs, node.op.spec]):
-                continue
+        for node in tagged:
             op = node.op.copy()
             op.args, op.kwargs = _substitute(op.args, chosen), _substitute(op.kwargs, chosen)
             op.spec = _substitute(op.spec, chosen)
@@ -525,7 +522,7 @@ class _TraceScope:
 
 
 def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
-                           candidates: list[tuple[str, Operation]]
+                           candidates: list[tuple[int, Operation]]
                            ) -> _ValueChoiceMutator | None:
     """Give every ValueChoice in ``graph`` its final label; one mutator that chooses them."""
     labels: dict[str, list] = {}
@@ -554,7 +551,8 @@ def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
                              f"{labels[label]} and {p['values']}")
         return {"label": label, "values": p["values"]}
 
-    owned = [(n.name, n.op) for n in graph.nodes if n.uid not in skip] + candidates
+    owned = [(n.name, n.op) for n in graph.nodes if n.uid not in skip] + [
+        (graph.node_by_uid(uid).name, op) for uid, op in candidates]
     for name, op in owned:
         node = _Named(name)
         if op.kind == "module" and op.spec is not None:
@@ -565,12 +563,12 @@ def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
                        "kwargs": {k: visit(v, k, node) for k, v in op.spec.get("kwargs", {}).items()}}
         op.args = [visit(v, f"arg{i}", node) for i, v in enumerate(op.args)]
         op.kwargs = {k: visit(v, k, node) for k, v in op.kwargs.items()}
-    uids = [n.uid for n in graph.nodes if n.uid not in skip]
+    # The nodes that can hold a ValueChoice when the mutator runs: those holding one now, and
+    # LayerChoice placeholders, which may receive a candidate holding one.
+    placeholders = {uid for uid, _ in candidates}
+    uids = [n.uid for n in graph.nodes if n.uid not in skip and (
+        n.uid in placeholders or _labels_in([n.op.args, n.op.kwargs, n.op.spec]))]
     return _ValueChoiceMutator(uids, labels) if labels else None
-
-
-def _placeholder_name(graph: Graph, mutator: "_LayerChoiceMutator") -> str:
-    return graph.node_by_uid(mutator.uid).name if mutator.uid in graph._nodes else mutator.label
 
 
 class _Named:
@@ -594,8 +592,7 @@ def trace_space(module: nn.Module, concrete_args: dict | None = None,
     _TraceScope.stack.append(scope)
     try:
         graph, inline = trace_with_choices(module, concrete_args, leaf_modules)
-        candidates = [(_placeholder_name(graph, m),
-                       payload) for m in inline if isinstance(m, _LayerChoiceMutator)
+        candidates = [(m.uid, payload) for m in inline if isinstance(m, _LayerChoiceMutator)
                       for kind, payload, _ in m.options if kind == "op"]
         values = _compile_value_choices(graph, scope, scope.claimed, candidates)
     finally:

@@ -101,9 +101,19 @@ def propagate(model, example_input: Any) -> None:
     with torch.no_grad():
         _Prop(gm, model).run(*inputs)
     for node in model.graph.nodes:
-        if node.kind == "module" and resolve_ref(node.op.spec["cls"]).__name__.startswith("Lazy"):
+        if _is_lazy(node):
             settled = gm.get_submodule(node.attr)
             node.op.spec = module_spec(settled)
             model.history.append({"mutator": "shapes", "primitive": "materialize",
                                   "node": node.uid, "name": node.name, "choices": []})
     model.graph._order = None
+
+
+def _is_lazy(node) -> bool:
+    return node.kind == "module" and \
+        resolve_ref(node.op.spec["cls"]).__name__.startswith("Lazy")
+
+
+def has_lazy(graph) -> bool:
+    """Whether any module of ``graph`` still waits for its first input to know its sizes."""
+    return any(_is_lazy(n) for n in graph.nodes)

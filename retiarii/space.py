@@ -253,9 +253,21 @@ class ModelSpace:
             propagate(model, self.example_input)
         return model
 
-    def build(self, sample: dict) -> nn.Module:
-        """The runnable ``nn.Module`` of ``sample`` (fresh weights); what workers call."""
-        return self.instantiate(sample).to_module()
+    def build(self, sample: dict, check: bool = True) -> nn.Module:
+        """The runnable ``nn.Module`` of ``sample`` (fresh weights); what workers call.
+
+        Args:
+            check: propagate ``example_input`` to check shapes. Workers pass False for
+                samples the driver already instantiated; lazy modules are still settled.
+        """
+        if check:
+            return self.instantiate(sample).to_module()
+        from .shapes import has_lazy, propagate
+
+        model = self.replay(sample)
+        if self.example_input is not None and has_lazy(model.graph):
+            propagate(model, self.example_input)
+        return model.to_module()
 
     # ---- the whole space --------------------------------------------------------------------
     def _run(self, prefix: Sequence[int]) -> tuple[Model, list[int]]:

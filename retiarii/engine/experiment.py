@@ -284,7 +284,7 @@ class Experiment:
                       "sample": {k: v for k, v in sample.items()
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
-                      "model_id": model_id, "choices": sample}
+                      "model_id": model_id, "choices": sample, "checked": True}
             self._save_strategy()
             return config
         return None

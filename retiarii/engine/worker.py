@@ -160,7 +160,10 @@ def _open_task(task: TrialTask, context: WorkerContext):
                            "retiarii.engine.worker for the spec format)")
     space, trainer = context.space(spec["space"]), context.trainer(spec["trainer"])
     sample = spec["sample"]
-    run = TrialRun(lambda: space.build(sample), trainer, spec.get("hparams") or {},
+    # The driver already checked this sample's shapes (spec "checked"): do not run it twice.
+    build_kwargs = {"check": False} if spec.get("checked") else {}
+    run = TrialRun(lambda: space.build(sample, **build_kwargs), trainer,
+                   spec.get("hparams") or {},
                    seed=int(spec.get("seed") or 0), checkpoint=task.checkpoint_in,
                    trial_id=task.trial_id)
     check_segment(run, task.start_step, task.stop_step, task.checkpoint_in)
