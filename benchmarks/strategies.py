@@ -70,6 +70,11 @@ STRATEGIES = {
     "tpe": lambda seed: TPE(seed=seed),
     "optuna-tpe": lambda seed: OptunaTPE(seed),
 }
+try:  # Optuna is only a reference line: `./dev setup bench` installs it
+    import optuna  # noqa: F401
+except ImportError:
+    print("optuna is not installed (./dev setup bench): leaving out the optuna-tpe reference")
+    del STRATEGIES["optuna-tpe"]
 
 
 def run(name: str, seed: int, budget: int, space) -> tuple[list[float], float]:
