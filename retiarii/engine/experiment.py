@@ -205,7 +205,10 @@ class Experiment:
         eid = store.experiment_id
         for row in store.models():
             if row["hash"]:
-                self._known[self._dedup_key(row["hash"], row["sample"])] = row.get("value")
+                key = self._dedup_key(row["hash"], row["sample"])
+                self._known[key] = row.get("value")
+                if row["status"] == "training":  # its trial resumes below
+                    self._keys[row["id"]] = key
         self._count = len(store.models())
         executor = self.executor
         if executor is None:
@@ -270,10 +273,15 @@ class Experiment:
             key = self._dedup_key(structure, sample)
             if self.dedup and key in self._known:
                 duplicates += 1
-                self.strategy.tell(sample, self._known[key])
-                self._save_strategy()
                 if duplicates > 1000:
                     return None  # the strategy keeps proposing trained structures
+                if key in self._keys.values():
+                    # In flight: its trial tells the strategy when it ends. (After a resume this
+                    # is the strategy asking again for a model it proposed after its last saved
+                    # state: the trial already exists and carries on.)
+                    continue
+                self.strategy.tell(sample, self._known[key])
+                self._save_strategy()
                 continue
             self._count += 1
             model_id = self.store.add_model(sample, model.graph.to_data(), structure,
@@ -285,7 +293,9 @@ class Experiment:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
-            self._save_strategy()
+            # The strategy's state is saved when the trial ends, not here (it is the largest
+            # write of a model): after a crash the strategy proposes this sample again from
+            # its older state, and the in-flight check above lets the existing trial go on.
             return config
         return None
 
