@@ -17,6 +17,14 @@ from torch import nn
 from .modspec import leaf
 
 
+def _add_all(xs: tuple) -> torch.Tensor:
+    """x0 + x1 + ..., left to right (the order an exported ``a + b + c`` computes)."""
+    out = xs[0]
+    for x in xs[1:]:
+        out = out + x
+    return out
+
+
 @leaf
 class Sum(nn.Module):
     """``x0 + x1 + ...`` (inputs of equal shape)."""
@@ -24,10 +32,7 @@ class Sum(nn.Module):
     variadic = True
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        out = xs[0]
-        for x in xs[1:]:
-            out = out + x
-        return out
+        return _add_all(xs)
 
     @staticmethod
     def export_expr(args: list[str], kwargs: dict) -> str:
@@ -41,10 +46,7 @@ class Mean(nn.Module):
     variadic = True
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        out = xs[0]
-        for x in xs[1:]:
-            out = out + x
-        return out / len(xs)
+        return _add_all(xs) / len(xs)
 
     @staticmethod
     def export_expr(args: list[str], kwargs: dict) -> str:
