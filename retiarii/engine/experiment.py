@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -40,6 +41,9 @@ from ..strategies.scheduler import Scheduler
 from .store import Store
 from .trainer import ClassifierTrainer, Trainer
 from .trials import Trial, TrialRunner, TrialState
+
+
+_log = logging.getLogger("retiarii.engine")
 
 
 class ExperimentError(RuntimeError):
@@ -265,9 +269,10 @@ class Experiment:
                 model = self.search_space.instantiate(sample)
             except (ShapeMismatchError, MutationError, SampleError) as e:
                 self._count += 1  # a model that cannot be built fails alone, recorded
+                _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)
                 self.store.add_model(sample, None, None, status="failed")
                 self.strategy.tell(sample, None)
-                self._save_strategy(f"{type(e).__name__}: {e}")
+                self._save_strategy()
                 continue
             structure = model.structural_hash()  # hashes every node: compute it once
             key = self._dedup_key(structure, sample)
@@ -334,7 +339,7 @@ class Experiment:
                 self.store.forget_checkpoint(trial_id, step)
                 runner.trials[trial_id].checkpoints.pop(step, None)
 
-    def _save_strategy(self, note: str | None = None) -> None:
+    def _save_strategy(self) -> None:
         self.store.save_strategy_state(self.strategy.state_dict())
 
     def _on_result(self, trial: Trial, result: dict) -> None:
