@@ -91,21 +91,26 @@ def test_driver_sigkilled_at_many_moments_then_resumed(tmp_path):
     db = tmp_path / "killed.db"
     driver = [sys.executable, str(HERE / "exp_driver.py"), str(db)]
     env = {**os.environ, "PYTHONPATH": str(HERE)}
-    # Kill points are progress marks (journaled transitions): right after the first trial is
-    # added, while the first ones run, as trials end and start, and near the end.
-    kills = 0
-    for i, mark in enumerate([1, 4, 9, 14, 19, 24]):
+    # Kill points are progress marks: the driver is killed once it has journaled `step` more
+    # transitions than there were when it started (right after a trial is added or starts,
+    # while trials run, as they end and the next ones start).
+    kills, ends = 0, []
+    for i, step in enumerate([1, 3, 5, 2, 4, 6]):
         mode = "run" if i == 0 else "resume"
+        start = _events(db)
         proc = subprocess.Popen(driver + [mode, "6", "2"], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + 120
-        while proc.poll() is None and _events(db) < mark and time.monotonic() < deadline:
+        while proc.poll() is None and _events(db) < start + step and time.monotonic() < deadline:
             time.sleep(0.02)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the driver and its workers, at once
             kills += 1
         proc.wait()
-    assert kills >= 5
+        err = proc.stderr.read().decode()
+        ends.append((mode, step, proc.returncode, err[-1500:]))
+        assert proc.returncode in (0, -signal.SIGKILL), ends[-1]  # killed, or finished cleanly
+    assert kills >= 5, ends
     done = subprocess.run(driver + ["resume", "6", "2"], env=env, capture_output=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]

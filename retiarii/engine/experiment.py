@@ -344,8 +344,14 @@ class Experiment:
 
     def _on_result(self, trial: Trial, result: dict) -> None:
         sample = trial.config.get("choices")
-        if sample is not None:
+        if sample is None:
+            return
+        try:
             self.strategy.on_step(sample, result["training_iteration"], result)
+        except (KeyError, ValueError):
+            # A trial resumed after a crash whose sample the restored strategy has not proposed
+            # (again) yet: it learns the final value when it proposes it (see _next_trial).
+            pass
 
     def _on_trial_end(self, trial: Trial) -> None:
         sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
@@ -366,7 +372,7 @@ class Experiment:
             try:
                 self.strategy.tell(sample, value)
             except (KeyError, ValueError):
-                pass  # a trial of an earlier run this strategy state never proposed
+                pass  # not proposed by the restored strategy (yet): told when it proposes it
             self._save_strategy()
         self._collect_garbage()
         if self.progress is not None:
