@@ -257,10 +257,10 @@ class Experiment:
             return False
         return self._deadline is None or time.monotonic() < self._deadline
 
-    def _next_trial(self) -> dict | None:
+    def _next_trial(self, budgeted: bool = True) -> dict | None:
         """The runner's source: the strategy's next model as a trial config, or None."""
         duplicates = 0
-        while self._budget_left():
+        while not budgeted or self._budget_left():
             try:
                 sample = self.strategy.ask(self.search_space)
             except SpaceExhausted:
@@ -309,17 +309,10 @@ class Experiment:
         gets the spawn's hyper-parameters; a fresh trial takes a new model from the strategy."""
         if parent is not None:
             base = dict(parent.config)
-        else:
-            base = None
-            while base is None:  # the population needs a model: budgets do not apply here
-                saved, self.max_models, self._deadline = (self.max_models, self._deadline), \
-                    None, None
-                try:
-                    base = self._next_trial()
-                finally:
-                    self.max_models, self._deadline = saved
-                if base is None:
-                    raise ExperimentError("the strategy has no model left for a new PBT trial")
+        else:  # the population needs a model: the model budget does not apply to it
+            base = self._next_trial(budgeted=False)
+            if base is None:
+                raise ExperimentError("the strategy has no model left for a new PBT trial")
         return {**base, "hparams": {**base.get("hparams", {}), **spawn.config}}
 
     def _collect_garbage(self) -> None:
