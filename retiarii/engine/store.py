@@ -391,6 +391,11 @@ class Store:
             self.db["trials"].update(trial_id, {"checkpoint": os.fspath(path), "step": int(step),
                                                 "updated": now})
 
+    def worker(self, trial_id: str, worker: str) -> None:
+        """Record the worker a trial's current segment runs on (``trials.worker``)."""
+        self.flush()
+        self.db["trials"].update(trial_id, {"worker": worker})
+
     def scheduler_state(self, state: dict) -> None:
         """Save the scheduler's ``state_dict()`` for the current experiment (latest wins)."""
         self._save_state("scheduler_state", state)

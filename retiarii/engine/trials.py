@@ -119,6 +119,7 @@ class Journal(Protocol):
     def result(self, trial_id: str, step: int, metrics: dict, time: float) -> None: ...
     def checkpoint(self, trial_id: str, step: int, path: str) -> None: ...
     def scheduler_state(self, state: dict) -> None: ...
+    def worker(self, trial_id: str, worker: str) -> None: ...  # where a segment runs (info)
     def records(self) -> list[tuple[str, dict]]: ...
 
 
@@ -134,6 +135,7 @@ class MemoryJournal:
 
     def __init__(self):
         self._records: list[tuple[str, dict]] = []
+        self.workers: dict[str, str] = {}  # trial -> the worker of its latest segment
 
     def _write(self, kind: str, payload: dict) -> None:
         self._records.append((kind, json.loads(json.dumps(payload, allow_nan=False))))
@@ -154,6 +156,9 @@ class MemoryJournal:
 
     def scheduler_state(self, state: dict) -> None:
         self._write("scheduler_state", {"state": state})
+
+    def worker(self, trial_id: str, worker: str) -> None:
+        self.workers[trial_id] = worker  # information only: resume does not need it
 
     def records(self) -> list[tuple[str, dict]]:
         return list(self._records)
@@ -519,6 +524,8 @@ class TrialRunner:
         if isinstance(event, JobStarted):
             flight.worker, flight.started = event.worker, self.executor.now()
             flight.mark = flight.started
+            if self.journal is not None:
+                self.journal.worker(trial.trial_id, event.worker)
         elif isinstance(event, TrialResult):
             self._on_result(trial, flight, event)
         elif isinstance(event, TrialCheckpointed):
