@@ -130,6 +130,7 @@ class Store:
         self.experiment_id: int | None = None  # the experiment journal calls attach to
         self._buffer: list[tuple] = []
         self._buffered_since = 0.0
+        self._saved: dict[tuple[str, int], str] = {}  # last state JSON written, per table
         if os.path.dirname(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.db = None  # type: ignore[assignment]
@@ -449,11 +450,14 @@ class Store:
 
     def _save_state(self, table: str, state: dict) -> None:
         self.flush()  # the results a scheduler has seen are on disk before its state
-        # Key 0 holds the state of a store used without experiments. Plain SQL: the runner
-        # saves its scheduler's state after every decision.
+        text = json.dumps(state)
+        key = (table, self.experiment_id or 0)
+        if self._saved.get(key) == text:
+            return  # the runner saves after every decision; most change nothing
+        # Key 0 holds the state of a store used without experiments. Plain SQL: hot path.
         self.db.execute(f"INSERT OR REPLACE INTO [{table}] (experiment_id, state, time) "
-                        "VALUES (?, ?, ?)", [self.experiment_id or 0, json.dumps(state),
-                                             _time.time()])
+                        "VALUES (?, ?, ?)", [key[1], text, _time.time()])
+        self._saved[key] = text
 
     def _load_state(self, table: str) -> dict | None:
         row = self.db.execute(f"SELECT state FROM [{table}] WHERE experiment_id = ?",
