@@ -53,14 +53,20 @@ def fresh(name: str) -> str:
     return path
 
 
-def naive(n: int, wal: bool) -> float:
-    db = sqlite_utils.Database(fresh(f"naive{'-wal' if wal else ''}.db"))
+def metrics_table(name: str, wal: bool):
+    """A fresh database with the store's metrics table; WAL + synchronous=NORMAL as the Store."""
+    db = sqlite_utils.Database(fresh(name))
     if wal:
         db.enable_wal()
         db.execute("PRAGMA synchronous=NORMAL")
     table = db["metrics"]
     table.create({"trial_id": str, "step": int, "name": str, "value": float, "time": float},
                  pk=("trial_id", "name", "step"))
+    return db, table
+
+
+def naive(n: int, wal: bool) -> float:
+    db, table = metrics_table(f"naive{'-wal' if wal else ''}.db", wal)
     start = time.perf_counter()
     for row in rows(n):
         table.insert(row)  # its own transaction and commit
@@ -70,12 +76,7 @@ def naive(n: int, wal: bool) -> float:
 
 
 def insert_all(n: int) -> float:
-    db = sqlite_utils.Database(fresh("insert-all.db"))
-    db.enable_wal()
-    db.execute("PRAGMA synchronous=NORMAL")
-    table = db["metrics"]
-    table.create({"trial_id": str, "step": int, "name": str, "value": float, "time": float},
-                 pk=("trial_id", "name", "step"))
+    db, table = metrics_table("insert-all.db", wal=True)
     start = time.perf_counter()
     with db.atomic():
         table.insert_all(rows(n), batch_size=2000)
