@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 from torch import nn
 
-from .codec import PortRef, encode
+from .codec import encode
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
 from .mutator import MutationError, Mutator, _remove_port, candidate_keys

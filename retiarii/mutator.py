@@ -35,8 +35,8 @@ from typing import Any, Sequence
 import networkx as nx
 from torch import nn
 
-from .codec import PortRef, encode, port_indices, ref_of
-from .graph import Graph, GraphError, Node, Operation, _copy_data
+from .codec import encode, port_indices, ref_of
+from .graph import Graph, Node, Operation, _copy_data
 from .match import match_targets
 from .modspec import SpecError, is_marked_leaf, is_torch_builtin, module_spec
 
@@ -437,4 +437,4 @@ def apply_mutator(targets: Any, mutator: Mutator) -> BoundMutator:
 
 
 __all__ = ["Mutator", "MutationError", "SampleError", "BoundMutator", "apply_mutator",
-           "Context", "candidate_keys", "candidate_key", "as_operation", "PortRef"]
+           "Context", "candidate_keys", "candidate_key", "as_operation"]
