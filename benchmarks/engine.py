@@ -392,6 +392,7 @@ def main() -> None:
                       "measure": "overhead median / 20 ms target",
                       "median_ms": round(median / TARGET_MS, 3), "p90_ms": "", "mean_ms": ""})
         if profile is not None:
+            profile.dump_stats(os.path.join(OUT, "engine.prof"))
             for order in ("cumulative", "tottime"):
                 print(f"\ncProfile of the inline run, top 30 by {order}:")
                 pstats.Stats(profile).sort_stats(order).print_stats(30)

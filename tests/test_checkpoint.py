@@ -82,7 +82,7 @@ def test_a_checkpoint_that_drops_state_is_caught(tmp_path):
     full = train_trial(build, TRAINER_SGD_COSINE, stop_step=3, seed=3)
 
     def lose_rng(run):
-        run._rng = ckpt.capture_rng()  # the stream of whatever ran before, not the trial's
+        run._rng = ckpt.native_rng()  # the stream of whatever ran before, not the trial's
 
     def lose_optimizer(run):
         fresh = TrialRun(build, TRAINER_SGD_COSINE, seed=3)

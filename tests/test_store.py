@@ -12,6 +12,8 @@ import sqlite_utils
 
 from retiarii.engine import store as store_module
 from retiarii.engine.store import SCHEMA_VERSION, STATES, Store, StoreError
+from retiarii.strategies import Random
+from toy_spaces import flat_space
 
 
 class TrialState(enum.Enum):  # the TrialRunner's enum has these values
@@ -260,6 +262,89 @@ def test_reopen_keeps_everything(tmp_path):
         assert [t["id"] for t in s.trials(states=[TrialState.PENDING])] == ["t1"]
 
 
+# ---- saved states with append-only lists -------------------------------------------------
+
+
+def _growing(n, extra=None):
+    """A state whose 'log' and 'names' only grow at their end, plus ordinary keys."""
+    return {"rng": [n, "abc"], "log": [["ask", i, {"v": i / 3}] for i in range(n)],
+            "names": [f"n{i}" for i in range(n // 2)], "counts": extra or {"n": n},
+            "append_only": ["log", "names"]}
+
+
+def _item_rows(store, name="log"):
+    return store.db.execute("SELECT count(*) FROM state_items WHERE name = ?", [name]).fetchone()[0]
+
+
+def test_append_only_lists_round_trip_and_only_new_items_are_written(store):
+    for n in (0, 1, 5, 5, 12, 40):
+        store.save_strategy_state(_growing(n))
+        assert store.load_strategy_state() == _growing(n)
+        assert _item_rows(store) == n and _item_rows(store, "names") == n // 2
+    # Items already saved are not written again: an edit to an old row survives the next save.
+    store.db.execute("UPDATE state_items SET item = '\"edited\"' WHERE name = 'log' AND idx = 3")
+    store.save_strategy_state(_growing(45))
+    want = _growing(45)
+    want["log"][3] = "edited"
+    assert store.load_strategy_state() == want
+
+
+def test_a_list_changed_before_its_end_is_rewritten(store):
+    store.save_strategy_state(_growing(10))
+    changed = _growing(12)
+    changed["log"][9] = ["changed"]  # the last saved item differs: not an extension
+    store.save_strategy_state(changed)
+    assert store.load_strategy_state() == changed
+    store.save_strategy_state(_growing(4))  # shorter: rewritten too
+    assert store.load_strategy_state() == _growing(4) and _item_rows(store) == 4
+
+
+def test_append_only_state_survives_reopening_and_each_experiment_has_its_own(tmp_path):
+    path = tmp_path / "s.db"
+    with Store(path) as s:
+        first = s.add_experiment({}, seed=0)
+        s.save_strategy_state(_growing(6))
+        s.scheduler_state(_growing(3))
+        second = s.add_experiment({}, seed=1)
+        s.save_strategy_state(_growing(2))
+    with Store(path) as s:  # a new process: what is on disk is the starting point
+        s.use_experiment(first)
+        assert s.load_strategy_state() == _growing(6)
+        s.save_strategy_state(_growing(9))
+        assert s.load_strategy_state() == _growing(9)
+        assert s.load_scheduler_state() == _growing(3)
+        s.use_experiment(second)
+        assert s.load_strategy_state() == _growing(2)
+
+
+def test_a_strategy_state_saved_as_the_engine_does_restores_the_same_search(store):
+    from retiarii.strategies import RegularizedEvolution
+
+    from toy_spaces import conditional_space
+
+    space = conditional_space()
+    strategy = RegularizedEvolution(population_size=4, sample_size=2, seed=1)
+    for i in range(12):
+        sample = strategy.ask(space)
+        strategy.tell(sample, float(i % 5))
+        store.save_strategy_state(strategy.state_dict())  # once per model, as the engine
+    restored = RegularizedEvolution(population_size=4, sample_size=2, seed=1)
+    restored.load_state_dict(store.load_strategy_state())
+    assert [restored.ask(space) for _ in range(6)] == [strategy.ask(space) for _ in range(6)]
+
+
+def test_missing_items_are_reported(store):
+    store.save_strategy_state(_growing(5))
+    store.db.execute("DELETE FROM state_items WHERE idx = 4 AND name = 'log'")
+    with pytest.raises(StoreError, match="lists 5 items of 'log' but state_items holds 4"):
+        store.load_strategy_state()
+
+
+def test_append_only_must_name_lists(store):
+    with pytest.raises(StoreError, match="names 'rng', which is not a list"):
+        store.save_strategy_state({"rng": 3, "append_only": ["rng"]})
+
+
 # ---- migrations and unusable files --------------------------------------------------------
 
 
@@ -460,6 +545,10 @@ def _example_store(path):
             s.checkpoint(tid, 2, f"/ck/{tid}/2")
             s.transition(tid, "RUNNING", "ERRORED" if i == 2 else "TERMINATED", "error: boom")
             s.set_model_status(model, "trained", value=0.5 + i / 10)
+        strategy, space = Random(seed=0), flat_space()
+        for i in range(3):
+            strategy.tell(strategy.ask(space), i / 10)
+        s.save_strategy_state(strategy.state_dict())
 
 
 def test_the_docs_examples_run(tmp_path):
@@ -469,7 +558,7 @@ def test_the_docs_examples_run(tmp_path):
     path = str(tmp_path / "exp.db")
     _example_store(path)
     text = open(DOC, encoding="utf-8").read()
-    bash = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    bash = "\n\n".join(re.findall(r"```bash\n(.*?)```", text, re.S))
     commands = 0
     for paragraph in bash.split("\n\n"):
         lines = [ln for ln in paragraph.splitlines() if not ln.startswith("#")]
@@ -480,6 +569,6 @@ def test_the_docs_examples_run(tmp_path):
         assert result.exit_code == 0, (argv, result.output)
         assert result.output.strip() not in ("", "[]"), argv  # each example finds something
         commands += 1
-    assert commands == 8
+    assert commands == 9
     python = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     exec(python.replace("runs/exp.db", path), {})

@@ -31,7 +31,7 @@ from retiarii.strategies import (  # noqa: E402
     TPE, BudgetExhausted, GridSearch, PolicyBasedRL, Random, RegularizedEvolution,
     SpaceExhausted,
 )
-from retiarii.strategies.base import ReplaySampler, draw, sample_key  # noqa: E402
+from retiarii.strategies.base import RandomSampler, ReplaySampler, draw, sample_key  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -204,6 +204,30 @@ def test_restored_in_a_new_process_continues_identically(runs, name, space_name)
 def test_seeded_runs_are_identical_across_processes(runs, name, space_name):
     run = runs[name, space_name]
     assert run["remote_fresh"] == json.loads(json.dumps(run["head"] + run["tail"]))
+
+
+@pytest.mark.parametrize("name,space_name", [p for p in PAIRS if p[1] in ("conditional",
+                                                                          "modelspace")])
+def test_saved_states_only_grow_at_the_end_of_their_append_only_lists(name, space_name):
+    """What lets the store save a long search's state in constant time (store.py)."""
+    strategy, space = STRATEGIES[name](3), SPACES[space_name]()
+    pending: list = []
+    states = []
+    for step in range(12):
+        drive(strategy, space, 1, pending)
+        if strategy.accepts_foreign and step == 5:  # a sample it never proposed
+            foreign = draw(space, ReplaySampler({}, fallback=RandomSampler(random.Random(5))))
+            strategy.tell(foreign.sample, 0.5)
+        states.append(json.loads(json.dumps(strategy.state_dict())))
+    for before, after in zip(states, states[1:]):
+        assert after["append_only"] == ["candidate_lists", "traces", "log"]
+        for name_ in after["append_only"]:
+            assert after[name_][:len(before[name_])] == before[name_], name_
+    # Loading a state and saving it again gives it back (elapsed time aside).
+    restored = STRATEGIES[name](0)
+    restored.load_state_dict(states[-1])
+    again = json.loads(json.dumps(restored.state_dict()))
+    assert {**again, "elapsed": 0} == {**states[-1], "elapsed": 0}
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

@@ -315,13 +315,19 @@ class Experiment:
                 raise ExperimentError("the strategy has no model left for a new PBT trial")
         return {**base, "hparams": {**base.get("hparams", {}), **spawn.config}}
 
-    def _collect_garbage(self) -> None:
-        """Delete the checkpoints the scheduler says nothing will read again."""
+    def _collect_garbage(self, trial: Trial) -> None:
+        """Delete the checkpoints the scheduler says nothing will read again (``trial``'s
+        alone, unless the scheduler's trials share checkpoints)."""
         runner = getattr(self, "runner", None)
         if runner is None:  # still being rebuilt by TrialRunner.resume
             return
-        states = {t: s.value for t, s in runner.states().items()}
-        checkpoints = runner.checkpoints()  # every trial's: list them once per trial end
+        if self.scheduler.checkpoints_shared:
+            states = {t: s.value for t, s in runner.states().items()}
+            checkpoints = runner.checkpoints()  # every trial's: list them once per trial end
+        else:
+            states = {trial.trial_id: trial.state.value}
+            checkpoints = [(trial.trial_id, step, path)
+                           for step, path in sorted(trial.checkpoints.items())]
         doomed = self.scheduler.deletable_checkpoints(checkpoints, states)
         for trial_id, step, path in checkpoints:
             if path in doomed:
@@ -367,7 +373,7 @@ class Experiment:
             except (KeyError, ValueError):
                 pass  # not proposed by the restored strategy (yet): told when it proposes it
             self._save_strategy()
-        self._collect_garbage()
+        self._collect_garbage(trial)
         if self.progress is not None:
             self.progress(self.summary())
 

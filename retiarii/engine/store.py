@@ -79,9 +79,17 @@ def _schema_v1(db: sqlite_utils.Database) -> None:
         db[table].create({"experiment_id": int, "state": str, "time": float}, pk="experiment_id")
 
 
+def _schema_v2(db: sqlite_utils.Database) -> None:
+    """Saved states keep their append-only lists (``state["append_only"]``) as one row per
+    item, so saving a growing state writes only what is new."""
+    db["state_items"].create(
+        {"kind": str, "experiment_id": int, "name": str, "idx": int, "item": str},
+        pk=("kind", "experiment_id", "name", "idx"), not_null=["item"])
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1]
-SCHEMA_VERSION = 1
+MIGRATIONS = [_schema_v1, _schema_v2]
+SCHEMA_VERSION = 2
 
 
 def _state(state: Any) -> str:
@@ -131,6 +139,8 @@ class Store:
         self._buffer: list[tuple] = []
         self._buffered_since = 0.0
         self._saved: dict[tuple[str, int], str] = {}  # last state JSON written, per table
+        # (table, experiment, list name) -> (items saved, JSON of the last one)
+        self._saved_items: dict[tuple[str, int, str], tuple[int, str | None]] = {}
         if os.path.dirname(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.db = None  # type: ignore[assignment]
@@ -449,20 +459,82 @@ class Store:
         return self._load_state("scheduler_state")
 
     def _save_state(self, table: str, state: dict) -> None:
+        """Write ``state`` as the latest of ``table`` for the current experiment.
+
+        The lists that ``state["append_only"]`` names go to ``state_items``, a row per item,
+        and only the items added since the last save are written (a list that changed
+        elsewhere than at its end is rewritten whole); the rest of the state is one JSON row.
+        """
         self.flush()  # the results a scheduler has seen are on disk before its state
-        text = json.dumps(state)
-        key = (table, self.experiment_id or 0)
+        experiment = self.experiment_id or 0  # 0: a store used without experiments
+        names = state.get("append_only") or []
+        head = state
+        if names:
+            head = dict(state)
+            for name in names:
+                if not isinstance(state.get(name), list):
+                    raise StoreError(f"{table}: state['append_only'] names {name!r}, which is "
+                                     f"not a list in the state")
+                head[name] = {"append_only_items": len(state[name])}
+        text = json.dumps(head)
+        key = (table, experiment)
         if self._saved.get(key) == text:
             return  # the runner saves after every decision; most change nothing
-        # Key 0 holds the state of a store used without experiments. Plain SQL: hot path.
-        self.db.execute(f"INSERT OR REPLACE INTO [{table}] (experiment_id, state, time) "
-                        "VALUES (?, ?, ?)", [key[1], text, _time.time()])
+        saved = {}
+        with self.db.atomic():
+            for name in names:
+                saved[(table, experiment, name)] = self._save_items(table, experiment, name,
+                                                                    state[name])
+            # Plain SQL: this is on the engine's hot path.
+            self.db.execute(f"INSERT OR REPLACE INTO [{table}] (experiment_id, state, time) "
+                            "VALUES (?, ?, ?)", [experiment, text, _time.time()])
+        self._saved_items.update(saved)  # once committed
         self._saved[key] = text
 
+    def _save_items(self, table: str, experiment: int, name: str,
+                    items: list) -> tuple[int, str | None]:
+        """Write the items of ``items`` not yet saved; (items saved, JSON of the last one)."""
+        key = (table, experiment, name)
+        if key not in self._saved_items:  # first save in this process: what is on disk?
+            count, last = self.db.execute(
+                "SELECT count(*), (SELECT item FROM state_items WHERE kind = ? AND "
+                "experiment_id = ? AND name = ? ORDER BY idx DESC LIMIT 1) FROM state_items "
+                "WHERE kind = ? AND experiment_id = ? AND name = ?", key + key).fetchone()
+            self._saved_items[key] = (count, last)
+        count, last = self._saved_items[key]
+        if count > len(items) or (count and json.dumps(items[count - 1]) != last):
+            # Not an extension of what was saved (a strategy restored from older state):
+            # rewrite the list.
+            self.db.execute("DELETE FROM state_items WHERE kind = ? AND experiment_id = ? AND "
+                            "name = ?", key)
+            count = 0
+        new = [json.dumps(item) for item in items[count:]]
+        if new:
+            self.db.conn.executemany(
+                "INSERT INTO state_items (kind, experiment_id, name, idx, item) "
+                "VALUES (?, ?, ?, ?, ?)",
+                [(table, experiment, name, count + i, item) for i, item in enumerate(new)])
+            last = new[-1]
+        return len(items), (last if items else None)
+
     def _load_state(self, table: str) -> dict | None:
+        experiment = self.experiment_id or 0
         row = self.db.execute(f"SELECT state FROM [{table}] WHERE experiment_id = ?",
-                              [self.experiment_id or 0]).fetchone()
-        return None if row is None else json.loads(row[0])
+                              [experiment]).fetchone()
+        if row is None:
+            return None
+        state = json.loads(row[0])
+        for name in state.get("append_only") or []:
+            want = state[name]["append_only_items"]
+            items = [json.loads(item) for item, in self.db.execute(
+                "SELECT item FROM state_items WHERE kind = ? AND experiment_id = ? AND name = ? "
+                "AND idx < ? ORDER BY idx", [table, experiment, name, want])]
+            if len(items) != want:
+                raise StoreError(f"{self.path}: the saved {table} lists {want} items of "
+                                 f"{name!r} but state_items holds {len(items)}; the file was "
+                                 "edited or is corrupt")
+            state[name] = items
+        return state
 
     # ---- queries -------------------------------------------------------------------------
 

@@ -331,7 +331,7 @@ class TrialRun:
         self.trainer, self.hparams, self.trial_id = trainer, dict(hparams or {}), trial_id
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.epoch, self.batch = 0, 0  # data position: epochs done, batches done in this epoch
-        outer = ckpt.capture_rng()
+        outer = ckpt.native_rng()
         try:
             ckpt.seed_rng(seed)
             model = build()
@@ -341,11 +341,11 @@ class TrialRun:
             self.model = model.to(self.device)
             self.optimizer, self.scheduler, self.interval = _parse_optimizers(
                 trainer.configure_optimizers(self.model, self.hparams))
-            self._rng = ckpt.capture_rng()
+            self._rng = ckpt.native_rng()  # this trial's streams while it is swapped out
             if checkpoint is not None:
                 self._load(checkpoint)
         finally:
-            ckpt.restore_rng(outer)
+            ckpt.set_native_rng(outer)
 
     @property
     def step(self) -> int:
@@ -355,13 +355,13 @@ class TrialRun:
     @contextlib.contextmanager
     def _own_rng(self):
         """Swap this trial's RNG streams in for the duration of the block."""
-        outer = ckpt.capture_rng()
-        ckpt.restore_rng(self._rng)
+        outer = ckpt.native_rng()
+        ckpt.set_native_rng(self._rng)
         try:
             yield
         finally:
-            self._rng = ckpt.capture_rng()
-            ckpt.restore_rng(outer)
+            self._rng = ckpt.native_rng()
+            ckpt.set_native_rng(outer)
 
     def train_epoch(self) -> dict[str, float]:
         """Train the rest of the current epoch, validate, and return the epoch's metrics."""
@@ -425,7 +425,7 @@ class TrialRun:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "rng": self._rng,
+            "rng": ckpt.portable_rng(self._rng),
         }
 
     def save(self, path: str) -> None:
@@ -456,7 +456,7 @@ class TrialRun:
                 self.scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in fresh]
         self.epoch = int(state["data_position"]["epoch"])
         self.batch = int(state["data_position"]["batch"])
-        self._rng = state["rng"]
+        self._rng = ckpt.native_from_portable(state["rng"])
 
 
 def train_trial(build: Callable[[], nn.Module], trainer: Trainer, hparams: dict | None = None, *,

@@ -21,9 +21,12 @@ of steering, and belongs to the schedulers; the engine combines one of each.
 from __future__ import annotations
 
 import abc
+import array
+import base64
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -183,6 +186,9 @@ def draw(space: Any, sampler: Sampler) -> Draw:
 
 # ---- the base class -------------------------------------------------------------------------
 
+#: Version of :meth:`Strategy.state_dict`'s layout (2: records kept as an append-only log).
+STATE_FORMAT = 2
+
 
 @dataclass
 class _Record:
@@ -196,12 +202,21 @@ class _Record:
 
 
 def _rng_state(rng: random.Random) -> list:
+    """``[version, base64 of the 625 state words (uint32, little-endian), gauss]``: exact, and
+    a tenth of the time and size of the words as a JSON list (it is saved after every model)."""
     version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
+    words = array.array("I", internal)  # Mersenne Twister words and position: all < 2**32
+    if sys.byteorder == "big":
+        words.byteswap()
+    return [version, base64.b64encode(words.tobytes()).decode("ascii"), gauss]
 
 
 def _set_rng_state(rng: random.Random, state: list) -> None:
-    rng.setstate((state[0], tuple(state[1]), state[2]))
+    words = array.array("I")
+    words.frombytes(base64.b64decode(state[1]))
+    if sys.byteorder == "big":
+        words.byteswap()
+    rng.setstate((state[0], tuple(words), state[2]))
 
 
 class Strategy(abc.ABC):
@@ -259,6 +274,9 @@ class Strategy(abc.ABC):
         self._rng = random.Random(seed)
         self._records: dict[str, _Record] = {}
         self._told: list[tuple[str, float | None]] = []  # (sample key, value) in tell order
+        # What happened to the records, in order (see state_dict); only ever appended to.
+        self._log: list[list] = []
+        self._record_ids: dict[str, int] = {}  # sample key -> its index in creation order
         self._traces: list[tuple[tuple[str, int], ...]] = []  # choices as (label, cands id)
         self._trace_ids: dict[str, int] = {}
         self._candidate_lists: list[list] = []  # interned: many models share candidate lists
@@ -335,11 +353,12 @@ class Strategy(abc.ABC):
                     f"returned by ask() exactly once (RegularizedEvolution and TPE accept "
                     f"foreign samples)")
             if record is None:
-                record = self._records[key] = _Record(dict(sample), None, proposed=False)
+                record = self._new_record(key, _Record(dict(sample), None, proposed=False))
         else:
             record.pending -= 1
         record.values.append(value)
         self._told.append((key, value))
+        self._log.append(["tell", self._record_ids[key], value])
         self._on_tell(key, None if value is None else self._score(value))
 
     def on_step(self, sample: dict, step: int, metrics: dict) -> None:
@@ -363,19 +382,28 @@ class Strategy(abc.ABC):
         return self._num_proposed
 
     def state_dict(self) -> dict:
-        """The whole search state as JSON-serializable data (for the store)."""
+        """The whole search state as JSON-serializable data (for the store).
+
+        What the strategy knows of each sample is kept as a log of events, ``["new", sample,
+        trace, proposed]`` (a record is created; records are numbered in creation order),
+        ``["ask", record]``, ``["tell", record, value]`` and ``["trace", record, trace]`` (a
+        trace learnt later), from which :meth:`load_state_dict` rebuilds the records. The log,
+        ``candidate_lists`` and ``traces`` only ever grow at their end, and ``append_only``
+        names them: a store saves just their new items (the state of a long search is saved
+        after every model, in time that does not grow with the search).
+        """
         return {
             "strategy": type(self).__name__,
+            "format": STATE_FORMAT,
             "config": self._config(),
             "rng": _rng_state(self._rng),
             "candidate_lists": self._candidate_lists,
-            "traces": [[list(c) for c in t] for t in self._traces],
-            "records": [[r.sample, r.trace, r.pending, r.values, r.proposed]
-                        for r in self._records.values()],
-            "told": [list(t) for t in self._told],
+            "traces": self._traces,
+            "log": self._log,
             "num_proposed": self._num_proposed,
             "elapsed": self._elapsed(),
             "algorithm": self._state(),
+            "append_only": ["candidate_lists", "traces", "log"],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -388,15 +416,38 @@ class Strategy(abc.ABC):
             raise ValueError(f"{name}.load_state_dict: the state was saved with "
                              f"{state['config']} but this strategy has {self._config()}; "
                              f"construct it with the saved settings")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"{name}.load_state_dict: the state has format "
+                             f"{state.get('format', 1)}, this retiarii reads {STATE_FORMAT}; "
+                             f"finish that search with the retiarii that started it")
         _set_rng_state(self._rng, state["rng"])
         self._candidate_lists = [list(c) for c in state["candidate_lists"]]
         self._candidate_ids = {json.dumps(c): i for i, c in enumerate(self._candidate_lists)}
-        self._traces = [tuple((c[0], c[1]) for c in t) for t in state["traces"]]
+        self._traces = [[[label, c] for label, c in t] for t in state["traces"]]
         self._trace_ids = {json.dumps(t): i for i, t in enumerate(self._traces)}
-        self._records = {}
-        for sample, trace, pending, values, proposed in state["records"]:
-            self._records[sample_key(sample)] = _Record(sample, trace, pending, values, proposed)
-        self._told = [(k, v) for k, v in state["told"]]
+        self._records, self._record_ids, self._told, self._log = {}, {}, [], []
+        records: list[_Record] = []
+        keys: list[str] = []
+        for event in state["log"]:
+            kind = event[0]
+            if kind == "new":
+                key = sample_key(event[1])
+                self._new_record(key, _Record(dict(event[1]), event[2], proposed=event[3]))
+                records.append(self._records[key])
+                keys.append(key)
+            elif kind == "ask":
+                records[event[1]].pending += 1
+            elif kind == "tell":
+                record = records[event[1]]
+                if record.pending > 0:  # as tell() did: a pending sample, else a foreign one
+                    record.pending -= 1
+                record.values.append(event[2])
+                self._told.append((keys[event[1]], event[2]))
+            elif kind == "trace":
+                records[event[1]].trace = event[2]
+            else:
+                raise ValueError(f"{name}.load_state_dict: unknown event {event!r} in the log")
+        self._log = [list(event) for event in state["log"]]
         self._num_proposed = state["num_proposed"]
         self._elapsed_before = state["elapsed"]
         self._started_at = None
@@ -436,6 +487,7 @@ class Strategy(abc.ABC):
         record = self._records[key]
         if record.trace is None and space is not None:
             record.trace = self._intern(draw(space, ReplaySampler(record.sample)).trace)
+            self._log.append(["trace", self._record_ids[key], record.trace])
         if record.trace is None:
             return None
         return [(label, self._candidate_lists[c]) for label, c in self._traces[record.trace]]
@@ -502,15 +554,23 @@ class Strategy(abc.ABC):
         text = json.dumps(compact)
         if text not in self._trace_ids:
             self._trace_ids[text] = len(self._traces)
-            self._traces.append(tuple(compact))
+            self._traces.append(compact)
         return self._trace_ids[text]
+
+    def _new_record(self, key: str, record: _Record) -> _Record:
+        self._records[key] = record
+        self._record_ids[key] = len(self._record_ids)
+        self._log.append(["new", record.sample, record.trace, record.proposed])
+        return record
 
     def _record(self, proposal: Draw, key: str) -> None:
         record = self._records.get(key)
         if record is None:
-            record = self._records[key] = _Record(dict(proposal.sample),
-                                                  self._intern(proposal.trace))
+            record = self._new_record(key, _Record(dict(proposal.sample),
+                                                   self._intern(proposal.trace)))
         elif record.trace is None:
             record.trace = self._intern(proposal.trace)
+            self._log.append(["trace", self._record_ids[key], record.trace])
         record.pending += 1
         self._num_proposed += 1
+        self._log.append(["ask", self._record_ids[key]])

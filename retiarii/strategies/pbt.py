@@ -149,6 +149,7 @@ class PBT(Scheduler):
     """
 
     spawns_trials = True
+    checkpoints_shared = True
 
     def __init__(self, metric: str | list[str], mode: str = "max",
                  space: Mapping[str, Any] | None = None, population_size: int = 8,

@@ -3,12 +3,14 @@ and a moving-average baseline (Zoph & Le, ICLR 2017, whose controller NASNet reu
 al., ENAS, ICML 2018)."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -119,8 +121,13 @@ class _ControllerSampler:
 
 
 def _tensors_to_json(obj: Any) -> Any:
+    """Tensors as ``{"data": base64 of the little-endian bytes, "shape", "dtype"}``: exact, and
+    the state of the controller and its optimizer, saved after every model, stays small."""
     if isinstance(obj, torch.Tensor):
-        return {"tensor": obj.tolist(), "shape": list(obj.shape), "dtype": str(obj.dtype)}
+        array = obj.detach().cpu().contiguous().numpy()
+        data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        return {"data": base64.b64encode(data).decode("ascii"), "shape": list(obj.shape),
+                "dtype": str(obj.dtype)}
     if isinstance(obj, dict):
         return {str(k): _tensors_to_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -130,7 +137,9 @@ def _tensors_to_json(obj: Any) -> Any:
 
 def _tensor_from_json(obj: dict) -> torch.Tensor:
     dtype = getattr(torch, obj["dtype"].replace("torch.", ""))
-    return torch.tensor(obj["tensor"], dtype=dtype).reshape(obj["shape"])
+    little = torch.empty((), dtype=dtype).numpy().dtype.newbyteorder("<")
+    array = np.frombuffer(base64.b64decode(obj["data"]), dtype=little)
+    return torch.from_numpy(array.astype(array.dtype.newbyteorder("="))).reshape(obj["shape"])
 
 
 class PolicyBasedRL(Strategy):

@@ -131,6 +131,12 @@ class Scheduler:
     #: its strategy for an architecture only when the scheduler spawns a fresh trial.
     spawns_trials: bool = False
 
+    #: False when :meth:`deletable_checkpoints` decides about each trial's checkpoints from that
+    #: trial alone (the rule below): an experiment then collects the garbage of a trial when it
+    #: ends, in time independent of the run's length. True (PBT, whose trials start from
+    #: others' checkpoints) makes it look at every checkpoint each time.
+    checkpoints_shared: bool = False
+
     def on_trial_add(self, trial_id: str, config: dict) -> None:
         """A trial exists and may be run."""
 
