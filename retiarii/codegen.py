@@ -42,11 +42,16 @@ from .modspec import build_module
 # ---- shared helpers ------------------------------------------------------------------------
 
 
+def _init_spec_shape(spec: dict) -> tuple[list, torch.dtype]:
+    """(shape, dtype) of a parameter/buffer node's tensor."""
+    return spec["shape"], getattr(torch, spec["dtype"])
+
+
 def _init_tensor(spec: dict) -> torch.Tensor:
     """Initial value of a parameter/buffer node: stored exactly when small, else a default."""
     if "init" in spec:
         return decode(spec["init"]).clone()
-    shape, dtype = spec["shape"], getattr(torch, spec["dtype"])
+    shape, dtype = _init_spec_shape(spec)
     if spec["buffer"] or not dtype.is_floating_point:
         return torch.zeros(shape, dtype=dtype)
     return nn.init.trunc_normal_(torch.empty(shape, dtype=dtype), std=0.02)

@@ -246,9 +246,17 @@ class ModelSpace:
             ShapeMismatchError: naming the node, the expected and actual shapes, and the
                 choices that led there.
         """
+        return self.check_shapes(self.replay(sample))
+
+    def check_shapes(self, model: Model) -> Model:
+        """Check the shapes of ``model`` (one of this space's, e.g. from :meth:`sample`) on
+        ``example_input`` and settle its lazy modules, in place; returns it.
+
+        Raises:
+            ShapeMismatchError: as :meth:`instantiate`.
+        """
         from .shapes import propagate
 
-        model = self.replay(sample)
         if self.example_input is not None:
             propagate(model, self.example_input)
         return model

@@ -137,6 +137,11 @@ def test_journal_rejects_contradictions(store):
         store.transition("t1", "PENDING", "DONE", "")
     with pytest.raises(StoreError, match="unknown trial 'nope'"):
         store.checkpoint("nope", 1, "/x.pt")
+    assert store.db["checkpoints"].count == 0  # nothing of the refused call was written
+    with pytest.raises(StoreError, match="unknown trial 'nope'"):
+        store.worker("nope", "local-0")
+    with pytest.raises(StoreError, match="has no model 99"):
+        store.set_model_status(99, "trained", 0.5)
     with pytest.raises(StoreError, match="'val_acc' of trial 't1' at step 1 is 'high'"):
         store.result("t1", 1, {"val_acc": "high"}, time=0.0)
 

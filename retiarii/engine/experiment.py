@@ -23,6 +23,7 @@ define it at module level of a file or package (in a script, guard the run with
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -36,7 +37,7 @@ from ..choices import ValueChoice
 from ..codec import ref_of
 from ..mutator import MutationError, SampleError
 from ..shapes import ShapeMismatchError
-from ..strategies.base import SpaceExhausted
+from ..strategies.base import SpaceExhausted, sample_key
 from ..strategies.scheduler import Scheduler
 from .store import Store
 from .trainer import ClassifierTrainer, Trainer
@@ -96,6 +97,29 @@ def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
     return object_ref(trainer, "trainer"), choices
 
 
+class _DrawnModels:
+    """The search space as the strategy sees it, keeping the models its last draws built so
+    that instantiating the sample it settles on does not build that model a second time."""
+
+    def __init__(self, space, keep: int = 8):
+        self._space, self._keep = space, keep
+        self._models: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def sample(self, sampler):
+        model = self._space.sample(sampler)
+        self._models[sample_key(model.sample)] = model
+        while len(self._models) > self._keep:
+            self._models.popitem(last=False)
+        return model
+
+    def take(self, sample: dict):
+        """The model a draw built for ``sample`` (forgotten here), or None."""
+        return self._models.pop(sample_key(sample), None)
+
+    def __getattr__(self, name):  # size(), enumerate(), hparams, ...: the space's own
+        return getattr(self._space, name)
+
+
 def _space_fingerprint(space) -> dict:
     return {"bases": [g.structural_hash() for g, _ in space.bases],
             "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
@@ -143,6 +167,7 @@ class Experiment:
         # The strategy searches the space plus the trainer's ValueChoices; workers rebuild from
         # the space itself, so those labels are kept out of the sample they get.
         self.search_space = self.space.with_hparams(hp)
+        self._drawn = _DrawnModels(self.search_space)
         self._trainer_labels = {self.search_space.hparams[k].label for k in hp}
         self.path, self.workers, self.devices = str(store), workers, devices
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
@@ -262,11 +287,15 @@ class Experiment:
         duplicates = 0
         while not budgeted or self._budget_left():
             try:
-                sample = self.strategy.ask(self.search_space)
+                sample = self.strategy.ask(self._drawn)
             except SpaceExhausted:
                 return None
             try:
-                model = self.search_space.instantiate(sample)
+                model = self._drawn.take(sample)
+                if model is None:  # not drawn (a strategy that proposes without drawing)
+                    model = self.search_space.instantiate(sample)
+                else:
+                    self.search_space.check_shapes(model)
             except (ShapeMismatchError, MutationError, SampleError) as e:
                 self._count += 1  # a model that cannot be built fails alone, recorded
                 _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)

@@ -253,10 +253,13 @@ class Store:
         """
         now = _time.time()
         self.flush()
-        return self.db["models"].insert(
-            {"experiment_id": self.experiment_id, "sample": _json(sample), "graph": _json(graph),
-             "hash": hash, "parent": parent, "status": status, "created": now, "updated": now}
-        ).last_pk
+        # Plain SQL here and in the other calls the engine makes for every model: sqlite-utils'
+        # insert/update/upsert re-read the table's schema on each call (several times slower).
+        return self.db.execute(
+            "INSERT INTO models (experiment_id, sample, graph, hash, parent, status, created, "
+            "updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [self.experiment_id, _json(sample), _json(graph), hash, parent, status, now, now]
+        ).lastrowid
 
     def get_model(self, model_id: int) -> dict:
         """A model row with ``sample`` and ``graph`` decoded."""
@@ -268,10 +271,14 @@ class Store:
     def set_model_status(self, model_id: int, status: str, value: float | None = None) -> None:
         """Set a model's status and, once known, ``value``: the result its strategy was told."""
         self.flush()
-        changes: dict[str, Any] = {"status": status, "updated": _time.time()}
-        if value is not None:
-            changes["value"] = value
-        self.db["models"].update(model_id, changes)
+        if value is None:
+            cursor = self.db.execute("UPDATE models SET status = ?, updated = ? WHERE id = ?",
+                                     [status, _time.time(), model_id])
+        else:
+            cursor = self.db.execute("UPDATE models SET status = ?, updated = ?, value = ? "
+                                     "WHERE id = ?", [status, _time.time(), value, model_id])
+        if cursor.rowcount == 0:
+            raise StoreError(f"{self.path} has no model {model_id}")
 
     def models(self, status: str | None = None) -> list[dict]:
         """The current experiment's models (all when none is current), oldest first, decoded."""
@@ -314,13 +321,15 @@ class Store:
         try:
             with self.db.atomic():
                 seq = self.db.execute("SELECT coalesce(max(seq), 0) + 1 FROM trials").fetchone()[0]
-                self.db["trials"].insert(
-                    {"id": trial.trial_id, "seq": seq, "experiment_id": self.experiment_id,
-                     "model_id": model_id, "spec": _json(spec), "hparams": _json(hparams),
-                     "parent": trial.parent, "record": _json(record), "state": state,
-                     "attempts": 0, "step": 0, "created": now, "updated": now})
-                self.db["events"].insert({"trial_id": trial.trial_id, "old_state": None,
-                                          "new_state": state, "reason": "added", "time": now})
+                self.db.execute(
+                    "INSERT INTO trials (id, seq, experiment_id, model_id, spec, hparams, parent, "
+                    "record, state, attempts, step, created, updated) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?)",
+                    [trial.trial_id, seq, self.experiment_id, model_id, _json(spec),
+                     _json(hparams), trial.parent, _json(record), state, now, now])
+                self.db.execute("INSERT INTO events (trial_id, old_state, new_state, reason, "
+                                "time) VALUES (?, NULL, ?, 'added', ?)",
+                                [trial.trial_id, state, now])
         except sqlite3.IntegrityError:
             raise StoreError(f"trial {trial.trial_id!r} is already in {self.path}; trial ids "
                              "must be unique within a store") from None
@@ -390,22 +399,26 @@ class Store:
 
     def checkpoint(self, trial_id: str, step: int, path: str) -> None:
         """Record that ``trial_id``'s state after ``step`` steps is in the file ``path``."""
-        now = _time.time()
+        now, path = _time.time(), os.fspath(path)
         self.flush()
-        if self.db.execute("SELECT 1 FROM trials WHERE id = ?", [trial_id]).fetchone() is None:
-            raise StoreError(f"checkpoint of unknown trial {trial_id!r}; journal "
-                             "trial_added(trial) first")
         with self.db.atomic():
-            self.db["checkpoints"].upsert(
-                {"trial_id": trial_id, "step": int(step), "path": os.fspath(path), "pinned": 0,
-                 "time": now}, pk=("trial_id", "step"))
-            self.db["trials"].update(trial_id, {"checkpoint": os.fspath(path), "step": int(step),
-                                                "updated": now})
+            if self.db.execute("UPDATE trials SET checkpoint = ?, step = ?, updated = ? "
+                               "WHERE id = ?", [path, int(step), now, trial_id]).rowcount == 0:
+                raise StoreError(f"checkpoint of unknown trial {trial_id!r}; journal "
+                                 "trial_added(trial) first")
+            self.db.execute(
+                "INSERT INTO checkpoints (trial_id, step, path, pinned, time) "
+                "VALUES (?, ?, ?, 0, ?) ON CONFLICT (trial_id, step) DO UPDATE SET "
+                "path = excluded.path, pinned = 0, time = excluded.time",
+                [trial_id, int(step), path, now])
 
     def worker(self, trial_id: str, worker: str) -> None:
         """Record the worker a trial's current segment runs on (``trials.worker``)."""
         self.flush()
-        self.db["trials"].update(trial_id, {"worker": worker})
+        if self.db.execute("UPDATE trials SET worker = ? WHERE id = ?",
+                           [worker, trial_id]).rowcount == 0:
+            raise StoreError(f"worker of unknown trial {trial_id!r}; journal trial_added(trial) "
+                             "first")
 
     def scheduler_state(self, state: dict) -> None:
         """Save the scheduler's ``state_dict()`` for the current experiment (latest wins)."""
