@@ -105,6 +105,20 @@ class DyingTrainer(ClassifierTrainer):
 
 DYING = DyingTrainer(FAST.config)
 
+
+class DeviceReportingTrainer(ClassifierTrainer):
+    """Reports the ``CUDA_VISIBLE_DEVICES`` its worker process sees (-1: empty, -2: unset)
+    and its torch thread count, as metrics."""
+
+    def validation_step(self, model, batch):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        device = -2.0 if visible is None else (-1.0 if visible == "" else float(visible))
+        return {**super().validation_step(model, batch), "visible_device": device,
+                "threads": float(torch.get_num_threads())}
+
+
+DEVICE_REPORTING = DeviceReportingTrainer(FAST.config)
+
 # Same as TRAINER, with a cosine LR schedule and SGD momentum: more state the checkpoint must carry.
 TRAINER_SGD_COSINE = ClassifierTrainer(dataset="digits", epochs=4, batch_size=32, optimizer="sgd",
                                        lr=0.05, momentum=0.9, lr_schedule="cosine", seed=2)

@@ -298,3 +298,33 @@ def test_pump_thread_blocks_without_polling(ex):
     """Idle, the pump sleeps in one wait call: the executor answers None on timeout, fast."""
     assert ex.next_event(timeout=0.05) is None
     assert any(t.name == "retiarii-local-executor" for t in threading.enumerate())
+
+
+def test_each_worker_sees_its_own_gpu_round_robin():
+    """devices=[...]: worker i gets CUDA_VISIBLE_DEVICES = devices[i % len(devices)] before
+    torch is imported (CUDA then numbers that GPU 0 in the worker); devices=[] gives CPU-only
+    workers (an empty CUDA_VISIBLE_DEVICES). Checked through what the workers' processes see,
+    which needs no GPU."""
+    with LocalExecutor(num_workers=3, devices=[5, 7], threads_per_worker=1) as ex:
+        assert [s.device for s in ex._slots] == ["5", "7", "5"]
+        ex.wait_ready(timeout=TIMEOUT)
+        jobs = [f"j-dev-{i}" for i in range(6)]
+        for job_id in jobs:
+            ex.submit(Job(job_id, [TrialTask(job_id, spec(trainer=ref("DEVICE_REPORTING")),
+                                             0, 1)]))
+        events = wait_for(ex, jobs)
+    seen = {}
+    started = {e.job_id: e.worker for e in events if isinstance(e, JobStarted)}
+    for event in events:
+        if isinstance(event, TrialResult):
+            seen.setdefault(started[event.job_id], set()).add(event.metrics["visible_device"])
+            assert event.metrics["threads"] == 1.0
+    assert all(len(devices) == 1 for devices in seen.values()), seen
+    assert {d for devices in seen.values() for d in devices} <= {5.0, 7.0}
+    assert {worker: devices.pop() for worker, devices in seen.items()} == \
+        {name: float(d) for name, d in zip(["local-0", "local-1", "local-2"], [5, 7, 5])
+         if name in seen}
+    with LocalExecutor(num_workers=1, devices=[]) as ex:
+        ex.submit(Job("j-cpu", [TrialTask("j-cpu", spec(trainer=ref("DEVICE_REPORTING")), 0, 1)]))
+        result = next(e for e in wait_for(ex, ["j-cpu"]) if isinstance(e, TrialResult))
+    assert result.metrics["visible_device"] == -1.0
