@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import threading
 from typing import Any
 
 import torch
@@ -138,23 +139,27 @@ class _NeedsReferenceRun(Exception):
 _SHARED: collections.OrderedDict[str, tuple[torch.nn.Module, int]] = collections.OrderedDict()
 _SHARED_MAX_ELEMENTS = 1 << 25  # weights kept, in elements (128 MB of float32)
 _shared_elements = 0
+_SHARED_LOCK = threading.Lock()  # spaces may be instantiated from several threads
 
 
 def _shared_module(spec: dict) -> torch.nn.Module:
     """A module of ``spec`` (weights as its constructor makes them), shared between runs."""
     global _shared_elements
     key = json.dumps(spec, sort_keys=True)
-    hit = _SHARED.get(key)
-    if hit is not None:
-        _SHARED.move_to_end(key)
-        return hit[0]
+    with _SHARED_LOCK:
+        hit = _SHARED.get(key)
+        if hit is not None:
+            _SHARED.move_to_end(key)
+            return hit[0]
     module = build_module(spec).eval()
     size = sum(t.numel() for t in itertools.chain(module.parameters(), module.buffers()))
-    _SHARED[key] = (module, size)
-    _shared_elements += size
-    while _shared_elements > _SHARED_MAX_ELEMENTS and len(_SHARED) > 1:
-        _, (_, dropped) = _SHARED.popitem(last=False)
-        _shared_elements -= dropped
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = (module, size)
+            _shared_elements += size
+        while _shared_elements > _SHARED_MAX_ELEMENTS and len(_SHARED) > 1:
+            _, (_, dropped) = _SHARED.popitem(last=False)
+            _shared_elements -= dropped
     return module
 
 
