@@ -13,7 +13,9 @@ import torch
 import retiarii as rt
 from exp_driver import experiment
 from exp_space import EXAMPLE, failing_space, space, trainer
+from retiarii.engine.executors.base import Executor, JobFailed
 from retiarii.engine.store import Store
+from retiarii.engine.worker import WorkerContext, run_job
 
 HERE = Path(__file__).resolve().parent
 FINAL = {"TERMINATED", "ERRORED"}
@@ -235,3 +237,48 @@ def test_pbt_runs_inside_an_experiment_with_lineage_and_gc(tmp_path):
     best = pbt.best_trial()
     lineage = pbt.lineage(best)
     assert lineage[-1]["trial_id"] == best and lineage[0]["parent"] is None
+
+
+class _InProcessExecutor(Executor):
+    """One slot that runs each job with ``worker.run_job`` in this process (no workers)."""
+
+    num_slots = 1
+
+    def __init__(self):
+        self.jobs, self.events, self.context = [], [], WorkerContext()
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+    def next_event(self, timeout=None):
+        if not self.events and self.jobs:
+            run_job(self.jobs.pop(0), self.events.append, context=self.context)
+        return self.events.pop(0) if self.events else None
+
+    def cancel(self, job_id):
+        self.jobs = [j for j in self.jobs if j.job_id != job_id]
+        self.events = [e for e in self.events if e.job_id != job_id]
+        self.events.append(JobFailed(job_id, None, "cancelled"))
+
+
+@pytest.mark.parametrize("strategy, replays", [(rt.strategies.Random(seed=3), 0),
+                                                (rt.strategies.GridSearch(), 4)])
+def test_the_driver_checks_the_model_the_strategy_drew_instead_of_rebuilding_it(
+        tmp_path, monkeypatch, strategy, replays):
+    """A drawing strategy's model is shape-checked as drawn; one that proposes without drawing
+    (grid search enumerates) is instantiated from its sample. Either way the store holds each
+    sample's own graph."""
+    instantiated = []
+    original = rt.ModelSpace.instantiate
+    monkeypatch.setattr(rt.ModelSpace, "instantiate",
+                        lambda self, sample: (instantiated.append(sample), original(self, sample))[1])
+    exp = rt.Experiment(space, strategy, rt.Trainer(dataset="digits", epochs=1, batch_size=512),
+                        store=str(tmp_path / "x.db"), executor=_InProcessExecutor())
+    exp.run(max_models=4)
+    assert len(instantiated) == replays
+    with Store(tmp_path / "x.db") as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        models = store.models()
+    assert len(models) == 4 and all(m["status"] == "trained" for m in models)
+    for m in models:
+        assert m["hash"] == original(space, m["sample"]).structural_hash()
