@@ -277,7 +277,7 @@ class Strategy(abc.ABC):
         # What happened to the records, in order (see state_dict); only ever appended to.
         self._log: list[list] = []
         self._record_ids: dict[str, int] = {}  # sample key -> its index in creation order
-        self._traces: list[tuple[tuple[str, int], ...]] = []  # choices as (label, cands id)
+        self._traces: list[list[list]] = []  # each trace's choices as [label, candidates id]
         self._trace_ids: dict[str, int] = {}
         self._candidate_lists: list[list] = []  # interned: many models share candidate lists
         self._candidate_ids: dict[str, int] = {}
@@ -397,9 +397,10 @@ class Strategy(abc.ABC):
             "format": STATE_FORMAT,
             "config": self._config(),
             "rng": _rng_state(self._rng),
-            "candidate_lists": self._candidate_lists,
-            "traces": self._traces,
-            "log": self._log,
+            # (shallow copies: cheap, and the items are never changed once appended)
+            "candidate_lists": list(self._candidate_lists),
+            "traces": list(self._traces),
+            "log": list(self._log),
             "num_proposed": self._num_proposed,
             "elapsed": self._elapsed(),
             "algorithm": self._state(),
@@ -550,7 +551,7 @@ class Strategy(abc.ABC):
             if text not in self._candidate_ids:
                 self._candidate_ids[text] = len(self._candidate_lists)
                 self._candidate_lists.append(list(candidates))
-            compact.append((label, self._candidate_ids[text]))
+            compact.append([label, self._candidate_ids[text]])
         text = json.dumps(compact)
         if text not in self._trace_ids:
             self._trace_ids[text] = len(self._traces)
