@@ -251,8 +251,9 @@ def _factories():
     }
 
 
-def _drive(sched, rng, steps, state_at=None, make=None):
-    """Feed a random interleaving of results; optionally swap in a restored copy midway."""
+def _drive(sched, rng, steps, state_at=None, make=None, states=None):
+    """Feed a random interleaving of results; optionally swap in a restored copy midway, and
+    collect the state after every step into ``states``."""
     log, alive, clock = [], {}, {}
     n = 0
     for k in range(steps):
@@ -287,6 +288,8 @@ def _drive(sched, rng, steps, state_at=None, make=None):
             sched.on_trial_complete(tid, res(clock[tid], value))
         for t in stops:
             alive[t] = False
+        if states is not None:
+            states.append(json.loads(json.dumps(sched.state_dict(), allow_nan=False)))
     return log
 
 
@@ -298,6 +301,17 @@ def test_contract_state_is_strict_json_and_restores_mid_run(name):
         for cut in (1, 37, 90):
             resumed = _drive(make(), random.Random(seed), 120, state_at=cut, make=make)
             assert resumed == full, (name, seed, cut)
+
+
+@pytest.mark.parametrize("name", ["median", "median-soft", "asha", "asha-brackets",
+                                  "asha-promotion"])
+def test_growing_states_only_grow_at_the_end_of_their_append_only_lists(name):
+    """What lets the store save the state after every decision in constant time (store.py)."""
+    states = []
+    _drive(_factories()[name](), random.Random(4), 150, states=states)
+    assert states[-1]["append_only"] == ["log"] and len(states[-1]["log"]) > 20
+    for before, after in zip(states, states[1:]):
+        assert after["log"][:len(before["log"])] == before["log"]
 
 
 @pytest.mark.parametrize("name", list(_factories()))

@@ -338,6 +338,21 @@ def test_a_strategy_state_saved_as_the_engine_does_restores_the_same_search(stor
     assert [restored.ask(space) for _ in range(6)] == [strategy.ask(space) for _ in range(6)]
 
 
+def test_append_only_lists_of_a_nested_state(store):
+    """The runner's journal holds the scheduler's state inside its own: both declare lists."""
+    def runner_state(n):
+        return {"scheduler": _growing(n), "fed": [[f"t{i}", 1] for i in range(n)],
+                "known": n, "append_only": ["fed"]}
+
+    for n in (0, 3, 8):
+        store.scheduler_state(runner_state(n))
+        assert store.load_scheduler_state() == runner_state(n)
+    paths = {r[0] for r in store.db.execute("SELECT DISTINCT name FROM state_items")}
+    assert paths == {"fed", "scheduler/log", "scheduler/names"}
+    row = store.db.execute("SELECT state FROM scheduler_state").fetchone()[0]
+    assert len(row) < 250  # the lists are not in the state row
+
+
 def test_missing_items_are_reported(store):
     store.save_strategy_state(_growing(5))
     store.db.execute("DELETE FROM state_items WHERE idx = 4 AND name = 'log'")

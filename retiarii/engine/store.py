@@ -111,6 +111,37 @@ def _unjson(row: dict, *columns: str) -> dict:
     return row
 
 
+def _split_append_only(state: dict, table: str, path: str = "") -> tuple[dict, dict[str, list]]:
+    """``state`` with each list its ``append_only`` names replaced by ``{"append_only_items":
+    n}``, and those lists by path (``"log"``, ``"scheduler/log"``): see Store._save_state."""
+    names = state.get("append_only") or []
+    head, lists = state, {}
+    for key, value in state.items():
+        if isinstance(value, dict) and "append_only" in value:
+            sub_head, sub_lists = _split_append_only(value, table, f"{path}{key}/")
+            head = dict(head) if head is state else head
+            head[key] = sub_head
+            lists.update(sub_lists)
+    for name in names:
+        if not isinstance(state.get(name), list):
+            raise StoreError(f"{table}: state['append_only'] names {path + name!r}, which is "
+                             f"not a list in the state")
+        head = dict(head) if head is state else head
+        head[name] = {"append_only_items": len(state[name])}
+        lists[f"{path}{name}"] = state[name]
+    return head, lists
+
+
+def _join_append_only(head: dict, items, path: str = "") -> dict:
+    """The inverse of :func:`_split_append_only`; ``items(path, n)`` reads a list back."""
+    for key, value in head.items():
+        if isinstance(value, dict) and "append_only" in value:
+            head[key] = _join_append_only(value, items, f"{path}{key}/")
+    for name in head.get("append_only") or []:
+        head[name] = items(f"{path}{name}", head[name]["append_only_items"])
+    return head
+
+
 class Store:
     """A run's SQLite file: open (or create) it, journal trials, query results.
 
@@ -474,30 +505,23 @@ class Store:
     def _save_state(self, table: str, state: dict) -> None:
         """Write ``state`` as the latest of ``table`` for the current experiment.
 
-        The lists that ``state["append_only"]`` names go to ``state_items``, a row per item,
-        and only the items added since the last save are written (a list that changed
-        elsewhere than at its end is rewritten whole); the rest of the state is one JSON row.
+        The lists that ``state["append_only"]`` names (and, in the same way, those of any value
+        of the state that is a dict with its own ``append_only``, e.g. the scheduler's state in
+        the runner's) go to ``state_items``, a row per item, and only the items added since the
+        last save are written (a list that changed elsewhere than at its end is rewritten
+        whole); the rest of the state is one JSON row.
         """
         self.flush()  # the results a scheduler has seen are on disk before its state
         experiment = self.experiment_id or 0  # 0: a store used without experiments
-        names = state.get("append_only") or []
-        head = state
-        if names:
-            head = dict(state)
-            for name in names:
-                if not isinstance(state.get(name), list):
-                    raise StoreError(f"{table}: state['append_only'] names {name!r}, which is "
-                                     f"not a list in the state")
-                head[name] = {"append_only_items": len(state[name])}
+        head, lists = _split_append_only(state, table)
         text = json.dumps(head)
         key = (table, experiment)
         if self._saved.get(key) == text:
             return  # the runner saves after every decision; most change nothing
         saved = {}
         with self.db.atomic():
-            for name in names:
-                saved[(table, experiment, name)] = self._save_items(table, experiment, name,
-                                                                    state[name])
+            for path, items in lists.items():
+                saved[(table, experiment, path)] = self._save_items(table, experiment, path, items)
             # Plain SQL: this is on the engine's hot path.
             self.db.execute(f"INSERT OR REPLACE INTO [{table}] (experiment_id, state, time) "
                             "VALUES (?, ?, ?)", [experiment, text, _time.time()])
@@ -536,18 +560,18 @@ class Store:
                               [experiment]).fetchone()
         if row is None:
             return None
-        state = json.loads(row[0])
-        for name in state.get("append_only") or []:
-            want = state[name]["append_only_items"]
-            items = [json.loads(item) for item, in self.db.execute(
+
+        def items(path: str, want: int) -> list:
+            found = [json.loads(item) for item, in self.db.execute(
                 "SELECT item FROM state_items WHERE kind = ? AND experiment_id = ? AND name = ? "
-                "AND idx < ? ORDER BY idx", [table, experiment, name, want])]
-            if len(items) != want:
+                "AND idx < ? ORDER BY idx", [table, experiment, path, want])]
+            if len(found) != want:
                 raise StoreError(f"{self.path}: the saved {table} lists {want} items of "
-                                 f"{name!r} but state_items holds {len(items)}; the file was "
+                                 f"{path!r} but state_items holds {len(found)}; the file was "
                                  "edited or is corrupt")
-            state[name] = items
-        return state
+            return found
+
+        return _join_append_only(json.loads(row[0]), items)
 
     # ---- queries -------------------------------------------------------------------------
 

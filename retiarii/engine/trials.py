@@ -105,9 +105,10 @@ class Trial:
 class Journal(Protocol):
     """Where the runner writes what happens, before it takes effect (the SQLite store).
 
-    ``scheduler_state`` receives ``{"scheduler": scheduler.state_dict(), "fed": {trial: step},
-    "known": n}`` (the last step of each trial the scheduler has seen, and how many trials it
-    knew of); it is opaque to the store and only the latest one matters. ``records()`` returns
+    ``scheduler_state`` receives ``{"scheduler": scheduler.state_dict(), "fed": [[trial, step],
+    ...], "known": n, "append_only": ["fed"]}`` (each step the scheduler was fed, in order, and
+    how many trials it knew of); only the latest one matters, and a store may keep the lists
+    that ``append_only`` names incrementally (docs/store.md). ``records()`` returns
     what was written as ``(kind, payload)`` pairs with the payloads of :class:`MemoryJournal`:
     ``trial_added`` in creation order, each trial's transitions, results and checkpoints in the
     order written (no order is needed *between* trials or kinds), and the latest
@@ -241,7 +242,8 @@ class TrialRunner:
         self._order: dict[str, int] = {}
         self._inflight: dict[str, _Flight] = {}
         self._job_of: dict[str, str] = {}
-        self._fed: dict[str, int] = {}
+        self._fed: dict[str, int] = {}  # trial -> last step the scheduler saw
+        self._fed_log: list[list] = []  # [trial, step] each time _fed changed (journaled)
         self._journaled: dict[str, int] = {}
         self._orphans: dict[str, Trial] = {}
         # the waiting trials, each an ordered {trial: creation index} (sorted lazily)
@@ -328,7 +330,9 @@ class TrialRunner:
         known = 0
         if saved is not None:
             scheduler.load_state_dict(saved["scheduler"])
-            runner._fed, known = dict(saved["fed"]), saved["known"]
+            runner._fed_log = [list(e) for e in saved["fed"]]
+            runner._fed = {trial_id: step for trial_id, step in runner._fed_log}
+            known = saved["known"]
         for trial_id, index in runner._order.items():
             trial = runner.trials[trial_id]
             if index >= known and trial.state is TrialState.PENDING:  # the scheduler never knew it
@@ -402,8 +406,11 @@ class TrialRunner:
             elif trial.state is TrialState.RUNNING:
                 self._stop_running(trial, "stopped by scheduler")
         if self.journal is not None:
+            # "fed" only ever grows at its end (as may lists of the scheduler's own state):
+            # the store writes what is new, not the whole history, each time.
             self.journal.scheduler_state({"scheduler": self.scheduler.state_dict(),
-                                          "fed": dict(self._fed), "known": len(self._order)})
+                                          "fed": list(self._fed_log), "known": len(self._order),
+                                          "append_only": ["fed"]})
 
     def _stop_running(self, trial: Trial, reason: str) -> None:
         self._move(trial, TrialState.TERMINATED, reason)
@@ -577,6 +584,7 @@ class TrialRunner:
             raise TypeError(f"{type(self.scheduler).__name__}.on_trial_result returned "
                             f"{decision!r}; return a retiarii.strategies.Decision")
         self._fed[trial.trial_id] = step
+        self._fed_log.append([trial.trial_id, step])
         if self.on_result is not None:
             self.on_result(trial, result)
         mid_segment = flight is not None and step < flight.task.stop_step

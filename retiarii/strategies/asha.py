@@ -1,6 +1,7 @@
 """Asynchronous successive halving (ASHA): stop-based as in Ray Tune, or promotion-based."""
 from __future__ import annotations
 
+import base64
 import bisect
 import math
 
@@ -43,9 +44,13 @@ class _Bracket:
     """The rungs of one bracket: ``[(milestone, {trial: signed metric})]``, highest first.
 
     ``promoted[i]`` holds the trials already promoted out of rung ``i`` (promotion variant).
+    Every change is appended to ``log`` (the scheduler's, shared by its brackets) as
+    ``["rec", bracket, rung, trial, value]`` or ``["promote", bracket, rung, trial]``.
     """
 
-    def __init__(self, milestones: list, reduction_factor: float, stop_last_trials: bool):
+    def __init__(self, milestones: list, reduction_factor: float, stop_last_trials: bool,
+                 index: int = 0, log: list | None = None):
+        self.index, self.log = index, ([] if log is None else log)
         self.rf = reduction_factor
         self.stop_last_trials = stop_last_trials
         self.rungs: list[tuple[float, dict[str, float]]] = [(m, {}) for m in milestones]
@@ -57,7 +62,7 @@ class _Bracket:
     def on_result(self, trial_id: str, time: float, value: float) -> Decision:
         """Ray's rule: at the highest milestone passed and not yet recorded, stop the trial if
         its value is strictly below the rung's cutoff (computed before recording it)."""
-        for milestone, recorded in self.rungs:
+        for index, (milestone, recorded) in enumerate(self.rungs):
             if time >= milestone and trial_id in recorded and not self.stop_last_trials:
                 break
             if time < milestone or trial_id in recorded:
@@ -65,6 +70,7 @@ class _Bracket:
             cutoff = _cutoff(recorded, self.rf)
             action = Decision.STOP if cutoff is not None and value < cutoff else Decision.CONTINUE
             recorded[trial_id] = value
+            self.log.append(["rec", self.index, index, trial_id, json_float(value)])
             return action
         return Decision.CONTINUE
 
@@ -74,6 +80,7 @@ class _Bracket:
             if time >= milestone and trial_id not in recorded:
                 self._rank(index, trial_id, value)
                 recorded[trial_id] = value
+                self.log.append(["rec", self.index, index, trial_id, json_float(value)])
                 if index <= self.latest.get(trial_id, index):
                     self.latest[trial_id] = index
                     self.waiting.add(trial_id)
@@ -96,16 +103,13 @@ class _Bracket:
 
     def promote(self, index: int, trial_id: str) -> None:
         self.promoted[index].add(trial_id)
+        self.log.append(["promote", self.index, index, trial_id])
         if self.latest.get(trial_id) == index:
             self.waiting.discard(trial_id)
 
-    def to_json(self) -> dict:
-        return {"rungs": [[m, {t: json_float(v) for t, v in r.items()}] for m, r in self.rungs],
-                "promoted": [sorted(p) for p in self.promoted]}
-
-    def load_json(self, data: dict) -> None:
-        self.rungs = [(m, {t: from_json_float(v) for t, v in r.items()}) for m, r in data["rungs"]]
-        self.promoted = [set(p) for p in data["promoted"]]
+    def derive(self) -> None:
+        """Rebuild the rankings, latest rungs and waiting set from ``rungs`` and ``promoted``
+        (after a restore, which sets only those two)."""
         self._ranked = [[] for _ in self.rungs]
         for i, (_, recorded) in enumerate(self.rungs):  # recorded dicts keep arrival order
             for t, v in recorded.items():
@@ -115,6 +119,19 @@ class _Bracket:
             for t in self.rungs[i][1]:
                 self.latest[t] = i
         self.waiting = {t for t, i in self.latest.items() if t not in self.promoted[i]}
+
+
+def _rng_state(rng: np.random.RandomState) -> list:
+    kind, keys, pos, has_gauss, gauss = rng.get_state()
+    words = np.asarray(keys, dtype="<u4").tobytes()
+    return [kind, base64.b64encode(words).decode("ascii"), int(pos), int(has_gauss),
+            float(gauss)]
+
+
+def _set_rng_state(rng: np.random.RandomState, state: list) -> None:
+    kind, words, pos, has_gauss, gauss = state
+    keys = np.frombuffer(base64.b64decode(words), dtype="<u4").astype(np.uint32)
+    rng.set_state((kind, keys, pos, has_gauss, gauss))
 
 
 class ASHA(Scheduler):
@@ -172,9 +189,14 @@ class ASHA(Scheduler):
         self.metric, self.mode, self.time_attr = metric, mode, time_attr
         self.max_t, self.rf, self.promotion = max_t, reduction_factor, promotion
         self.stop_last_trials = stop_last_trials
+        # Every change of the state below, in order: ["add", trial, bracket], ["forget", trial],
+        # ["dead", trial] and the brackets' events. It is what state_dict saves: it only grows
+        # at its end, so a store writes just the new events (a search of thousands of trials
+        # saves its scheduler state after every decision).
+        self._log: list[list] = []
         self._brackets = [
             _Bracket(rung_milestones(grace_period, max_t, reduction_factor, s),
-                     reduction_factor, stop_last_trials) for s in range(brackets)]
+                     reduction_factor, stop_last_trials, s, self._log) for s in range(brackets)]
         self._trial_bracket: dict[str, int] = {}
         self._dead: set[str] = set()  # promotion variant: failed trials never chosen
         self._rng = np.random.RandomState(seed)
@@ -188,11 +210,13 @@ class ASHA(Scheduler):
         if trial_id in self._trial_bracket:
             return
         if len(self._brackets) == 1:
-            self._trial_bracket[trial_id] = 0
-            return
-        sizes = np.array([len(b.rungs) for b in self._brackets])
-        probs = np.e ** (sizes - sizes.max())
-        self._trial_bracket[trial_id] = int(self._rng.choice(len(sizes), p=probs / probs.sum()))
+            bracket = 0
+        else:
+            sizes = np.array([len(b.rungs) for b in self._brackets])
+            probs = np.e ** (sizes - sizes.max())
+            bracket = int(self._rng.choice(len(sizes), p=probs / probs.sum()))
+        self._trial_bracket[trial_id] = bracket
+        self._log.append(["add", trial_id, bracket])
 
     def on_trial_result(self, trial_id: str, result: dict) -> Decision:
         if self.time_attr not in result or self.metric not in result:
@@ -210,11 +234,15 @@ class ASHA(Scheduler):
         if self.promotion or self.time_attr not in result or self.metric not in result:
             return
         if trial_id in self._trial_bracket:  # Ray records the final result, then forgets the trial
-            self._brackets[self._trial_bracket.pop(trial_id)].on_result(
+            bracket = self._trial_bracket.pop(trial_id)
+            self._log.append(["forget", trial_id])
+            self._brackets[bracket].on_result(
                 trial_id, result[self.time_attr], self.sign * float(result[self.metric]))
 
     def on_trial_error(self, trial_id: str) -> None:
-        self._dead.add(trial_id)
+        if trial_id not in self._dead:
+            self._dead.add(trial_id)
+            self._log.append(["dead", trial_id])
 
     def choose_trial_to_run(self, candidates: list[str]) -> str | None:
         if not self.promotion:
@@ -234,19 +262,36 @@ class ASHA(Scheduler):
         return None
 
     def state_dict(self) -> dict:
-        kind, keys, pos, has_gauss, gauss = self._rng.get_state()
-        return {"kind": "ASHA", "brackets": [b.to_json() for b in self._brackets],
-                "trial_bracket": dict(self._trial_bracket), "dead": sorted(self._dead),
-                "rng": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]}
+        """``{"kind", "brackets": count, "rng", "log", "append_only": ["log"]}``: the state is
+        its log of changes (see ``__init__``), replayed by :meth:`load_state_dict`."""
+        return {"kind": "ASHA", "brackets": len(self._brackets), "rng": _rng_state(self._rng),
+                "log": list(self._log), "append_only": ["log"]}
 
     def load_state_dict(self, state: dict) -> None:
         check_state(state, "ASHA")
-        if len(state["brackets"]) != len(self._brackets):
-            raise ValueError(f"saved ASHA state has {len(state['brackets'])} brackets, this one "
+        if state["brackets"] != len(self._brackets):
+            raise ValueError(f"saved ASHA state has {state['brackets']} brackets, this one "
                              f"{len(self._brackets)}: build it with the same arguments")
-        for b, data in zip(self._brackets, state["brackets"]):
-            b.load_json(data)
-        self._trial_bracket = dict(state["trial_bracket"])
-        self._dead = set(state["dead"])
-        kind, keys, pos, has_gauss, gauss = state["rng"]
-        self._rng.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        self._log.clear()  # (the brackets hold this very list)
+        self._trial_bracket, self._dead = {}, set()
+        for b in self._brackets:
+            b.rungs = [(m, {}) for m, _ in b.rungs]
+            b.promoted = [set() for _ in b.rungs]
+        for event in state["log"]:
+            kind = event[0]
+            if kind == "add":
+                self._trial_bracket[event[1]] = event[2]
+            elif kind == "forget":
+                self._trial_bracket.pop(event[1], None)
+            elif kind == "dead":
+                self._dead.add(event[1])
+            elif kind == "rec":
+                self._brackets[event[1]].rungs[event[2]][1][event[3]] = from_json_float(event[4])
+            elif kind == "promote":
+                self._brackets[event[1]].promoted[event[2]].add(event[3])
+            else:
+                raise ValueError(f"unknown event {event!r} in a saved ASHA state")
+            self._log.append(list(event))
+        for b in self._brackets:
+            b.derive()
+        _set_rng_state(self._rng, state["rng"])

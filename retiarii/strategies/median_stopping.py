@@ -63,6 +63,25 @@ class MedianStopping(Scheduler):
         self.hard_stop = hard_stop
         self._results: dict[str, list[tuple[float, float]]] = {}  # trial -> [(time, metric)]
         self._stopped: set[str] = set()
+        # Every change of the two above, in order: ["r", trial, time, metric], ["stop", trial].
+        # state_dict saves it: it only grows at its end, so a store writes just what is new.
+        self._log: list[list] = []
+        # (peer, time) -> (length of the peer's history, its running mean up to time): a peer
+        # that reported nothing new since keeps its mean (most peers have finished or paused).
+        self._means: dict[tuple[str, float], tuple[int, float]] = {}
+
+    def _mean(self, peer: str, time: float) -> float:
+        history = self._results[peer]
+        hit = self._means.get((peer, time))
+        if hit is not None and hit[0] == len(history):
+            return hit[1]
+        mean = _running_mean(history, self.grace_period, time)
+        self._means[(peer, time)] = (len(history), mean)
+        return mean
+
+    def _append(self, trial_id: str, time: float, value: float) -> None:
+        self._results.setdefault(trial_id, []).append((time, value))
+        self._log.append(["r", trial_id, json_float(time), json_float(value)])
 
     def _best(self, trial_id: str) -> float:
         # Python's min/max on purpose: identical to Ray, NaN handling included.
@@ -75,37 +94,39 @@ class MedianStopping(Scheduler):
         if trial_id in self._stopped:
             return Decision.CONTINUE  # only reachable with hard_stop=False: resumed, runs FIFO
         time = float(result[self.time_attr])
-        self._results.setdefault(trial_id, []).append((time, float(result[self.metric])))
+        self._append(trial_id, time, float(result[self.metric]))
         if time < self.grace_period:
             return Decision.CONTINUE
         peers = [t for t, h in self._results.items() if t != trial_id and h[-1][0] >= time]
-        means = [m for m in (_running_mean(self._results[p], self.grace_period, time)
-                             for p in peers) if np.isfinite(m)]
+        means = [m for m in (self._mean(p, time) for p in peers) if np.isfinite(m)]
         if len(means) < self.min_samples_required:
             return Decision.CONTINUE
         median, best = np.median(means), self._best(trial_id)
         compare = max if self.mode == "max" else min
         if compare(median, best) != best:
             self._stopped.add(trial_id)
+            self._log.append(["stop", trial_id])
             return Decision.STOP if self.hard_stop else Decision.PAUSE
         return Decision.CONTINUE
 
     def on_trial_complete(self, trial_id: str, result: dict) -> None:
         # Ray appends the final result once more; so do we (it weighs in the running mean).
         if self.time_attr in result and self.metric in result:
-            self._results.setdefault(trial_id, []).append(
-                (float(result[self.time_attr]), float(result[self.metric])))
+            self._append(trial_id, float(result[self.time_attr]), float(result[self.metric]))
 
     def state_dict(self) -> dict:
-        return {
-            "kind": "MedianStopping",
-            "results": {t: [[json_float(a), json_float(b)] for a, b in h]
-                        for t, h in self._results.items()},
-            "stopped": sorted(self._stopped),
-        }
+        """``{"kind", "log", "append_only": ["log"]}``: the log of changes (see ``__init__``),
+        replayed by :meth:`load_state_dict`."""
+        return {"kind": "MedianStopping", "log": list(self._log), "append_only": ["log"]}
 
     def load_state_dict(self, state: dict) -> None:
         check_state(state, "MedianStopping")
-        self._results = {t: [(from_json_float(a), from_json_float(b)) for a, b in h]
-                         for t, h in state["results"].items()}
-        self._stopped = set(state["stopped"])
+        self._results, self._stopped, self._log, self._means = {}, set(), [], {}
+        for event in state["log"]:
+            if event[0] == "r":
+                self._append(event[1], from_json_float(event[2]), from_json_float(event[3]))
+            elif event[0] == "stop":
+                self._stopped.add(event[1])
+                self._log.append(["stop", event[1]])
+            else:
+                raise ValueError(f"unknown event {event!r} in a saved MedianStopping state")
