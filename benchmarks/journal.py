@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from retiarii.engine.executors.simulated import SimulatedExecutor  # noqa: E402
 from retiarii.engine.store import Store  # noqa: E402
 from retiarii.engine.trials import TrialRunner  # noqa: E402
-from retiarii.strategies import ASHA, MedianStopping  # noqa: E402
+from retiarii.strategies import ASHA, Hyperband, MedianStopping  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 STEPS = 9  # epochs a trial may train
@@ -61,6 +61,7 @@ SCHEDULERS = {
     "ASHA": lambda: ASHA("loss", "min", grace_period=1, max_t=STEPS, reduction_factor=3),
     "MedianStopping": lambda: MedianStopping("loss", "min", grace_period=2,
                                              min_samples_required=3),
+    "Hyperband": lambda: Hyperband("loss", "min", max_t=STEPS, reduction_factor=3),
 }
 
 

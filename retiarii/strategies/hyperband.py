@@ -87,6 +87,12 @@ class Hyperband(Scheduler):
         self._brackets: list[dict] = []
         self._trial_bracket: dict[str, int] = {}
         self._to_stop: list[str] = []
+        # The inputs that changed the state above, in order: ["add", trial], ["res", trial,
+        # time, value], ["error", trial], ["force"] (rounds closed for lack of trials) and
+        # ["taken"] (the stop list handed out). The rules are deterministic, so replaying them
+        # rebuilds the state exactly; state_dict saves this log, which only grows at its end
+        # (a store writes just what is new after every decision).
+        self._log: list[list] = []
 
     # ---- bracket bookkeeping ------------------------------------------------------------
 
@@ -121,6 +127,10 @@ class Hyperband(Scheduler):
     def on_trial_add(self, trial_id: str, config: dict) -> None:
         if trial_id in self._trial_bracket:
             return
+        self._add(trial_id)
+
+    def _add(self, trial_id: str) -> None:
+        self._log.append(["add", trial_id])
         b = self._brackets[-1] if self._brackets else None
         if b is None or len(b["live"]) >= b["n"] or b["round"] > 0:
             b = self._open_bracket()
@@ -133,17 +143,22 @@ class Hyperband(Scheduler):
                              f"{sorted(result)}")
         if trial_id not in self._trial_bracket:
             self.on_trial_add(trial_id, {})
-        b = self._brackets[self._trial_bracket[trial_id]]
-        if trial_id not in b["live"]:
+        if trial_id not in self._brackets[self._trial_bracket[trial_id]]["live"]:
             return Decision.STOP  # already eliminated
-        time = result[self.time_attr]
+        return self._result(trial_id, result[self.time_attr],
+                            self.sign * metric_value(result, self.metric))
+
+    def _result(self, trial_id: str, time: float, value: float) -> Decision:
+        """A result of a live trial: ``value`` is signed (higher is better)."""
+        self._log.append(["res", trial_id, time, json_float(value)])
+        b = self._brackets[self._trial_bracket[trial_id]]
         if trial_id in b["promoted"]:
             b["promoted"].remove(trial_id)
         if time >= self.max_t:
             return Decision.STOP
         if time < b["milestones"][b["round"]] or trial_id in b["recorded"]:
             return Decision.CONTINUE
-        b["recorded"][trial_id] = self.sign * metric_value(result, self.metric)
+        b["recorded"][trial_id] = value
         if not self._round_done(b):
             return Decision.PAUSE
         keep = self._close_round(b)
@@ -156,6 +171,7 @@ class Hyperband(Scheduler):
     def on_trial_error(self, trial_id: str) -> None:
         if trial_id not in self._trial_bracket:
             return
+        self._log.append(["error", trial_id])
         b = self._brackets[self._trial_bracket[trial_id]]
         for key in ("live", "promoted"):
             if trial_id in b[key]:
@@ -166,12 +182,19 @@ class Hyperband(Scheduler):
 
     def choose_trial_to_run(self, candidates: list[str]) -> str | None:
         pick = self._runnable(candidates)
-        if pick is None:  # nothing else can run: close rounds that will get no more trials
-            for b in self._brackets:
-                if self._round_done(b, force=True):
-                    b["promoted"].extend(self._close_round(b))
-            pick = self._runnable(candidates)
+        if pick is None and self._force_close():  # nothing else can run: close rounds that
+            pick = self._runnable(candidates)     # will get no more trials
         return pick
+
+    def _force_close(self) -> bool:
+        """Close every round that is complete with the trials it has; whether any was."""
+        closing = [b for b in self._brackets if self._round_done(b, force=True)]
+        if closing:
+            self._log.append(["force"])
+        for b in self._brackets:
+            if self._round_done(b, force=True):
+                b["promoted"].extend(self._close_round(b))
+        return bool(closing)
 
     def _runnable(self, candidates: list[str]) -> str | None:
         allowed = set(candidates) - set(self._to_stop)
@@ -191,23 +214,29 @@ class Hyperband(Scheduler):
 
     def trials_to_stop(self) -> list[str]:
         out, self._to_stop = self._to_stop, []
+        if out:
+            self._log.append(["taken"])
         return out
 
     def state_dict(self) -> dict:
-        brackets = [{**b, "live": list(b["live"]), "promoted": list(b["promoted"]),
-                     "milestones": list(b["milestones"]),
-                     "recorded": {t: json_float(v) for t, v in b["recorded"].items()}}
-                    for b in self._brackets]
-        return {"kind": "Hyperband", "brackets": brackets,
-                "trial_bracket": dict(self._trial_bracket), "to_stop": list(self._to_stop)}
+        """``{"kind", "log", "append_only": ["log"]}``: the inputs that changed the state (see
+        ``__init__``), replayed by :meth:`load_state_dict`."""
+        return {"kind": "Hyperband", "log": list(self._log), "append_only": ["log"]}
 
     def load_state_dict(self, state: dict) -> None:
         check_state(state, "Hyperband")
-        self._brackets = [
-            {**b, "live": list(b["live"]), "promoted": list(b["promoted"]),
-             "milestones": list(b["milestones"]),
-             "recorded": {t: from_json_float(v) for t, v in b["recorded"].items()}}
-            for b in state["brackets"]]
-        self._trial_bracket = dict(state["trial_bracket"])
-        self._to_stop = list(state["to_stop"])
-
+        self._brackets, self._trial_bracket, self._to_stop, self._log = [], {}, [], []
+        for event in state["log"]:
+            kind = event[0]
+            if kind == "add":
+                self._add(event[1])
+            elif kind == "res":
+                self._result(event[1], event[2], from_json_float(event[3]))
+            elif kind == "error":
+                self.on_trial_error(event[1])
+            elif kind == "force":
+                self._force_close()
+            elif kind == "taken":
+                self.trials_to_stop()
+            else:
+                raise ValueError(f"unknown event {event!r} in a saved Hyperband state")
