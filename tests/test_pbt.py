@@ -284,9 +284,11 @@ def lineage_is_intact(ex, runner):
 
 
 def _pbt_view(runner):
-    state = json.loads(json.dumps(runner.scheduler.state_dict()))
-    return state["trials"], {t: (tr.state, tr.step, tr.last_result["loss"])
-                             for t, tr in runner.trials.items()}
+    # The population as the scheduler holds it (through JSON, as a resumed one would), and the
+    # state it saves.
+    population = json.loads(json.dumps(runner.scheduler._trials))
+    trials = {t: (tr.state, tr.step, tr.last_result["loss"]) for t, tr in runner.trials.items()}
+    return population, runner.scheduler.state_dict(), trials
 
 
 @pytest.mark.parametrize("workers", [1, 3])

@@ -304,7 +304,7 @@ def test_contract_state_is_strict_json_and_restores_mid_run(name):
 
 
 @pytest.mark.parametrize("name", ["median", "median-soft", "asha", "asha-brackets",
-                                  "asha-promotion", "hyperband"])
+                                  "asha-promotion", "hyperband", "pbt"])
 def test_growing_states_only_grow_at_the_end_of_their_append_only_lists(name):
     """What lets the store save the state after every decision in constant time (store.py)."""
     states = []

@@ -2,8 +2,10 @@
 trial dependency DAG, training replay, checkpoint garbage collection)."""
 from __future__ import annotations
 
+import base64
 import math
 import random
+import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -88,6 +90,19 @@ class Categorical:
 _KINDS = (Continuous, Integer, Discrete, Categorical)
 
 
+def _rng_state(rng: random.Random) -> list:
+    """``[version, base64 of the state words (uint32, little-endian), gauss]``."""
+    version, internal, gauss = rng.getstate()
+    return [version, base64.b64encode(struct.pack(f"<{len(internal)}I", *internal)).decode(),
+            gauss]
+
+
+def _set_rng_state(rng: random.Random, state: list) -> None:
+    version, words, gauss = state
+    data = base64.b64decode(words)
+    rng.setstate((version, struct.unpack(f"<{len(data) // 4}I", data), gauss))
+
+
 def _fitness_key(fitness: list | None) -> tuple:
     return tuple(-math.inf if f is None or math.isnan(f) else f for f in (fitness or [math.nan]))
 
@@ -117,8 +132,9 @@ class PBT(Scheduler):
     * no child is made beyond ``max_generations``.
 
     A trial that fails for good is replaced: its initiator reproduces again (generation 0:
-    a fresh sample). The dependency DAG, the pins and the random state are all in
-    :meth:`state_dict`; :meth:`lineage` gives the chain to replay a trial from scratch and
+    a fresh sample). :meth:`state_dict` holds the random state at construction and a log of
+    what changed the population since (spawns, added, finished and failed trials), from which
+    :meth:`load_state_dict` rebuilds the dependency DAG, the pins and the random state; :meth:`lineage` gives the chain to replay a trial from scratch and
     :meth:`deletable_checkpoints` the checkpoints garbage collection may remove.
 
     Example:
@@ -173,9 +189,16 @@ class PBT(Scheduler):
         self.max_generations, self.k = max_generations, opponent_generations
         self.budget_mode = budget_mode
         self._rng = random.Random(seed)
+        self._rng_start = _rng_state(self._rng)
         self._trials: dict[str, dict] = {}  # the population and its DAG, in creation order
         self._pins: dict[str, list] = {}  # child -> [donor trial, donor step]
         self._counter = 0
+        # The inputs that changed the state above, in order: ["spawn"] (next_spawn made a
+        # trial), ["add", trial, config], ["finish", trial, time, fitness], ["error", trial],
+        # ["sample"] (sample_config called from outside). Replayed from the random state at
+        # construction they rebuild the state exactly; state_dict saves this log, which only
+        # grows at its end (a store writes just what is new after every decision).
+        self._log: list[list] = []
 
     # ---- population bookkeeping ---------------------------------------------------------
 
@@ -218,25 +241,36 @@ class PBT(Scheduler):
                 child[name] = kind.mutate(child[name], self._rng)
         return child
 
-    def _finish(self, rec: dict, result: dict, time: float) -> None:
+    def _finish(self, trial_id: str, result: dict, time: float) -> None:
+        self._finished(trial_id, time, [self.sign * metric_value(result, m) for m in self.metrics])
+
+    def _finished(self, trial_id: str, time: float, fitness: list[float]) -> None:
+        self._log.append(["finish", trial_id, time, [json_float(f) for f in fitness]])
+        rec = self._trials[trial_id]
         rec["status"], rec["end"] = "done", int(time) if float(time).is_integer() else time
-        rec["fitness"] = [self.sign * metric_value(result, m) for m in self.metrics]
+        rec["fitness"] = fitness
 
     # ---- the scheduler interface --------------------------------------------------------
 
     def sample_config(self) -> dict:
         """Hyper-parameters drawn from ``space`` (constants copied)."""
+        self._log.append(["sample"])  # it draws from the scheduler's random state
+        return self._sample_config()
+
+    def _sample_config(self) -> dict:
         return {name: kind.sample(self._rng) if isinstance(kind, _KINDS) else kind
                 for name, kind in self.space.items()}
 
     def next_spawn(self) -> Spawn | None:
         if self._gen_size(0) < self.population_size:
+            self._log.append(["spawn"])
             trial_id = self._next_id()
-            rec = self._new_trial(trial_id, 0, self.sample_config())
+            rec = self._new_trial(trial_id, 0, self._sample_config())
             return Spawn(parent=None, config=rec["config"], trial_id=trial_id)
         initiator = next((t for t, r in self._trials.items() if self._can_reproduce(r)), None)
         if initiator is None:
             return None
+        self._log.append(["spawn"])
         irec = self._trials[initiator]
         low = irec["gen"] - self.k + 1
         pool = [t for t, r in self._trials.items() if t != initiator and r["status"] == "done"
@@ -256,6 +290,7 @@ class PBT(Scheduler):
 
     def on_trial_add(self, trial_id: str, config: dict) -> None:
         if trial_id not in self._trials:  # a user-supplied starting trial: generation 0
+            self._log.append(["add", trial_id, dict(config)])
             self._new_trial(trial_id, 0, dict(config))
 
     def on_trial_result(self, trial_id: str, result: dict) -> Decision:
@@ -268,19 +303,20 @@ class PBT(Scheduler):
         if rec["status"] != "pending":
             return Decision.STOP
         if time >= rec["stop"]:
-            self._finish(rec, result, time)
+            self._finish(trial_id, result, time)
             return Decision.STOP
         return Decision.CONTINUE
 
     def on_trial_complete(self, trial_id: str, result: dict) -> None:
         rec = self._trials.get(trial_id)
         if rec is not None and rec["status"] == "pending":
-            self._finish(rec, result, result.get(self.time_attr, rec["start"]))
+            self._finish(trial_id, result, result.get(self.time_attr, rec["start"]))
 
     def on_trial_error(self, trial_id: str) -> None:
         rec = self._trials.get(trial_id)
         if rec is None:
             return
+        self._log.append(["error", trial_id])
         rec["status"] = "failed"
         self._pins.pop(trial_id, None)
         if rec["initiator"] is not None:  # the initiator reproduces again
@@ -381,25 +417,30 @@ class PBT(Scheduler):
     # ---- state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        version, internal, gauss = self._rng.getstate()
-        trials = {t: {**r, "config": dict(r["config"]),
-                      "fitness": None if r["fitness"] is None
-                      else [json_float(f) for f in r["fitness"]]}
-                  for t, r in self._trials.items()}
-        return {"kind": "PBT", "trials": trials, "order": list(self._trials),
-                "pins": {c: list(v) for c, v in self._pins.items()}, "counter": self._counter,
-                "rng": [version, list(internal), gauss]}
+        """``{"kind", "rng_start", "log", "append_only": ["log"]}``: the random state at
+        construction and the inputs that changed the state since (see ``__init__``), replayed
+        by :meth:`load_state_dict`."""
+        return {"kind": "PBT", "rng_start": self._rng_start, "log": list(self._log),
+                "append_only": ["log"]}
 
     def load_state_dict(self, state: dict) -> None:
         check_state(state, "PBT")
-        self._trials = {}
-        for t in state["order"]:
-            r = dict(state["trials"][t])
-            r["config"] = dict(r["config"])
-            if r["fitness"] is not None:
-                r["fitness"] = [from_json_float(f) for f in r["fitness"]]
-            self._trials[t] = r
-        self._pins = {c: list(v) for c, v in state["pins"].items()}
-        self._counter = state["counter"]
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
+        self._trials, self._pins, self._counter, self._log = {}, {}, 0, []
+        self._rng_start = state["rng_start"]
+        _set_rng_state(self._rng, self._rng_start)
+        for event in state["log"]:
+            kind = event[0]
+            if kind == "spawn":
+                if self.next_spawn() is None:
+                    raise ValueError("a saved PBT state does not replay (a spawn it logged did "
+                                     "not happen again): build the PBT with the same arguments")
+            elif kind == "add":
+                self.on_trial_add(event[1], event[2])
+            elif kind == "finish":
+                self._finished(event[1], event[2], [from_json_float(f) for f in event[3]])
+            elif kind == "error":
+                self.on_trial_error(event[1])
+            elif kind == "sample":
+                self.sample_config()
+            else:
+                raise ValueError(f"unknown event {event!r} in a saved PBT state")
