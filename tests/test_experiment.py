@@ -262,6 +262,7 @@ class _InProcessExecutor(Executor):
 
 
 @pytest.mark.parametrize("strategy, replays", [(rt.strategies.Random(seed=3), 0),
+                                                (rt.strategies.TPE(seed=3, n_startup=2), 0),
                                                 (rt.strategies.GridSearch(), 4)])
 def test_the_driver_checks_the_model_the_strategy_drew_instead_of_rebuilding_it(
         tmp_path, monkeypatch, strategy, replays):

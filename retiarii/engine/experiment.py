@@ -98,10 +98,11 @@ def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
 
 
 class _DrawnModels:
-    """The search space as the strategy sees it, keeping the models its last draws built so
-    that instantiating the sample it settles on does not build that model a second time."""
+    """The search space as the strategy sees it, keeping the models its draws built during one
+    proposal (TPE draws 24 candidates) so that instantiating the sample it settles on does not
+    build that model a second time."""
 
-    def __init__(self, space, keep: int = 8):
+    def __init__(self, space, keep: int = 32):
         self._space, self._keep = space, keep
         self._models: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
@@ -113,8 +114,11 @@ class _DrawnModels:
         return model
 
     def take(self, sample: dict):
-        """The model a draw built for ``sample`` (forgotten here), or None."""
-        return self._models.pop(sample_key(sample), None)
+        """The model a draw built for ``sample``, or None; the other draws are forgotten (the
+        strategy has settled)."""
+        model = self._models.pop(sample_key(sample), None)
+        self._models.clear()
+        return model
 
     def __getattr__(self, name):  # size(), enumerate(), hparams, ...: the space's own
         return getattr(self._space, name)
