@@ -24,6 +24,10 @@ STRATEGIES = ("random", "grid", "evolution", "rl", "tpe")
 SCHEDULERS = ("none", "asha", "median")
 
 
+class CliError(Exception):
+    """A problem the user can fix: printed as one line (culprit and fix), exit status 2."""
+
+
 # ---- building an experiment from flags (run) or from the store (resume) -------------------------
 
 
@@ -50,7 +54,7 @@ def _scheduler(name: str, epochs: int, metric: str):
 
 def _load_space_file(ref: str) -> tuple[str, Any]:
     """(reference of the file's module, the module)."""
-    from .engine.worker import resolve_ref
+    from .engine.worker import _load_file_module
 
     if ref == "demo":
         import retiarii.demo as module
@@ -58,31 +62,68 @@ def _load_space_file(ref: str) -> tuple[str, Any]:
         return "retiarii.demo", module
     path = os.path.abspath(ref)
     if not os.path.isfile(path):
-        raise SystemExit(f"retiarii run: {ref} is neither 'demo' nor a Python file")
-    resolve_ref(f"{path}:space")  # loads the file as a module the workers will load too
-    from .engine.worker import _load_file_module
+        raise CliError(f"{ref} is neither 'demo' nor a Python file: give the path of a .py "
+                       f"file that defines a module-level `space`")
+    try:
+        # loaded as the module the workers will load too
+        return path, _load_file_module(path)
+    except SyntaxError as err:
+        raise CliError(f"{ref} line {err.lineno}: syntax error ({err.msg}); fix the space "
+                       f"file") from None
+    except Exception as err:  # the user's code failed while it was imported
+        raise CliError(f"{ref} failed while it was imported: {type(err).__name__}: {err}; "
+                       f"run `python {ref}` to see the traceback") from None
 
-    return path, _load_file_module(path)
+
+def _space_for_store(space: str, store: str) -> str:
+    """The space argument as a store records it: a file relative to the store's folder, so
+    that the run directory can be moved or copied with its space file and resumed."""
+    if space == "demo":
+        return space
+    return os.path.relpath(os.path.abspath(space), os.path.dirname(os.path.abspath(store)))
 
 
-def _build(space_arg: str, flags: dict):
-    """An Experiment from the CLI flags (also what `resume` rebuilds from the store)."""
+def _space_from_store(space: str, store: str) -> str:
+    """The space file a store recorded, found relative to the store (older stores recorded
+    it relative to the directory `run` was started in: tried next)."""
+    if space == "demo" or os.path.isabs(space):
+        return space
+    beside = os.path.join(os.path.dirname(os.path.abspath(store)), space)
+    if os.path.isfile(beside) or not os.path.isfile(space):
+        return beside
+    return space
+
+
+def _build(space_arg: str, flags: dict, recorded_space: str):
+    """An Experiment from the CLI flags (also what `resume` rebuilds from the store);
+    ``recorded_space`` is the space argument as the store keeps it."""
     from .engine.experiment import Experiment
     from .engine.trainer import ClassifierTrainer
 
     ref, module = _load_space_file(space_arg)
     if not hasattr(module, "space"):
-        raise SystemExit(f"retiarii run: {space_arg} defines no module-level `space`")
-    trainer = getattr(module, "trainer", None) or ClassifierTrainer(dataset="digits",
-                                                                     epochs=flags["epochs"])
+        raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
+                       f"rt.ModelSpace(...)` at the top level of the file")
+    trainer = getattr(module, "trainer", None)
+    if trainer is not None and flags.get("epochs") is not None:
+        raise CliError(f"--epochs applies to the default trainer, but {space_arg} defines its "
+                       f"own `trainer`: set its epochs there, or leave --epochs out")
+    if trainer is None:
+        epochs = flags.get("epochs")
+        trainer = ClassifierTrainer(dataset="digits", epochs=5 if epochs is None else epochs)
+    strategy = getattr(module, "strategy", None)
+    if isinstance(strategy, str):
+        raise CliError(f"{space_arg} sets `strategy = {strategy!r}`, a string: assign a strategy "
+                       f"object (e.g. rt.strategies.Random(seed=0)), or drop it and pass "
+                       f"--strategy {strategy}")
     strategy = _strategy(flags["strategy"], flags["seed"]) if flags["strategy"] else \
-        getattr(module, "strategy", None) or _strategy("evolution", flags["seed"])
+        strategy or _strategy("evolution", flags["seed"])
     scheduler = _scheduler(flags["scheduler"], trainer.epochs, "val_acc")
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=flags["max_models"],
                       seed=flags["seed"], scheduler=scheduler,
                       progress=_Progress(flags["max_models"]),
-                      origin={"cli": {"space": space_arg, **flags}})
+                      origin={"cli": {"space": recorded_space, **flags}})
 
 
 class _Progress:
@@ -97,9 +138,10 @@ class _Progress:
         total = self.total or max(done, 1)
         width = 30
         filled = min(width, int(width * done / total))
-        best = summary["best"][0]["value"] if summary["best"] else float("nan")
+        # summary["best"] ranks finished trials only: the best never goes down
+        best = f"{summary['best'][0]['value']:.4f}" if summary["best"] else "-"
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} trials done, "
-                f"{summary['trials'].get('RUNNING', 0)} running, best {best:.4f}")
+                f"{summary.get('running', 0)} running, best {best}")
         print(("\r" if self.tty else "") + line, end="" if self.tty else "\n",
               file=sys.stderr, flush=True)
 
@@ -121,11 +163,19 @@ def _best_table(best: list[dict]) -> str:
 # ---- commands ---------------------------------------------------------------------------------
 
 
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise CliError(f"{flag} must be 1 or more, got {value}")
+
+
 def cmd_run(args) -> int:
+    _positive(args.workers, "--workers")
+    _positive(args.max_models, "--max-models")
+    _positive(args.epochs, "--epochs")
     flags = {"strategy": args.strategy, "seed": args.seed, "max_models": args.max_models,
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
              "scheduler": args.scheduler}
-    exp = _build(args.space, flags)
+    exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
     print(_best_table(summary["best"]))
@@ -134,22 +184,22 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from .engine.store import Store
-
-    with Store(args.db) as store:
-        experiments = store.experiments()
-    if not experiments:
-        raise SystemExit(f"retiarii resume: {args.db} holds no experiment")
+    _positive(args.workers, "--workers")
+    store = _open(args.db)
     try:
-        cli = dict(experiments[-1]["config"]["origin"]["cli"])
+        cli = dict(store.get_experiment()["config"]["origin"]["cli"])
     except (KeyError, TypeError):
-        raise SystemExit(f"retiarii resume: the last experiment of {args.db} was started from "
-                         f"Python, not from `retiarii run`; resume it with "
-                         f"Experiment(...same arguments...).resume()") from None
-    space = cli.pop("space")
+        raise CliError(f"the last experiment of {args.db} was started from Python, not from "
+                       f"`retiarii run`; resume it with Experiment(...same arguments...)"
+                       f".resume()") from None
+    finally:
+        store.close()
+    recorded = cli.pop("space")
+    space = _space_from_store(recorded, args.db)
+    cli["store"] = args.db  # the store given is the store resumed (a copy resumes the copy)
     if args.workers:
         cli["workers"] = args.workers
-    exp = _build(space, cli)
+    exp = _build(space, cli, recorded_space=recorded)
     summary = exp.resume()
     print(file=sys.stderr)
     print(_best_table(summary["best"]))
@@ -157,58 +207,107 @@ def cmd_resume(args) -> int:
 
 
 def _open(db: str):
+    """The store ``db`` (which must exist: nothing is created), on its latest experiment."""
     from .engine.store import Store
 
+    if not os.path.exists(db):
+        raise CliError(f"{db} does not exist: give the SQLite file of a run (retiarii run "
+                       f"... --store FILE)")
     if not os.path.isfile(db):
-        raise SystemExit(f"retiarii: {db} does not exist")
+        raise CliError(f"{db} is not a file: give the SQLite file of a run")
+    if not os.access(db, os.R_OK):
+        raise CliError(f"{db}: permission denied: make it readable "
+                       f"(e.g. chmod u+r {db})")
     store = Store(db)
     experiments = store.experiments()
     if not experiments:
-        raise SystemExit(f"retiarii: {db} holds no experiment")
+        store.close()
+        raise CliError(f"{db} holds no experiment: start one with `retiarii run`")
     store.use_experiment(experiments[-1]["id"])
     return store
+
+
+def _metric(store) -> tuple[str, str]:
+    config = store.get_experiment()["config"]
+    return config.get("metric", "val_acc"), config.get("mode", "max")
 
 
 def cmd_status(args) -> int:
     store = _open(args.db)
     exp = store.get_experiment()
-    metric, mode = exp["config"].get("metric", "val_acc"), exp["config"].get("mode", "max")
+    metric, mode = _metric(store)
+    errored = [t for t in store.trials() if t["state"] == "ERRORED"]
     out = {"store": args.db, "experiment": exp["id"], "status": exp["status"],
            "seed": exp["seed"], "trials": store.counts_by_state(),
-           "models": len(store.models()), "best": store.best_models(metric, mode, args.top)}
+           "models": len(store.models()), "best": store.best_models(metric, mode, args.top),
+           "errors": [{"trial_id": t["id"], "model_id": t["model_id"],
+                       "error": t["error"] or ""} for t in errored]}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{args.db}: experiment {out['experiment']} ({out['status']}), {out['models']} models")
     print(_table([[k, v] for k, v in out["trials"].items()], ["state", "trials"]))
     print(f"\nbest by {metric} ({mode}):")
-    print(_best_table(out["best"]))
+    print(_best_table(out["best"]) if out["best"] else "(no finished result yet)")
+    if errored:
+        print(f"\nerrored trials ({len(errored)}):")
+        for e in out["errors"]:
+            lines = e["error"].strip().splitlines() or ["(no reason recorded)"]
+            if args.errors:
+                print(f"- {e['trial_id']} (model {e['model_id']}):")
+                print("    " + "\n    ".join(lines))
+            else:
+                print(f"- {e['trial_id']} (model {e['model_id']}): {_reason(lines)}")
+        if not args.errors:
+            print("(retiarii status --errors shows each whole traceback)")
     return 0
+
+
+def _reason(lines: list[str]) -> str:
+    """The line of an error that says what happened: a traceback's last line, else the
+    first."""
+    if lines[0].startswith("Traceback"):
+        return lines[-1]
+    return lines[0]
 
 
 def cmd_export(args) -> int:
     import torch
 
+    from .engine.checkpoint import CheckpointError
     from .engine.checkpoint import load as load_checkpoint
     from .graph import Graph
 
+    _positive(args.top, "--top")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise CliError(f"--out {args.out} is a file; give a folder (created if missing)")
     store = _open(args.db)
-    exp = store.get_experiment()
-    metric, mode = exp["config"].get("metric", "val_acc"), exp["config"].get("mode", "max")
+    metric, mode = _metric(store)
+    best = store.best_models(metric, mode, args.top)
+    if not best:
+        raise CliError(f"{args.db} has no model with a result yet: nothing to export")
     os.makedirs(args.out, exist_ok=True)
-    for rank, best in enumerate(store.best_models(metric, mode, args.top), 1):
-        model = store.get_model(best["model_id"])
+    for rank, row in enumerate(best, 1):
+        model = store.get_model(row["model_id"])
         graph = Graph.from_data(model["graph"])
-        name = f"model_{best['model_id']}"
+        name = f"model_{row['model_id']}"
         with open(os.path.join(args.out, name + ".py"), "w") as f:
-            f.write(graph.to_source(f"Model{best['model_id']}"))
-        ckpt = store.last_checkpoint(best["trial_id"])
+            f.write(graph.to_source(f"Model{row['model_id']}"))
+        files = f"{name}.py"
+        ckpt = store.last_checkpoint(row["trial_id"])
         if ckpt is not None:
-            torch.save(load_checkpoint(ckpt["path"])["model"], os.path.join(args.out, name + ".pt"))
+            try:
+                weights = load_checkpoint(ckpt["path"])["model"]
+            except (CheckpointError, OSError, KeyError) as err:
+                print(f"warning: {name}: its checkpoint {ckpt['path']} cannot be read ({err}); "
+                      f"exported without weights", file=sys.stderr)
+            else:
+                torch.save(weights, os.path.join(args.out, name + ".pt"))
+                files += f", {name}.pt"
         with open(os.path.join(args.out, name + ".json"), "w") as f:
-            json.dump({"rank": rank, metric: best["value"], "sample": best["sample"],
-                       "hash": best["hash"]}, f, indent=2)
-        print(f"{rank}. {name}.py, {name}.pt  ({metric} {best['value']:.4f})")
+            json.dump({"rank": rank, metric: row["value"], "sample": row["sample"],
+                       "hash": row["hash"]}, f, indent=2)
+        print(f"{rank}. {files}  ({metric} {row['value']:.4f})")
     return 0
 
 
@@ -217,12 +316,17 @@ def cmd_plot(args) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
+    if os.path.isdir(args.out):
+        raise CliError(f"--out {args.out} is a folder; give the PNG file to write")
     store = _open(args.db)
-    exp = store.get_experiment()
-    metric, mode = exp["config"].get("metric", "val_acc"), exp["config"].get("mode", "max")
+    metric, mode = _metric(store)
     better = max if mode == "max" else min
-    finals = store.final_values(metric)  # (trial_id, end time, value) in end order
+    finals = [f for f in store.final_values(metric) if f[2] is not None]
+    curves = {t: c for t, c in store.learning_curves(metric).items() if c}
+    if not finals and not curves:
+        raise CliError(f"{args.db} has no {metric} values yet: nothing to plot")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     best, ys, ts = None, [], []
     t0 = finals[0][1] if finals else 0.0
@@ -234,9 +338,13 @@ def cmd_plot(args) -> int:
     axes[0].set(xlabel="models trained", ylabel=f"best {metric}", title="best so far")
     axes[1].plot(ts, ys, drawstyle="steps-post", marker=".")
     axes[1].set(xlabel="wall time (s)", ylabel=f"best {metric}", title="best so far")
-    for curve in store.learning_curves(metric).values():
-        axes[2].plot([s for s, _ in curve], [v for _, v in curve], alpha=0.4, lw=1)
+    for curve in curves.values():
+        # markers: a trial stopped after one epoch is a single point, invisible as a line
+        axes[2].plot([s for s, _ in curve], [v for _, v in curve], alpha=0.4, lw=1,
+                     marker=".", markersize=4)
     axes[2].set(xlabel="epoch", ylabel=metric, title="learning curves")
+    for ax in (axes[0], axes[2]):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # models and epochs count
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
     print(f"wrote {args.out}")
@@ -255,8 +363,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     run.add_argument("--store", default="runs/demo.db", help="SQLite file (default runs/demo.db)")
     run.add_argument("--seed", type=int, default=0, help="seed of the search and of the trials")
-    run.add_argument("--epochs", type=int, default=5,
-                     help="epochs per model for the default trainer (default 5)")
+    run.add_argument("--epochs", type=int, default=None,
+                     help="epochs per model for the default trainer (default 5); an error "
+                          "when the space file defines its own `trainer`")
     run.add_argument("--scheduler", choices=SCHEDULERS, default="none",
                      help="early stopping: none, asha or median (default none)")
     run.set_defaults(fn=cmd_run)
@@ -265,6 +374,8 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("db", help="the SQLite file of a run")
     status.add_argument("--top", type=int, default=10, help="best models to list (default 10)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--errors", action="store_true",
+                        help="show each ERRORED trial's whole traceback (default: one line)")
     status.set_defaults(fn=cmd_status)
 
     resume = sub.add_parser("resume", help="continue a run after Ctrl-C, a crash or SIGKILL")
@@ -286,6 +397,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .engine.experiment import ExperimentError
+    from .engine.store import StoreError
+
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
@@ -293,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; continue with: retiarii resume " +
               getattr(args, "store", getattr(args, "db", "")), file=sys.stderr)
         return 130
+    except (CliError, ExperimentError, StoreError) as err:
+        print(f"retiarii {args.command}: {err}", file=sys.stderr)
+        return 2
+    except PermissionError as err:  # not "corrupt": say which file and what to do
+        print(f"retiarii {args.command}: permission denied on {err.filename}: make it (and its "
+              f"folder) writable by this user", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

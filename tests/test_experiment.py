@@ -220,8 +220,14 @@ def test_pbt_runs_inside_an_experiment_with_lineage_and_gc(tmp_path):
                 assert steps == [1]
                 continue
             parent = trials[t["parent"]]
-            # a child trains the parent's model from the parent's last step, with new hparams
-            assert t["model_id"] == parent["model_id"]
+            # a child trains the parent's architecture from the parent's last step, with new
+            # hparams: a model of its own, derived from the parent's (models.parent)
+            child_model = store.get_model(t["model_id"])
+            parent_model = store.get_model(parent["model_id"])
+            assert t["model_id"] != parent["model_id"]
+            assert child_model["parent"] == parent_model["id"]
+            assert child_model["hash"] == parent_model["hash"]
+            assert child_model["status"] == "trained"
             assert steps == [max(s for s, _ in store.learning_curve(parent["id"], "val_acc")) + 1]
             lr, parent_lr = t["spec"]["hparams"]["lr"], parent["spec"]["hparams"]["lr"]
             assert any(lr == pytest.approx(min(0.3, max(0.003, parent_lr * f)))

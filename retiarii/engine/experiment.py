@@ -39,6 +39,7 @@ from ..mutator import MutationError, SampleError
 from ..shapes import ShapeMismatchError
 from ..strategies.base import SpaceExhausted, sample_key
 from ..strategies.scheduler import Scheduler
+from .lock import StoreLock, StoreLocked
 from .store import Store
 from .trainer import ClassifierTrainer, Trainer
 from .trials import Trial, TrialRunner, TrialState
@@ -182,6 +183,8 @@ class Experiment:
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
         self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends
         self._count = 0  # models proposed so far (this experiment, resumes included)
+        self._model_of: dict[str, int] = {}  # sample key -> model id (parents of children)
+        self._lock: StoreLock | None = None
 
     # ---- public ---------------------------------------------------------------------------
     def config(self) -> dict:
@@ -197,20 +200,31 @@ class Experiment:
         """Start a new experiment in the store and run it to the end; returns a summary."""
         self._budgets(max_models, max_time)
         self._open()
-        self.store.add_experiment({**self.config(), "origin": self.origin}, self.seed,
-                                  name=os.path.basename(self.path))
-        return self._loop(resume=False)
+        try:
+            self.store.add_experiment({**self.config(), "origin": self.origin}, self.seed,
+                                      name=os.path.basename(self.path))
+            return self._loop(resume=False)
+        finally:
+            self._lock.release()
 
     def resume(self, max_models: int | None = None, max_time: float | None = None) -> dict:
         """Continue the latest experiment of the store (after Ctrl-C, a crash or SIGKILL)."""
         self._budgets(max_models, max_time)
+        if not os.path.isfile(self.path):
+            raise ExperimentError(f"{self.path} does not exist: nothing to resume (check the "
+                                  f"path, or run() a new experiment)")
         self._open()
+        try:
+            return self._resume()
+        finally:
+            self._lock.release()
+
+    def _resume(self) -> dict:
         experiments = self.store.experiments()
         if not experiments:
             raise ExperimentError(f"{self.path} holds no experiment to resume; use run()")
-        saved = dict(self.store.use_experiment(experiments[-1]["id"])["config"])
-        saved.pop("origin", None)
-        mine = json.loads(json.dumps(self.config()))
+        saved = _comparable(self.store.use_experiment(experiments[-1]["id"])["config"])
+        mine = _comparable(json.loads(json.dumps(self.config())))
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:
             raise ExperimentError(
@@ -230,19 +244,37 @@ class Experiment:
     def _open(self):
         folder = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(folder, exist_ok=True)
-        self.store = Store(self.path)
+        # One driver per store, for its whole life (before anything is written).
+        self._lock = StoreLock(self.path)
+        try:
+            self._lock.acquire()
+        except StoreLocked as err:
+            raise ExperimentError(str(err)) from None
+        try:
+            self.store = Store(self.path)
+        except BaseException:
+            self._lock.release()
+            raise
         self.checkpoint_dir = os.path.splitext(os.path.abspath(self.path))[0] + ".checkpoints"
 
     def _loop(self, resume: bool) -> dict:
         store = self.store
         eid = store.experiment_id
-        for row in store.models():
+        if resume:
+            dropped = store.drop_untrained_orphans()
+            if dropped:
+                _log.warning("dropped models %s: recorded without their trial by a crash "
+                             "(they never trained; the strategy may propose them again)",
+                             dropped)
+        models = store.models()
+        for row in models:
+            self._model_of[sample_key(row["sample"])] = row["id"]
             if row["hash"]:
                 key = self._dedup_key(row["hash"], row["sample"])
                 self._known[key] = row.get("value")
                 if row["status"] == "training":  # its trial resumes below
                     self._keys[row["id"]] = key
-        self._count = len(store.models())
+        self._count = len(models)
         executor = self.executor
         if executor is None:
             from .executors.local import LocalExecutor
@@ -261,6 +293,9 @@ class Experiment:
         try:
             if resume:
                 runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
+                self._rebind(runner)
+                self.runner = runner
+                self._finish_half_ended(runner)
             else:
                 runner = TrialRunner(executor, self.scheduler, store, **kwargs)
             self.runner = runner
@@ -276,6 +311,31 @@ class Experiment:
                 executor.close()
             store.flush()
         return self.summary()
+
+    def _rebind(self, runner: TrialRunner) -> None:
+        """Point resumed trials' specs at this process's space and trainer. The references
+        recorded when a trial was added name files where they were then; the run directory
+        (and the space file with it) may have moved since, and the resume check has already
+        verified that the space and trainer are the same."""
+        for trial in runner.trials.values():
+            if "space" in trial.config:
+                trial.config["space"] = self.space_ref
+            if "trainer" in trial.config:
+                trial.config["trainer"] = self.trainer_spec
+
+    def _finish_half_ended(self, runner: TrialRunner) -> None:
+        """Complete the end of trials whose ending the driver journaled but whose effects (the
+        model's status, the strategy told) it died before writing: those are written in one
+        transaction (:meth:`_on_trial_end`), so a model still ``training`` means none were."""
+        training = {row["id"] for row in self.store.models("training")}
+        ended = [t for t in runner.trials.values()
+                 if t.config.get("model_id") in training
+                 and (t.state is TrialState.TERMINATED or t.state is TrialState.ERRORED)]
+        if not ended or self.scheduler.spawns_trials:
+            return  # PBT's trials share models: a model's status follows its last trial
+        order = {row["id"]: row["ended"] or 0.0 for row in self.store.trials()}
+        for trial in sorted(ended, key=lambda t: order.get(t.trial_id, 0.0)):
+            self._on_trial_end(trial, report=False)
 
     def _dedup_key(self, structure_hash: str, sample: dict) -> str:
         hp = {k: sample.get(k) for k in sorted(self.search_space.hparams)}
@@ -322,8 +382,15 @@ class Experiment:
                 self._save_strategy()
                 continue
             self._count += 1
-            model_id = self.store.add_model(sample, model.graph.to_data(), structure,
-                                            status="training")
+            # The model, its trial and the strategy's state after proposing it are written in
+            # one transaction, when the runner journals the trial: a crash leaves all or none
+            # of them, and a resumed strategy proposes exactly what an uninterrupted one does.
+            parent = self.strategy.parent_of(sample)
+            model_id = self.store.stage_model(
+                sample, model.graph.to_data(), structure,
+                parent=None if parent is None else self._model_of.get(sample_key(parent)),
+                with_it=[self._save_strategy])
+            self._model_of[sample_key(sample)] = model_id
             self._known[key] = None
             self._keys[model_id] = key
             config = {"space": self.space_ref, "trainer": self.trainer_spec,
@@ -331,9 +398,6 @@ class Experiment:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
-            # The strategy's state is saved when the trial ends, not here (it is the largest
-            # write of a model): after a crash the strategy proposes this sample again from
-            # its older state, and the in-flight check above lets the existing trial go on.
             return config
         return None
 
@@ -342,6 +406,13 @@ class Experiment:
         gets the spawn's hyper-parameters; a fresh trial takes a new model from the strategy."""
         if parent is not None:
             base = dict(parent.config)
+            if base.get("model_id") is not None:
+                # The child is a model of its own (the parent's architecture, new
+                # hyper-parameters), derived from the parent's: models.parent says so.
+                row = self.store.get_model(base["model_id"])
+                base["model_id"] = self.store.stage_model(
+                    row["sample"], row["graph"], row["hash"], parent=row["id"])
+                self._count += 1
         else:  # the population needs a model: the model budget does not apply to it
             base = self._next_trial(budgeted=False)
             if base is None:
@@ -385,7 +456,16 @@ class Experiment:
             # (again) yet: it learns the final value when it proposes it (see _next_trial).
             pass
 
-    def _on_trial_end(self, trial: Trial) -> None:
+    def _on_trial_end(self, trial: Trial, report: bool = True) -> None:
+        # The model's status and the strategy's state are one transaction: a model still
+        # ``training`` after a crash tells resume that this end has to be done again.
+        with self.store.transaction():
+            self._end_model(trial)
+        self._collect_garbage(trial)
+        if self.progress is not None and report:
+            self.progress(self.summary())
+
+    def _end_model(self, trial: Trial) -> None:
         sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
         value = (trial.last_result or {}).get(self.metric)
         failed = trial.state is TrialState.ERRORED or value is None
@@ -406,15 +486,27 @@ class Experiment:
             except (KeyError, ValueError):
                 pass  # not proposed by the restored strategy (yet): told when it proposes it
             self._save_strategy()
-        self._collect_garbage(trial)
-        if self.progress is not None:
-            self.progress(self.summary())
 
     def summary(self) -> dict:
         counts = self.store.counts_by_state()
-        best = self.store.best_models(self.metric, self.mode, 5)
+        best = self.store.best_models(self.metric, self.mode, 5, finished=True)
+        runner = getattr(self, "runner", None)
+        running = runner.running if runner is not None else counts.get("RUNNING", 0)
         return {"store": self.path, "models": self._count, "trials": counts, "best": best,
-                "max_models": self.max_models}
+                "running": running, "max_models": self.max_models}
+
+
+def _comparable(config: dict) -> dict:
+    """An experiment's config as resume compares it: where the space and trainer files lie is
+    left out (a run directory may be moved or copied with its space file); what they define
+    is compared (the space's fingerprint, the trainer's settings)."""
+    config = dict(config)
+    config.pop("origin", None)
+    if isinstance(config.get("space"), dict):
+        config["space"] = {k: v for k, v in config["space"].items() if k != "ref"}
+    if isinstance(config.get("trainer"), str):  # a reference: its file may have moved
+        config["trainer"] = config["trainer"].rsplit(":", 1)[-1]
+    return config
 
 
 def _resolve(ref: str):

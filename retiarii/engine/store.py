@@ -16,12 +16,13 @@ The schema carries a version; :data:`MIGRATIONS` upgrades older files on open, i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sqlite3
 import time as _time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import sqlite_utils
 
@@ -172,6 +173,8 @@ class Store:
         self._saved: dict[tuple[str, int], str] = {}  # last state JSON written, per table
         # (table, experiment, list name) -> (items saved, JSON of the last one)
         self._saved_items: dict[tuple[str, int, str], tuple[int, str | None]] = {}
+        # model id -> (row, writes) kept until the trial that trains it is journaled
+        self._staged: dict[int, tuple[list, list[Callable[[], None]]]] = {}
         if os.path.dirname(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.db = None  # type: ignore[assignment]
@@ -184,6 +187,15 @@ class Store:
         except sqlite3.DatabaseError as err:
             if self.db is not None:
                 self.db.close()
+            text = str(err).lower()
+            if isinstance(err, sqlite3.OperationalError) and any(
+                    word in text for word in ("readonly", "read-only", "unable to open",
+                                              "permission", "disk i/o")):
+                folder = os.path.dirname(os.path.abspath(self.path))
+                raise StoreError(f"{self.path} cannot be opened for writing ({err}): the file "
+                                 f"and its folder {folder} must be writable (SQLite keeps its "
+                                 f"journal beside the file); fix the permissions or copy the "
+                                 f"run to a writable place") from err
             raise StoreError(f"{self.path} is not a usable SQLite database ({err}); it is "
                              "corrupt or another kind of file: give a new path, or restore "
                              "it from a backup") from err
@@ -292,6 +304,43 @@ class Store:
             [self.experiment_id, _json(sample), _json(graph), hash, parent, status, now, now]
         ).lastrowid
 
+    def stage_model(self, sample: dict, graph: dict | None = None, hash: str | None = None, *,
+                    parent: int | None = None,
+                    with_it: Iterable[Callable[[], None]] = ()) -> int:
+        """Reserve a model id for a model about to be trained and keep its row (status
+        ``training``) until :meth:`trial_added` journals the trial whose spec names that id:
+        both are written in one transaction, so a crash leaves neither a model without its
+        trial nor a trial without its model. ``with_it`` are more writes that belong to that
+        transaction (the strategy's state after the proposal), run at that moment.
+
+        Example::
+
+            model_id = store.stage_model(sample, graph, hash,
+                                         with_it=[lambda: store.save_strategy_state(s)])
+            store.trial_added(trial)      # trial.spec["model_id"] == model_id: all committed
+        """
+        self.flush()
+        top = self.db.execute("SELECT coalesce(max(id), 0) FROM models").fetchone()[0]
+        model_id = max([top, *self._staged]) + 1
+        row = [model_id, self.experiment_id, _json(sample), _json(graph), hash, parent,
+               "training"]
+        self._staged[model_id] = (row, list(with_it))
+        return model_id
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """Group the calls inside into one transaction: all of them are on disk, or none.
+
+        Example::
+
+            with store.transaction():
+                store.set_model_status(model_id, "trained", 0.93)
+                store.save_strategy_state(strategy.state_dict())
+        """
+        self.flush()
+        with self.db.atomic():
+            yield self
+
     def get_model(self, model_id: int) -> dict:
         """A model row with ``sample`` and ``graph`` decoded."""
         try:
@@ -310,6 +359,20 @@ class Store:
                                      "WHERE id = ?", [status, _time.time(), value, model_id])
         if cursor.rowcount == 0:
             raise StoreError(f"{self.path} has no model {model_id}")
+
+    def drop_untrained_orphans(self) -> list[int]:
+        """Delete the current experiment's models that are ``training`` with no trial: what a
+        crash between writing a model and its trial left in a store written before both went
+        into one transaction (:meth:`stage_model`). Such a model never trained; deleting it lets
+        the strategy propose it again. Returns the ids deleted."""
+        self.flush()
+        where, params = self._scope("models")
+        with self.db.atomic():
+            ids = [r[0] for r in self.db.execute(
+                f"SELECT id FROM models WHERE {where} AND status = 'training' AND NOT EXISTS "
+                f"(SELECT 1 FROM trials WHERE trials.model_id = models.id)", params).fetchall()]
+            self.db.execute(f"DELETE FROM models WHERE id IN ({', '.join('?' * len(ids))})", ids)
+        return ids
 
     def models(self, status: str | None = None) -> list[dict]:
         """The current experiment's models (all when none is current), oldest first, decoded."""
@@ -349,8 +412,17 @@ class Store:
             del record["config"]  # the runner's config *is* the spec: keep one copy
         hparams = spec.get("hparams") if isinstance(spec, dict) else None
         self.flush()
+        staged = self._staged.pop(model_id, None)
         try:
             with self.db.atomic():
+                if staged is not None:
+                    row, writes = staged
+                    self.db.execute(
+                        "INSERT INTO models (id, experiment_id, sample, graph, hash, parent, "
+                        "status, created, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [*row, now, now])
+                    for write in writes:
+                        write()
                 seq = self.db.execute("SELECT coalesce(max(seq), 0) + 1 FROM trials").fetchone()[0]
                 self.db.execute(
                     "INSERT INTO trials (id, seq, experiment_id, model_id, spec, hparams, parent, "
@@ -652,15 +724,18 @@ class Store:
             f"AND {where} ORDER BY t.ended, t.seq", [metric, *params])]
 
     def best_trials(self, metric: str, mode: str = "max", k: int = 10,
-                    reduce: str = "last") -> list[dict]:
+                    reduce: str = "last", finished: bool = False) -> list[dict]:
         """The ``k`` best trials by ``metric``: its value at the trial's last step
-        (``reduce="last"``) or its best value over all steps (``"best"``).
+        (``reduce="last"``) or its best value over all steps (``"best"``). ERRORED trials never
+        rank (their last value is not a result); ``finished=True`` ranks TERMINATED trials
+        only (a best that never goes down while trials run).
         Rows: trial_id, model_id, value, step."""
         order = _order(mode)
         if reduce not in ("last", "best"):
             raise ValueError(f"reduce must be 'last' or 'best', got {reduce!r}")
         within = "m.step DESC" if reduce == "last" else f"m.value {order}, m.step"
         where, params = self._scope()
+        where += " AND t.state = 'TERMINATED'" if finished else " AND t.state != 'ERRORED'"
         self.flush()
         sql = f"""
             SELECT trial_id, model_id, value, step FROM (
@@ -672,10 +747,11 @@ class Store:
         return list(self.db.query(sql, [metric, *params, int(k)]))
 
     def best_models(self, metric: str, mode: str = "max", k: int = 10,
-                    reduce: str = "last") -> list[dict]:
+                    reduce: str = "last", finished: bool = False) -> list[dict]:
         """The ``k`` best models, each scored by its best trial (see :meth:`best_trials`).
         Rows: model_id, trial_id, value, step, sample (decoded), hash, status."""
-        trials = self.best_trials(metric, mode, k=-1, reduce=reduce)  # LIMIT -1: all
+        trials = self.best_trials(metric, mode, k=-1, reduce=reduce,  # LIMIT -1: all
+                                  finished=finished)
         best: dict[int, dict] = {}
         for row in trials:  # already sorted best first: the first row per model wins
             if row["model_id"] is not None and row["model_id"] not in best:

@@ -296,6 +296,11 @@ class TrialRunner:
         return [(t, s, p) for t, tr in self.trials.items()
                 for s, p in sorted(tr.checkpoints.items())]
 
+    @property
+    def running(self) -> int:
+        """Trials with a segment in flight now."""
+        return len(self._inflight)
+
     def states(self) -> dict[str, TrialState]:
         return {t: tr.state for t, tr in self.trials.items()}
 

@@ -160,6 +160,8 @@ class Draw:
 
     sample: dict
     trace: list[tuple[str, list]] | None
+    # the sample this one was derived from (a mutation), if any
+    parent: dict | None = field(default=None, repr=False)
 
 
 def draw(space: Any, sampler: Sampler) -> Draw:
@@ -282,6 +284,9 @@ class Strategy(abc.ABC):
         self._candidate_lists: list[list] = []  # interned: many models share candidate lists
         self._candidate_ids: dict[str, int] = {}
         self._num_proposed = 0
+        # sample key -> the sample it was derived from, for proposals of this process (the
+        # engine records it as the model's parent right after ask; not part of the state)
+        self._parents: dict[str, dict] = {}
         self._elapsed_before = 0.0
         self._started_at: float | None = None
         self._checked: int | None = None  # id() of the space check() accepted
@@ -375,6 +380,12 @@ class Strategy(abc.ABC):
             return None
         key, value = max(told, key=lambda kv: self._score(kv[1]))
         return dict(self._records[key].sample), value
+
+    def parent_of(self, sample: dict) -> dict | None:
+        """The sample that ``sample`` (returned by :meth:`ask`) was derived from (evolution's
+        parent), or ``None`` for a sample drawn afresh."""
+        parent = self._parents.get(sample_key(sample))
+        return None if parent is None else dict(parent)
 
     @property
     def num_proposed(self) -> int:
@@ -573,5 +584,7 @@ class Strategy(abc.ABC):
             record.trace = self._intern(proposal.trace)
             self._log.append(["trace", self._record_ids[key], record.trace])
         record.pending += 1
+        if proposal.parent is not None:
+            self._parents[key] = proposal.parent
         self._num_proposed += 1
         self._log.append(["ask", self._record_ids[key]])

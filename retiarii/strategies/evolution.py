@@ -107,7 +107,9 @@ class RegularizedEvolution(Strategy):
 
         sampler = ReplaySampler(parent, fallback=RandomSampler(self._rng),
                                 overrides={target: mutate})
-        return draw(space, sampler)
+        child = draw(space, sampler)
+        child.parent = dict(parent)
+        return child
 
     def _on_tell(self, key: str, score: float | None) -> None:
         if score is not None:
