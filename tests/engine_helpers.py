@@ -11,7 +11,9 @@ import signal
 import torch
 from torch import nn
 
+from retiarii.engine.executors.base import Executor, JobFailed
 from retiarii.engine.trainer import ClassifierTrainer
+from retiarii.engine.worker import WorkerContext, run_job
 
 
 def ref(attr: str) -> str:
@@ -145,3 +147,25 @@ class CrashingJournal(MemoryJournal):
         if self.writes == self.crash_at:
             raise Crash()
         super()._write(kind, payload)
+
+
+class InProcessExecutor(Executor):
+    """One slot that runs each job with ``worker.run_job`` in this process (no workers)."""
+
+    num_slots = 1
+
+    def __init__(self):
+        self.jobs, self.events, self.context = [], [], WorkerContext()
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+    def next_event(self, timeout=None):
+        if not self.events and self.jobs:
+            run_job(self.jobs.pop(0), self.events.append, context=self.context)
+        return self.events.pop(0) if self.events else None
+
+    def cancel(self, job_id):
+        self.jobs = [j for j in self.jobs if j.job_id != job_id]
+        self.events = [e for e in self.events if e.job_id != job_id]
+        self.events.append(JobFailed(job_id, None, "cancelled"))

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import retiarii as rt
+from engine_helpers import InProcessExecutor
 from exp_driver import experiment
-from exp_space import EXAMPLE, failing_space, space, trainer
-from retiarii.engine.executors.base import Executor, JobFailed
+from exp_space import failing_space, space, trainer
 from retiarii.engine.store import Store
-from retiarii.engine.worker import WorkerContext, run_job
 
 HERE = Path(__file__).resolve().parent
 FINAL = {"TERMINATED", "ERRORED"}
@@ -245,28 +244,6 @@ def test_pbt_runs_inside_an_experiment_with_lineage_and_gc(tmp_path):
     assert lineage[-1]["trial_id"] == best and lineage[0]["parent"] is None
 
 
-class _InProcessExecutor(Executor):
-    """One slot that runs each job with ``worker.run_job`` in this process (no workers)."""
-
-    num_slots = 1
-
-    def __init__(self):
-        self.jobs, self.events, self.context = [], [], WorkerContext()
-
-    def submit(self, job):
-        self.jobs.append(job)
-
-    def next_event(self, timeout=None):
-        if not self.events and self.jobs:
-            run_job(self.jobs.pop(0), self.events.append, context=self.context)
-        return self.events.pop(0) if self.events else None
-
-    def cancel(self, job_id):
-        self.jobs = [j for j in self.jobs if j.job_id != job_id]
-        self.events = [e for e in self.events if e.job_id != job_id]
-        self.events.append(JobFailed(job_id, None, "cancelled"))
-
-
 @pytest.mark.parametrize("strategy, replays", [(rt.strategies.Random(seed=3), 0),
                                                 (rt.strategies.TPE(seed=3, n_startup=2), 0),
                                                 (rt.strategies.GridSearch(), 4)])
@@ -280,7 +257,7 @@ def test_the_driver_checks_the_model_the_strategy_drew_instead_of_rebuilding_it(
     monkeypatch.setattr(rt.ModelSpace, "instantiate",
                         lambda self, sample: (instantiated.append(sample), original(self, sample))[1])
     exp = rt.Experiment(space, strategy, rt.Trainer(dataset="digits", epochs=1, batch_size=512),
-                        store=str(tmp_path / "x.db"), executor=_InProcessExecutor())
+                        store=str(tmp_path / "x.db"), executor=InProcessExecutor())
     exp.run(max_models=4)
     assert len(instantiated) == replays
     with Store(tmp_path / "x.db") as store:
