@@ -185,6 +185,7 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     _positive(args.workers, "--workers")
+    _positive(args.max_models, "--max-models")
     store = _open(args.db)
     try:
         cli = dict(store.get_experiment()["config"]["origin"]["cli"])
@@ -199,6 +200,8 @@ def cmd_resume(args) -> int:
     cli["store"] = args.db  # the store given is the store resumed (a copy resumes the copy)
     if args.workers:
         cli["workers"] = args.workers
+    if args.max_models:
+        cli["max_models"] = args.max_models  # a budget may change between runs
     exp = _build(space, cli, recorded_space=recorded)
     summary = exp.resume()
     print(file=sys.stderr)
@@ -381,6 +384,8 @@ def parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a run after Ctrl-C, a crash or SIGKILL")
     resume.add_argument("db", help="the SQLite file of a run started with `retiarii run`")
     resume.add_argument("--workers", type=int, default=None, help="override the worker count")
+    resume.add_argument("--max-models", type=int, default=None,
+                        help="a new model budget (default: the one the run was started with)")
     resume.set_defaults(fn=cmd_resume)
 
     export = sub.add_parser("export", help="standalone .py + state_dict of the best models")
