@@ -34,7 +34,7 @@ from torch import nn
 from .codec import encode
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
-from .mutator import MutationError, Mutator, _remove_port, candidate_keys
+from .mutator import MutationError, Mutator, _remove_port, candidate_keys, opaque_operation
 from .trace import LEAF_HANDLERS, TraceError, trace_with_choices
 
 # ---- ValueChoice -----------------------------------------------------------------------------
@@ -600,10 +600,25 @@ def trace_space(module: nn.Module, concrete_args: dict | None = None,
     return graph, inline + ([values] if values else [])
 
 
+def _holds_choices(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule is an inline choice or takes a ValueChoice."""
+    return any(type(m) in LEAF_HANDLERS or _has_choice(m.__dict__.get("_retiarii_init"))
+               for m in module.modules())
+
+
 def _candidate(module: nn.Module, prefix: str) -> tuple:
     if is_torch_builtin(module) or is_marked_leaf(module):
         return ("op", Operation("module", spec=module_spec(module)), [])
-    graph, nested = trace_space(module, prefix=prefix)
+    try:
+        graph, nested = trace_space(module, prefix=prefix)
+    except TraceError as e:
+        if _holds_choices(module):  # kept opaque, its choices would be silently lost
+            raise
+        try:
+            return ("op", opaque_operation(module, e, f"LayerChoice candidate {prefix[:-1]!r}"),
+                    [])
+        except MutationError as err:
+            raise TraceError(str(err)) from None
     return ("graph", graph, nested)
 
 
