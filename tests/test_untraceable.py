@@ -125,6 +125,27 @@ def test_untraceable_candidates_of_replace_and_layer_choice_are_opaque():
     assert model.to_module()(X).shape == (2, 8, 8, 8)
 
 
+def test_untraceable_candidate_holding_choices_is_not_made_opaque():
+    class Chooser(nn.Module):  # kept opaque, its LayerChoice would be silently dropped
+        def __init__(self):
+            super().__init__()
+            self.op = rt.LayerChoice([nn.ReLU(), nn.Tanh()])
+
+        def forward(self, x):
+            return self.op(x) if x.sum() > 0 else x
+
+    class Inline(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = rt.LayerChoice({"relu": nn.ReLU(), "chooser": Chooser()})
+
+        def forward(self, x):
+            return self.act(x)
+
+    with pytest.raises(rt.TraceError, match="cannot trace"):
+        rt.ModelSpace(Inline())
+
+
 def test_untraceable_module_that_cannot_be_rebuilt_says_how_to_fix_it():
     space = rt.ModelSpace(Base(), [rt.apply_mutator("relu", OperatorMutator([Hidden(8)]))])
     with pytest.raises(rt.MutationError, match=r"Hidden cannot be traced.*@retiarii\.leaf"):
