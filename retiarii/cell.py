@@ -3,11 +3,13 @@
 A cell has ``num_predecessors`` inputs and ``num_nodes`` nodes. Node ``i`` sums
 ``num_ops_per_node`` operations; each operation is chosen among ``op_candidates`` and applied
 to one input chosen among the cell's inputs and nodes ``0 .. i-1``. The cell returns its
-nodes concatenated along the channels (or summed)::
+nodes concatenated along the channels (or summed). With ``num_nodes=2`` and one input,
+choosing node 0 as the input of node 1::
 
-    x0 ─┬─▶ op0_0 ─▶ node0 ─┬─────────────▶ cat ─▶ out      (num_nodes=2, one input)
-        │                   └─▶ op1_0 ─▶ node1 ──▲
-        └─(input1_0 chooses x0 or node0)
+    x0 ─▶ op0_0 ─▶ node0 ─┬──────────────────▶ cat ─▶ out
+                          └─▶ op1_0 ─▶ node1 ──▲
+
+(``input0_0`` can only be ``x0``; ``input1_0`` chooses ``x0`` or ``node0``.)
 
 It is an ordinary module made of inline choices, so it needs no mutator of its own: a
 ``ModelSpace`` compiles its choices like any other, and it runs eagerly as its first options
