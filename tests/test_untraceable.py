@@ -103,7 +103,8 @@ def test_opaque_node_still_has_its_shapes_checked():
 
 def test_untraceable_candidates_of_replace_and_layer_choice_are_opaque():
     space = rt.ModelSpace(Base(), [rt.apply_mutator("relu", OperatorMutator(
-        {"relu": nn.ReLU(), "gate": Gate(8, scale=3.0)}, label="act", shared=True))], example_input=X)
+        {"relu": nn.ReLU(), "gate": Gate(8, scale=3.0)}, label="act", shared=True))],
+        example_input=X)
     model = space.instantiate({"act": "gate"})
     assert model.graph["relu"].op.spec == {"cls": "untraceable:Gate", "args": [8],
                                            "kwargs": {"scale": 3.0}}
