@@ -4,6 +4,7 @@ The public API: trace a PyTorch model into the graph IR, define a space with mut
 strategy, run an experiment. See README.md and docs/.
 """
 from . import engine, mutators, nn, ops, strategies
+from .cell import Cell
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .engine import Experiment, ExperimentError
 from .engine.trainer import ClassifierTrainer as Trainer
@@ -17,7 +18,7 @@ from .trace import TraceError, trace
 
 __version__ = "0.1.0"
 
-__all__ = ["Experiment", "ExperimentError", "Trainer", "Chain", "Graph", "GraphError", "InputChoice", "LayerChoice", "Model", "ModelSpace",
+__all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "Graph", "GraphError", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
            "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
            "apply_mutator", "engine", "leaf", "mutators", "nn", "ops", "strategies", "trace"]

@@ -34,7 +34,8 @@ from torch import nn
 from .codec import encode
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
-from .mutator import MutationError, Mutator, _remove_port, candidate_keys
+from .mutator import (MutationError, Mutator, _append_port, _remove_port, candidate_keys,
+                      opaque_operation)
 from .trace import LEAF_HANDLERS, TraceError, trace_with_choices
 
 # ---- ValueChoice -----------------------------------------------------------------------------
@@ -232,27 +233,43 @@ class InputChoice(nn.Module):
         ...
         out = self.skip([x0, x1, x2])
 
+    The kept inputs are merged in their order in the list, so a choice is a set of indices
+    (a multiset with ``distinct=False``): ``C(n_candidates, n_chosen)`` candidates, or
+    ``C(n_candidates + n_chosen - 1, n_chosen)`` with repeats. The inputs that are not kept
+    are not computed: what only they used leaves the model, and the choices inside it leave
+    the sample.
+
     Args:
         n_candidates: how many tensors the list passed to forward holds.
-        n_chosen: how many are kept (each subset of that size is one candidate).
+        n_chosen: how many are kept.
         reduction: "sum", "mean" or "concat" (along dim 1) of the kept inputs; "none" when
             ``n_chosen == 1``.
+        distinct: the kept inputs are different ones (default, as in DARTS-like cells: summing
+            one input twice only rescales it). ``False`` lets one input be kept several times
+            (``n_chosen`` may then exceed ``n_candidates``).
         label: the choice's name (default: the module path).
     """
 
     _REDUCTIONS = ("sum", "mean", "concat", "none")
 
     def __init__(self, n_candidates: int, n_chosen: int = 1, reduction: str = "sum",
-                 label: str | None = None):
+                 label: str | None = None, distinct: bool = True):
         super().__init__()
         if reduction not in self._REDUCTIONS:
             raise ValueError(f"reduction {reduction!r} is not one of {self._REDUCTIONS}")
-        if not 1 <= n_chosen <= n_candidates:
-            raise ValueError(f"n_chosen={n_chosen} must be in [1, n_candidates={n_candidates}]")
+        if n_candidates < 1 or n_chosen < 1 or (distinct and n_chosen > n_candidates):
+            raise ValueError(f"n_chosen={n_chosen} must be in [1, n_candidates={n_candidates}]"
+                             + ("" if distinct else " (or more, with distinct=False)"))
         if reduction == "none" and n_chosen != 1:
             raise ValueError("reduction='none' keeps a single input: use n_chosen=1")
         self.n_candidates, self.n_chosen, self.reduction, self.label = \
             n_candidates, n_chosen, reduction, label
+        self.distinct = distinct
+
+    def subsets(self) -> list[tuple[int, ...]]:
+        """The candidates of the choice: tuples of kept indices, the first one the default."""
+        pick = itertools.combinations if self.distinct else itertools.combinations_with_replacement
+        return list(pick(range(self.n_candidates), self.n_chosen))
 
     def merge_module(self) -> nn.Module:
         from . import ops
@@ -261,7 +278,8 @@ class InputChoice(nn.Module):
                 "concat": ops.Concat}[self.reduction]()
 
     def forward(self, inputs: list):
-        return self.merge_module()(*inputs[:self.n_chosen])
+        first = range(self.n_chosen) if self.distinct else [0] * self.n_chosen
+        return self.merge_module()(*(inputs[i] for i in first))
 
 
 class Repeat(nn.Module):
@@ -324,6 +342,16 @@ class _Inline(Mutator):
 
     def node(self, uid: int) -> Node:
         return self.graph.node_by_uid(self.remap.get(uid, uid))
+
+    def reachable(self, uid: int) -> bool:
+        """Whether the node is still in the graph: an input choice upstream of the output
+        deletes what only its unchosen inputs used, and the choices of those nodes are then
+        not made (they are not in the sample, nor counted in the space's size)."""
+        try:
+            self.node(uid)
+        except KeyError:
+            return False
+        return True
 
     def run_nested(self, nested: list, mapping: dict[int, int]) -> None:
         """Run the mutators of a spliced candidate/block, translated to this graph."""
@@ -388,6 +416,8 @@ class _LayerChoiceMutator(_Inline):
         self.uid, self.keys, self.options = uid, keys, options
 
     def mutate(self, targets):
+        if not self.reachable(self.uid):
+            return
         node = self.node(self.uid)
         index = self.choose(dict(zip(self.keys, range(len(self.keys)))), self.label)
         kind, payload, nested = self.options[index]
@@ -400,20 +430,50 @@ class _LayerChoiceMutator(_Inline):
 
 
 class _InputChoiceMutator(_Inline):
-    def __init__(self, uid: int, n: int, n_chosen: int, label: str):
+    """Keeps the chosen inputs of the merge node, then deletes what fed only the others.
+
+    Input choices run before the space's other inline choices, the one nearest the output
+    first, so the choices of the nodes they delete are never made."""
+
+    def __init__(self, uid: int, n: int, subsets: list[tuple[int, ...]], label: str):
         super().__init__(label)
         self.uid, self.n = uid, n
-        self.options = {(c[0] if n_chosen == 1 else ",".join(map(str, c))): c
-                        for c in itertools.combinations(range(n), n_chosen)}
+        self.options = {(c[0] if len(c) == 1 else ",".join(map(str, c))): c for c in subsets}
 
     def mutate(self, targets):
+        if not self.reachable(self.uid):
+            return
         node = self.node(self.uid)
         kept = self.choose(self.options, self.label)
-        for port in reversed(range(self.n)):
-            if port not in kept:
-                src = node.inputs[port]
-                _remove_port(node, port)
-                self._record("disconnect", src=src.uid, dst=node.uid, ports=[port])
+        sources = node.inputs
+        # a repeated input: every port is dropped and the kept ones appended in order
+        drop = range(self.n) if len(set(kept)) < len(kept) else \
+            [p for p in range(self.n) if p not in kept]
+        for port in reversed(drop):
+            _remove_port(node, port)
+            self._record("disconnect", src=sources[port].uid, dst=node.uid, ports=[port])
+        if len(set(kept)) < len(kept):
+            for i in kept:
+                port = _append_port(node)
+                self.graph.connect(sources[i], node, port)
+                self._record("connect", src=sources[i].uid, dst=node.uid, port=port)
+        _delete_unused(self, [sources[p] for p in range(self.n) if p not in kept])
+
+
+def _delete_unused(mutator: Mutator, nodes: list[Node]) -> None:
+    """Delete ``nodes`` if nothing uses them any more, then their inputs likewise."""
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        try:
+            mutator.graph.node_by_uid(node.uid)
+        except KeyError:  # already deleted, through another path
+            continue
+        if node.kind in ("input", "output") or node.users:
+            continue
+        feeders = [src for src in node.inputs if src is not None]
+        mutator.delete_node(node)
+        todo.extend(feeders)
 
 
 class _RepeatMutator(_Inline):
@@ -424,6 +484,8 @@ class _RepeatMutator(_Inline):
         self.depths, self.blocks = depths, blocks
 
     def mutate(self, targets):
+        if not self.reachable(self.blocks[-1]["out"]):
+            return  # only its last block's output is used outside it: all of it is gone
         depth = self.choose(self.depths, self.label)
         g = self.graph
         if depth < len(self.blocks):
@@ -592,6 +654,10 @@ def trace_space(module: nn.Module, concrete_args: dict | None = None,
     _TraceScope.stack.append(scope)
     try:
         graph, inline = trace_with_choices(module, concrete_args, leaf_modules)
+        # Input choices first, nearest the output first: they decide which parts of the
+        # graph are used at all, and the choices of the unused parts are not made.
+        inputs = [m for m in reversed(inline) if isinstance(m, _InputChoiceMutator)]
+        inline = inputs + [m for m in inline if not isinstance(m, _InputChoiceMutator)]
         candidates = [(m.uid, payload) for m in inline if isinstance(m, _LayerChoiceMutator)
                       for kind, payload, _ in m.options if kind == "op"]
         values = _compile_value_choices(graph, scope, scope.claimed, candidates)
@@ -600,10 +666,25 @@ def trace_space(module: nn.Module, concrete_args: dict | None = None,
     return graph, inline + ([values] if values else [])
 
 
+def _holds_choices(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule is an inline choice or takes a ValueChoice."""
+    return any(type(m) in LEAF_HANDLERS or _has_choice(m.__dict__.get("_retiarii_init"))
+               for m in module.modules())
+
+
 def _candidate(module: nn.Module, prefix: str) -> tuple:
     if is_torch_builtin(module) or is_marked_leaf(module):
         return ("op", Operation("module", spec=module_spec(module)), [])
-    graph, nested = trace_space(module, prefix=prefix)
+    try:
+        graph, nested = trace_space(module, prefix=prefix)
+    except TraceError as e:
+        if _holds_choices(module):  # kept opaque, its choices would be silently lost
+            raise
+        try:
+            return ("op", opaque_operation(module, e, f"LayerChoice candidate {prefix[:-1]!r}"),
+                    [])
+        except MutationError as err:
+            raise TraceError(str(err)) from None
     return ("graph", graph, nested)
 
 
@@ -632,7 +713,7 @@ def _on_input_choice(conv, n: fx.Node, module: InputChoice) -> None:
     args, feeds = conv.template(list(inputs))
     op = Operation("module", args=args, spec=module_spec(module.merge_module()), attr=path)
     node = conv.add(path, op, feeds, n)
-    conv.inline.append(_InputChoiceMutator(node.uid, module.n_candidates, module.n_chosen,
+    conv.inline.append(_InputChoiceMutator(node.uid, module.n_candidates, module.subsets(),
                                            module.label or _TraceScope.current().prefix + path))
 
 

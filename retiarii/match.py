@@ -16,6 +16,7 @@ import re
 from typing import Any, Callable
 
 import networkx as nx
+import torch
 from networkx.algorithms import isomorphism
 
 from .codec import ref_of, resolve_ref
@@ -112,9 +113,28 @@ def match_targets(graph: Graph, targets: Any) -> list:
     test = predicate(targets)
     found = [n for n in graph.nodes if test(n)]
     if not found:
-        raise TargetError(f"targets {targets!r} match no node of the graph; closest node "
-                          f"names: {_closest(graph, targets)}")
+        raise TargetError(f"targets {targets!r} match no node of the graph; "
+                          + (_composite_hint(graph, targets)
+                             or f"closest node names: {_closest(graph, targets)}"))
     return found
+
+
+def _composite_hint(graph: Graph, spec: Any) -> str | None:
+    """For a target naming a composite module (traced through into many nodes, so no node
+    carries its name or class): how to target it. None for any other target."""
+    fix = ("mark its class a leaf (decorate it with @retiarii.leaf, or pass it to "
+           "ModelSpace(leaf_modules=[...])) to keep it as one node, or target its children")
+    if isinstance(spec, str) and not any(c in spec for c in "*?["):
+        children = [n.name for n in graph.nodes if n.name.startswith(spec + ".")]
+        if children:
+            return (f"{spec!r} is a composite module, traced into {len(children)} nodes: {fix} "
+                    f"(\"{spec}.*\" matches them all), e.g. {', '.join(children[:5])}")
+    if isinstance(spec, type) and issubclass(spec, torch.nn.Module) \
+            and not getattr(spec, "_retiarii_leaf", False) \
+            and not spec.__module__.startswith(("torch.nn", "torch.ao.nn")):
+        return (f"{spec.__name__} is a composite module (traced through into its children, so "
+                f"no node is one): {fix} by name")
+    return None
 
 
 def _match_pattern(graph: Graph, pattern: Pattern) -> list[tuple]:
@@ -132,7 +152,11 @@ def _match_pattern(graph: Graph, pattern: Pattern) -> list[tuple]:
         inverse = {p: h for h, p in mapping.items()}
         found.append(tuple(graph.node_by_uid(inverse[p]) for p in pattern.order))
     if not found:
-        raise TargetError(f"pattern {pattern!r} matches no subgraph; closest node names: "
-                          f"{_closest(graph, pattern.graph.nodes[pattern.order[0]]['match'])}")
+        elements = [pattern.graph.nodes[p]["match"] for p in pattern.order]
+        hints = [_composite_hint(graph, e) for e in elements
+                 if not any(predicate(e)(n) for n in graph.nodes)]
+        raise TargetError(f"pattern {pattern!r} matches no subgraph; "
+                          + (next((h for h in hints if h), None)
+                             or f"closest node names: {_closest(graph, elements[0])}"))
     found.sort(key=lambda match: [order[n.uid] for n in match])
     return found

@@ -114,9 +114,12 @@ def as_operation(op: Any, where: str) -> Operation:
                 return Operation("module", spec=module_spec(op))
             except SpecError as e:
                 raise MutationError(f"{where}: {e}") from None
-        from .trace import trace  # a composite module becomes a cell (subgraph)
+        from .trace import TraceError, trace  # a composite module becomes a cell (subgraph)
 
-        return Operation("subgraph", graph=trace(op))
+        try:
+            return Operation("subgraph", graph=trace(op))
+        except TraceError as e:
+            return opaque_operation(op, e, where)
     if isinstance(op, functools.partial):
         inner = as_operation(op.func, where)
         inner.kwargs = {k: encode(v) for k, v in op.keywords.items()}
@@ -131,6 +134,27 @@ def as_operation(op: Any, where: str) -> Operation:
             raise MutationError(f"{where}: {e}") from None
     raise MutationError(f"{where}: cannot use {op!r} as an operation; give an nn.Module, a "
                         f"function, functools.partial(fn, **kwargs) or a Graph")
+
+
+def opaque_operation(module: nn.Module, why: Exception, where: str) -> Operation:
+    """A composite module that torch.fx cannot trace (``why``), kept as one module node, as if
+    its class were marked ``@retiarii.leaf``.
+
+    The node refers to the module by its class and constructor arguments, read back from the
+    module's attributes and verified as for ``torch.nn`` layers, so a worker rebuilds it and
+    export imports the class. Shapes are still checked: the shape check runs the module.
+
+    Raises:
+        MutationError: the constructor arguments cannot be read back either; the message
+            gives both reasons and the fix (``@retiarii.leaf``).
+    """
+    try:
+        return Operation("module", spec=module_spec(module))
+    except SpecError as e:
+        reason = str(why).splitlines()[0]
+        raise MutationError(
+            f"{where}: {type(module).__name__} cannot be traced ({reason}), and it cannot be "
+            f"kept as one opaque node either: {e}") from None
 
 
 def _is_variadic(node: Node) -> bool:
@@ -311,7 +335,9 @@ class Mutator:
 
     def create_node(self, name: str, op: Any) -> Node:
         """Add a node (no inputs yet) computing ``op``: an ``nn.Module`` (copied), a function,
-        ``functools.partial(fn, **kwargs)`` or a Graph (a cell)."""
+        ``functools.partial(fn, **kwargs)`` or a Graph (a cell). A composite module becomes a
+        cell; one torch.fx cannot trace stays one opaque module node (see
+        :func:`opaque_operation`)."""
         operation = as_operation(op, f"{self._name}.create_node({name!r})")
         name = self.graph.unique_name(name)
         if operation.kind in ("module", "subgraph"):
@@ -437,4 +463,4 @@ def apply_mutator(targets: Any, mutator: Mutator) -> BoundMutator:
 
 
 __all__ = ["Mutator", "MutationError", "SampleError", "BoundMutator", "apply_mutator",
-           "Context", "candidate_keys", "candidate_key", "as_operation"]
+           "Context", "candidate_keys", "candidate_key", "as_operation", "opaque_operation"]

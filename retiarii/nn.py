@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch.nn as _torch_nn
 
+from .cell import Cell
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice, wrap_layer
 
-__all__ = ["InputChoice", "LayerChoice", "Repeat", "ValueChoice"]
+__all__ = ["Cell", "InputChoice", "LayerChoice", "Repeat", "ValueChoice"]
 
 
 def __getattr__(name: str):

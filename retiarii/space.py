@@ -137,10 +137,12 @@ class _PrefixSampler:
     def __init__(self, prefix: Sequence[int]):
         self.prefix = prefix
         self.arity: list[int] = []
+        self.labels: list[str] = []
 
     def choose(self, label, candidates, context) -> int:
         i = len(self.arity)
         self.arity.append(len(candidates))
+        self.labels.append(label)
         return self.prefix[i] if i < len(self.prefix) else 0
 
 
@@ -229,6 +231,20 @@ class ModelSpace:
     def random_sample(self, seed: int | None = None) -> Model:
         return self.sample(RandomSampler(seed))
 
+    def base_model(self) -> Model:
+        """The model of the all-defaults sample: every choice takes its first candidate.
+
+        For mutator spaces that is the (first) base model itself, since built-in mutators
+        offer the base's operation or input first and evolving mutators stop growing by
+        default; for inline choices, the model as it runs eagerly. It is where an evolving
+        (open-ended) space starts, e.g. ``RegularizedEvolution(initial="base")``.
+        """
+        return self.sample(lambda label, candidates, context: 0)
+
+    def default_sample(self) -> dict:
+        """The sample of :meth:`base_model` (``label -> first key``), e.g. for ``replay``."""
+        return dict(self.base_model().sample)
+
     def replay(self, sample: dict) -> Model:
         """Rebuild the model of ``sample`` exactly (same structural hash)."""
         sampler = ReplaySampler(sample)
@@ -306,7 +322,9 @@ class ModelSpace:
         Returns ``math.inf`` for an unbounded space. The count walks the tree of choices; a
         choice whose every value leads to the same sequence of later choices is counted as a
         factor instead of being walked (so a space of 10^20 independent choices is counted in
-        a few hundred mutator runs). That shortcut assumes choices only change which choices
+        a few hundred mutator runs). Later choices are compared by label and number of
+        candidates, so two values that open different choices (two branches of an input
+        choice) are both walked. The shortcut assumes choices only change which choices
         follow one at a time, not through combinations of values; ``exact=True`` walks every
         branch instead.
         """
@@ -314,17 +332,20 @@ class ModelSpace:
             return math.inf
 
         def shape(prefix):
-            return self._run(prefix)[1]
+            sampler = _PrefixSampler(prefix)
+            self.sample(sampler)
+            return list(zip(sampler.labels, sampler.arity))
 
         def count(prefix: list[int]) -> int:
-            arity = shape(prefix)
+            choices = shape(prefix)
+            arity = [n for _, n in choices]
             k = len(prefix)
             if len(arity) == k:
                 return 1
             n = arity[k]
             if not exact:
                 tails = {tuple(shape(prefix + [i])[k + 1:]) for i in range(1, n)}
-                if tails <= {tuple(arity[k + 1:])}:
+                if tails <= {tuple(choices[k + 1:])}:
                     return n * count(prefix + [0])
             return sum(count(prefix + [i]) for i in range(n))
 

@@ -51,3 +51,18 @@ def test_readme_python_examples_run(tmp_path):
                          timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "class Inception(nn.Module)" in out.stdout
+
+
+def test_spaces_md_shows_every_inline_choice_in_code_that_runs():
+    """docs/spaces.md has an example of each inline choice (its blocks run in
+    tests/test_mutators.py) and says when to use mutators and when inline choices."""
+    import retiarii.nn
+
+    text = (ROOT / "docs" / "spaces.md").read_text()
+    code = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
+    shown = [f"rt.{name}(" for name in retiarii.nn.__all__] + [
+        "rt.nn.Conv2d(", "width * 2", "distinct=False", ".base_model()", ".default_sample()",
+        'initial="base"']
+    missing = [s for s in shown if s not in code]
+    assert not missing, f"docs/spaces.md has no runnable example of {missing}"
+    assert "### Mutators or inline choices?" in text

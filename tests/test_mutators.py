@@ -11,6 +11,8 @@ import doctest
 import math
 import os
 import re
+import sys
+import types
 
 import pytest
 import torch
@@ -428,9 +430,14 @@ def test_docs_spaces_md_code_runs():
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "spaces.md")) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
     assert len(blocks) >= 5
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/spaces.md", "exec"), namespace)
+    # run as a module of its own, as a user's file: classes defined there are importable
+    page = types.ModuleType("docs_spaces_md")
+    sys.modules[page.__name__] = page
+    try:
+        for block in blocks:
+            exec(compile(block, "docs/spaces.md", "exec"), page.__dict__)
+    finally:
+        del sys.modules[page.__name__]
 
 
 @pytest.mark.parametrize("module", ["retiarii.mutators.input", "retiarii.mutators.operator",

@@ -237,8 +237,9 @@ class InlineNet(nn.Module):
 
 def test_inline_choices_nest_and_count_exactly():
     space = rt.ModelSpace(InlineNet(), example_input=X)
-    # a block: plain, pool, or inner with 2 convs = 4 options; depth 1..3 -> 4 + 16 + 64
-    expected = (4 + 4 ** 2 + 4 ** 3) * 2 * 2
+    # a block: plain, pool, or inner with 2 convs = 4 options; depth 1..3 -> 4 + 16 + 64;
+    # skipping the stage (skip = 0) leaves only the width: the stage's choices are not made
+    expected = (1 + 4 + 4 ** 2 + 4 ** 3) * 2
     assert space.size() == expected == space.size(exact=True)
     models = list(space.enumerate())
     assert len(models) == expected == len({m.structural_hash() for m in models})
@@ -248,7 +249,9 @@ def test_inline_choices_nest_and_count_exactly():
         assert inst.to_module()(X).shape == (2, 10)
         fc1, fc2 = inst.graph["fc1"].op.spec, inst.graph["fc2"].op.spec
         assert fc1["args"][1] == fc2["args"][0] == model.sample["width"]  # tied by object
-        depth = model.sample["stage.depth"]
+        depth = model.sample.get("stage.depth", 0)
+        assert (depth == 0) == (model.sample["skip"] == 0)
+        assert not any(n.name.startswith("stage.") for n in inst.graph.nodes) or depth
         blocks = {k.split(".")[2] for k in model.sample if k.startswith("stage.blocks.")}
         assert blocks == {str(i) for i in range(depth)}  # conditional choices
 
@@ -256,9 +259,14 @@ def test_inline_choices_nest_and_count_exactly():
 def test_inline_model_runs_eagerly_as_its_first_options():
     net = InlineNet()
     assert net(X).shape == (2, 10)
-    default = rt.ModelSpace(net).replay(
-        {"stage.depth": 1, "stage.blocks.0.op": "plain", "skip": 0, "width": 16})
+    space = rt.ModelSpace(net)
+    assert space.default_sample() == {"skip": 0, "width": 16}  # the stage is not used
+    default = space.replay(space.default_sample())
     assert default.to_module()(X).shape == (2, 10)
+    module = default.to_module()
+    module.load_state_dict({k: v for k, v in net.state_dict().items() if k in
+                            module.state_dict()})
+    assert torch.equal(module(X), net(X))
 
 
 class ThreeChoices(nn.Module):

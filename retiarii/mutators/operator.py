@@ -43,7 +43,8 @@ class OperatorMutator(Mutator):
     A candidate equal to the node's current operation leaves the node untouched (so models
     that keep it share it, see ``Model.shared_nodes``). Modules are copied into each model;
     a composite module (not a ``torch.nn`` layer, not marked ``@retiarii.leaf``) becomes a
-    cell (a subgraph node); a :class:`~retiarii.Graph` is used as a cell directly.
+    cell (a subgraph node), or one opaque module node if torch.fx cannot trace it; a
+    :class:`~retiarii.Graph` is used as a cell directly.
 
     Args:
         candidates: a list of ``nn.Module`` instances, functions (``torch.relu``),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .base import Draw, RandomSampler, ReplaySampler, Strategy, draw, index_of
+from .base import Draw, RandomSampler, ReplaySampler, Strategy, draw, index_of, sample_key
 
 
 def _mutable_labels(trace: list[tuple[str, list]]) -> list[str]:
@@ -26,6 +26,13 @@ def tournament(population: list[tuple[str, float]], sample_size: int, rng) -> st
     return max(contestants, key=lambda member: member[1])[0]
 
 
+class _FirstSampler:
+    """Every choice at its first candidate: the base model of a space."""
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        return 0
+
+
 class RegularizedEvolution(Strategy):
     """Aging evolution: a tournament picks a parent, its child changes one choice, and the
     oldest member of the population dies.
@@ -41,6 +48,14 @@ class RegularizedEvolution(Strategy):
     Asynchronous use (several ``ask`` before the ``tell`` s): pending children are not members;
     the tournament runs over the told population only, so while the initial population waits
     for its results, extra asks stay random. Failed models (``tell(sample, None)``) never join.
+
+    Evolving spaces: with ``initial="base"`` the initial population grows from the space's
+    base model (every choice at its first candidate, ``space.base_model()``) instead of
+    random models: the base model is proposed first, then children of it, one choice
+    changed each, until the population is full. In an open-ended space (the evolving
+    mutators of ``retiarii.mutators.evolving``) a random model is a random number of growth
+    steps away from the base; starting from the base makes the search grow from minimal
+    networks, as NEAT and Weight Agnostic Networks do.
 
     Foreign samples are accepted: ``tell`` of a sample this strategy never proposed (a known
     good architecture, results imported from another run) adds it to the population like a
@@ -67,6 +82,8 @@ class RegularizedEvolution(Strategy):
             hundred models; the paper uses 100 over 20000 models. The first P are random.
         sample_size: S, members per tournament, ``1 <= S <= P``; larger S is greedier
             (default 5: the paper's ratio S/P = 25/100).
+        initial: ``"random"`` (default: random models until the population is full) or
+            ``"base"`` (the base model, then its children; see above).
         seed: seeds the generator (equal seeds, equal searches in any process).
         mode, dedup, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
     """
@@ -74,8 +91,12 @@ class RegularizedEvolution(Strategy):
     accepts_foreign = True
 
     def __init__(self, population_size: int = 20, sample_size: int = 5, *,
-                 seed: int | None = None, **common: Any):
+                 initial: str = "random", seed: int | None = None, **common: Any):
         super().__init__(seed=seed, **common)
+        if initial not in ("random", "base"):
+            raise ValueError(f"RegularizedEvolution: initial must be 'random' or 'base', got "
+                             f"{initial!r}")
+        self.initial = initial
         if not isinstance(population_size, int) or population_size < 1:
             raise ValueError(f"RegularizedEvolution: population_size must be a positive int, "
                              f"got {population_size!r}")
@@ -89,9 +110,19 @@ class RegularizedEvolution(Strategy):
 
     def _propose(self, space: Any) -> Draw:
         if len(self._population) < self.population_size:
+            if self.initial == "base":
+                return self._from_base(space)
             return self._random_draw(space)
         parent_key = tournament(list(self._population), self.sample_size, self._rng)
         return self._mutate(space, parent_key)
+
+    def _from_base(self, space: Any) -> Draw:
+        """The base model (every choice's first candidate), then children of it."""
+        base = draw(space, _FirstSampler())
+        key = sample_key(base.sample)
+        if key not in self._records:
+            return base
+        return self._mutate(space, key)
 
     def _mutate(self, space: Any, parent_key: str) -> Draw:
         parent = self._records[parent_key].sample
@@ -116,8 +147,11 @@ class RegularizedEvolution(Strategy):
             self._population.append((key, score))
 
     def _config(self) -> dict:
-        return {**super()._config(), "population_size": self.population_size,
-                "sample_size": self.sample_size}
+        config = {**super()._config(), "population_size": self.population_size,
+                  "sample_size": self.sample_size}
+        if self.initial != "random":  # (states saved before the option existed still load)
+            config["initial"] = self.initial
+        return config
 
     def _state(self) -> dict:
         return {"population": [list(member) for member in self._population]}
