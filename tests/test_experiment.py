@@ -138,7 +138,10 @@ def test_a_model_that_always_fails_fails_alone(tmp_path):
         assert all(t["spec"]["choices"]["act"] == "nan" for t in failed)
         assert all(t["spec"]["choices"]["act"] != "nan" for t in ok)
         assert all("loss is nan" in (t["error"] or "") for t in failed)
-        assert all(t["attempts"] == 2 for t in failed)  # tried, retried once, given up
+        # a NaN loss is the model's own, deterministic failure: not retried (max_failures
+        # is for the environment's), and said so
+        assert all(t["attempts"] == 1 for t in failed)
+        assert all(t["error"].startswith("model error: ") for t in failed)
         assert {m["status"] for m in store.models() if m["sample"]["act"] == "nan"} == {"failed"}
     assert summary["trials"]["ERRORED"] == len(failed)
 
