@@ -20,7 +20,7 @@ from retiarii.engine.checkpoint import CheckpointDir, CheckpointPathError
 from retiarii.engine.executors.base import Executor, JobFailed, TrialCheckpointed
 from retiarii.engine.executors.simulated import SimulatedExecutor
 from retiarii.engine.store import Store
-from retiarii.engine.trials import MemoryJournal, TrialRunner, TrialState
+from retiarii.engine.trials import MemoryJournal, Trial, TrialRunner, TrialState
 from retiarii.engine.worker import WorkerContext, run_job
 from retiarii.strategies import Scheduler
 
@@ -276,3 +276,26 @@ def test_the_runner_falls_back_when_the_simulated_disk_lost_a_checkpoint():
                                  Scheduler(), journal, max_steps=4, max_failures=0)
     assert resumed.run() and resumed.trials["t"].state is TrialState.TERMINATED
     assert ("forget_checkpoint", {"trial_id": "t", "step": 2}) in journal.records()
+
+
+def test_names_and_the_absolute_paths_of_older_stores(tmp_path):
+    from retiarii.engine.checkpoint import legacy_name
+
+    root = str(tmp_path / "b" / "exp.checkpoints")
+    folder = CheckpointDir(root)
+    assert folder.name(os.path.join(root, "t1", "step-000002")) == "t1/step-000002"
+    assert folder.path("t1/step-000002") == os.path.join(root, "t1", "step-000002")
+    for bad in ("/etc/passwd", "t1/../../x", "./t1", "t1//x"):
+        with pytest.raises(CheckpointPathError):
+            folder.path(bad)
+    # an older store's paths: this folder's, a moved run's folder, anything else (refused later)
+    assert legacy_name(os.path.join(root, "t1", "step-000002"), root) == "t1/step-000002"
+    assert legacy_name("/old/place/exp.checkpoints/t1/step-000002", root) == "t1/step-000002"
+    assert legacy_name("/tmp/victim", root) == "/tmp/victim"
+    assert legacy_name("t1/step-000002", root) == "t1/step-000002"
+    with Store(tmp_path / "b" / "exp.db") as store:  # a PBT child's donor is read the same way
+        child = Trial("c", {"x": 1}, parent="p", parent_step=2,
+                      donor="/old/place/exp.checkpoints/p/step-000002")
+        store.trial_added(child)
+        (added,) = [p for k, p in store.records() if k == "trial_added"]
+        assert added["donor"] == "p/step-000002"
