@@ -171,6 +171,19 @@ def test_environment_failures_are_retried_then_stop_the_run_resumably():
     assert {t: tr.state for t, tr in resumed.trials.items()} == {"t0": T, "t1": T, "t2": T}
 
 
+def test_environment_failures_count_in_a_row_only():
+    def failures(task, step, attempt):  # one hiccup in each of steps 2, 3 and 4
+        if step in (2, 3, 4) and task.start_step == step - 1 and not seen.get(step):
+            seen[step] = True
+            return ("out of memory", False, FailureKind.ENVIRONMENT)
+        return None
+
+    seen = {}
+    ex, runner = make(1, Scripted(), workers=1, max_steps=5, failures=failures, max_failures=1)
+    assert runner.run() and runner.stop_reason is None  # progress in between resets the count
+    assert runner.trials["t0"].state is T and runner.trials["t0"].attempts == 3
+
+
 def test_a_model_failure_fails_at_once_unless_retries_are_asked():
     def failures(task, step, attempt):
         return "loss is nan" if task.trial_id == "t0" and step == 2 and attempt < 1 else None

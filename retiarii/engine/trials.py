@@ -5,10 +5,12 @@ A :class:`Trial` moves through ``PENDING -> RUNNING -> PAUSED <-> RUNNING -> TER
 :class:`IllegalTransition`. A failure's :class:`~.executors.base.FailureKind` decides the retry:
 the model's own failure is deterministic, so it fails the trial at once (unless
 ``model_retries`` asks otherwise); the environment's (I/O, a lost worker, out of memory) is
-retried ``max_failures`` times, and when it persists the runner stops cleanly with the reason
-(:attr:`TrialRunner.stop_reason`), leaving the trial resumable; an unreadable checkpoint is
-dropped and the trial resumes from its newest earlier one. The :class:`TrialRunner` keeps every executor slot busy: it trains
-each trial one *segment* (a :class:`~.executors.Job`) at a time, asks the scheduler for a
+retried ``max_failures`` times in a row, and when it persists the runner stops cleanly with the
+reason (:attr:`TrialRunner.stop_reason`), leaving the trial resumable; an unreadable checkpoint
+is dropped and the trial resumes from its newest earlier one.
+
+The :class:`TrialRunner` keeps every executor slot busy: it trains each trial one *segment*
+(a :class:`~.executors.Job`) at a time, asks the scheduler for a
 :class:`~retiarii.strategies.Decision` after every step and applies it, hands a freed slot to
 the next trial in the same step (reclaim, repack, relaunch), creates the trials a scheduler
 spawns from their parent's checkpoint, and retries failed trials. Every transition is written to
@@ -74,7 +76,7 @@ class Trial:
     checkpoints: dict[int, str] = field(default_factory=dict)  # step -> name in checkpoint_dir
     attempts: int = 0  # failures so far, of every kind
     model_failures: int = 0  # ... of them the model's own (FailureKind.MODEL)
-    env_failures: int = 0  # ... the environment's, since this driver started
+    env_failures: int = 0  # ... the environment's in a row (since its last checkpoint)
     error: str | None = None
     last_result: dict[str, Any] | None = None
     time_total: float = 0.0  # executor seconds spent training this trial
@@ -618,6 +620,7 @@ class TrialRunner:
             if self.journal is not None:
                 self.journal.checkpoint(trial.trial_id, event.step, name)
             trial.checkpoints[event.step] = name
+            trial.env_failures = 0  # progress: the environment works again
             if (flight.buffered is not None and flight.outcome is None
                     and event.step == flight.task.stop_step):
                 result, flight.buffered = flight.buffered, None
