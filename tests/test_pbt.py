@@ -165,7 +165,9 @@ def test_exploit_copies_exact_donor_checkpoint_and_mutated_config():
         rec, task = pbt._trials[child], first_job[child]
         parent = runner.trials[rec["parent"]]
         donor = parent.checkpoints[rec["parent_step"]]
-        assert task["checkpoint_in"] == donor == runner.trials[child].donor
+        assert donor == runner.trials[child].donor  # by name, inside the checkpoint folder
+        assert task["checkpoint_in"] == runner.folder.path(donor)
+        donor = task["checkpoint_in"]
         assert ex.checkpoints[donor]["trial_id"] == rec["parent"]
         assert ex.checkpoints[donor]["step"] == rec["parent_step"] == task["start_step"]
         assert task["spec"] == rec["config"] == runner.trials[child].config
@@ -252,10 +254,10 @@ def test_gc_never_removes_what_the_run_still_needs():
     runner = TrialRunner(ex, make_pbt(), None)
     deleted = set()
     while not runner.run(max_events=5):
-        for path in runner.scheduler.deletable_checkpoints(runner.checkpoints(),
+        for name in runner.scheduler.deletable_checkpoints(runner.checkpoints(),
                                                            runner.states()):
-            ex.checkpoints.pop(path, None)
-            deleted.add(path)
+            ex.checkpoints.pop(runner.folder.path(name), None)
+            deleted.add(name)
     assert all(t.state is TrialState.TERMINATED for t in runner.trials.values())
     assert len(deleted) > 20
     assert replay(runner.scheduler.lineage(runner.scheduler.best_trial()))  # still replayable

@@ -136,7 +136,7 @@ def test_journal_rejects_contradictions(store):
     with pytest.raises(StoreError, match="unknown trial state 'DONE'"):
         store.transition("t1", "PENDING", "DONE", "")
     with pytest.raises(StoreError, match="unknown trial 'nope'"):
-        store.checkpoint("nope", 1, "/x.pt")
+        store.checkpoint("nope", 1, "nope/step-000001")
     assert store.db["checkpoints"].count == 0  # nothing of the refused call was written
     with pytest.raises(StoreError, match="unknown trial 'nope'"):
         store.worker("nope", "local-0")
@@ -156,7 +156,7 @@ def test_metrics_are_batched_flushed_and_replaced_on_retry(tmp_path):
     s.result("t1", 2, {"a": 1.5, "b": 3, "c": float("nan")}, time=2.0)
     assert count() == 5  # batch full: written
     s.result("t1", 2, {"a": 9.0}, time=3.0)  # step 2 again: a retried attempt's value wins
-    s.checkpoint("t1", 2, str(tmp_path / "t1-2.pt"))  # flushes first: metrics precede the row
+    s.checkpoint("t1", 2, "t1/step-000002")  # flushes first: metrics precede the row
     assert count() == 5
     assert s.learning_curve("t1", "a") == [(1, 1.0), (2, 9.0)]
     assert s.learning_curve("t1", "c") == [(2, None)]  # NaN is NULL
@@ -181,16 +181,25 @@ def test_state_blobs_latest_wins_per_experiment(store):
 
 def test_checkpoints_latest_pinned_and_stale(store):
     store.trial_added(trial("t1"))
-    for step in (1, 2, 3):
-        store.checkpoint("t1", step, f"/ck/t1-{step}.pt")
+    folder = store.checkpoint_dir
+    assert folder == str(store.path).replace(".db", ".checkpoints")
+    for step in (1, 2):
+        store.checkpoint("t1", step, f"t1/step-{step}")  # a name in the run's folder
+    store.checkpoint("t1", 3, os.path.join(folder, "t1", "step-3"))  # a file in it: its name
     store.pin_checkpoint("t1", 1)
     t1 = store.get_trial("t1")
-    assert (t1["step"], t1["checkpoint"]) == (3, "/ck/t1-3.pt")
-    assert store.last_checkpoint("t1")["path"] == "/ck/t1-3.pt"
+    assert (t1["step"], t1["checkpoint"]) == (3, "t1/step-3")
+    last = store.last_checkpoint("t1")
+    assert (last["name"], last["path"]) == ("t1/step-3", os.path.join(folder, "t1", "step-3"))
     assert [(c["step"], c["pinned"]) for c in store.checkpoints("t1")] == [(1, 1), (2, 0), (3, 0)]
-    assert [c["path"] for c in store.stale_checkpoints()] == ["/ck/t1-2.pt"]
+    assert [c["name"] for c in store.stale_checkpoints()] == ["t1/step-2"]
     store.forget_checkpoint("t1", 2)
     assert store.stale_checkpoints() == []
+    store.forget_checkpoint("t1", 3)  # the trial's columns fall back to its newest remaining
+    assert (store.get_trial("t1")["step"], store.get_trial("t1")["checkpoint"]) == (1, "t1/step-1")
+    for outside in ("/ck/t1-4.pt", "../elsewhere/t1-4", "t1/../../t1-4"):
+        with pytest.raises(StoreError, match="refused"):
+            store.checkpoint("t1", 4, outside)
 
 
 def _reference_best(curves, models, metric_mode, reduce):
@@ -562,7 +571,7 @@ def _example_store(path):
             for step in (1, 2):
                 s.result(tid, step, {"val_acc": 0.5 + i / 10 + step / 100, "val_loss": 1 / step},
                          time=step)
-            s.checkpoint(tid, 2, f"/ck/{tid}/2")
+            s.checkpoint(tid, 2, f"{tid}/step-000002")
             s.transition(tid, "RUNNING", "ERRORED" if i == 2 else "TERMINATED", "error: boom")
             s.set_model_status(model, "trained", value=0.5 + i / 10)
         strategy, space = Random(seed=0), flat_space()

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from retiarii.engine.executors.base import (
-    Executor, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
+    Executor, FailureKind, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
 )
 from retiarii.engine.executors.simulated import SimulatedExecutor
 from retiarii.engine.trials import (
@@ -138,28 +138,65 @@ def test_mid_segment_stop_cancels_and_mid_segment_pause_rolls_back():
     assert runner.steps_trained == 2 + 6 + 1
 
 
-def test_errors_are_retried_from_the_last_checkpoint_then_given_up():
+def test_environment_failures_are_retried_then_stop_the_run_resumably():
     def failures(task, step, attempt):
         if task.trial_id == "t0" and step == 2 and attempt < 2:
-            return "flaky"
-        if task.trial_id == "t1" and step == 1:
+            return ("disk hiccup", False, FailureKind.ENVIRONMENT)
+        if task.trial_id == "t1" and step == 1 and broken:
             return ("worker died", True)
         return None
 
+    broken = True
     journal = MemoryJournal()
     sched = Scripted()
-    ex, runner = make(2, sched, workers=1, max_steps=3, failures=failures, max_failures=2,
+    ex, runner = make(3, sched, workers=1, max_steps=3, failures=failures, max_failures=2,
                       journal=journal)
-    assert runner.run()
-    t0, t1 = runner.trials["t0"], runner.trials["t1"]
+    assert not runner.run()  # stopped: t1's worker keeps dying
+    t0, t1, t2 = runner.trials["t0"], runner.trials["t1"], runner.trials["t2"]
     assert t0.state is T and t0.step == 3 and t0.attempts == 2
     starts = [h["tasks"][0]["start_step"] for h in ex.history if h["tasks"][0]["trial_id"] == "t0"]
     assert starts == [0, 1, 1, 1, 2]  # each retry restarts at the step-1 checkpoint
     assert t1.state is E and t1.attempts == 3 and "worker died" in t1.error
-    assert ("error", "t1") in sched.calls and ("error", "t0") not in sched.calls
+    assert "t1" in runner.stop_reason and "worker died" in runner.stop_reason
+    assert t2.state is Q  # never started, not terminated: the run is resumable
+    assert ("error", "t1") not in sched.calls  # not failed for good
     reasons = [p["reason"] for k, p in journal.records()
                if k == "transition" and p["trial_id"] == "t1"]
     assert reasons[-1].startswith("worker lost")
+    # the environment is fixed: resume retries t1 and runs t2
+    broken = False
+    ex2 = SimulatedExecutor(1, curve, failures=failures, checkpoints=ex.checkpoints)
+    resumed = TrialRunner.resume(ex2, Scripted(), journal, max_steps=3, max_failures=2)
+    assert resumed.run()
+    assert {t: tr.state for t, tr in resumed.trials.items()} == {"t0": T, "t1": T, "t2": T}
+
+
+def test_environment_failures_count_in_a_row_only():
+    def failures(task, step, attempt):  # one hiccup in each of steps 2, 3 and 4
+        if step in (2, 3, 4) and task.start_step == step - 1 and not seen.get(step):
+            seen[step] = True
+            return ("out of memory", False, FailureKind.ENVIRONMENT)
+        return None
+
+    seen = {}
+    ex, runner = make(1, Scripted(), workers=1, max_steps=5, failures=failures, max_failures=1)
+    assert runner.run() and runner.stop_reason is None  # progress in between resets the count
+    assert runner.trials["t0"].state is T and runner.trials["t0"].attempts == 3
+
+
+def test_a_model_failure_fails_at_once_unless_retries_are_asked():
+    def failures(task, step, attempt):
+        return "loss is nan" if task.trial_id == "t0" and step == 2 and attempt < 1 else None
+
+    sched = Scripted()
+    ex, runner = make(2, sched, workers=1, max_steps=3, failures=failures, max_failures=5)
+    assert runner.run()
+    t0 = runner.trials["t0"]
+    assert t0.state is E and t0.attempts == 1 and ("error", "t0") in sched.calls
+    assert runner.trials["t1"].state is T
+    ex, runner = make(2, Scripted(), workers=1, max_steps=3, failures=failures, model_retries=1)
+    assert runner.run()
+    assert runner.trials["t0"].state is T and runner.trials["t0"].attempts == 1
 
 
 class OrderChecking(MemoryJournal):

@@ -6,4 +6,4 @@ from .checkpoint import CheckpointError
 from .executors.local import LocalExecutor
 from .store import Store, StoreError
 from .trainer import ClassifierConfig, ClassifierTrainer, Trainer, TrainingError, TrialRun
-from .experiment import Experiment, ExperimentError
+from .experiment import EnvironmentFailure, Experiment, ExperimentError

@@ -11,7 +11,8 @@ uninterrupted one, so a checkpoint holds:
   function of the seed and the epoch, so no data loader is pickled).
 
 Files are written with :func:`torch.save` to a temporary name and renamed into place, so a
-crash never leaves half a checkpoint behind; they are read with ``torch.load(weights_only=True)``,
+crash never leaves half a checkpoint behind (a killed process may leave its ``.tmp-PID`` file,
+which :meth:`CheckpointDir.remove_temporaries` clears at resume); they are read with ``torch.load(weights_only=True)``,
 which unpickles nothing but tensors and plain containers. That is why the RNG states are stored
 as tensors and lists rather than as the tuples the RNG modules hand out, and why :func:`save`
 checks the whole state up front: an object that ``weights_only`` cannot read back fails at save
@@ -20,8 +21,10 @@ time, naming where it sits, instead of at resume time.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import random
+import re
 from typing import Any
 
 import numpy as np
@@ -30,12 +33,135 @@ import torch
 FORMAT = "retiarii-checkpoint"
 VERSION = 1
 
-__all__ = ["CheckpointError", "save", "load", "capture_rng", "restore_rng", "seed_rng",
+__all__ = ["CheckpointError", "CheckpointPathError", "CheckpointDir", "save", "load", "capture_rng", "restore_rng", "seed_rng",
            "native_rng", "set_native_rng", "portable_rng", "native_from_portable"]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, corrupt, not ours, or holds something unloadable."""
+
+
+class CheckpointPathError(CheckpointError, ValueError):
+    """A checkpoint name (or trial id) that would reach outside the run's checkpoint folder."""
+
+
+_log = logging.getLogger("retiarii.engine")
+_TEMPORARY = re.compile(r"\.tmp-\d+$")  # what save() writes before its rename
+
+
+class CheckpointDir:
+    """A run's checkpoint folder: the only place the run reads, writes or deletes checkpoints.
+
+    Checkpoints are known by their *name* relative to the folder (``e1-trial-0003/step-000002``),
+    which is what the store records, so a run folder (the store and its ``.checkpoints``
+    folder) can be moved or copied and resumed: the copy reads and deletes its own files. A name
+    that is absolute, climbs out with ``..``, or resolves outside the folder through a symlink
+    is refused with :class:`CheckpointPathError`; so is a trial id that is not one plain path
+    component.
+
+    Example::
+
+        folder = CheckpointDir("runs/exp.checkpoints")
+        name = folder.name_for("e1-trial-0003", 2)      # 'e1-trial-0003/step-000002'
+        save(folder.path(name), state)
+        folder.remove(name)
+
+    Args:
+        root: the folder (it need not exist yet).
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = os.path.abspath(os.fspath(root))
+
+    def name_for(self, trial_id: str, step: int) -> str:
+        """The name of ``trial_id``'s checkpoint after ``step`` steps."""
+        check_trial_id(trial_id)
+        return f"{trial_id}/step-{int(step):06d}"
+
+    def path(self, name: str) -> str:
+        """The file a checkpoint name stands for, refusing any that lies outside the folder."""
+        if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
+            raise CheckpointPathError(f"checkpoint {name!r} is not a name inside the run's "
+                                      f"checkpoint folder {self.root}; refused")
+        parts = name.split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            raise CheckpointPathError(f"checkpoint {name!r} climbs out of (or around in) the "
+                                      f"run's checkpoint folder {self.root}; refused")
+        path = os.path.join(self.root, *parts)
+        root = os.path.realpath(self.root)
+        if os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise CheckpointPathError(f"checkpoint {name!r} resolves to "
+                                      f"{os.path.realpath(path)} through a symlink, outside the "
+                                      f"run's checkpoint folder {self.root}; refused")
+        return path
+
+    def name(self, path: str | os.PathLike) -> str:
+        """The name of ``path``: a file inside the folder, or a name already; refuses others."""
+        path = os.fspath(path)
+        if os.path.isabs(path):
+            if os.path.commonpath([self.root, os.path.normpath(path)]) != self.root:
+                raise CheckpointPathError(f"checkpoint {path} is outside the run's checkpoint "
+                                          f"folder {self.root}; refused")
+            path = os.path.relpath(os.path.normpath(path), self.root).replace(os.sep, "/")
+        self.path(path)  # validates (.., symlinks)
+        return path
+
+    def remove(self, name: str) -> bool:
+        """Delete a checkpoint file; False when it was already gone. Refuses names outside the
+        folder (:class:`CheckpointPathError`); other ``OSError`` s propagate."""
+        try:
+            os.remove(self.path(name))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def remove_temporaries(self) -> list[str]:
+        """Delete the ``.tmp-PID`` files killed writers left in the folder (never following a
+        symlink out of it); returns the names removed."""
+        removed = []
+        for folder, dirs, files in os.walk(self.root):  # os.walk does not enter symlinked dirs
+            for file in files:
+                full = os.path.join(folder, file)
+                if _TEMPORARY.search(file) and not os.path.islink(full):
+                    try:
+                        os.remove(full)
+                    except FileNotFoundError:
+                        continue
+                    removed.append(os.path.relpath(full, self.root).replace(os.sep, "/"))
+        if removed:
+            _log.info("removed %d unfinished checkpoint file(s) left by killed workers in %s",
+                      len(removed), self.root)
+        return removed
+
+
+def check_trial_id(trial_id: Any) -> None:
+    """Raise :class:`CheckpointPathError` unless ``trial_id`` can name a folder of its own (one
+    path component: no ``/``, no ``..``), so its checkpoints stay inside the run's folder."""
+    if (not isinstance(trial_id, str) or trial_id in ("", ".", "..") or "/" in trial_id
+            or os.sep in trial_id or "\0" in trial_id or (os.altsep and os.altsep in trial_id)):
+        raise CheckpointPathError(f"trial id {trial_id!r} cannot name a checkpoint folder: use "
+                                  "one path component, without '/' or '..'")
+
+
+def legacy_name(path: str, root: str) -> str:
+    """What an old store's absolute checkpoint path stands for in the folder ``root``.
+
+    Stores written before checkpoints were recorded by name hold absolute paths of the folder
+    the run had then (``/old/place/exp.checkpoints/e1-trial-0003/step-000002``). A path inside
+    ``root`` becomes its name; one laid out as ``<...>.checkpoints/<trial>/<file>`` (a moved or
+    copied run) becomes ``<trial>/<file>``, a file of *this* run; anything else is returned
+    unchanged and refused where it is used.
+    """
+    if not isinstance(path, str) or not os.path.isabs(path):
+        return path
+    root, norm = os.path.abspath(root), os.path.normpath(path)
+    if os.path.commonpath([root, norm]) == root:
+        return os.path.relpath(norm, root).replace(os.sep, "/")
+    folder, file = os.path.split(norm)
+    runs, trial = os.path.split(folder)
+    if runs.endswith(".checkpoints") and file and trial not in ("", ".", ".."):
+        return f"{trial}/{file}"
+    return path
 
 
 # ---- RNG states as plain tensors ------------------------------------------------------------
@@ -221,6 +347,8 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = "cpu
     Raises:
         CheckpointError: the file is missing, truncated or corrupt, or not a retiarii checkpoint;
             the message names the file.
+        OSError: the file could not be read (permissions, an I/O error): the environment's
+            failure, not the checkpoint's.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -228,6 +356,8 @@ def load(path: str | os.PathLike, map_location: str | torch.device | None = "cpu
                               "on another machine's disk?")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:
+        raise  # the disk's problem (permissions, I/O), not the file's: retried, never "corrupt"
     except Exception as err:  # zip errors, unpickling errors, EOF: all mean "unreadable"
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a torch file ({type(err).__name__}: "

@@ -39,6 +39,7 @@ from ..mutator import MutationError, SampleError
 from ..shapes import ShapeMismatchError
 from ..strategies.base import SpaceExhausted, sample_key
 from ..strategies.scheduler import Scheduler
+from .checkpoint import CheckpointDir, CheckpointPathError
 from .lock import StoreLock, StoreLocked
 from .store import Store
 from .trainer import ClassifierTrainer, Trainer
@@ -50,6 +51,12 @@ _log = logging.getLogger("retiarii.engine")
 
 class ExperimentError(RuntimeError):
     """An experiment that cannot start or resume as asked; the message says why and the fix."""
+
+
+class EnvironmentFailure(ExperimentError):
+    """The run stopped because its environment kept failing (an I/O error such as a read-only
+    checkpoint folder, lost workers, out of memory). Nothing is lost: fix the cause, then
+    ``resume()``; the trials it failed are retried."""
 
 
 # ---- how workers find the space and the trainer ---------------------------------------------
@@ -141,7 +148,9 @@ class Experiment:
         space: a :class:`~retiarii.ModelSpace` defined at module level (or its reference).
         strategy: instantiation control, e.g. ``rt.strategies.Random(seed=0)``.
         trainer: a :class:`~retiarii.Trainer`; its ValueChoice settings become choices.
-        store: the SQLite file (created with its folder; checkpoints go next to it).
+        store: the SQLite file (created with its folder). Checkpoints go in the folder next to
+            it (``runs/exp.db`` -> ``runs/exp.checkpoints/``), recorded relative to it: move or
+            copy the two together and resume the copy.
         workers: worker processes (one per GPU in ``devices``, else CPU shares).
         devices: GPU ids; None uses every visible GPU, [] forces CPU.
         max_models: stop proposing after this many distinct models.
@@ -150,7 +159,11 @@ class Experiment:
         scheduler: training control (``rt.strategies.ASHA(...)``...); default: train every
             model for the trainer's epochs.
         metric, mode: the reported metric the strategy optimizes, and its direction.
-        max_failures: retries of a failing trial from its last checkpoint.
+        max_failures: retries of a trial, from its last checkpoint, after failures of the
+            environment (an I/O error, a lost worker, out of memory); when they persist the run
+            stops with :class:`EnvironmentFailure`, resumable.
+        model_retries: retries after the model's own failure (a shape error, a NaN loss),
+            which is deterministic: none by default.
         dedup: do not train a structure (same structural hash and hyper-parameters) twice.
         executor: an :class:`~.executors.Executor` to use instead of local processes.
         progress: called with a summary dict after each finished trial (the CLI's display).
@@ -162,7 +175,7 @@ class Experiment:
                  workers: int = 2, devices=None, max_models: int | None = None,
                  max_time: float | None = None, seed: int = 0,
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
-                 max_failures: int = 3, dedup: bool = True, executor=None,
+                 max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None):
         self.space_ref = object_ref(space, "space")
         self.space = space if not isinstance(space, str) else _resolve(space)
@@ -178,6 +191,7 @@ class Experiment:
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()
         self.metric, self.mode, self.max_failures, self.dedup = metric, mode, max_failures, dedup
+        self.model_retries = model_retries
         self.executor, self.progress, self.origin = executor, progress, origin
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
@@ -255,7 +269,8 @@ class Experiment:
         except BaseException:
             self._lock.release()
             raise
-        self.checkpoint_dir = os.path.splitext(os.path.abspath(self.path))[0] + ".checkpoints"
+        self.checkpoint_dir = self.store.checkpoint_dir  # the run's own: nothing outside it
+        self.folder = CheckpointDir(self.checkpoint_dir)
 
     def _loop(self, resume: bool) -> dict:
         store = self.store
@@ -282,7 +297,8 @@ class Experiment:
             executor = LocalExecutor(self.workers, self.devices)
         epochs = getattr(self.trainer, "epochs", None)
         source = None if self.scheduler.spawns_trials else self._next_trial
-        kwargs = dict(max_failures=self.max_failures, max_steps=epochs,
+        kwargs = dict(max_failures=self.max_failures, model_retries=self.model_retries,
+                      max_steps=epochs,
                       checkpoint_dir=self.checkpoint_dir, source=source,
                       on_result=self._on_result, on_trial_end=self._on_trial_end,
                       id_prefix=f"e{eid}-", spawn_config=self._spawn_config)
@@ -292,6 +308,7 @@ class Experiment:
         store.set_experiment_status("running")
         try:
             if resume:
+                self.folder.remove_temporaries()  # half-written by workers killed with us
                 runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
                 self._rebind(runner)
                 self.runner = runner
@@ -301,8 +318,12 @@ class Experiment:
             self.runner = runner
             runner.run()
             store.flush()
-            done = not runner.budget_hit()
+            done = not runner.budget_hit() and runner.stop_reason is None
             store.set_experiment_status("done" if done else "stopped")
+            if runner.stop_reason is not None:
+                raise EnvironmentFailure(
+                    f"{self.path}: stopped, {runner.stop_reason}. Nothing is lost: fix the "
+                    f"cause, then resume (retiarii resume {self.path}, or Experiment.resume())")
         except KeyboardInterrupt:
             store.set_experiment_status("interrupted")
             raise
@@ -433,12 +454,15 @@ class Experiment:
             checkpoints = [(trial.trial_id, step, path)
                            for step, path in sorted(trial.checkpoints.items())]
         doomed = self.scheduler.deletable_checkpoints(checkpoints, states)
-        for trial_id, step, path in checkpoints:
-            if path in doomed:
+        for trial_id, step, name in checkpoints:
+            if name in doomed:
                 try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
+                    self.folder.remove(name)  # refuses anything outside the run's folder
+                except (CheckpointPathError, OSError) as err:
+                    # kept, and its row with it: a full or read-only disk is not worth a crash
+                    _log.warning("trial %s: could not delete its checkpoint of step %d: %s",
+                                 trial_id, step, err)
+                    continue
                 self.store.forget_checkpoint(trial_id, step)
                 runner.trials[trial_id].checkpoints.pop(step, None)
 

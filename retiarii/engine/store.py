@@ -13,11 +13,17 @@ are buffered and written in batches; the buffer is flushed before any other writ
 so a checkpoint row is never on disk before the metrics that led to it.
 
 The schema carries a version; :data:`MIGRATIONS` upgrades older files on open, in order.
+
+Checkpoints are recorded by name, relative to the run's checkpoint folder next to the file
+(``runs/exp.db`` -> ``runs/exp.checkpoints/``, :attr:`Store.checkpoint_dir`), so a run folder can
+be moved or copied and resumed; the absolute paths older stores hold are read back as names of
+this folder (:func:`~.checkpoint.legacy_name`), and nothing outside it is ever handed out.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sqlite3
@@ -26,10 +32,13 @@ from typing import Any, Callable, Iterable
 
 import sqlite_utils
 
+from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
+
 __all__ = ["Store", "StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES"]
 
 STATES = ("PENDING", "RUNNING", "PAUSED", "TERMINATED", "ERRORED")
 APPLICATION = "retiarii"
+_log = logging.getLogger("retiarii.engine")
 
 
 class StoreError(RuntimeError):
@@ -227,6 +236,17 @@ class Store:
                 self.db["meta"].upsert_all(
                     [{"key": "application", "value": APPLICATION},
                      {"key": "schema_version", "value": str(target)}], pk="key")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """The run's checkpoint folder: the file's path without ``.db``, plus ``.checkpoints``."""
+        return os.path.splitext(os.path.abspath(self.path))[0] + ".checkpoints"
+
+    def checkpoint_file(self, name: str) -> str:
+        """The file a checkpoint name (the ``path`` column) stands for, inside
+        :attr:`checkpoint_dir`; raises :class:`~.checkpoint.CheckpointPathError` for a name that
+        reaches outside it (an absolute path of an older store is read as :meth:`records` does)."""
+        return CheckpointDir(self.checkpoint_dir).path(legacy_name(name, self.checkpoint_dir))
 
     @property
     def schema_version(self) -> int:
@@ -501,8 +521,14 @@ class Store:
                 "VALUES (?, ?, ?, ?, ?)", rows)
 
     def checkpoint(self, trial_id: str, step: int, path: str) -> None:
-        """Record that ``trial_id``'s state after ``step`` steps is in the file ``path``."""
-        now, path = _time.time(), os.fspath(path)
+        """Record that ``trial_id``'s state after ``step`` steps is in the checkpoint ``path``:
+        a name relative to the run's checkpoint folder, or a file inside it (recorded by its
+        name). Anything else is refused with :class:`StoreError`."""
+        now = _time.time()
+        try:
+            path = CheckpointDir(self.checkpoint_dir).name(os.fspath(path))
+        except CheckpointPathError as err:
+            raise StoreError(f"checkpoint of trial {trial_id!r} at step {step}: {err}") from None
         self.flush()
         with self.db.atomic():
             if self.db.execute("UPDATE trials SET checkpoint = ?, step = ?, updated = ? "
@@ -553,10 +579,15 @@ class Store:
                 current = {"trial_id": trial_id, "step": step, "metrics": {}, "time": time}
                 out.append(("result", current))
             current["metrics"][name] = math.nan if value is None else value
+        folder = self.checkpoint_dir
+        for _, payload in out:  # a PBT child's donor: a checkpoint of another trial
+            if payload.get("donor") is not None:
+                payload["donor"] = legacy_name(payload["donor"], folder)
         for trial_id, step, path in self.db.execute(
                 f"SELECT c.trial_id, c.step, c.path FROM checkpoints c JOIN trials t "
                 f"ON t.id = c.trial_id WHERE {where} ORDER BY t.seq, c.rowid", params):
-            out.append(("checkpoint", {"trial_id": trial_id, "step": step, "path": path}))
+            out.append(("checkpoint", {"trial_id": trial_id, "step": step,
+                                       "path": legacy_name(path, folder)}))
         state = self.load_scheduler_state()
         if state is not None:
             out.append(("scheduler_state", {"state": state}))
@@ -766,13 +797,31 @@ class Store:
 
     # ---- checkpoints ---------------------------------------------------------------------
 
+    def _resolved(self, rows) -> list[dict]:
+        """Rows with ``name`` (as recorded) and ``path`` (its file in the checkpoint folder);
+        a row naming anything outside the folder is left out, and reported."""
+        out = []
+        for row in rows:
+            row = dict(row)
+            try:
+                row["name"], row["path"] = row["path"], self.checkpoint_file(row["path"])
+            except CheckpointPathError as err:
+                _log.error("%s: ignoring the checkpoint of trial %s at step %s: %s", self.path,
+                           row["trial_id"], row["step"], err)
+                continue
+            out.append(row)
+        return out
+
     def checkpoints(self, trial_id: str) -> list[dict]:
-        """A trial's checkpoint rows, by step."""
+        """A trial's checkpoint rows, by step: ``path`` is the file (inside the run's
+        checkpoint folder), ``name`` the recorded name; rows that would reach outside the
+        folder are left out (and logged)."""
         self.flush()
-        return list(self.db["checkpoints"].rows_where("trial_id = ?", [trial_id], order_by="step"))
+        return self._resolved(self.db["checkpoints"].rows_where("trial_id = ?", [trial_id],
+                                                                order_by="step"))
 
     def last_checkpoint(self, trial_id: str) -> dict | None:
-        """The trial's latest checkpoint row (``step``, ``path``), or None."""
+        """The trial's latest checkpoint row (``step``, ``path``, ``name``), or None."""
         rows = self.checkpoints(trial_id)
         return rows[-1] if rows else None
 
@@ -785,14 +834,22 @@ class Store:
         """Checkpoints no resume needs: not their trial's latest, and not pinned. The engine may
         delete the files, then :meth:`forget_checkpoint` them."""
         self.flush()
-        return list(self.db.query(
+        return self._resolved(self.db.query(
             "SELECT c.trial_id, c.step, c.path FROM checkpoints c WHERE c.pinned = 0 AND c.step < "
             "(SELECT max(step) FROM checkpoints d WHERE d.trial_id = c.trial_id) "
             "ORDER BY c.trial_id, c.step"))
 
     def forget_checkpoint(self, trial_id: str, step: int) -> None:
+        """Drop a checkpoint row (its file was deleted, or cannot be read); the trial's
+        ``checkpoint`` and ``step`` columns fall back to its newest remaining one."""
         self.flush()
-        self.db["checkpoints"].delete((trial_id, int(step)))
+        with self.db.atomic():
+            self.db.execute("DELETE FROM checkpoints WHERE trial_id = ? AND step = ?",
+                            [trial_id, int(step)])
+            latest = self.db.execute("SELECT step, path FROM checkpoints WHERE trial_id = ? "
+                                     "ORDER BY step DESC LIMIT 1", [trial_id]).fetchone()
+            self.db.execute("UPDATE trials SET step = ?, checkpoint = ? WHERE id = ?",
+                            [*(latest or (0, None)), trial_id])
 
 
 _TRIAL_JSON = ("spec", "hparams", "record")

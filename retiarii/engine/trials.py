@@ -2,8 +2,15 @@
 
 A :class:`Trial` moves through ``PENDING -> RUNNING -> PAUSED <-> RUNNING -> TERMINATED``, with
 ``RUNNING -> ERRORED -> PENDING`` on a retry from its last checkpoint; any other move raises
-:class:`IllegalTransition`. The :class:`TrialRunner` keeps every executor slot busy: it trains
-each trial one *segment* (a :class:`~.executors.Job`) at a time, asks the scheduler for a
+:class:`IllegalTransition`. A failure's :class:`~.executors.base.FailureKind` decides the retry:
+the model's own failure is deterministic, so it fails the trial at once (unless
+``model_retries`` asks otherwise); the environment's (I/O, a lost worker, out of memory) is
+retried ``max_failures`` times in a row, and when it persists the runner stops cleanly with the
+reason (:attr:`TrialRunner.stop_reason`), leaving the trial resumable; an unreadable checkpoint
+is dropped and the trial resumes from its newest earlier one.
+
+The :class:`TrialRunner` keeps every executor slot busy: it trains each trial one *segment*
+(a :class:`~.executors.Job`) at a time, asks the scheduler for a
 :class:`~retiarii.strategies.Decision` after every step and applies it, hands a freed slot to
 the next trial in the same step (reclaim, repack, relaunch), creates the trials a scheduler
 spawns from their parent's checkpoint, and retries failed trials. Every transition is written to
@@ -17,13 +24,18 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..strategies.scheduler import Decision, Scheduler, Spawn
+from .checkpoint import CheckpointDir, CheckpointPathError, check_trial_id
 from .executors.base import (
-    Executor, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
+    Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
+
+_log = logging.getLogger("retiarii.engine")
 
 
 class TrialState(enum.Enum):
@@ -61,8 +73,10 @@ class Trial:
     max_steps: int | None = None  # complete after this step (None: the scheduler decides)
     spawned: bool = False  # created by the scheduler's next_spawn
     step: int = 0  # last step reported
-    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> path
-    attempts: int = 0  # failures so far
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> name in checkpoint_dir
+    attempts: int = 0  # failures so far, of every kind
+    model_failures: int = 0  # ... of them the model's own (FailureKind.MODEL)
+    env_failures: int = 0  # ... the environment's in a row (since its last checkpoint)
     error: str | None = None
     last_result: dict[str, Any] | None = None
     time_total: float = 0.0  # executor seconds spent training this trial
@@ -80,7 +94,7 @@ class Trial:
         return self.config
 
     def resume_point(self) -> tuple[int, str | None]:
-        """(step, checkpoint path) the next segment starts from: its own latest checkpoint, else
+        """(step, checkpoint name) the next segment starts from: its own latest checkpoint, else
         the donor's, else a fresh start."""
         if self.checkpoints:
             step = max(self.checkpoints)
@@ -112,13 +126,17 @@ class Journal(Protocol):
     what was written as ``(kind, payload)`` pairs with the payloads of :class:`MemoryJournal`:
     ``trial_added`` in creation order, each trial's transitions, results and checkpoints in the
     order written (no order is needed *between* trials or kinds), and the latest
-    ``scheduler_state``. :meth:`TrialRunner.resume` folds them.
+    ``scheduler_state``. :meth:`TrialRunner.resume` folds them. Checkpoints are journaled by
+    name, relative to the runner's ``checkpoint_dir`` (:class:`~.checkpoint.CheckpointDir`);
+    ``forget_checkpoint`` withdraws one found unreadable (a journal may instead leave it out of
+    ``records()``, as the store does, or record ``("forget_checkpoint", {trial_id, step})``).
     """
 
     def trial_added(self, trial: Trial) -> None: ...
     def transition(self, trial_id: str, old: TrialState, new: TrialState, reason: str) -> None: ...
     def result(self, trial_id: str, step: int, metrics: dict, time: float) -> None: ...
-    def checkpoint(self, trial_id: str, step: int, path: str) -> None: ...
+    def checkpoint(self, trial_id: str, step: int, path: str) -> None: ...  # path: a name
+    def forget_checkpoint(self, trial_id: str, step: int) -> None: ...  # unreadable: not used
     def scheduler_state(self, state: dict) -> None: ...
     def worker(self, trial_id: str, worker: str) -> None: ...  # where a segment runs (info)
     def records(self) -> list[tuple[str, dict]]: ...
@@ -155,6 +173,9 @@ class MemoryJournal:
     def checkpoint(self, trial_id, step, path) -> None:
         self._write("checkpoint", {"trial_id": trial_id, "step": step, "path": path})
 
+    def forget_checkpoint(self, trial_id, step) -> None:
+        self._write("forget_checkpoint", {"trial_id": trial_id, "step": step})
+
     def scheduler_state(self, state: dict) -> None:
         self._write("scheduler_state", {"state": state})
 
@@ -163,6 +184,16 @@ class MemoryJournal:
 
     def records(self) -> list[tuple[str, dict]]:
         return list(self._records)
+
+
+def failure_of(reason: str) -> FailureKind:
+    """The kind of failure an ERRORED transition's reason records (``"model error: ..."``,
+    ``"environment error: ..."``, ``"checkpoint error: ..."``, ``"worker lost: ..."``; the
+    ``"error: ..."`` of older stores counts as the model's)."""
+    for kind in FailureKind:
+        if reason.startswith(f"{kind.value} error:"):
+            return kind
+    return FailureKind.ENVIRONMENT if reason.startswith("worker lost") else FailureKind.MODEL
 
 
 def _result_dict(step: int, metrics: dict) -> dict:
@@ -202,15 +233,21 @@ class TrialRunner:
         executor: where segments run (its ``num_slots`` is the number of workers).
         scheduler: the training-control algorithm.
         journal: written before every transition; None keeps nothing.
-        max_failures: retries of a failing trial (from its last checkpoint) before it stays
-            ERRORED.
+        max_failures: retries of a trial (from its last checkpoint) after failures of its
+            environment (an ``OSError`` such as a read-only checkpoint folder, a lost worker,
+            out of memory); one more and the runner stops (:attr:`stop_reason`), leaving the
+            trial ERRORED but resumable: :meth:`resume` retries it.
+        model_retries: retries after the model's own failure (a shape error, a NaN loss). Such
+            a failure is deterministic, so by default (0) the trial fails for good at once.
         segment: steps per job. The scheduler still decides after every step; a PAUSE or STOP
             before a segment's end cancels it (a paused trial then resumes from its last
             checkpoint, redoing those steps), so keep it 1 or a divisor of the rung length.
         max_steps: default length of a trial (None: until the scheduler stops it).
         max_total_steps: compute budget in steps; max_time: budget on the executor's clock.
             Once hit, no segment starts and running trials pause at their segment's end.
-        checkpoint_dir: where ``checkpoint_out`` paths point.
+        checkpoint_dir: the folder checkpoints are written to, and the only one they are read
+            from or named in: the journal records names relative to it, and a name or trial id
+            that would reach outside it is refused.
         source: asked for the config of a new trial whenever a slot is free and the scheduler
             has nothing to resume or spawn (an exploration strategy's instantiation control);
             None when it has nothing more.
@@ -223,7 +260,7 @@ class TrialRunner:
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
-                 *, max_failures: int = 3, segment: int = 1, max_steps: int | None = None,
+                 *, max_failures: int = 3, model_retries: int = 0, segment: int = 1, max_steps: int | None = None,
                  max_total_steps: int | None = None, max_time: float | None = None,
                  checkpoint_dir: str = "checkpoints",
                  source: Callable[[], dict | None] | None = None,
@@ -234,8 +271,11 @@ class TrialRunner:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         self.executor, self.scheduler, self.journal = executor, scheduler, journal
         self.max_failures, self.segment, self.max_steps = max_failures, segment, max_steps
+        self.model_retries = model_retries
         self.max_total_steps, self.max_time = max_total_steps, max_time
         self.checkpoint_dir = checkpoint_dir.rstrip("/")
+        self.folder = CheckpointDir(checkpoint_dir)
+        self.stop_reason: str | None = None  # why the run stopped with work left (environment)
         self.trials: dict[str, Trial] = {}
         self.steps_trained = 0  # every step any job reported, replays included
         self.timeline: list[dict] = []  # one entry per finished job: worker, start, end
@@ -270,7 +310,8 @@ class TrialRunner:
         return trial
 
     def run(self, max_events: int | None = None) -> bool:
-        """Process events until no work is left (True) or ``max_events`` were handled (False)."""
+        """Process events until no work is left (True), or ``max_events`` were handled, or the
+        environment kept failing (False; :attr:`stop_reason` says why)."""
         self._fill()
         handled = 0
         while self._inflight:
@@ -283,6 +324,8 @@ class TrialRunner:
             self._on_event(event)
             handled += 1
             self._fill()
+        if self.stop_reason is not None:
+            return False
         if not self.budget_hit():
             self._close_leftovers()
         return True
@@ -292,7 +335,8 @@ class TrialRunner:
                 or (self.max_time is not None and self.executor.now() >= self.max_time))
 
     def checkpoints(self) -> list[tuple[str, int, str]]:
-        """(trial, step, path) of every checkpoint written (input to garbage collection)."""
+        """(trial, step, name) of every checkpoint written (input to garbage collection); a
+        name's file is ``self.folder.path(name)``."""
         return [(t, s, p) for t, tr in self.trials.items()
                 for s, p in sorted(tr.checkpoints.items())]
 
@@ -310,12 +354,14 @@ class TrialRunner:
         """Rebuild a runner from ``journal`` after the driver died; the scheduler gets its saved
         state back, RUNNING trials go back to PENDING and continue from their last checkpoint."""
         runner = cls(executor, scheduler, journal, **kwargs)
-        saved, results = None, []
+        saved, results, failed_by = None, [], {}
         for kind, p in journal.records():
             if kind == "trial_added":
                 if p["trial_id"] not in runner.trials:
-                    runner.trials[p["trial_id"]] = Trial.from_record(p)
+                    runner.trials[p["trial_id"]] = trial = Trial.from_record(p)
                     runner._order[p["trial_id"]] = len(runner._order)
+                    if trial.donor is not None and not runner._usable(trial, trial.donor):
+                        trial.donor = None  # refused (logged): the child starts afresh
             elif kind == "scheduler_state":
                 saved = p["state"]
             elif kind == "transition":
@@ -323,6 +369,9 @@ class TrialRunner:
                 trial.state = TrialState(p["new"])
                 if trial.state is TrialState.ERRORED:
                     trial.attempts, trial.error = trial.attempts + 1, p["reason"]
+                    failed_by[trial.trial_id] = failure_of(p["reason"])
+                    if failed_by[trial.trial_id] is FailureKind.MODEL:
+                        trial.model_failures += 1
             elif kind == "result":
                 trial = runner.trials[p["trial_id"]]
                 results.append((trial, p))
@@ -331,7 +380,11 @@ class TrialRunner:
                 trial.step, trial.last_result = p["step"], _result_dict(p["step"], p["metrics"])
                 trial.time_total = trial.last_result.get("time_total_s", trial.time_total)
             elif kind == "checkpoint":
-                runner.trials[p["trial_id"]].checkpoints[p["step"]] = p["path"]
+                trial = runner.trials[p["trial_id"]]
+                if runner._usable(trial, p["path"]):
+                    trial.checkpoints[p["step"]] = p["path"]
+            elif kind == "forget_checkpoint":
+                runner.trials[p["trial_id"]].checkpoints.pop(p["step"], None)
         known = 0
         if saved is not None:
             scheduler.load_state_dict(saved["scheduler"])
@@ -353,7 +406,11 @@ class TrialRunner:
         for trial in runner.trials.values():
             if trial.state is TrialState.RUNNING:
                 runner._move(trial, TrialState.PENDING, "driver restarted")
-            elif trial.state is TrialState.ERRORED and trial.attempts <= runner.max_failures:
+            elif trial.state is TrialState.ERRORED and (
+                    failed_by.get(trial.trial_id) is not FailureKind.MODEL
+                    or trial.model_failures <= runner.model_retries):
+                # the environment failed it (the user may have fixed it since), or a retry of
+                # the model's own failure was due when the driver died
                 runner._move(trial, TrialState.PENDING, "retry after driver restart")
         runner._after_scheduler()
         return runner
@@ -367,7 +424,19 @@ class TrialRunner:
             if trial_id not in self.trials and trial_id not in self._orphans:
                 return trial_id
 
+    def _usable(self, trial: Trial, name: str) -> bool:
+        """Whether a checkpoint name read back from the journal stays inside the checkpoint
+        folder; one that does not is refused, and said so."""
+        try:
+            self.folder.path(name)
+            return True
+        except CheckpointPathError as err:
+            _log.error("trial %s: ignoring a checkpoint the journal names: %s", trial.trial_id,
+                       err)
+            return False
+
     def _register(self, trial: Trial) -> None:
+        check_trial_id(trial.trial_id)  # its checkpoints go in a folder named after it
         if self.journal is not None:
             self.journal.trial_added(trial)
         self.trials[trial.trial_id] = trial
@@ -375,16 +444,16 @@ class TrialRunner:
         self._track(trial)
         self.scheduler.on_trial_add(trial.trial_id, trial.config)
 
-    def _move(self, trial: Trial, new: TrialState, reason: str) -> None:
-        """Journal, then apply, one lifecycle transition."""
+    def _move(self, trial: Trial, new: TrialState, reason: str, final: bool = False) -> None:
+        """Journal, then apply, one lifecycle transition (``final``: an ERRORED trial that
+        will not be retried)."""
         if new not in ALLOWED[trial.state]:
             trial.move(new)  # raises with the trial named
         if self.journal is not None:
             self.journal.transition(trial.trial_id, trial.state, new, reason)
         trial.move(new)
         self._track(trial)
-        final = new is TrialState.TERMINATED or (new is TrialState.ERRORED
-                                                 and trial.attempts > self.max_failures)
+        final = new is TrialState.TERMINATED or (new is TrialState.ERRORED and final)
         if final and self.on_trial_end is not None:
             self.on_trial_end(trial)
 
@@ -441,7 +510,8 @@ class TrialRunner:
 
     def _fill(self) -> None:
         """Give every free slot a trial: the scheduler's pick, else a spawned one."""
-        while len(self._inflight) < self.executor.num_slots and not self.budget_hit():
+        while (len(self._inflight) < self.executor.num_slots and not self.budget_hit()
+               and self.stop_reason is None):
             candidates = self._candidates()
             pick = self.scheduler.choose_trial_to_run(candidates) if candidates else None
             if pick is not None and pick not in candidates:
@@ -517,10 +587,15 @@ class TrialRunner:
         if stop <= start:
             self._stop_running(trial, f"already at max_steps={trial.max_steps}")
             return
+        try:  # checked again as the files are used: a symlink may have appeared since
+            ckpt = None if ckpt is None else self.folder.path(ckpt)
+            out = self.folder.path(self.folder.name_for(trial.trial_id, stop))
+        except CheckpointPathError as err:
+            self._fail(trial, FailureKind.ENVIRONMENT, str(err))
+            return
         self._jobs += 1
         job_id = f"{trial.trial_id}@{stop}#{self._jobs}"
-        task = TrialTask(trial.trial_id, trial.config, start, stop, ckpt,
-                         f"{self.checkpoint_dir}/{trial.trial_id}/step-{stop:06d}")
+        task = TrialTask(trial.trial_id, trial.config, start, stop, ckpt, out)
         self._inflight[job_id] = _Flight(trial.trial_id, task, mark=self.executor.now())
         self._job_of[trial.trial_id] = job_id
         meta = {} if worker is None else {"worker": worker}  # a placement hint, may be ignored
@@ -541,9 +616,16 @@ class TrialRunner:
         elif isinstance(event, TrialResult):
             self._on_result(trial, flight, event)
         elif isinstance(event, TrialCheckpointed):
+            try:
+                name = self.folder.name(event.path)
+            except CheckpointPathError as err:  # not where it was asked to go: never used
+                _log.error("trial %s: %s reported a checkpoint outside the run: %s",
+                           trial.trial_id, type(self.executor).__name__, err)
+                return
             if self.journal is not None:
-                self.journal.checkpoint(trial.trial_id, event.step, event.path)
-            trial.checkpoints[event.step] = event.path
+                self.journal.checkpoint(trial.trial_id, event.step, name)
+            trial.checkpoints[event.step] = name
+            trial.env_failures = 0  # progress: the environment works again
             if (flight.buffered is not None and flight.outcome is None
                     and event.step == flight.task.stop_step):
                 result, flight.buffered = flight.buffered, None
@@ -558,7 +640,8 @@ class TrialRunner:
             if flight.outcome is not None:
                 return  # stopped or paused: the slot is simply free again
             if isinstance(event, JobFailed):
-                self._on_failure(trial, event)
+                if trial.state is TrialState.RUNNING:
+                    self._fail(trial, event.kind, event.error, flight.task, event.worker_lost)
                 return
             if flight.buffered is not None:  # an executor that wrote no checkpoint
                 self._feed(trial, flight.buffered, None)
@@ -613,24 +696,64 @@ class TrialRunner:
         worker (or pause on budget)."""
         if trial.state is not TrialState.RUNNING:
             return
-        if self.budget_hit():
+        if self.stop_reason is not None:
+            self._move(trial, TrialState.PAUSED, "run stopped: the environment keeps failing")
+        elif self.budget_hit():
             self._move(trial, TrialState.PAUSED, "budget exhausted")
         else:
             self._submit(trial, worker)
 
-    def _on_failure(self, trial: Trial, event: JobFailed) -> None:
-        if trial.state is not TrialState.RUNNING:
-            return
+    def _fail(self, trial: Trial, kind: FailureKind, error: str, task: TrialTask | None = None,
+              lost: bool = False) -> None:
+        """A RUNNING trial failed: retry it, fail it for good, or stop the run (see the module
+        docstring for which)."""
         trial.attempts += 1
-        trial.error = event.error
-        kind = "worker lost" if event.worker_lost else "error"
-        self._move(trial, TrialState.ERRORED, f"{kind}: {event.error}")
-        if trial.attempts <= self.max_failures:
+        trial.error = error
+        unreadable = None  # the step of its own checkpoint the segment could not start from
+        if kind is FailureKind.CHECKPOINT:
+            start = task.start_step if task is not None else None
+            name = trial.checkpoints.get(start)
+            if name is not None and task.checkpoint_in == os.path.join(self.folder.root, name):
+                unreadable = start
+            else:  # a PBT donor: the user must bring it back (or it is the executor's fault)
+                kind = FailureKind.ENVIRONMENT
+        if kind is FailureKind.MODEL:
+            trial.model_failures += 1
+            retry = trial.model_failures <= self.model_retries
+        elif kind is FailureKind.ENVIRONMENT:
+            trial.env_failures += 1
+            retry = trial.env_failures <= self.max_failures
+        else:
+            retry = True  # bounded: each such failure removes one checkpoint
+        final = kind is FailureKind.MODEL and not retry
+        self._move(trial, TrialState.ERRORED,
+                   f"{'worker lost' if lost else kind.value + ' error'}: {error}", final=final)
+        if unreadable is not None:
+            self._forget(trial, unreadable, error)
+        if retry:
             step, _ = trial.resume_point()
             self._move(trial, TrialState.PENDING, f"retry {trial.attempts} from step {step}")
-        else:
+        elif final:
             self.scheduler.on_trial_error(trial.trial_id)
             self._after_scheduler()
+        else:  # the environment keeps failing: stop cleanly; resume() retries the trial
+            first = (error.strip().splitlines() or [""])[0]
+            self.stop_reason = (f"trial {trial.trial_id} failed {trial.env_failures} times "
+                                f"because of its environment, last with: {first}")
+            _log.error("stopping: %s. Fix the cause, then resume: the trial is retried.",
+                       self.stop_reason)
+
+    def _forget(self, trial: Trial, step: int, error: str) -> None:
+        """Stop using ``trial``'s checkpoint of ``step`` (missing or unreadable): its next
+        segment starts from its newest earlier checkpoint. The file is left as it is."""
+        name = trial.checkpoints.pop(step)
+        if self.journal is not None and hasattr(self.journal, "forget_checkpoint"):
+            self.journal.forget_checkpoint(trial.trial_id, step)
+        back, _ = trial.resume_point()
+        first = (error.strip().splitlines() or [""])[0]
+        _log.warning("trial %s: its checkpoint of step %d (%s) cannot be read (%s); resuming "
+                     "from step %d instead", trial.trial_id, step,
+                     os.path.join(self.folder.root, name), first, back)
 
     def _close_leftovers(self) -> None:
         """The search is over: trials the scheduler never ran again are terminated."""

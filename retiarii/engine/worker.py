@@ -19,7 +19,8 @@ Events of one job, in order: ``JobStarted``; ``TrialResult`` after every step of
 ``TrialCheckpointed`` when a task reaches its ``stop_step`` (and has a ``checkpoint_out``); then
 exactly one terminal event. A task that raises stops only that task; the others run on. The job
 then ends with ``JobFinished`` when no task failed, ``JobFailed(trial_id=X)`` when trial X alone
-failed, and ``JobFailed(trial_id=None)`` naming every culprit in ``error`` when several did. In
+failed, and ``JobFailed(trial_id=None)`` naming every culprit in ``error`` when several did; its
+``kind`` says whose fault it was (:func:`classify_error`). In
 every ``JobFailed``, the trials that did not report ``TrialCheckpointed`` are the ones that did
 not finish their segment.
 """
@@ -35,11 +36,12 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .checkpoint import CheckpointError
 from .executors.base import (
-    Event, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
+    Event, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 
-__all__ = ["resolve_ref", "WorkerContext", "run_job"]
+__all__ = ["resolve_ref", "WorkerContext", "run_job", "describe_error", "classify_error"]
 
 _MAX_ERROR_CHARS = 4000  # a traceback tail: enough to find the line, small enough for the store
 
@@ -149,6 +151,39 @@ def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}\n{text[-_MAX_ERROR_CHARS:]}"
 
 
+def classify_error(err: BaseException, *, loading: bool = False) -> FailureKind:
+    """Whose fault ``err`` is: an ``OSError`` (checkpoint I/O, a full or read-only disk) or
+    running out of memory is the environment's, and may pass; a checkpoint that cannot be read
+    while ``loading`` is the checkpoint's; anything else (a shape error, a NaN loss) is the
+    model's, and would happen again.
+
+    Example::
+
+        classify_error(PermissionError(13, "Permission denied"))   # FailureKind.ENVIRONMENT
+    """
+    if isinstance(err, (OSError, MemoryError)) or _out_of_memory(err):
+        return FailureKind.ENVIRONMENT
+    if loading and isinstance(err, CheckpointError):
+        return FailureKind.CHECKPOINT
+    return FailureKind.MODEL
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    # torch.cuda.OutOfMemoryError on GPUs; the CPU allocator raises a plain RuntimeError.
+    text = str(err)
+    return type(err).__name__ == "OutOfMemoryError" or (
+        isinstance(err, RuntimeError) and ("out of memory" in text
+                                           or "can't allocate memory" in text))
+
+
+def _job_failure_kind(kinds) -> FailureKind:
+    """One kind for a job several of whose tasks failed: retrying is the safe side."""
+    for kind in (FailureKind.ENVIRONMENT, FailureKind.CHECKPOINT):
+        if kind in kinds:
+            return kind
+    return FailureKind.MODEL
+
+
 def _open_task(task: TrialTask, context: WorkerContext):
     """A :class:`TrialRun` for ``task``, at ``task.start_step``."""
     from .trainer import TrialRun, check_segment
@@ -193,12 +228,14 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
     emit = _guarded(emit)
     emit(JobStarted(job.job_id, worker))
     failures: dict[str, str] = {}
+    kinds: dict[str, FailureKind] = {}
     runs = {}
     for task in job.tasks:
         try:
             runs[task.trial_id] = _open_task(task, context)
-        except Exception as err:  # the trial's own problem: bad spec, build error, bad checkpoint
+        except Exception as err:  # bad spec, build error, unreadable checkpoint, I/O error
             failures[task.trial_id] = describe_error(err)
+            kinds[task.trial_id] = classify_error(err, loading=task.checkpoint_in is not None)
     active = [task for task in job.tasks if task.trial_id in runs]
     while active:
         for task in list(active):  # one step of each task in turn
@@ -216,6 +253,7 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
                 raise
             except Exception as err:  # fails this trial only
                 failures[task.trial_id] = describe_error(err)
+                kinds[task.trial_id] = classify_error(err)
             if task.trial_id in failures or run.step >= task.stop_step:
                 active.remove(task)
                 del runs[task.trial_id]  # free the model before the others' next epochs
@@ -227,10 +265,11 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
         emit(JobFinished(job.job_id))
     elif len(failures) == 1:
         (trial_id, error), = failures.items()
-        emit(JobFailed(job.job_id, trial_id, error))
+        emit(JobFailed(job.job_id, trial_id, error, kind=kinds[trial_id]))
     else:
         emit(JobFailed(job.job_id, None,
-                       "\n".join(f"trial {t}: {e}" for t, e in failures.items())))
+                       "\n".join(f"trial {t}: {e}" for t, e in failures.items()),
+                       kind=_job_failure_kind(kinds.values())))
 
 
 class _EmitError(ConnectionError):

@@ -1,6 +1,6 @@
 """Executors: where jobs run. One interface (:mod:`.base`), several back ends."""
 from .base import (
-    Event, Executor, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
+    Event, Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
     TrialTask,
 )
 from .local import LocalExecutor

@@ -13,6 +13,7 @@ Every executor (local processes, the simulator with its virtual clock, Ray) impl
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,15 +73,30 @@ class JobFinished:
     job_id: str
 
 
+class FailureKind(enum.Enum):
+    """Whose fault a failure is, which decides whether retrying can help."""
+
+    MODEL = "model"  # the trial's own (shape error, NaN loss, bad spec): deterministic
+    ENVIRONMENT = "environment"  # checkpoint I/O (OSError), out of memory, a lost worker
+    CHECKPOINT = "checkpoint"  # the checkpoint to resume from is missing or unreadable
+
+
 @dataclass(frozen=True)
 class JobFailed:
     """A job that could not finish. ``trial_id`` names the culprit when one trial raised;
-    ``worker_lost`` is true when the worker process itself died (retry elsewhere)."""
+    ``worker_lost`` is true when the worker process itself died (retry elsewhere); ``kind``
+    says whose fault it was (default: ENVIRONMENT when the worker was lost, else MODEL)."""
 
     job_id: str
     trial_id: str | None
     error: str
     worker_lost: bool = False
+    kind: FailureKind | None = None
+
+    def __post_init__(self):
+        if self.kind is None:
+            lost = FailureKind.ENVIRONMENT if self.worker_lost else FailureKind.MODEL
+            object.__setattr__(self, "kind", lost)
 
 
 Event = JobStarted | TrialResult | TrialCheckpointed | JobFinished | JobFailed

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .base import (
-    Event, Executor, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
+    Event, Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
     TrialTask,
 )
 
 Curve = Callable[[dict, int], Mapping[str, float]]
 Model = Callable[[dict, int, Any], tuple[Mapping[str, float], Any]]
-Failure = Callable[[TrialTask, int, int], "str | tuple[str, bool] | None"]
+Failure = Callable[[TrialTask, int, int], "str | tuple | None"]
 
 
 @dataclass
@@ -85,8 +85,10 @@ class SimulatedExecutor(Executor):
         speeds: per-worker speed factors (default all 1.0).
         step_time: virtual seconds of one step at speed 1, or ``step_time(spec, step)``.
         checkpoint_time: virtual seconds to write a checkpoint.
-        failures: ``failures(task, step, attempt)`` returns None, an error message, or
-            ``(message, worker_lost)`` to make that step fail.
+        failures: ``failures(task, step, attempt)`` returns None, an error message (the
+            model's own failure), ``(message, worker_lost)`` or ``(message, worker_lost, kind)``
+            (a :class:`~.base.FailureKind`) to make that step fail. A missing or mismatched
+            ``checkpoint_in`` fails with kind ``CHECKPOINT``.
         checkpoints: the dict that plays the disk (share it with a second executor to resume).
         start_time: the clock's initial value.
         table_key, table_metric: how ``table`` is indexed and what a bare float in it means.
@@ -233,11 +235,11 @@ class SimulatedExecutor(Executor):
                 rec = self.checkpoints.get(task.checkpoint_in)
                 if rec is None:
                     error = (f"checkpoint {task.checkpoint_in!r} of trial {task.trial_id!r} does "
-                             f"not exist", False)
+                             f"not exist", False, FailureKind.CHECKPOINT)
                 elif rec["step"] != task.start_step:
                     error = (f"checkpoint {task.checkpoint_in!r} holds step {rec['step']} but the "
                              f"task of trial {task.trial_id!r} starts at step {task.start_step}",
-                             False)
+                             False, FailureKind.CHECKPOINT)
                 else:
                     state = rec["state"]
             elif task.start_step != 0:
@@ -271,8 +273,8 @@ class SimulatedExecutor(Executor):
         # can go straight back onto it.
         self._push(end, _WorkerFree(worker, job.job_id))
         if failed:
-            trial_id, (message, lost) = failed
-            self._push(end, JobFailed(job.job_id, trial_id, message, bool(lost)))
+            trial_id, (message, lost, *kind) = failed
+            self._push(end, JobFailed(job.job_id, trial_id, message, bool(lost), *kind))
         else:
             self._push(end, JobFinished(job.job_id))
         self._running[job.job_id] = _Running(job, worker, t, end, pending_ckpt, len(self.history))
