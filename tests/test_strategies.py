@@ -31,7 +31,8 @@ from retiarii.strategies import (  # noqa: E402
     TPE, BudgetExhausted, GridSearch, PolicyBasedRL, Random, RegularizedEvolution,
     SpaceExhausted,
 )
-from retiarii.strategies.base import RandomSampler, ReplaySampler, draw, sample_key  # noqa: E402
+from retiarii.sampler import RandomSampler, ReplaySampler, sample_key  # noqa: E402
+from retiarii.strategies.base import draw  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -35,9 +35,10 @@ from typing import Any, Callable
 
 from ..choices import ValueChoice
 from ..codec import ref_of
-from ..mutator import MutationError, SampleError
+from ..mutator import MutationError
+from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
-from ..strategies.base import SpaceExhausted, sample_key
+from ..strategies.base import SpaceExhausted
 from ..strategies.scheduler import Scheduler
 from .store import Store
 from .trainer import ClassifierTrainer, Trainer

@@ -29,7 +29,9 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
+
+from ..sampler import RandomSampler, ReplaySampler, Sampler, sample_key
 
 
 class SpaceExhausted(Exception):
@@ -41,39 +43,7 @@ class BudgetExhausted(SpaceExhausted):
     catches both ways a search ends)."""
 
 
-class Sampler(Protocol):
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        """Index into ``candidates`` (their keys) for the choice ``label``; ``context`` is the
-        sample so far."""
-
-
-# ---- helpers on samples and candidates ----------------------------------------------------
-
-
-def sample_key(sample: dict) -> str:
-    """A canonical string for a sample, equal for equal choices whatever their order.
-
-    Example:
-        >>> sample_key({"b": 1, "a": "conv"}) == sample_key({"a": "conv", "b": 1})
-        True
-    """
-    # NOTE: keys are compared through JSON, never with ==, because 1 == 1.0 == True in Python
-    # while they are three different candidates of a choice.
-    return json.dumps(sample, sort_keys=True, separators=(",", ":"))
-
-
-def index_of(candidates: list, key: Any) -> int | None:
-    """The index of ``key`` among ``candidates`` (compared as JSON), or ``None``.
-
-    Example:
-        >>> index_of([1, True, 1.0], True)
-        1
-    """
-    wanted = json.dumps(key)
-    for i, candidate in enumerate(candidates):
-        if json.dumps(candidate) == wanted:
-            return i
-    return None
+# ---- helpers on samples ------------------------------------------------------------------
 
 
 def _check_sample(sample: Any, where: str) -> dict:
@@ -85,54 +55,6 @@ def _check_sample(sample: Any, where: str) -> dict:
         raise TypeError(f"{where}: the sample {sample!r} is not JSON-serializable ({e}); keys "
                         f"of candidates must be JSON scalars") from None
     return sample
-
-
-# ---- samplers -------------------------------------------------------------------------------
-
-
-class RandomSampler:
-    """Picks every choice uniformly at random with ``rng`` (a ``random.Random``).
-
-    Example:
-        >>> RandomSampler(random.Random(0)).choose("op", ["a", "b", "c"], {}) in (0, 1, 2)
-        True
-    """
-
-    def __init__(self, rng: random.Random):
-        self.rng = rng
-
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        return self.rng.randrange(len(candidates))
-
-
-class ReplaySampler:
-    """Follows ``sample`` wherever it has the label and its key is still a candidate, and asks
-    ``fallback`` for the other choices (those that did not exist when ``sample`` was made).
-
-    ``overrides`` maps a label to a function ``(candidates, key_in_sample) -> int`` that decides
-    that choice instead (how evolution mutates one choice).
-
-    Example:
-        >>> ReplaySampler({"op": "b"}).choose("op", ["a", "b"], {})
-        1
-    """
-
-    def __init__(self, sample: dict, fallback: Sampler | None = None,
-                 overrides: dict[str, Callable[[list, Any], int]] | None = None):
-        self.sample = sample
-        self.fallback = fallback
-        self.overrides = overrides or {}
-
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        if label in self.overrides:
-            return self.overrides[label](candidates, self.sample.get(label))
-        index = index_of(candidates, self.sample[label]) if label in self.sample else None
-        if index is not None:
-            return index
-        if self.fallback is None:
-            raise ValueError(f"replaying {self.sample}: the space asks for {label!r} with "
-                             f"candidates {candidates}, which the sample does not decide")
-        return self.fallback.choose(label, candidates, context)
 
 
 class _Recorder:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .base import Draw, RandomSampler, ReplaySampler, Strategy, draw, index_of
+from ..sampler import RandomSampler, ReplaySampler, index_of
+from .base import Draw, Strategy, draw
 
 
 def _mutable_labels(trace: list[tuple[str, list]]) -> list[str]:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Draw, ReplaySampler, Strategy, draw, index_of
+from ..sampler import ReplaySampler, index_of
+from .base import Draw, Strategy, draw
 
 
 def _uniform_(tensor: torch.Tensor, seed: int, scale: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ import json
 import math
 from typing import Any
 
-from .base import Draw, Strategy, draw, sample_key
+from ..sampler import sample_key
+from .base import Draw, Strategy, draw
 
 
 def parzen_categorical(keys: list, candidates: list, prior_weight: float) -> list[float]:
