@@ -24,10 +24,10 @@ define it at module level of a file or package (in a script, guard the run with
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -38,10 +38,10 @@ from ..codec import ref_of
 from ..mutator import MutationError
 from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
-from ..strategies.base import SpaceExhausted
+from ..strategies.base import SpaceExhausted, UnknownSample
 from ..strategies.scheduler import Scheduler
 from .store import Store
-from .trainer import ClassifierTrainer, Trainer
+from .trainer import Trainer
 from .trials import Trial, TrialRunner, TrialState
 
 
@@ -84,18 +84,8 @@ def object_ref(obj: Any, what: str) -> str:
 
 def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
     """(what a worker rebuilds the trainer from, the trainer's ValueChoice hyper-parameters)."""
-    if type(trainer) is ClassifierTrainer:
-        config = dataclasses.asdict(trainer.config)
-        choices = {k: v for k, v in config.items() if isinstance(v, ValueChoice)}
-        config.update({k: v.default for k, v in choices.items()})
-        try:
-            json.dumps(config)
-            return {"class": ref_of(ClassifierTrainer), "config": config}, choices
-        except TypeError:
-            pass  # (X, y) tensors as dataset: fall back to a reference to the object
-        return object_ref(trainer, "trainer"), choices
-    choices = {k: v for k, v in vars(trainer).items() if isinstance(v, ValueChoice)}
-    return object_ref(trainer, "trainer"), choices
+    spec = trainer.to_spec()
+    return (object_ref(trainer, "trainer") if spec is None else spec), trainer.value_choices()
 
 
 class _DrawnModels:
@@ -189,7 +179,7 @@ class Experiment:
         """What a resume must match (budgets may change between runs)."""
         return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
-                             "config": self.strategy._config(), "seed": self.strategy.seed},
+                             "config": self.strategy.config(), "seed": self.strategy.seed},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
                 "mode": self.mode, "dedup": self.dedup}
@@ -381,14 +371,19 @@ class Experiment:
             return
         try:
             self.strategy.on_step(sample, result["training_iteration"], result)
-        except (KeyError, ValueError):
+        except UnknownSample:
             # A trial resumed after a crash whose sample the restored strategy has not proposed
             # (again) yet: it learns the final value when it proposes it (see _next_trial).
             pass
 
     def _on_trial_end(self, trial: Trial) -> None:
         sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
-        value = (trial.last_result or {}).get(self.metric)
+        reported = (trial.last_result or {}).get(self.metric)
+        value = _finite(reported)
+        if reported is not None and value is None:
+            # NaN or inf (a diverged model, a broken metric) ranks nowhere: the model failed.
+            _log.warning("trial %s ended with %s = %r, not a finite number: its model is "
+                         "recorded as failed", trial.trial_id, self.metric, reported)
         failed = trial.state is TrialState.ERRORED or value is None
         if model_id is not None:
             self.store.set_model_status(model_id, "failed" if failed else "trained", value)
@@ -404,7 +399,7 @@ class Experiment:
                 self._known[key] = value
             try:
                 self.strategy.tell(sample, value)
-            except (KeyError, ValueError):
+            except UnknownSample:
                 pass  # not proposed by the restored strategy (yet): told when it proposes it
             self._save_strategy()
         self._collect_garbage(trial)
@@ -416,6 +411,17 @@ class Experiment:
         best = self.store.best_models(self.metric, self.mode, 5)
         return {"store": self.path, "models": self._count, "trials": counts, "best": best,
                 "max_models": self.max_models}
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number, else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _resolve(ref: str):

@@ -43,6 +43,13 @@ class BudgetExhausted(SpaceExhausted):
     catches both ways a search ends)."""
 
 
+class UnknownSample(ValueError):
+    """``tell`` or ``on_step`` of a sample this strategy has not proposed (or already told).
+
+    The engine expects it after a resume: a trial that outlived the driver may report a sample
+    the restored strategy has not proposed again yet (it learns the value when it does)."""
+
+
 # ---- helpers on samples ------------------------------------------------------------------
 
 
@@ -270,7 +277,7 @@ class Strategy(abc.ABC):
         if record is None or record.pending == 0:
             if not self.accepts_foreign:
                 what = "never proposed" if record is None else "already told"
-                raise ValueError(
+                raise UnknownSample(
                     f"{type(self).__name__}.tell: {sample} was {what}; tell each sample "
                     f"returned by ask() exactly once (RegularizedEvolution and TPE accept "
                     f"foreign samples)")
@@ -288,7 +295,7 @@ class Strategy(abc.ABC):
         decide from final results only; a strategy that learns from curves overrides this."""
         key = sample_key(_check_sample(sample, f"{type(self).__name__}.on_step"))
         if key not in self._records:
-            raise ValueError(f"{type(self).__name__}.on_step: {sample} was never proposed")
+            raise UnknownSample(f"{type(self).__name__}.on_step: {sample} was never proposed")
 
     def best(self) -> tuple[dict, float] | None:
         """The best told sample and its value (``None`` before any successful tell)."""
@@ -297,6 +304,11 @@ class Strategy(abc.ABC):
             return None
         key, value = max(told, key=lambda kv: self._score(kv[1]))
         return dict(self._records[key].sample), value
+
+    def config(self) -> dict:
+        """The settings that define this search, as JSON: a saved state must match them, and
+        an experiment stores them so that a resume can check them. Subclasses extend it."""
+        return {"mode": self.mode, "dedup": self.dedup}
 
     @property
     def num_proposed(self) -> int:
@@ -317,7 +329,7 @@ class Strategy(abc.ABC):
         return {
             "strategy": type(self).__name__,
             "format": STATE_FORMAT,
-            "config": self._config(),
+            "config": self.config(),
             "rng": _rng_state(self._rng),
             # (shallow copies: cheap, and the items are never changed once appended)
             "candidate_lists": list(self._candidate_lists),
@@ -335,9 +347,9 @@ class Strategy(abc.ABC):
         if state.get("strategy") != name:
             raise ValueError(f"{name}.load_state_dict: the state was saved by "
                              f"{state.get('strategy')!r}; restore it into that strategy")
-        if state["config"] != self._config():
+        if state["config"] != self.config():
             raise ValueError(f"{name}.load_state_dict: the state was saved with "
-                             f"{state['config']} but this strategy has {self._config()}; "
+                             f"{state['config']} but this strategy has {self.config()}; "
                              f"construct it with the saved settings")
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"{name}.load_state_dict: the state has format "
@@ -385,10 +397,6 @@ class Strategy(abc.ABC):
 
     def _on_tell(self, key: str, score: float | None) -> None:
         """Learns from a result; ``score`` is higher-is-better whatever ``mode`` is."""
-
-    def _config(self) -> dict:
-        """The settings a saved state must match (JSON)."""
-        return {"mode": self.mode, "dedup": self.dedup}
 
     def _state(self) -> dict:
         return {}

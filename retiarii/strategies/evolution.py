@@ -114,8 +114,8 @@ class RegularizedEvolution(Strategy):
         if score is not None:
             self._population.append((key, score))
 
-    def _config(self) -> dict:
-        return {**super()._config(), "population_size": self.population_size,
+    def config(self) -> dict:
+        return {**super().config(), "population_size": self.population_size,
                 "sample_size": self.sample_size}
 
     def _state(self) -> dict:

@@ -284,8 +284,8 @@ class PolicyBasedRL(Strategy):
             loss.backward()
             self._optimizer.step()
 
-    def _config(self) -> dict:
-        return {**super()._config(), "hidden_size": self.hidden_size,
+    def config(self) -> dict:
+        return {**super().config(), "hidden_size": self.hidden_size,
                 "learning_rate": self.learning_rate, "baseline_decay": self.baseline_decay,
                 "entropy_weight": self.entropy_weight, "tanh_constant": self.tanh_constant,
                 "init_scale": self.init_scale}

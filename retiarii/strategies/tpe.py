@@ -159,6 +159,6 @@ class TPE(Strategy):
         # again (then falls back to a random new sample).
         return best if best is not None else candidate
 
-    def _config(self) -> dict:
-        return {**super()._config(), "n_startup": self.n_startup, "gamma": self.gamma,
+    def config(self) -> dict:
+        return {**super().config(), "n_startup": self.n_startup, "gamma": self.gamma,
                 "prior_weight": self.prior_weight, "n_ei_candidates": self.n_ei_candidates}
