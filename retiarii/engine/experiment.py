@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from ..choices import ValueChoice
 from ..codec import ref_of
+from ..enums import Mode, ModelStatus
 from ..mutator import MutationError
 from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
@@ -167,7 +168,8 @@ class Experiment:
         self.path, self.workers, self.devices = str(store), workers, devices
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()
-        self.metric, self.mode, self.max_failures, self.dedup = metric, mode, max_failures, dedup
+        self.metric, self.mode = metric, Mode.parse(mode, "Experiment")
+        self.max_failures, self.dedup = max_failures, dedup
         self.executor, self.progress, self.origin = executor, progress, origin
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
@@ -231,7 +233,7 @@ class Experiment:
             if row["hash"]:
                 key = self._dedup_key(row["hash"], row["sample"])
                 self._known[key] = row.get("value")
-                if row["status"] == "training":  # its trial resumes below
+                if row["status"] == ModelStatus.TRAINING:  # its trial resumes below
                     self._keys[row["id"]] = key
         self._count = len(store.models())
         executor = self.executor
@@ -294,7 +296,7 @@ class Experiment:
             except (ShapeMismatchError, MutationError, SampleError) as e:
                 self._count += 1  # a model that cannot be built fails alone, recorded
                 _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)
-                self.store.add_model(sample, None, None, status="failed")
+                self.store.add_model(sample, None, None, status=ModelStatus.FAILED)
                 self.strategy.tell(sample, None)
                 self._save_strategy()
                 continue
@@ -314,7 +316,7 @@ class Experiment:
                 continue
             self._count += 1
             model_id = self.store.add_model(sample, model.graph.to_data(), structure,
-                                            status="training")
+                                            status=ModelStatus.TRAINING)
             self._known[key] = None
             self._keys[model_id] = key
             config = {"space": self.space_ref, "trainer": self.trainer_spec,
@@ -386,7 +388,8 @@ class Experiment:
                          "recorded as failed", trial.trial_id, self.metric, reported)
         failed = trial.state is TrialState.ERRORED or value is None
         if model_id is not None:
-            self.store.set_model_status(model_id, "failed" if failed else "trained", value)
+            self.store.set_model_status(
+                model_id, ModelStatus.FAILED if failed else ModelStatus.TRAINED, value)
         if sample is not None:
             key = None
             if model_id is not None:

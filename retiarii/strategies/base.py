@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ..enums import Mode
 from ..sampler import RandomSampler, ReplaySampler, Sampler, sample_key
 
 
@@ -186,8 +187,6 @@ class Strategy(abc.ABC):
     def __init__(self, *, seed: int | None = None, mode: str = "max", dedup: bool = True,
                  max_models: int | None = None, max_time: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        if mode not in ("max", "min"):
-            raise ValueError(f"{type(self).__name__}: mode must be 'max' or 'min', got {mode!r}")
         if max_models is not None and (not isinstance(max_models, int) or max_models < 1):
             raise ValueError(f"{type(self).__name__}: max_models must be a positive int or "
                              f"None, got {max_models!r}")
@@ -195,7 +194,7 @@ class Strategy(abc.ABC):
             raise ValueError(f"{type(self).__name__}: max_time must be positive seconds or "
                              f"None, got {max_time!r}")
         self.seed = seed
-        self.mode = mode
+        self.mode = Mode.parse(mode, type(self).__name__)
         self.dedup = dedup
         self.max_models = max_models
         self.max_time = max_time
@@ -407,7 +406,7 @@ class Strategy(abc.ABC):
     # -- helpers for subclasses ---------------------------------------------------------------
 
     def _score(self, value: float) -> float:
-        return value if self.mode == "max" else -value
+        return value * self.mode.sign
 
     def _random_draw(self, space: Any) -> Draw:
         return draw(space, RandomSampler(self._rng))
