@@ -11,7 +11,8 @@ from .engine.trainer import ClassifierTrainer as Trainer
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
 from .modspec import leaf
-from .mutator import MutationError, Mutator, SampleError, apply_mutator
+from .mutator import MutationError, Mutator, apply_mutator
+from .sampler import SampleError
 from .shapes import ShapeMismatchError
 from .space import Model, ModelSpace, SpaceError
 from .trace import TraceError, trace

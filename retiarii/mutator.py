@@ -49,10 +49,6 @@ class MutationError(ValueError):
     """A mutator that edits the graph into an invalid state; names mutator, primitive, node."""
 
 
-class SampleError(ValueError):
-    """A sample that does not fit the space (unknown label, value not among candidates)."""
-
-
 # ---- candidates and their keys -------------------------------------------------------------
 
 
@@ -462,5 +458,5 @@ def apply_mutator(targets: Any, mutator: Mutator) -> BoundMutator:
     return BoundMutator(targets, mutator)
 
 
-__all__ = ["Mutator", "MutationError", "SampleError", "BoundMutator", "apply_mutator",
+__all__ = ["Mutator", "MutationError", "BoundMutator", "apply_mutator",
            "Context", "candidate_keys", "candidate_key", "as_operation", "opaque_operation"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -28,7 +27,8 @@ from typing import Any, Iterator, Sequence
 from torch import nn
 
 from .graph import Graph
-from .mutator import BoundMutator, Context, Mutator, SampleError
+from .mutator import BoundMutator, Context, Mutator
+from .sampler import PrefixSampler, RandomSampler, ReplaySampler, SampleError, as_sampler
 
 _TOUCHING = {"replace": ("node",), "delete_node": ("node",), "connect": ("dst",),
              "disconnect": ("dst",), "materialize": ("node",)}
@@ -83,67 +83,6 @@ class Model:
     def differing_nodes(self, other: "Model") -> set[int]:
         """uids present in either model that are not shared."""
         return (set(self.graph._nodes) | set(other.graph._nodes)) - self.shared_nodes(other)
-
-
-# ---- samplers --------------------------------------------------------------------------------
-
-
-def _as_sampler(sampler: Any):
-    if hasattr(sampler, "choose"):
-        return sampler
-    if callable(sampler):
-        class _Fn:
-            def choose(self, label, candidates, context):
-                return sampler(label, candidates, context)
-        return _Fn()
-    raise TypeError(f"a sampler has a choose(label, candidates, context) method or is such a "
-                    f"callable; got {sampler!r}")
-
-
-class RandomSampler:
-    """Uniform choices from a seeded ``random.Random``."""
-
-    def __init__(self, seed: int | None = None):
-        self.rng = random.Random(seed)
-
-    def choose(self, label, candidates, context) -> int:
-        return self.rng.randrange(len(candidates))
-
-
-class ReplaySampler:
-    """Answers every choice from a sample; complains about labels or values that do not fit."""
-
-    def __init__(self, sample: dict):
-        if not isinstance(sample, dict):
-            raise SampleError(f"a sample is a dict of label -> chosen key, not {sample!r}")
-        self.sample = sample
-        self.used: set[str] = set()
-
-    def choose(self, label, candidates, context) -> int:
-        if label not in self.sample:
-            raise SampleError(f"the sample has no value for choice {label!r} (candidates "
-                              f"{candidates}); it was made for another space")
-        value = self.sample[label]
-        if value not in candidates:
-            raise SampleError(f"choice {label!r}: {value!r} is not among the candidates "
-                              f"{candidates}")
-        self.used.add(label)
-        return candidates.index(value)
-
-
-class _PrefixSampler:
-    """Answers choice i with ``prefix[i]`` (0 past the prefix); records every choice's arity."""
-
-    def __init__(self, prefix: Sequence[int]):
-        self.prefix = prefix
-        self.arity: list[int] = []
-        self.labels: list[str] = []
-
-    def choose(self, label, candidates, context) -> int:
-        i = len(self.arity)
-        self.arity.append(len(candidates))
-        self.labels.append(label)
-        return self.prefix[i] if i < len(self.prefix) else 0
 
 
 # ---- the space -----------------------------------------------------------------------------
@@ -210,7 +149,7 @@ class ModelSpace:
     def sample(self, sampler: Any) -> Model:
         """Build one model, asking ``sampler.choose(label, candidates, context)`` for every
         choice as it is reached (conditional choices only when they exist)."""
-        sampler = _as_sampler(sampler)
+        sampler = as_sampler(sampler)
         ctx = Context(graph=None, sampler=sampler, sample={}, history=[], created=set(),
                       deleted={}, example_input=self.example_input)
         base = 0
@@ -295,7 +234,7 @@ class ModelSpace:
 
     # ---- the whole space --------------------------------------------------------------------
     def _run(self, prefix: Sequence[int]) -> tuple[Model, list[int]]:
-        sampler = _PrefixSampler(prefix)
+        sampler = PrefixSampler(prefix)
         model = self.sample(sampler)
         return model, sampler.arity
 
@@ -332,7 +271,7 @@ class ModelSpace:
             return math.inf
 
         def shape(prefix):
-            sampler = _PrefixSampler(prefix)
+            sampler = PrefixSampler(prefix)
             self.sample(sampler)
             return list(zip(sampler.labels, sampler.arity))
 

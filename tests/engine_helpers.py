@@ -108,6 +108,19 @@ class DyingTrainer(ClassifierTrainer):
 DYING = DyingTrainer(FAST.config)
 
 
+class FailingTrainer(ClassifierTrainer):
+    """Raises in step ``hparams["raise_in_step"]`` (1-based), every time: a trial whose own
+    code fails (the executor contract's failing task)."""
+
+    def train_dataloader(self, hparams, epoch):
+        if hparams.get("raise_in_step") == epoch + 1:
+            raise RuntimeError(f"planned failure in step {epoch + 1}")
+        return super().train_dataloader(hparams, epoch)
+
+
+FAILING = FailingTrainer(FAST.config)
+
+
 class DeviceReportingTrainer(ClassifierTrainer):
     """Reports the ``CUDA_VISIBLE_DEVICES`` its worker process sees (-1: empty, -2: unset)
     and its torch thread count, as metrics."""

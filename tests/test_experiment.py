@@ -269,3 +269,51 @@ def test_the_driver_checks_the_model_the_strategy_drew_instead_of_rebuilding_it(
     assert len(models) == 4 and all(m["status"] == "trained" for m in models)
     for m in models:
         assert m["hash"] == original(space, m["sample"]).structural_hash()
+
+
+def test_a_non_finite_final_metric_fails_the_model_and_the_strategy_hears_it(tmp_path, caplog):
+    """Issue #11.8: a NaN or inf final value is logged and its model marked failed (the strategy
+    told None), never left pending in the strategy."""
+    from retiarii.engine.executors.simulated import SimulatedExecutor
+
+    def curve(spec, step):
+        choices = spec["choices"]
+        if choices["act"] == "tanh":
+            return {"val_acc": float("nan") if choices["hidden"] == 16 else float("inf")}
+        return {"val_acc": 0.5 + choices["hidden"] / 1000 + choices["lr"]}
+
+    strategy = rt.strategies.Random(seed=0)
+    exp = rt.Experiment(space, strategy, trainer, store=str(tmp_path / "nan.db"),
+                        executor=SimulatedExecutor(2, curve))
+    with caplog.at_level("WARNING", logger="retiarii.engine"):
+        exp.run(max_models=12)
+    with Store(tmp_path / "nan.db") as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        models = store.models()
+    assert len(models) == 12
+    for m in models:
+        bad = m["sample"]["act"] == "tanh"
+        assert (m["status"], m["value"] is None) == (("failed", True) if bad else ("trained", False))
+    log = strategy.state_dict()["log"]
+    assert sum(e[0] == "ask" for e in log) == sum(e[0] == "tell" for e in log) == 12
+    assert sorted(e[2] is None for e in log if e[0] == "tell") == [False] * 6 + [True] * 6
+    assert sum("not a finite number" in r.getMessage() for r in caplog.records) == 6
+    assert strategy.best()[1] == pytest.approx(0.5 + 0.032 + 0.1)
+
+
+def test_a_trainer_says_how_workers_rebuild_it():
+    """Issue #11.8: Trainer.to_spec() and value_choices(), no special case in the engine."""
+    from retiarii.engine.experiment import trainer_spec
+
+    spec, choices = trainer_spec(trainer)
+    assert spec["class"] == "retiarii.engine.trainer:ClassifierTrainer"
+    assert spec["config"]["lr"] == 0.01 and set(choices) == {"lr"}  # the choice's default
+
+    class Described(rt.Trainer):  # local: no import reference reaches it, its spec does
+        def to_spec(self):
+            return {"class": "retiarii.engine.trainer:ClassifierTrainer", "config": {"lr": 0.5}}
+
+    assert trainer_spec(Described()) == ({"class": "retiarii.engine.trainer:ClassifierTrainer",
+                                         "config": {"lr": 0.5}}, {})
+    with pytest.raises(rt.ExperimentError, match="module-level"):
+        trainer_spec(rt.Trainer(dataset=(torch.zeros(4, 1, 8, 8), torch.zeros(4).long())))

@@ -1,5 +1,6 @@
-"""LocalExecutor and the worker: event order, per-trial failures, lost workers (SIGKILL, silent
-heartbeats), cancel, close; plus run_job itself, in process."""
+"""LocalExecutor and the worker: the executor contract (tests/executor_contract.py), event order,
+per-trial failures, lost workers (SIGKILL, silent heartbeats), cancel, close; plus run_job
+itself, in process."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from engine_helpers import ref
+from executor_contract import ExecutorContract
 from retiarii.engine.checkpoint import load
 from retiarii.engine.executors.base import (
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
@@ -58,6 +60,18 @@ def ex():
     pids = list(executor.worker_pids().values())
     executor.close()
     assert not any(alive(pid) for pid in pids)
+
+
+class TestLocalContract(ExecutorContract):
+    """The contract on the module's pool of two workers (tiny trainers: fast steps)."""
+
+    def task(self, trial_id, stop, *, raise_in_step=None, checkpoint_out=None):
+        return TrialTask(trial_id, spec(trainer=ref("FAILING"),
+                                        hparams={"raise_in_step": raise_in_step}),
+                         0, stop, None, checkpoint_out)
+
+    def kill_worker(self, ex, worker):
+        os.kill(ex.worker_pids()[worker], signal.SIGKILL)
 
 
 def test_job_events_in_order_and_checkpoints_loadable(ex, tmp_path):

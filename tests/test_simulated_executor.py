@@ -1,5 +1,5 @@
 """The simulated executor: virtual time, heterogeneous workers, checkpoint semantics, cancel,
-failures; plus an executor contract suite other executors can subclass."""
+failures; plus the executor contract suite (tests/executor_contract.py) run against it."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,8 @@ from retiarii.engine.executors.base import (
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.simulated import SimulatedExecutor
+
+from executor_contract import ExecutorContract
 
 
 def lin(spec, step):
@@ -23,36 +25,26 @@ def job(job_id, trial="t", start=0, stop=1, spec=None, ckpt_in=None, ckpt_out=No
                attempt=attempt)
 
 
-class ExecutorContract:
-    """What every executor must do; subclass and provide ``make(num_slots)``."""
-
-    def make(self, num_slots):
-        raise NotImplementedError  # pragma: no cover - subclasses provide it
-
-    def test_one_job_event_order(self):
-        ex = self.make(1)
-        ex.submit(job("j", stop=2, ckpt_out="c/t/2"))
-        events = drain(ex)
-        kinds = [type(e).__name__ for e in events]
-        assert kinds == ["JobStarted", "TrialResult", "TrialResult", "TrialCheckpointed",
-                         "JobFinished"]
-        assert [e.step for e in events if isinstance(e, TrialResult)] == [1, 2]
-        assert events[3].path == "c/t/2" and events[3].step == 2
-
-    def test_cancel_queued_job(self):
-        ex = self.make(1)
-        ex.submit(job("a", stop=3))
-        ex.submit(job("b", trial="u", stop=3))
-        ex.cancel("b")
-        events = drain(ex)
-        failed = [e for e in events if isinstance(e, JobFailed)]
-        assert [(e.job_id, e.error) for e in failed] == [("b", "cancelled")]
-        assert not any(isinstance(e, JobStarted) and e.job_id == "b" for e in events)
+def planned(task, step, attempt):
+    """The contract's failing tasks: raise in step ``hparams["raise_in_step"]``."""
+    if task.spec.get("hparams", {}).get("raise_in_step") == step:
+        return f"RuntimeError: planned failure in step {step}"
+    return None
 
 
 class TestSimulatedContract(ExecutorContract):
-    def make(self, num_slots):
-        return SimulatedExecutor(num_slots, lin)
+    LONG = 1000  # the simulator lays a job's events out when it starts
+
+    @pytest.fixture
+    def ex(self):
+        return SimulatedExecutor(2, lin, failures=planned)
+
+    def task(self, trial_id, stop, *, raise_in_step=None, checkpoint_out=None):
+        return TrialTask(trial_id, {"hparams": {"raise_in_step": raise_in_step}}, 0, stop,
+                         None, checkpoint_out)
+
+    def kill_worker(self, ex, worker):
+        ex.kill_worker(worker)
 
 
 def test_virtual_time_speeds_and_lowest_free_worker():
@@ -130,7 +122,32 @@ def test_failures_and_worker_loss():
     ex.submit(job("a2", start=0, stop=3, attempt=1))
     assert isinstance(drain(ex)[-1], JobFinished)
     ex.submit(job("b", trial="u"))
-    assert drain(ex)[-1].worker_lost
+    lost = drain(ex)[-1]
+    assert lost.worker_lost and lost.trial_id is None  # a lost worker blames no trial
+
+
+def test_a_lost_worker_ends_every_task_of_its_job_at_that_instant():
+    def fail(task, step, attempt):
+        return ("node gone", True) if task.trial_id == "b" and step == 2 else None
+
+    ex = SimulatedExecutor(1, lin, failures=fail)
+    ex.submit(Job("j", [TrialTask(t, {}, 0, 3, None, f"ck/{t}") for t in "abc"]))
+    events = drain(ex)
+    shape = [(type(e).__name__, getattr(e, "trial_id", None), getattr(e, "step", None))
+             for e in events]
+    # Steps run one of each task in turn: a's step 2 came before b's, c's never happened.
+    assert shape == [("JobStarted", None, None), ("TrialResult", "a", 1), ("TrialResult", "b", 1),
+                     ("TrialResult", "c", 1), ("TrialResult", "a", 2), ("JobFailed", None, None)]
+    assert events[-1].worker_lost and events[-1].error == "node gone" and ex.now() == 2.0
+    assert ex.checkpoints == {} and ex.history[-1]["failed"]
+
+
+def test_kill_worker_names_a_worker_and_spares_idle_ones():
+    ex = SimulatedExecutor(2, lin)
+    ex.kill_worker("sim-1")  # idle: nothing happens
+    assert drain(ex) == []
+    with pytest.raises(ValueError, match="no worker named 'local-0'"):
+        ex.kill_worker("local-0")
 
 
 def test_curve_errors_fail_the_trial_not_the_run():

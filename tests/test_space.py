@@ -368,3 +368,44 @@ def test_build_gives_a_module_for_workers():
     space = inception_space()
     net = space.build({"paths": 2, "op0": "conv", "op1": "dconv"})
     assert isinstance(net, nn.Module) and net(X).shape == (2, 10)
+
+
+# Three candidates Python calls equal (1 == True == 1.0) and a sample tells apart.
+LOOKALIKE_OPS = {int: nn.Identity(), bool: nn.Tanh(), float: nn.Sigmoid()}
+
+
+class LookalikeMutator(rt.Mutator):
+    """Replaces the relu by an op that depends on the *type* of the chosen candidate."""
+
+    def mutate(self, targets):
+        relu, = targets
+        value = self.choose([1, True, 1.0], label="x")
+        self.replace(relu, LOOKALIKE_OPS[type(value)])
+
+
+def test_replay_and_build_tell_look_alike_candidates_apart():
+    """Issue #11.1: replay compares keys as JSON, so {"x": True} is True and {"x": 1.0} is 1.0,
+    in ``replay`` and in ``build`` (what workers call) alike."""
+    space = rt.ModelSpace(Base(), [rt.apply_mutator(["relu"], LookalikeMutator())],
+                          example_input=X)
+    assert space.size() == 3
+    for key, op in ((1, nn.Identity), (True, nn.Tanh), (1.0, nn.Sigmoid)):
+        model = space.replay({"x": key})
+        assert model.sample == {"x": key} and type(model.sample["x"]) is type(key)
+        assert rt.strategies.base.sample_key(model.sample) == \
+            rt.strategies.base.sample_key({"x": key})
+        for check in (True, False):
+            net = space.build({"x": key}, check=check)
+            assert type(net.relu) is op, (key, check)
+    drawn = {rt.strategies.base.sample_key(m.sample): type(m.to_module().relu)
+             for m in space.enumerate()}
+    assert len(drawn) == 3 and len(set(drawn.values())) == 3
+
+
+def test_sampler_docstring_examples_run():
+    import doctest
+
+    import retiarii.sampler
+
+    result = doctest.testmod(retiarii.sampler)
+    assert result.attempted > 0 and result.failed == 0

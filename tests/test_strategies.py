@@ -31,7 +31,8 @@ from retiarii.strategies import (  # noqa: E402
     TPE, BudgetExhausted, GridSearch, PolicyBasedRL, Random, RegularizedEvolution,
     SpaceExhausted,
 )
-from retiarii.strategies.base import RandomSampler, ReplaySampler, draw, sample_key  # noqa: E402
+from retiarii.sampler import RandomSampler, ReplaySampler, sample_key  # noqa: E402
+from retiarii.strategies.base import UnknownSample, draw  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -309,9 +310,13 @@ def test_tell_errors_name_the_culprit(name):
             strategy.tell(foreign, 0.1)
         with pytest.raises(ValueError, match="already told"):
             strategy.tell(sample, 0.5)
-    with pytest.raises(ValueError, match="never proposed"):
+    with pytest.raises(UnknownSample, match="never proposed"):
         strategy.on_step({"n_paths": 9}, 1, {"loss": 1.0})
     strategy.on_step(sample, 1, {"loss": 1.0})
+    if not strategy.accepts_foreign:  # the one exception the engine expects from tell/on_step
+        with pytest.raises(UnknownSample, match="already told"):
+            strategy.tell(sample, 0.5)
+    assert strategy.config() == strategy.state_dict()["config"]  # public: the engine stores it
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

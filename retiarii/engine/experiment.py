@@ -24,10 +24,10 @@ define it at module level of a file or package (in a script, guard the run with
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -35,14 +35,16 @@ from typing import Any, Callable
 
 from ..choices import ValueChoice
 from ..codec import ref_of
-from ..mutator import MutationError, SampleError
+from ..enums import Mode, ModelStatus
+from ..mutator import MutationError
+from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
-from ..strategies.base import SpaceExhausted, sample_key
+from ..strategies.base import SpaceExhausted, UnknownSample
 from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir, CheckpointPathError
 from .lock import StoreLock, StoreLocked
 from .store import Store
-from .trainer import ClassifierTrainer, Trainer
+from .trainer import Trainer
 from .trials import Trial, TrialRunner, TrialState
 
 
@@ -91,18 +93,8 @@ def object_ref(obj: Any, what: str) -> str:
 
 def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
     """(what a worker rebuilds the trainer from, the trainer's ValueChoice hyper-parameters)."""
-    if type(trainer) is ClassifierTrainer:
-        config = dataclasses.asdict(trainer.config)
-        choices = {k: v for k, v in config.items() if isinstance(v, ValueChoice)}
-        config.update({k: v.default for k, v in choices.items()})
-        try:
-            json.dumps(config)
-            return {"class": ref_of(ClassifierTrainer), "config": config}, choices
-        except TypeError:
-            pass  # (X, y) tensors as dataset: fall back to a reference to the object
-        return object_ref(trainer, "trainer"), choices
-    choices = {k: v for k, v in vars(trainer).items() if isinstance(v, ValueChoice)}
-    return object_ref(trainer, "trainer"), choices
+    spec = trainer.to_spec()
+    return (object_ref(trainer, "trainer") if spec is None else spec), trainer.value_choices()
 
 
 class _DrawnModels:
@@ -190,7 +182,8 @@ class Experiment:
         self.path, self.workers, self.devices = str(store), workers, devices
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()
-        self.metric, self.mode, self.max_failures, self.dedup = metric, mode, max_failures, dedup
+        self.metric, self.mode = metric, Mode.parse(mode, "Experiment")
+        self.max_failures, self.dedup = max_failures, dedup
         self.model_retries = model_retries
         self.executor, self.progress, self.origin = executor, progress, origin
         self.store: Store | None = None
@@ -205,7 +198,7 @@ class Experiment:
         """What a resume must match (budgets may change between runs)."""
         return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
-                             "config": self.strategy._config(), "seed": self.strategy.seed},
+                             "config": self.strategy.config(), "seed": self.strategy.seed},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
                 "mode": self.mode, "dedup": self.dedup}
@@ -287,7 +280,7 @@ class Experiment:
             if row["hash"]:
                 key = self._dedup_key(row["hash"], row["sample"])
                 self._known[key] = row.get("value")
-                if row["status"] == "training":  # its trial resumes below
+                if row["status"] == ModelStatus.TRAINING:  # its trial resumes below
                     self._keys[row["id"]] = key
         self._count = len(models)
         executor = self.executor
@@ -384,7 +377,7 @@ class Experiment:
             except (ShapeMismatchError, MutationError, SampleError) as e:
                 self._count += 1  # a model that cannot be built fails alone, recorded
                 _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)
-                self.store.add_model(sample, None, None, status="failed")
+                self.store.add_model(sample, None, None, status=ModelStatus.FAILED)
                 self.strategy.tell(sample, None)
                 self._save_strategy()
                 continue
@@ -475,7 +468,7 @@ class Experiment:
             return
         try:
             self.strategy.on_step(sample, result["training_iteration"], result)
-        except (KeyError, ValueError):
+        except UnknownSample:
             # A trial resumed after a crash whose sample the restored strategy has not proposed
             # (again) yet: it learns the final value when it proposes it (see _next_trial).
             pass
@@ -491,10 +484,16 @@ class Experiment:
 
     def _end_model(self, trial: Trial) -> None:
         sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
-        value = (trial.last_result or {}).get(self.metric)
+        reported = (trial.last_result or {}).get(self.metric)
+        value = _finite(reported)
+        if reported is not None and value is None:
+            # NaN or inf (a diverged model, a broken metric) ranks nowhere: the model failed.
+            _log.warning("trial %s ended with %s = %r, not a finite number: its model is "
+                         "recorded as failed", trial.trial_id, self.metric, reported)
         failed = trial.state is TrialState.ERRORED or value is None
         if model_id is not None:
-            self.store.set_model_status(model_id, "failed" if failed else "trained", value)
+            self.store.set_model_status(
+                model_id, ModelStatus.FAILED if failed else ModelStatus.TRAINED, value)
         if sample is not None:
             key = None
             if model_id is not None:
@@ -507,7 +506,7 @@ class Experiment:
                 self._known[key] = value
             try:
                 self.strategy.tell(sample, value)
-            except (KeyError, ValueError):
+            except UnknownSample:
                 pass  # not proposed by the restored strategy (yet): told when it proposes it
             self._save_strategy()
 
@@ -531,6 +530,17 @@ def _comparable(config: dict) -> dict:
     if isinstance(config.get("trainer"), str):  # a reference: its file may have moved
         config["trainer"] = config["trainer"].rsplit(":", 1)[-1]
     return config
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number, else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _resolve(ref: str):

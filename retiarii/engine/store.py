@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 import sqlite_utils
 
 from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
+from ..enums import Mode, ModelStatus
 
 __all__ = ["Store", "StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES"]
 
@@ -304,7 +305,7 @@ class Store:
                                       {"status": status, "updated": _time.time()})
 
     def add_model(self, sample: dict, graph: dict | None = None, hash: str | None = None, *,
-                  parent: int | None = None, status: str = "pending") -> int:
+                  parent: int | None = None, status: ModelStatus | str = "pending") -> int:
         """Record a model of the current experiment; returns its id.
 
         Args:
@@ -312,8 +313,10 @@ class Store:
             graph: its Graph IR as JSON-ready data.
             hash: its structural hash, for deduplication.
             parent: the model it was mutated from (evolution), if any.
-            status: ``pending``, ``training``, ``trained`` or ``failed``.
+            status: a :class:`~retiarii.enums.ModelStatus` (stored as its string: ``pending``,
+                ``training``, ``trained`` or ``failed``).
         """
+        status = ModelStatus(status).value
         now = _time.time()
         self.flush()
         # Plain SQL here and in the other calls the engine makes for every model: sqlite-utils'
@@ -368,8 +371,10 @@ class Store:
         except sqlite_utils.db.NotFoundError:
             raise StoreError(f"{self.path} has no model {model_id}") from None
 
-    def set_model_status(self, model_id: int, status: str, value: float | None = None) -> None:
+    def set_model_status(self, model_id: int, status: ModelStatus | str,
+                         value: float | None = None) -> None:
         """Set a model's status and, once known, ``value``: the result its strategy was told."""
+        status = ModelStatus(status).value
         self.flush()
         if value is None:
             cursor = self.db.execute("UPDATE models SET status = ?, updated = ? WHERE id = ?",
@@ -855,7 +860,5 @@ class Store:
 _TRIAL_JSON = ("spec", "hparams", "record")
 
 
-def _order(mode: str) -> str:
-    if mode not in ("max", "min"):
-        raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-    return "DESC" if mode == "max" else "ASC"
+def _order(mode: Mode | str) -> str:
+    return "DESC" if Mode.parse(mode) is Mode.MAX else "ASC"

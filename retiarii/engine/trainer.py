@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import itertools
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..choices import ValueChoice
+from ..codec import ref_of
 from . import checkpoint as ckpt
 
 __all__ = ["Trainer", "ClassifierConfig", "ClassifierTrainer", "TrialRun", "TrainingError",
@@ -88,6 +91,19 @@ class Trainer(abc.ABC):
     def num_epochs(self, hparams: dict) -> int:
         """Epochs of a full trial under ``hparams``."""
         return int(hparams.get("epochs", self.epochs))
+
+    def value_choices(self) -> dict[str, ValueChoice]:
+        """This trainer's settings that are ValueChoices, by name: an experiment explores them
+        as choices and hands each trial its values in ``hparams[name]``. By default, the
+        instance attributes that are ValueChoices."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, ValueChoice)}
+
+    def to_spec(self) -> dict | None:
+        """How a worker rebuilds this trainer without importing the object, as JSON
+        ``{"class": "pkg.module:Class", "config": {...}}`` (``Class(**config)``), or None (the
+        default): the worker then imports this very object by reference, so it must be a
+        module-level variable of an importable module or script."""
+        return None
 
     def configure_optimizers(self, model: nn.Module, hparams: dict) -> Any:
         """An optimizer; or ``(optimizer, lr_scheduler)``; or Lightning's dict
@@ -214,6 +230,24 @@ class ClassifierTrainer(Trainer):
 
     def num_epochs(self, hparams: dict) -> int:
         return int(self.value("epochs", hparams))
+
+    def value_choices(self) -> dict[str, ValueChoice]:
+        return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                if isinstance(getattr(self.config, f.name), ValueChoice)}
+
+    def to_spec(self) -> dict | None:
+        """``{"class": ClassifierTrainer, "config": ...}`` with ValueChoices at their defaults;
+        None for a subclass (it may hold more than its config) or a config that is not JSON
+        (a dataset given as tensors)."""
+        if type(self) is not ClassifierTrainer:
+            return None
+        config = dataclasses.asdict(self.config)
+        config.update({k: v.default for k, v in self.value_choices().items()})
+        try:
+            json.dumps(config)
+        except TypeError:
+            return None
+        return {"class": ref_of(ClassifierTrainer), "config": config}
 
     def _split(self, hparams: dict) -> tuple[tuple, tuple]:
         dataset, fraction, seed = (self.value(k, hparams)

@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from ..enums import TrialState  # defined below the engine, so schedulers can import it too
 from ..strategies.scheduler import Decision, Scheduler, Spawn
 from .checkpoint import CheckpointDir, CheckpointPathError, check_trial_id
 from .executors.base import (
@@ -36,14 +37,6 @@ from .executors.base import (
 )
 
 _log = logging.getLogger("retiarii.engine")
-
-
-class TrialState(enum.Enum):
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    PAUSED = "PAUSED"
-    TERMINATED = "TERMINATED"
-    ERRORED = "ERRORED"
 
 
 _S = TrialState
@@ -201,6 +194,13 @@ def _result_dict(step: int, metrics: dict) -> dict:
     return {**metrics, "training_iteration": step}
 
 
+class _Outcome(enum.Enum):
+    """What the scheduler decided for a running segment before it ended."""
+
+    STOP = "stop"
+    PAUSE = "pause"
+
+
 @dataclass
 class _Flight:
     """A submitted segment of one trial."""
@@ -211,7 +211,7 @@ class _Flight:
     started: float | None = None
     mark: float = 0.0  # clock of the last result (time accounting)
     buffered: dict | None = None  # the segment's last result, fed once its checkpoint exists
-    outcome: str | None = None  # "stop" / "pause" once decided; the segment then only finishes
+    outcome: _Outcome | None = None  # once decided, the segment only finishes
 
 
 class TrialRunner:
@@ -490,7 +490,7 @@ class TrialRunner:
         self._move(trial, TrialState.TERMINATED, reason)
         flight = self._inflight.get(self._job_of.get(trial.trial_id, ""))
         if flight is not None and flight.outcome is None:
-            flight.outcome = "stop"
+            flight.outcome = _Outcome.STOP
             if trial.step < flight.task.stop_step or flight.buffered is not None:
                 self.executor.cancel(self._job_of[trial.trial_id])
         self.scheduler.on_trial_complete(trial.trial_id, trial.last_result or {})
@@ -686,7 +686,7 @@ class TrialRunner:
         elif decision is Decision.PAUSE:
             self._move(trial, TrialState.PAUSED, "paused by scheduler")
             if flight is not None:
-                flight.outcome = "pause"
+                flight.outcome = _Outcome.PAUSE
                 if mid_segment:  # resumes from the last checkpoint, redoing these steps
                     self.executor.cancel(self._job_of[trial.trial_id])
         self._after_scheduler()

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from .checkpoint import CheckpointError
 from .executors.base import (
-    Event, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
+    Event, FailureKind, Job, JobFailed, combined_kind, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 
 __all__ = ["resolve_ref", "WorkerContext", "run_job", "describe_error", "classify_error"]
@@ -176,14 +176,6 @@ def _out_of_memory(err: BaseException) -> bool:
                                            or "can't allocate memory" in text))
 
 
-def _job_failure_kind(kinds) -> FailureKind:
-    """One kind for a job several of whose tasks failed: retrying is the safe side."""
-    for kind in (FailureKind.ENVIRONMENT, FailureKind.CHECKPOINT):
-        if kind in kinds:
-            return kind
-    return FailureKind.MODEL
-
-
 def _open_task(task: TrialTask, context: WorkerContext):
     """A :class:`TrialRun` for ``task``, at ``task.start_step``."""
     from .trainer import TrialRun, check_segment
@@ -269,7 +261,7 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
     else:
         emit(JobFailed(job.job_id, None,
                        "\n".join(f"trial {t}: {e}" for t, e in failures.items()),
-                       kind=_job_failure_kind(kinds.values())))
+                       kind=combined_kind(kinds.values())))
 
 
 class _EmitError(ConnectionError):

@@ -8,7 +8,7 @@ from .asha import ASHA
 from .hyperband import Hyperband
 from .hypertrick import HyperTrick
 from .pbt import PBT, Categorical, Continuous, Discrete, Integer
-from .base import BudgetExhausted, SpaceExhausted, Strategy
+from .base import BudgetExhausted, SpaceExhausted, Strategy, UnknownSample
 from .random_search import Random
 from .grid import GridSearch
 from .evolution import RegularizedEvolution

@@ -7,7 +7,8 @@ import math
 
 import numpy as np
 
-from .scheduler import Decision, Scheduler, check_mode, check_state, from_json_float, json_float
+from ..enums import Mode
+from .scheduler import Decision, Scheduler, check_state, from_json_float, json_float
 
 
 def rung_milestones(grace_period: float, max_t: float, reduction_factor: float, s: int) -> list:
@@ -178,7 +179,8 @@ class ASHA(Scheduler):
                  reduction_factor: float = 4, brackets: int = 1,
                  time_attr: str = "training_iteration", stop_last_trials: bool = True,
                  promotion: bool = False, seed: int | None = None):
-        self.sign = check_mode(mode)
+        mode = Mode.parse(mode, type(self).__name__)
+        self.sign = mode.sign
         if not max_t > 0 or not grace_period > 0 or max_t < grace_period:
             raise ValueError(f"need 0 < grace_period <= max_t, got grace_period={grace_period}, "
                              f"max_t={max_t}")

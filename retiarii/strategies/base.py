@@ -29,7 +29,10 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
+
+from ..enums import Mode
+from ..sampler import RandomSampler, ReplaySampler, Sampler, sample_key
 
 
 class SpaceExhausted(Exception):
@@ -41,39 +44,14 @@ class BudgetExhausted(SpaceExhausted):
     catches both ways a search ends)."""
 
 
-class Sampler(Protocol):
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        """Index into ``candidates`` (their keys) for the choice ``label``; ``context`` is the
-        sample so far."""
+class UnknownSample(ValueError):
+    """``tell`` or ``on_step`` of a sample this strategy has not proposed (or already told).
+
+    The engine expects it after a resume: a trial that outlived the driver may report a sample
+    the restored strategy has not proposed again yet (it learns the value when it does)."""
 
 
-# ---- helpers on samples and candidates ----------------------------------------------------
-
-
-def sample_key(sample: dict) -> str:
-    """A canonical string for a sample, equal for equal choices whatever their order.
-
-    Example:
-        >>> sample_key({"b": 1, "a": "conv"}) == sample_key({"a": "conv", "b": 1})
-        True
-    """
-    # NOTE: keys are compared through JSON, never with ==, because 1 == 1.0 == True in Python
-    # while they are three different candidates of a choice.
-    return json.dumps(sample, sort_keys=True, separators=(",", ":"))
-
-
-def index_of(candidates: list, key: Any) -> int | None:
-    """The index of ``key`` among ``candidates`` (compared as JSON), or ``None``.
-
-    Example:
-        >>> index_of([1, True, 1.0], True)
-        1
-    """
-    wanted = json.dumps(key)
-    for i, candidate in enumerate(candidates):
-        if json.dumps(candidate) == wanted:
-            return i
-    return None
+# ---- helpers on samples ------------------------------------------------------------------
 
 
 def _check_sample(sample: Any, where: str) -> dict:
@@ -85,54 +63,6 @@ def _check_sample(sample: Any, where: str) -> dict:
         raise TypeError(f"{where}: the sample {sample!r} is not JSON-serializable ({e}); keys "
                         f"of candidates must be JSON scalars") from None
     return sample
-
-
-# ---- samplers -------------------------------------------------------------------------------
-
-
-class RandomSampler:
-    """Picks every choice uniformly at random with ``rng`` (a ``random.Random``).
-
-    Example:
-        >>> RandomSampler(random.Random(0)).choose("op", ["a", "b", "c"], {}) in (0, 1, 2)
-        True
-    """
-
-    def __init__(self, rng: random.Random):
-        self.rng = rng
-
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        return self.rng.randrange(len(candidates))
-
-
-class ReplaySampler:
-    """Follows ``sample`` wherever it has the label and its key is still a candidate, and asks
-    ``fallback`` for the other choices (those that did not exist when ``sample`` was made).
-
-    ``overrides`` maps a label to a function ``(candidates, key_in_sample) -> int`` that decides
-    that choice instead (how evolution mutates one choice).
-
-    Example:
-        >>> ReplaySampler({"op": "b"}).choose("op", ["a", "b"], {})
-        1
-    """
-
-    def __init__(self, sample: dict, fallback: Sampler | None = None,
-                 overrides: dict[str, Callable[[list, Any], int]] | None = None):
-        self.sample = sample
-        self.fallback = fallback
-        self.overrides = overrides or {}
-
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        if label in self.overrides:
-            return self.overrides[label](candidates, self.sample.get(label))
-        index = index_of(candidates, self.sample[label]) if label in self.sample else None
-        if index is not None:
-            return index
-        if self.fallback is None:
-            raise ValueError(f"replaying {self.sample}: the space asks for {label!r} with "
-                             f"candidates {candidates}, which the sample does not decide")
-        return self.fallback.choose(label, candidates, context)
 
 
 class _Recorder:
@@ -259,8 +189,6 @@ class Strategy(abc.ABC):
     def __init__(self, *, seed: int | None = None, mode: str = "max", dedup: bool = True,
                  max_models: int | None = None, max_time: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        if mode not in ("max", "min"):
-            raise ValueError(f"{type(self).__name__}: mode must be 'max' or 'min', got {mode!r}")
         if max_models is not None and (not isinstance(max_models, int) or max_models < 1):
             raise ValueError(f"{type(self).__name__}: max_models must be a positive int or "
                              f"None, got {max_models!r}")
@@ -268,7 +196,7 @@ class Strategy(abc.ABC):
             raise ValueError(f"{type(self).__name__}: max_time must be positive seconds or "
                              f"None, got {max_time!r}")
         self.seed = seed
-        self.mode = mode
+        self.mode = Mode.parse(mode, type(self).__name__)
         self.dedup = dedup
         self.max_models = max_models
         self.max_time = max_time
@@ -353,7 +281,7 @@ class Strategy(abc.ABC):
         if record is None or record.pending == 0:
             if not self.accepts_foreign:
                 what = "never proposed" if record is None else "already told"
-                raise ValueError(
+                raise UnknownSample(
                     f"{type(self).__name__}.tell: {sample} was {what}; tell each sample "
                     f"returned by ask() exactly once (RegularizedEvolution and TPE accept "
                     f"foreign samples)")
@@ -371,7 +299,7 @@ class Strategy(abc.ABC):
         decide from final results only; a strategy that learns from curves overrides this."""
         key = sample_key(_check_sample(sample, f"{type(self).__name__}.on_step"))
         if key not in self._records:
-            raise ValueError(f"{type(self).__name__}.on_step: {sample} was never proposed")
+            raise UnknownSample(f"{type(self).__name__}.on_step: {sample} was never proposed")
 
     def best(self) -> tuple[dict, float] | None:
         """The best told sample and its value (``None`` before any successful tell)."""
@@ -386,6 +314,11 @@ class Strategy(abc.ABC):
         parent), or ``None`` for a sample drawn afresh."""
         parent = self._parents.get(sample_key(sample))
         return None if parent is None else dict(parent)
+
+    def config(self) -> dict:
+        """The settings that define this search, as JSON: a saved state must match them, and
+        an experiment stores them so that a resume can check them. Subclasses extend it."""
+        return {"mode": self.mode, "dedup": self.dedup}
 
     @property
     def num_proposed(self) -> int:
@@ -406,7 +339,7 @@ class Strategy(abc.ABC):
         return {
             "strategy": type(self).__name__,
             "format": STATE_FORMAT,
-            "config": self._config(),
+            "config": self.config(),
             "rng": _rng_state(self._rng),
             # (shallow copies: cheap, and the items are never changed once appended)
             "candidate_lists": list(self._candidate_lists),
@@ -424,9 +357,9 @@ class Strategy(abc.ABC):
         if state.get("strategy") != name:
             raise ValueError(f"{name}.load_state_dict: the state was saved by "
                              f"{state.get('strategy')!r}; restore it into that strategy")
-        if state["config"] != self._config():
+        if state["config"] != self.config():
             raise ValueError(f"{name}.load_state_dict: the state was saved with "
-                             f"{state['config']} but this strategy has {self._config()}; "
+                             f"{state['config']} but this strategy has {self.config()}; "
                              f"construct it with the saved settings")
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"{name}.load_state_dict: the state has format "
@@ -475,10 +408,6 @@ class Strategy(abc.ABC):
     def _on_tell(self, key: str, score: float | None) -> None:
         """Learns from a result; ``score`` is higher-is-better whatever ``mode`` is."""
 
-    def _config(self) -> dict:
-        """The settings a saved state must match (JSON)."""
-        return {"mode": self.mode, "dedup": self.dedup}
-
     def _state(self) -> dict:
         return {}
 
@@ -488,7 +417,7 @@ class Strategy(abc.ABC):
     # -- helpers for subclasses ---------------------------------------------------------------
 
     def _score(self, value: float) -> float:
-        return value if self.mode == "max" else -value
+        return value * self.mode.sign
 
     def _random_draw(self, space: Any) -> Draw:
         return draw(space, RandomSampler(self._rng))

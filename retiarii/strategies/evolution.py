@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .base import Draw, RandomSampler, ReplaySampler, Strategy, draw, index_of, sample_key
+from ..sampler import RandomSampler, ReplaySampler, index_of, sample_key
+from .base import Draw, Strategy, draw
 
 
 def _mutable_labels(trace: list[tuple[str, list]]) -> list[str]:
@@ -146,8 +147,8 @@ class RegularizedEvolution(Strategy):
         if score is not None:
             self._population.append((key, score))
 
-    def _config(self) -> dict:
-        config = {**super()._config(), "population_size": self.population_size,
+    def config(self) -> dict:
+        config = {**super().config(), "population_size": self.population_size,
                   "sample_size": self.sample_size}
         if self.initial != "random":  # (states saved before the option existed still load)
             config["initial"] = self.initial

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import math
 
+from ..enums import Mode
 from .scheduler import (
-    Decision, Scheduler, check_mode, check_state, from_json_float, json_float, metric_value,
+    Decision, Scheduler, check_state, from_json_float, json_float, metric_value,
 )
 
 
@@ -66,7 +67,8 @@ class Hyperband(Scheduler):
     def __init__(self, metric: str, mode: str = "max", max_t: int = 81, reduction_factor: float = 3,
                  brackets: int | None = None, bracket_size: int | None = None,
                  time_attr: str = "training_iteration"):
-        self.sign = check_mode(mode)
+        mode = Mode.parse(mode, type(self).__name__)
+        self.sign = mode.sign
         if not reduction_factor > 1:
             raise ValueError(f"reduction_factor must be > 1, got {reduction_factor}")
         if not max_t >= 1:

@@ -5,8 +5,9 @@ import math
 
 import numpy as np
 
+from ..enums import Mode
 from .scheduler import (
-    Decision, Scheduler, check_mode, check_state, from_json_float, json_float, metric_value,
+    Decision, Scheduler, check_state, from_json_float, json_float, metric_value,
 )
 
 
@@ -65,7 +66,8 @@ class HyperTrick(Scheduler):
     def __init__(self, metric: str, mode: str = "max", num_workers: int = 16, num_phases: int = 4,
                  eviction_rate: float = 0.25, phase_length: float = 1,
                  time_attr: str = "training_iteration"):
-        self.sign = check_mode(mode)
+        mode = Mode.parse(mode, type(self).__name__)
+        self.sign = mode.sign
         if not 0 < eviction_rate < 1:
             raise ValueError(f"eviction_rate must be in (0, 1), got {eviction_rate}")
         if num_workers < 1 or num_phases < 1 or not phase_length > 0:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .scheduler import Decision, Scheduler, check_mode, check_state, from_json_float, json_float
+from ..enums import Mode
+from .scheduler import Decision, Scheduler, check_state, from_json_float, json_float
 
 
 def _running_mean(history: list[tuple[float, float]], grace_period: float, time: float) -> float:
@@ -54,7 +55,8 @@ class MedianStopping(Scheduler):
     def __init__(self, metric: str, mode: str = "max", grace_period: float = 1.0,
                  min_samples_required: int = 3, hard_stop: bool = True,
                  time_attr: str = "training_iteration"):
-        self.sign = check_mode(mode)
+        mode = Mode.parse(mode, type(self).__name__)
+        self.sign = mode.sign
         if min_samples_required < 1:
             raise ValueError(f"min_samples_required must be >= 1, got {min_samples_required}")
         self.metric, self.mode, self.time_attr = metric, mode, time_attr
@@ -86,7 +88,7 @@ class MedianStopping(Scheduler):
     def _best(self, trial_id: str) -> float:
         # Python's min/max on purpose: identical to Ray, NaN handling included.
         values = [m for _, m in self._results[trial_id]]
-        return max(values) if self.mode == "max" else min(values)
+        return max(values) if self.mode is Mode.MAX else min(values)
 
     def on_trial_result(self, trial_id: str, result: dict) -> Decision:
         if self.time_attr not in result or self.metric not in result:
@@ -102,7 +104,7 @@ class MedianStopping(Scheduler):
         if len(means) < self.min_samples_required:
             return Decision.CONTINUE
         median, best = np.median(means), self._best(trial_id)
-        compare = max if self.mode == "max" else min
+        compare = max if self.mode is Mode.MAX else min
         if compare(median, best) != best:
             self._stopped.add(trial_id)
             self._log.append(["stop", trial_id])

@@ -3,14 +3,16 @@ trial dependency DAG, training replay, checkpoint garbage collection)."""
 from __future__ import annotations
 
 import base64
+import enum
 import math
 import random
 import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ..enums import Mode
 from .scheduler import (
-    Decision, Scheduler, Spawn, check_mode, check_state, from_json_float, json_float, metric_value,
+    Decision, Scheduler, Spawn, check_state, from_json_float, json_float, metric_value,
 )
 
 # ---- hyper-parameter kinds -------------------------------------------------------------------
@@ -107,6 +109,14 @@ def _fitness_key(fitness: list | None) -> tuple:
     return tuple(-math.inf if f is None or math.isnan(f) else f for f in (fitness or [math.nan]))
 
 
+class _Status(enum.StrEnum):
+    """Where a member of the population stands (its record's ``"status"``)."""
+
+    PENDING = "pending"  # training towards its stop step
+    DONE = "done"  # reached it: has a fitness, may reproduce
+    FAILED = "failed"  # failed for good: not counted in its generation
+
+
 def _state_name(state: Any) -> str:
     return str(getattr(state, "name", state)).upper()
 
@@ -173,7 +183,8 @@ class PBT(Scheduler):
                  opponent_generations: int = 2, budget_mode: bool = False,
                  time_attr: str = "training_iteration", seed: int | None = None,
                  id_prefix: str = "pbt"):
-        self.sign = check_mode(mode)
+        mode = Mode.parse(mode, type(self).__name__)
+        self.sign = mode.sign
         self.metrics = [metric] if isinstance(metric, str) else list(metric)
         if not self.metrics:
             raise ValueError("PBT needs at least one metric")
@@ -207,7 +218,7 @@ class PBT(Scheduler):
         rec = {"gen": gen, "config": config, "parent": parent, "parent_step": parent_step,
                "initiator": initiator, "start": parent_step,
                "stop": parent_step + self.steps_per_trial, "end": None, "fitness": None,
-               "status": "pending", "initiated": False}
+               "status": _Status.PENDING, "initiated": False}
         self._trials[trial_id] = rec
         if parent is not None:
             self._pins[trial_id] = [parent, parent_step]
@@ -221,14 +232,15 @@ class PBT(Scheduler):
                 return trial_id
 
     def _gen_size(self, gen: int) -> int:
-        return sum(1 for r in self._trials.values() if r["gen"] == gen and r["status"] != "failed")
+        return sum(1 for r in self._trials.values()
+                   if r["gen"] == gen and r["status"] is not _Status.FAILED)
 
     def _better(self, a: str, b: str) -> bool:
         """Strictly better fitness (lexicographic)."""
         return _fitness_key(self._trials[a]["fitness"]) > _fitness_key(self._trials[b]["fitness"])
 
     def _can_reproduce(self, rec: dict) -> bool:
-        if rec["status"] != "done" or rec["initiated"]:
+        if rec["status"] is not _Status.DONE or rec["initiated"]:
             return False
         if self.max_generations is not None and rec["gen"] + 1 >= self.max_generations:
             return False
@@ -247,7 +259,7 @@ class PBT(Scheduler):
     def _finished(self, trial_id: str, time: float, fitness: list[float]) -> None:
         self._log.append(["finish", trial_id, time, [json_float(f) for f in fitness]])
         rec = self._trials[trial_id]
-        rec["status"], rec["end"] = "done", int(time) if float(time).is_integer() else time
+        rec["status"], rec["end"] = _Status.DONE, int(time) if float(time).is_integer() else time
         rec["fitness"] = fitness
 
     # ---- the scheduler interface --------------------------------------------------------
@@ -273,8 +285,8 @@ class PBT(Scheduler):
         self._log.append(["spawn"])
         irec = self._trials[initiator]
         low = irec["gen"] - self.k + 1
-        pool = [t for t, r in self._trials.items() if t != initiator and r["status"] == "done"
-                and low <= r["gen"] <= irec["gen"]]
+        pool = [t for t, r in self._trials.items() if t != initiator
+                and r["status"] is _Status.DONE and low <= r["gen"] <= irec["gen"]]
         winner = initiator
         if pool:
             opponent = self._rng.choice(pool)
@@ -300,7 +312,7 @@ class PBT(Scheduler):
         if trial_id not in self._trials:
             self.on_trial_add(trial_id, {})
         rec, time = self._trials[trial_id], result[self.time_attr]
-        if rec["status"] != "pending":
+        if rec["status"] is not _Status.PENDING:
             return Decision.STOP
         if time >= rec["stop"]:
             self._finish(trial_id, result, time)
@@ -309,7 +321,7 @@ class PBT(Scheduler):
 
     def on_trial_complete(self, trial_id: str, result: dict) -> None:
         rec = self._trials.get(trial_id)
-        if rec is not None and rec["status"] == "pending":
+        if rec is not None and rec["status"] is _Status.PENDING:
             self._finish(trial_id, result, result.get(self.time_attr, rec["start"]))
 
     def on_trial_error(self, trial_id: str) -> None:
@@ -317,7 +329,7 @@ class PBT(Scheduler):
         if rec is None:
             return
         self._log.append(["error", trial_id])
-        rec["status"] = "failed"
+        rec["status"] = _Status.FAILED
         self._pins.pop(trial_id, None)
         if rec["initiator"] is not None:  # the initiator reproduces again
             self._trials[rec["initiator"]]["initiated"] = False
@@ -326,7 +338,7 @@ class PBT(Scheduler):
 
     def best_trial(self) -> str | None:
         """The completed trial with the best fitness (the oldest on a tie)."""
-        done = [t for t, r in self._trials.items() if r["status"] == "done"]
+        done = [t for t, r in self._trials.items() if r["status"] is _Status.DONE]
         return max(done, key=lambda t: _fitness_key(self._trials[t]["fitness"])) if done else None
 
     def lineage(self, trial_id: str) -> list[dict]:
@@ -398,11 +410,12 @@ class PBT(Scheduler):
                 elif trial_id in self._pins:
                     keep_at(*self._pins[trial_id])
         future = [r["gen"] for r in self._trials.values()
-                  if r["status"] == "pending" or (r["status"] == "done" and not r["initiated"])]
+                  if r["status"] is _Status.PENDING
+                  or (r["status"] is _Status.DONE and not r["initiated"])]
         if future:
             low = min(future) - self.k + 1
             for trial_id, r in self._trials.items():
-                if r["status"] == "done" and r["gen"] >= low:
+                if r["status"] is _Status.DONE and r["gen"] >= low:
                     keep_at(trial_id, r["end"])
         if keep_lineage_of is None:
             best = self.best_trial()

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .base import Draw, ReplaySampler, Strategy, draw, index_of
+from ..sampler import ReplaySampler, index_of
+from .base import Draw, Strategy, draw
 
 
 def _uniform_(tensor: torch.Tensor, seed: int, scale: float) -> torch.Tensor:
@@ -283,8 +284,8 @@ class PolicyBasedRL(Strategy):
             loss.backward()
             self._optimizer.step()
 
-    def _config(self) -> dict:
-        return {**super()._config(), "hidden_size": self.hidden_size,
+    def config(self) -> dict:
+        return {**super().config(), "hidden_size": self.hidden_size,
                 "learning_rate": self.learning_rate, "baseline_decay": self.baseline_decay,
                 "entropy_weight": self.entropy_weight, "tanh_constant": self.tanh_constant,
                 "init_scale": self.init_scale}

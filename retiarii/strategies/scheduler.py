@@ -56,15 +56,6 @@ class Spawn:
 # ---- helpers shared by the schedulers ------------------------------------------------------
 
 
-def check_mode(mode: str) -> float:
-    """+1.0 for ``"max"``, -1.0 for ``"min"``; a clear error otherwise."""
-    if mode == "max":
-        return 1.0
-    if mode == "min":
-        return -1.0
-    raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-
-
 def json_float(x: float | None) -> float | str | None:
     """A float as strict JSON allows it (NaN and infinities become strings)."""
     if x is None:

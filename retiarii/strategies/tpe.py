@@ -6,7 +6,8 @@ import json
 import math
 from typing import Any
 
-from .base import Draw, Strategy, draw, sample_key
+from ..sampler import sample_key
+from .base import Draw, Strategy, draw
 
 
 def parzen_categorical(keys: list, candidates: list, prior_weight: float) -> list[float]:
@@ -158,6 +159,6 @@ class TPE(Strategy):
         # again (then falls back to a random new sample).
         return best if best is not None else candidate
 
-    def _config(self) -> dict:
-        return {**super()._config(), "n_startup": self.n_startup, "gamma": self.gamma,
+    def config(self) -> dict:
+        return {**super().config(), "n_startup": self.n_startup, "gamma": self.gamma,
                 "prior_weight": self.prior_weight, "n_ei_candidates": self.n_ei_candidates}

@@ -99,6 +99,16 @@ class JobFailed:
             object.__setattr__(self, "kind", lost)
 
 
+def combined_kind(kinds) -> FailureKind:
+    """One kind for a job several of whose tasks failed: retrying is the safe side, so an
+    environment's failure wins over a checkpoint's, which wins over a model's."""
+    kinds = set(kinds)
+    for kind in (FailureKind.ENVIRONMENT, FailureKind.CHECKPOINT):
+        if kind in kinds:
+            return kind
+    return FailureKind.MODEL
+
+
 Event = JobStarted | TrialResult | TrialCheckpointed | JobFinished | JobFailed
 
 

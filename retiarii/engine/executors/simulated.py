@@ -6,6 +6,9 @@ step costs ``step_time / speed`` virtual seconds on a worker of that speed; its 
 from a learning-curve function, a table, or a stateful model. Checkpoints are records (which
 trial, which step, the model state) kept in a dict that plays the disk, and ``checkpoint_in``
 is honoured: a task resumes only from a checkpoint that exists and holds its ``start_step``.
+Jobs of several tasks follow the rules every executor keeps (docs/architecture.md): a task that
+fails stops only itself, a lost worker (``failures`` returning ``(message, True)``, or
+:meth:`SimulatedExecutor.kill_worker`) stops the whole job at that instant.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .base import (
-    Event, Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
+    Event, Executor, FailureKind, Job, JobFailed, combined_kind, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
     TrialTask,
 )
 
@@ -38,7 +41,7 @@ class _Running:
 class _WorkerFree:
     worker: int
     job_id: str
-    by_cancel: bool = False
+    early: bool = False  # freed by a cancel or a lost worker, before the job's planned end
 
 
 def _table_curve(table: Mapping[str, Sequence[Any]], key: str, metric: str) -> Curve:
@@ -125,7 +128,7 @@ class SimulatedExecutor(Executor):
         self._queue: list[Job] = []
         self._free = list(range(num_workers))
         self._running: dict[str, _Running] = {}
-        self._cancelled: set[str] = set()  # jobs cancelled while running
+        self._cut: dict[str, JobFailed] = {}  # jobs ended early (cancel, lost worker): their end
         self._over: set[str] = set()  # jobs whose last event went out
         self.history: list[dict] = []  # one record per job run: what tests and plots read
         self.busy_time = [0.0] * num_workers
@@ -177,14 +180,24 @@ class SimulatedExecutor(Executor):
                 self._push(self._clock, JobFailed(job_id, None, "cancelled"))
                 return
         run = self._running.get(job_id)
-        if run is None:
-            return  # already over: nothing to cancel
-        self._cancelled.add(job_id)  # drop its future events
-        self.history[run.history_index]["end"] = self._clock
-        self.history[run.history_index]["cancelled"] = True
-        self.busy_time[run.worker] -= run.end - self._clock
-        self._push(self._clock, JobFailed(job_id, None, "cancelled"))
-        self._push(self._clock, _WorkerFree(run.worker, job_id, by_cancel=True))
+        if run is not None and job_id not in self._cut:  # else already over: nothing to do
+            self._end_now(run, JobFailed(job_id, None, "cancelled"))
+
+    def kill_worker(self, worker: str) -> None:
+        """The simulator's worker death (what SIGKILL does to a LocalExecutor worker): the job
+        running on ``worker`` ("sim-0", ...) ends now with ``JobFailed(worker_lost=True)``,
+        what it would have done later never happens, and the worker is at once available again
+        (as a replacement process would be). An idle worker: no-op."""
+        index = next((w for w in range(self.num_slots) if f"sim-{w}" == worker), None)
+        if index is None:
+            raise ValueError(f"no worker named {worker!r}; workers are sim-0 .. "
+                             f"sim-{self.num_slots - 1}")
+        run = next((r for r in self._running.values()
+                    if r.worker == index and r.job.job_id not in self._cut), None)
+        if run is not None:
+            self._end_now(run, JobFailed(run.job.job_id, None,
+                                         f"worker {worker} was killed at t={self._clock}",
+                                         worker_lost=True))
 
     def now(self) -> float:
         return self._clock
@@ -199,14 +212,23 @@ class SimulatedExecutor(Executor):
         heapq.heappush(self._heap, (when, next(self._seq), item))
 
     def _stale(self, item: Any) -> bool:
-        """Events of a job that already ended (failed, or cancelled) are dropped."""
+        """Events of a job that already ended (failed, cancelled, lost its worker) are dropped."""
         if isinstance(item, _WorkerFree):
-            return item.job_id in self._cancelled and not item.by_cancel
+            return item.job_id in self._cut and not item.early
         if item.job_id in self._over:
             return True
-        if item.job_id in self._cancelled:
-            return not (isinstance(item, JobFailed) and item.error == "cancelled")
-        return False
+        return item.job_id in self._cut and item is not self._cut[item.job_id]
+
+    def _end_now(self, run: _Running, event: JobFailed) -> None:
+        """End a running job at the current time with ``event``, dropping its later events."""
+        job_id = run.job.job_id
+        self._cut[job_id] = event
+        self.history[run.history_index]["end"] = self._clock
+        cancelled = event.error == "cancelled" and not event.worker_lost
+        self.history[run.history_index]["cancelled" if cancelled else "failed"] = True
+        self.busy_time[run.worker] -= run.end - self._clock
+        self._push(self._clock, event)
+        self._push(self._clock, _WorkerFree(run.worker, job_id, early=True))
 
     def _duration(self, spec: dict, step: int, worker: int) -> float:
         base = self._step_time(spec, step) if callable(self._step_time) else self._step_time
@@ -221,64 +243,97 @@ class SimulatedExecutor(Executor):
             self._start(job, worker)
 
     def _start(self, job: Job, worker: int) -> None:
-        """Lay out the job's whole event sequence on the virtual timeline."""
+        """Lay out the job's whole event sequence on the virtual timeline.
+
+        Its tasks train side by side (one step of each in turn, as ``worker.run_job`` does), so
+        a task that fails stops only itself: the others run to their end, and the job lasts
+        as long as its slowest task. A failure that loses the worker ends every task at that
+        instant instead."""
         t = self._clock
         self._push(t, JobStarted(job.job_id, f"sim-{worker}"))
         pending_ckpt: dict[str, dict] = {}
-        failed = False
-        # Trials of one job train side by side; the job lasts as long as its slowest trial.
+        timeline: list[tuple[float, int, Any]] = []  # (time, task index, event)
+        errors: dict[str, tuple[str, FailureKind]] = {}  # trial id -> why its task failed
+        lost: tuple[float, int, str] | None = None  # the first worker loss: (time, task, why)
         end = t
-        for task in job.tasks:
-            tt, error = t, None
-            state = None
-            if task.checkpoint_in is not None:
-                rec = self.checkpoints.get(task.checkpoint_in)
-                if rec is None:
-                    error = (f"checkpoint {task.checkpoint_in!r} of trial {task.trial_id!r} does "
-                             f"not exist", False, FailureKind.CHECKPOINT)
-                elif rec["step"] != task.start_step:
-                    error = (f"checkpoint {task.checkpoint_in!r} holds step {rec['step']} but the "
-                             f"task of trial {task.trial_id!r} starts at step {task.start_step}",
-                             False, FailureKind.CHECKPOINT)
-                else:
-                    state = rec["state"]
-            elif task.start_step != 0:
-                error = (f"trial {task.trial_id!r} starts at step {task.start_step} without a "
-                         f"checkpoint_in", False)
-            step = task.start_step
-            while error is None and step < task.stop_step:
+        for index, task in enumerate(job.tasks):
+            tt, (error, state) = t, self._resume_state(task)
+            kind = FailureKind.CHECKPOINT  # (of an error at the start: its checkpoint_in)
+            step, cut = task.start_step, False  # cut: its worker was lost during this task
+            while error is None and not cut and step < task.stop_step:
                 step += 1
                 tt += self._duration(task.spec, step, worker)
                 fail = self._failures(task, step, job.attempt) if self._failures else None
                 if fail is not None:
-                    error = (fail, False) if isinstance(fail, str) else tuple(fail)
+                    message, worker_lost, *given = (fail, False) if isinstance(fail, str) else fail
+                    if worker_lost:
+                        if lost is None or (tt, index) < lost[:2]:
+                            lost = (tt, index, message)
+                        cut = True
+                        break
+                    error, kind = message, (given[0] if given else FailureKind.MODEL)
                     break
                 try:
                     metrics, state = self._model(task.spec, step, state)
                 except Exception as exc:  # a broken curve fails this trial, not the run
-                    error = (f"{type(exc).__name__}: {exc}", False)
+                    error, kind = f"{type(exc).__name__}: {exc}", FailureKind.MODEL
                     break
-                self._push(tt, TrialResult(job.job_id, task.trial_id, step,
-                                           {k: float(v) for k, v in metrics.items()}, tt))
-            if error is not None:  # the whole job stops here
-                end, failed = tt, (task.trial_id, error)
-                break
+                timeline.append((tt, index, TrialResult(
+                    job.job_id, task.trial_id, step, {k: float(v) for k, v in metrics.items()},
+                    tt)))
+            if error is not None or cut:
+                if error is not None:
+                    errors[task.trial_id] = (error, kind)
+                end = max(end, tt)
+                continue
             path = task.checkpoint_out or f"sim://{task.trial_id}/step-{task.stop_step}"
             pending_ckpt[task.trial_id] = {"trial_id": task.trial_id, "step": task.stop_step,
                                            "state": state, "spec": dict(task.spec)}
             tt += self._checkpoint_time
-            self._push(tt, TrialCheckpointed(job.job_id, task.trial_id, task.stop_step, path))
+            timeline.append((tt, index, TrialCheckpointed(job.job_id, task.trial_id,
+                                                          task.stop_step, path)))
             end = max(end, tt)
+        if lost is not None:
+            # The worker died at that instant: what its tasks did before it stands (at that
+            # same instant, the steps of the tasks before the culprit, which ran first).
+            end, culprit, message = lost
+            timeline = [item for item in timeline
+                        if item[0] < end or (item[0] == end and item[1] < culprit)]
+            terminal: Event = JobFailed(job.job_id, None, message, worker_lost=True)
+        elif not errors:
+            terminal = JobFinished(job.job_id)
+        elif len(errors) == 1:
+            (trial_id, (message, kind)), = errors.items()
+            terminal = JobFailed(job.job_id, trial_id, message, kind=kind)
+        else:
+            terminal = JobFailed(job.job_id, None,
+                                 "\n".join(f"trial {t}: {e}" for t, (e, _) in errors.items()),
+                                 kind=combined_kind(k for _, k in errors.values()))
+        for when, _, event in sorted(timeline, key=lambda item: item[:2]):  # stable: in order
+            self._push(when, event)
         # The worker is free before the job's last event, so a segment submitted in reply
         # can go straight back onto it.
         self._push(end, _WorkerFree(worker, job.job_id))
-        if failed:
-            trial_id, (message, lost, *kind) = failed
-            self._push(end, JobFailed(job.job_id, trial_id, message, bool(lost), *kind))
-        else:
-            self._push(end, JobFinished(job.job_id))
+        self._push(end, terminal)
+        failed = isinstance(terminal, JobFailed)
         self._running[job.job_id] = _Running(job, worker, t, end, pending_ckpt, len(self.history))
         self.busy_time[worker] += end - t
         self.history.append({"job_id": job.job_id, "worker": worker, "start": t, "end": end,
                              "tasks": [dict(vars(task)) for task in job.tasks],
-                             "failed": bool(failed), "cancelled": False})
+                             "failed": failed, "cancelled": False})
+
+    def _resume_state(self, task: TrialTask) -> tuple[str | None, Any]:
+        """(why the task cannot start, or None; the model state it starts from)."""
+        if task.checkpoint_in is not None:
+            rec = self.checkpoints.get(task.checkpoint_in)
+            if rec is None:
+                return (f"checkpoint {task.checkpoint_in!r} of trial {task.trial_id!r} does "
+                        f"not exist"), None
+            if rec["step"] != task.start_step:
+                return (f"checkpoint {task.checkpoint_in!r} holds step {rec['step']} but the "
+                        f"task of trial {task.trial_id!r} starts at step {task.start_step}"), None
+            return None, rec["state"]
+        if task.start_step != 0:
+            return (f"trial {task.trial_id!r} starts at step {task.start_step} without a "
+                    f"checkpoint_in"), None
+        return None, None
