@@ -50,7 +50,7 @@ def _scheduler(name: str, epochs: int, metric: str):
 
 def _load_space_file(ref: str) -> tuple[str, Any]:
     """(reference of the file's module, the module)."""
-    from .engine.worker import resolve_ref
+    from .refs import load_file_module
 
     if ref == "demo":
         import retiarii.demo as module
@@ -59,10 +59,7 @@ def _load_space_file(ref: str) -> tuple[str, Any]:
     path = os.path.abspath(ref)
     if not os.path.isfile(path):
         raise SystemExit(f"retiarii run: {ref} is neither 'demo' nor a Python file")
-    resolve_ref(f"{path}:space")  # loads the file as a module the workers will load too
-    from .engine.worker import _load_file_module
-
-    return path, _load_file_module(path)
+    return path, load_file_module(path)  # loaded as a module, as the workers will load it
 
 
 def _build(space_arg: str, flags: dict):
