@@ -188,17 +188,26 @@ def cmd_export(args) -> int:
 
     from .engine.checkpoint import load as load_checkpoint
     from .graph import Graph
+    from .refs import RefError, TrustedRefs, only_trusted
 
     store = _open(args.db)
     exp = store.get_experiment()
     metric, mode = exp["config"].get("metric", "val_acc"), exp["config"].get("mode", "max")
+    # A store is code: its graphs may name only torch, operator, math and the space's own code.
+    rule = TrustedRefs((exp["config"].get("space") or {}).get("ref"))
     os.makedirs(args.out, exist_ok=True)
     for rank, best in enumerate(store.best_models(metric, mode, args.top), 1):
         model = store.get_model(best["model_id"])
-        graph = Graph.from_data(model["graph"])
         name = f"model_{best['model_id']}"
+        try:
+            with only_trusted(rule):
+                graph = Graph.from_data(model["graph"])
+                _check_attributes(graph, rule)
+                source = graph.to_source(f"Model{best['model_id']}")
+        except RefError as e:
+            raise SystemExit(f"retiarii export: model {best['model_id']} of {args.db}: {e}")
         with open(os.path.join(args.out, name + ".py"), "w") as f:
-            f.write(graph.to_source(f"Model{best['model_id']}"))
+            f.write(source)
         ckpt = store.last_checkpoint(best["trial_id"])
         if ckpt is not None:
             torch.save(load_checkpoint(ckpt["path"])["model"], os.path.join(args.out, name + ".pt"))
@@ -207,6 +216,24 @@ def cmd_export(args) -> int:
                        "hash": best["hash"]}, f, indent=2)
         print(f"{rank}. {name}.py, {name}.pt  ({metric} {best['value']:.4f})")
     return 0
+
+
+def _check_attributes(graph, rule) -> None:
+    """Refuse the method calls and attribute reads of a stored graph that reach dunders
+    (``x.__class__``...): the way out of the references the trust rule allows."""
+    import builtins
+
+    from .refs import resolve_ref
+
+    for node in graph.nodes:
+        op = node.op
+        if op.kind == "method":
+            rule.check_attribute(op.target, f"node {node.name}: method")
+        elif op.kind == "function" and resolve_ref(op.target) is builtins.getattr:
+            rule.check_attribute(op.args[1] if len(op.args) > 1 else None,
+                                 f"node {node.name}: attribute")
+        elif op.kind == "subgraph" and op.graph is not None:
+            _check_attributes(op.graph, rule)
 
 
 def cmd_plot(args) -> int:

@@ -248,6 +248,7 @@ _UNSAFE_TORCH = frozenset({
     "classes", "export", "onnx", "distributed", "multiprocessing", "cuda", "backends",
     "serialization", "storage", "UntypedStorage", "TypedStorage", "set_default_device",
     "_dynamo", "_inductor", "_C", "_ops", "_classes", "fx", "autograd"})
+_TORCH_C_OPS = frozenset({"_nn", "_fft", "_linalg", "_special", "_VariableFunctions"})
 # retiarii's own modules that generated code may name (layers and merges, never the engine).
 _RETIARII_OK = ("retiarii.ops", "retiarii.nn", "retiarii.choices")
 
@@ -313,6 +314,8 @@ class TrustedRefs:
         top, *rest = where.split(".")
         if top == "torch":
             parts = rest + attr.split(".")
+            if parts[:1] == ["_C"] and len(rest) == 2 and rest[1] in _TORCH_C_OPS:
+                parts = parts[2:]  # torch's C operators (torch._C._nn:linear is F.linear)
             if any(p in _UNSAFE_TORCH for p in parts):
                 return "it names a torch facility that reads or writes files or runs code"
             return None
