@@ -79,6 +79,8 @@ def load_file_module(path: str, fresh: bool = False):
     """
     name = file_module_name(path)
     if not fresh:
+        if name + "_fresh" in sys.modules:  # the file is being loaded fresh: it names itself
+            return sys.modules[name + "_fresh"]
         for script in SCRIPT_MODULES:
             module = sys.modules.get(script)
             if module is not None and _script_file(module) == path:
@@ -281,15 +283,15 @@ class TrustedRefs:
             where, _, is_file = split_ref(space_ref)
             if is_file:
                 self.folder = os.path.dirname(os.path.abspath(where))
-            else:
-                self.package = where.split(".")[0]
+            else:  # the space's package (retiarii's own demo: that module alone)
+                self.package = where if where.startswith("retiarii.") else where.split(".")[0]
 
     def user_module(self, module: str) -> bool:
         """True when the importable module ``module`` belongs to the user's space. Decided
         without running any code of it (only the top-level package is located)."""
         top = module.split(".")[0]
         if self.package is not None:
-            return top == self.package
+            return module == self.package or module.startswith(self.package + ".")
         if self.folder is None:
             return False
         try:
