@@ -205,7 +205,8 @@ def cmd_export(args) -> int:
                 _check_attributes(graph, rule)
                 source = graph.to_source(f"Model{best['model_id']}")
         except RefError as e:
-            raise SystemExit(f"retiarii export: model {best['model_id']} of {args.db}: {e}")
+            raise SystemExit(f"retiarii export: model {best['model_id']} of {args.db}: "
+                             f"{e}") from None
         with open(os.path.join(args.out, name + ".py"), "w") as f:
             f.write(source)
         ckpt = store.last_checkpoint(best["trial_id"])

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import ast
 import inspect
-import sys
 import symtable
+import sys
 import textwrap
 import types
 from typing import Any
 
-from .refs import SCRIPT_MODULES, FILE_MODULE_PREFIX, active_rule
+from .refs import FILE_MODULE_PREFIX, SCRIPT_MODULES, active_rule
 
 _STANDARD = ("torch", "math", "operator", "_operator")
 
@@ -225,9 +225,9 @@ class Inliner:
                 self.bind(name, f"constant:{literal}")
                 self.blocks.append(f"{name} = {literal}\n")
             return
-        raise InlineError(f"{user} uses {name!r}, a {type(value).__name__} "
-                          f"{'of ' + module_name if module_name else ''}that an exported file "
-                          f"cannot hold without importing it")
+        origin = f" of {module_name}" if module_name else ""
+        raise InlineError(f"{user} uses {name!r}, a {type(value).__name__}{origin} that an "
+                          f"exported file cannot hold without importing it")
 
 
 __all__ = ["InlineError", "Inliner", "is_user_module"]
