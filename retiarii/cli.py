@@ -54,7 +54,7 @@ def _scheduler(name: str, epochs: int, metric: str):
 
 def _load_space_file(ref: str) -> tuple[str, Any]:
     """(reference of the file's module, the module)."""
-    from .engine.worker import _load_file_module
+    from .refs import load_file_module
 
     if ref == "demo":
         import retiarii.demo as module
@@ -66,7 +66,7 @@ def _load_space_file(ref: str) -> tuple[str, Any]:
                        f"file that defines a module-level `space`")
     try:
         # loaded as the module the workers will load too
-        return path, _load_file_module(path)
+        return path, load_file_module(path)
     except SyntaxError as err:
         raise CliError(f"{ref} line {err.lineno}: syntax error ({err.msg}); fix the space "
                        f"file") from None
@@ -280,22 +280,31 @@ def cmd_export(args) -> int:
     from .engine.checkpoint import CheckpointError
     from .engine.checkpoint import load as load_checkpoint
     from .graph import Graph
+    from .refs import RefError, TrustedRefs, only_trusted
 
     _positive(args.top, "--top")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a file; give a folder (created if missing)")
     store = _open(args.db)
     metric, mode = _metric(store)
+    # A store is code: its graphs may name only torch, operator, math and the space's own code.
+    rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
     best = store.best_models(metric, mode, args.top)
     if not best:
         raise CliError(f"{args.db} has no model with a result yet: nothing to export")
     os.makedirs(args.out, exist_ok=True)
     for rank, row in enumerate(best, 1):
         model = store.get_model(row["model_id"])
-        graph = Graph.from_data(model["graph"])
         name = f"model_{row['model_id']}"
+        try:
+            with only_trusted(rule):
+                graph = Graph.from_data(model["graph"])
+                _check_attributes(graph, rule)
+                source = graph.to_source(f"Model{row['model_id']}")
+        except RefError as e:
+            raise CliError(f"model {row['model_id']} of {args.db}: {e}") from None
         with open(os.path.join(args.out, name + ".py"), "w") as f:
-            f.write(graph.to_source(f"Model{row['model_id']}"))
+            f.write(source)
         files = f"{name}.py"
         ckpt = store.last_checkpoint(row["trial_id"])
         if ckpt is not None:
@@ -312,6 +321,24 @@ def cmd_export(args) -> int:
                        "hash": row["hash"]}, f, indent=2)
         print(f"{rank}. {files}  ({metric} {row['value']:.4f})")
     return 0
+
+
+def _check_attributes(graph, rule) -> None:
+    """Refuse the method calls and attribute reads of a stored graph that reach dunders
+    (``x.__class__``...): the way out of the references the trust rule allows."""
+    import builtins
+
+    from .refs import resolve_ref
+
+    for node in graph.nodes:
+        op = node.op
+        if op.kind == "method":
+            rule.check_attribute(op.target, f"node {node.name}: method")
+        elif op.kind == "function" and resolve_ref(op.target) is builtins.getattr:
+            rule.check_attribute(op.args[1] if len(op.args) > 1 else None,
+                                 f"node {node.name}: attribute")
+        elif op.kind == "subgraph" and op.graph is not None:
+            _check_attributes(op.graph, rule)
 
 
 def cmd_plot(args) -> int:

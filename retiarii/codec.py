@@ -15,21 +15,14 @@ back to an equal value. Tags are one-key dicts whose key starts and ends with ``
 """
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, Callable
 
 import torch
 
+from .refs import EncodeError, ref_of, resolve_ref
+
 MAX_INLINE_TENSOR = 4096  # elements; larger tensors are described (shape, dtype), not stored
-
-# Namespaces searched, in order, for a callable that does not resolve from its own
-# __module__/__qualname__ (C functions such as torch._C._nn.linear report odd modules).
-_NAMESPACES = ("torch", "torch.nn.functional", "operator", "math", "builtins", "torch.Tensor")
-
-
-class EncodeError(TypeError):
-    """A value that cannot be stored in the IR as JSON."""
 
 
 class PortRef:
@@ -50,41 +43,7 @@ class PortRef:
         return hash(("PortRef", self.index))
 
 
-# ---- references to importable objects ------------------------------------------------------
-
-
-def resolve_ref(ref: str) -> Any:
-    """``"package.module:Qual.name"`` -> the object. Raises ImportError/AttributeError."""
-    module_name, _, qualname = ref.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def ref_of(obj: Any) -> str:
-    """The import reference of a module-level function or class; it resolves back to ``obj``."""
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    candidates = []
-    if module and qualname and "<locals>" not in qualname:
-        candidates.append(f"{module}:{qualname}")
-    name = getattr(obj, "__name__", None)
-    if name:
-        candidates += [f"{ns.rsplit('.', 1)[0]}:{ns.rsplit('.', 1)[1]}.{name}" if ns == "torch.Tensor"
-                       else f"{ns}:{name}" for ns in _NAMESPACES]
-    for ref in candidates:
-        try:
-            if resolve_ref(ref) is obj:
-                return ref
-        except (ImportError, AttributeError, ValueError):
-            continue
-    raise EncodeError(
-        f"{obj!r} cannot be referenced by an import path; define it at module level "
-        f"(not inside a function or as a lambda) so a worker can import it")
-
-
-# ---- encode / decode ----------------------------------------------------------------------
+# ---- encode / decode (references to classes and functions: refs.ref_of / refs.resolve_ref) -- ----------------------------------------------------------------------
 
 
 def _encode_tensor(t: torch.Tensor) -> dict:

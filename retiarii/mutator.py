@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -63,7 +64,10 @@ def candidate_key(value: Any) -> Any:
         return f"{candidate_key(value.func)}({kw})"
     if callable(value):
         try:
-            return ref_of(value).replace(":", ".")
+            where, _, qualname = ref_of(value).rpartition(":")
+            if where.endswith(".py"):  # a script's function: its file name, not its path
+                where = os.path.splitext(os.path.basename(where))[0]
+            return f"{where}.{qualname}"
         except Exception:  # noqa: BLE001 - fall back to a readable name
             return getattr(value, "__name__", type(value).__name__)
     if isinstance(value, Graph):

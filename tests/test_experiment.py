@@ -172,7 +172,7 @@ def test_cli_run_status_plot_export_round_trip(tmp_path):
     for py in exported:
         info = json.loads(py.with_suffix(".json").read_text())
         # the reference: the space's own model of that sample with the exported weights
-        from retiarii.engine.worker import resolve_ref
+        from retiarii.refs import resolve_ref
 
         ref_space = resolve_ref(f"{space_file}:space")
         arch = {k: v for k, v in info["sample"].items() if k != "lr"}  # lr: a trainer choice

@@ -20,7 +20,8 @@ from retiarii.engine.executors.local import LocalExecutor
 from retiarii.engine.store import Store
 from retiarii.engine.trials import TrialRunner
 from retiarii.strategies.scheduler import Scheduler
-from retiarii.engine.worker import WorkerContext, resolve_ref, run_job
+from retiarii.engine.worker import WorkerContext, run_job
+from retiarii.refs import resolve_ref
 
 TIMEOUT = 120  # seconds to wait for any one event: generous for a loaded 2-core machine
 

@@ -29,14 +29,13 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from typing import Any, Callable
 
 from ..choices import ValueChoice
-from ..codec import ref_of
 from ..enums import Mode, ModelStatus
 from ..mutator import MutationError
+from ..refs import SCRIPT_MODULES, EncodeError, load_file_module, ref_of, resolve_ref, split_ref
 from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
 from ..strategies.base import SpaceExhausted, UnknownSample
@@ -65,30 +64,60 @@ class EnvironmentFailure(ExperimentError):
 
 
 def object_ref(obj: Any, what: str) -> str:
-    """An import reference a worker resolves to ``obj``: ``"pkg.mod:name"``, or
-    ``"/abs/file.py:name"`` for an object defined in the running script."""
+    """The reference (``"pkg.mod:name"``, or ``"/abs/file.py:name"`` for a script's object) by
+    which a worker process finds ``obj``, checked now the way a worker will resolve it.
+
+    ``obj`` may be the reference itself. Raises :class:`ExperimentError` naming the object and
+    the fix when workers could not find it (not at module level, or bound only under the
+    script's ``if __name__ == "__main__":``).
+    """
     if isinstance(obj, str):
-        return obj
-    home = getattr(obj, "defined_in", None)  # ModelSpace remembers the module that made it
-    names = [home] if home in sys.modules else []
-    names += [n for n in list(sys.modules) if n not in (home, "__main__")] + ["__main__"]
-    for name in names:
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        for attr, value in list(getattr(module, "__dict__", {}).items()):
-            if value is obj:
-                if name == "__main__" or name.startswith("_retiarii_ref_"):  # loaded from a file
-                    path = getattr(module, "__file__", None)
-                    if path:
-                        return f"{os.path.abspath(path)}:{attr}"
-                    continue
-                return f"{name}:{attr}"
-    raise ExperimentError(
-        f"the {what} is not a module-level variable of an importable module or script, so "
-        f"worker processes cannot rebuild it. Define it at module level (e.g. `space = "
-        f"ModelSpace(...)` in myspace.py) or pass its reference as a string "
-        f"('myspace.py:space')")
+        ref = obj
+        try:
+            obj = resolve_ref(ref)
+        except (ImportError, ValueError) as e:
+            raise ExperimentError(f"the {what} reference {ref!r} does not resolve: {e}") from None
+    else:
+        try:
+            ref = ref_of(obj)
+        except EncodeError:
+            raise ExperimentError(
+                f"the {what} is not a module-level variable of an importable module or script, "
+                f"so worker processes cannot rebuild it. Define it at module level (e.g. `space "
+                f"= ModelSpace(...)` in myspace.py) or pass its reference as a string "
+                f"('/abs/path/myspace.py:space')") from None
+    _check_workers_see(ref, obj, what)
+    return ref
+
+
+def _check_workers_see(ref: str, obj: Any, what: str) -> None:
+    """Refuse now a reference a new worker process would not resolve to the same object.
+
+    A worker loads a script as a module, where its ``if __name__ == "__main__":`` block does
+    not run; so a name bound (or rebound) there is not what the worker finds. Only the running
+    script is in doubt: importable modules and files loaded as modules resolve in a worker as
+    they do here.
+    """
+    where, attr, is_file = split_ref(ref)
+    if not is_file or load_file_module(where).__name__ not in SCRIPT_MODULES:
+        return
+    fix = (f"Bind it at module level of {os.path.basename(where)}, outside the "
+           f"`if __name__ == \"__main__\":` block (or in a module the script imports); "
+           f"worker processes load the script as a module, where that block does not run")
+    try:
+        seen = resolve_ref(ref, fresh=True)
+    except ImportError as e:
+        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, which worker "
+                              f"processes cannot see: {e}. {fix}") from None
+    except Exception as e:  # the script fails when loaded as a module
+        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, but loading the "
+                              f"script as worker processes do fails ({type(e).__name__}: {e}). "
+                              f"{fix}") from None
+    if type(seen).__qualname__ != type(obj).__qualname__:
+        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, which worker "
+                              f"processes see as a {type(seen).__name__}, not this "
+                              f"{type(obj).__name__} (is it rebound under `if __name__ == "
+                              f"\"__main__\":`?). {fix}")
 
 
 def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
@@ -170,7 +199,7 @@ class Experiment:
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None):
         self.space_ref = object_ref(space, "space")
-        self.space = space if not isinstance(space, str) else _resolve(space)
+        self.space = space if not isinstance(space, str) else resolve_ref(space)
         self.strategy, self.trainer = strategy, trainer
         self.trainer_spec, hp = trainer_spec(trainer)
         hp = {k: v for k, v in hp.items() if k not in self.space.hparams}
@@ -542,8 +571,3 @@ def _finite(value: Any) -> float | None:
         return None
     return value if math.isfinite(value) else None
 
-
-def _resolve(ref: str):
-    from .worker import resolve_ref
-
-    return resolve_ref(ref)

@@ -26,16 +26,13 @@ not finish their segment.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import json
-import os
 import sys
 import time
 import traceback
 from typing import Any, Callable
 
+from ..refs import resolve_ref  # the one resolver: the references the driver made (refs.py)
 from .checkpoint import CheckpointError
 from .executors.base import (
     Event, FailureKind, Job, JobFailed, combined_kind, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
@@ -44,56 +41,6 @@ from .executors.base import (
 __all__ = ["resolve_ref", "WorkerContext", "run_job", "describe_error", "classify_error"]
 
 _MAX_ERROR_CHARS = 4000  # a traceback tail: enough to find the line, small enough for the store
-
-
-def _load_file_module(path: str):
-    # One module per file, named after its path, so two files with the same name don't collide
-    # and a second reference to the file reuses the loaded module.
-    name = "_retiarii_ref_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    if not os.path.isfile(path):
-        raise ImportError(f"import reference names file {path}, which does not exist")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def resolve_ref(ref: str) -> Any:
-    """The object an import reference names.
-
-    Example::
-
-        resolve_ref("retiarii.engine.trainer:ClassifierTrainer")
-        resolve_ref("/home/me/project/spaces.py:SPACE")
-
-    Args:
-        ref: ``"package.module:attr"`` or ``"/absolute/path/file.py:attr"``; ``attr`` may be
-            dotted (``"module:Class.attribute"``).
-    """
-    if not isinstance(ref, str) or ":" not in ref.lstrip("/"):
-        raise ValueError(f"import reference {ref!r} must look like 'package.module:attr' or "
-                         "'/abs/path/file.py:attr'")
-    where, _, attr = ref.rpartition(":")
-    if where.endswith(".py") or os.sep in where:
-        if not os.path.isabs(where):
-            raise ValueError(f"import reference {ref!r}: a file path must be absolute, since "
-                             "workers may run in another directory")
-        obj = _load_file_module(where)
-    else:
-        obj = importlib.import_module(where)
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ImportError(f"import reference {ref!r}: {where} has no attribute {attr!r}") from None
-    return obj
 
 
 class WorkerContext:
