@@ -217,11 +217,5 @@ def port_indices(data: Any) -> list[int]:
     return found
 
 
-def is_builtin_namespace(ref: str) -> bool:
-    """True for references into torch, operator, math or builtins (no user import needed)."""
-    root = ref.split(":", 1)[0].split(".", 1)[0]
-    return root in {"torch", "operator", "_operator", "math", "builtins"}
-
-
 __all__ = ["EncodeError", "PortRef", "encode", "decode", "ref_of", "resolve_ref",
-           "port_indices", "is_builtin_namespace"]
+           "port_indices"]

@@ -197,13 +197,6 @@ class Graph:
     def input_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.kind == "input"]
 
-    @property
-    def output_node(self) -> Node:
-        outs = [n for n in self._nodes.values() if n.kind == "output"]
-        if len(outs) != 1:
-            raise GraphError(f"a graph has exactly one output node, found {len(outs)}")
-        return outs[0]
-
     def _topological(self) -> list[Node]:
         pred, succ, nodes = self._nx._pred, self._nx._succ, self._nodes
         indeg = {u: len(pred[u]) for u in nodes}  # distinct predecessors not yet emitted
