@@ -25,24 +25,18 @@ from __future__ import annotations
 
 import copy
 import itertools
-import operator
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 from torch import nn
 
-from .codec import encode
+from .codec import encode, evaluate_choice
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
 from .mutator import MutationError, Mutator, _remove_port, candidate_keys
 from .trace import LEAF_HANDLERS, TraceError, trace_with_choices
 
 # ---- ValueChoice -----------------------------------------------------------------------------
-
-_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
-           "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
-           "pow": operator.pow}
-
 
 class _Expr:
     """Arithmetic on ValueChoices (``ratio * channels``), evaluated once values are chosen."""
@@ -117,21 +111,6 @@ class ChoiceExpr(_Expr):
 
     def __retiarii_encode__(self) -> dict:
         return {"__choice__": {"op": self.op, "args": [encode(a) for a in self.args]}}
-
-
-def evaluate_choice(payload: dict, chosen: dict | None) -> Any:
-    """Value of an encoded ValueChoice/expression under ``chosen`` (label -> value); the
-    defaults when ``chosen`` is None."""
-    from .codec import decode
-
-    if "op" in payload:
-        args = [evaluate_choice(a["__choice__"], chosen) if isinstance(a, dict)
-                and "__choice__" in a else decode(a) for a in payload["args"]]
-        return _BINARY[payload["op"]](*args)
-    values = [decode(v) for v in payload["values"]]
-    if chosen is None:
-        return values[0]
-    return chosen[payload["label"]]
 
 
 class _HParamChooser(Mutator):

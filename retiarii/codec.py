@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -188,14 +189,35 @@ def decode(data: Any, inputs: list | None = None,
     if tag == "__ref__":
         return resolve_ref(payload)
     if tag == "__choice__":  # an unresolved ValueChoice: its default (the first value)
-        from .choices import evaluate_choice
-
         return evaluate_choice(payload, None)
     if tag == "__module__":
         if module_decoder is None:
             raise ValueError("an encoded module needs a module decoder")
         return module_decoder(payload)
     raise ValueError(f"unknown tag {tag!r} in encoded value")
+
+
+# Arithmetic on ValueChoices (``ratio * channels``), by the name ``ChoiceExpr`` records.
+_CHOICE_OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
+               "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
+               "pow": operator.pow}
+
+
+def evaluate_choice(payload: dict, chosen: dict | None) -> Any:
+    """Value of an encoded ValueChoice/expression (the payload of a ``__choice__`` tag) under
+    ``chosen`` (label -> value); the defaults when ``chosen`` is None.
+
+    It lives here, not in :mod:`retiarii.choices`, because ``decode`` needs it: the encoding is
+    the bottom layer and imports nothing of retiarii.
+    """
+    if "op" in payload:
+        args = [evaluate_choice(a["__choice__"], chosen) if isinstance(a, dict)
+                and "__choice__" in a else decode(a) for a in payload["args"]]
+        return _CHOICE_OPS[payload["op"]](*args)
+    values = [decode(v) for v in payload["values"]]
+    if chosen is None:
+        return values[0]
+    return chosen[payload["label"]]
 
 
 def port_indices(data: Any) -> list[int]:
@@ -218,4 +240,4 @@ def port_indices(data: Any) -> list[int]:
 
 
 __all__ = ["EncodeError", "PortRef", "encode", "decode", "ref_of", "resolve_ref",
-           "port_indices"]
+           "port_indices", "evaluate_choice"]
