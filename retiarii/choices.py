@@ -33,7 +33,7 @@ from torch import nn
 from .codec import encode, evaluate_choice
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
-from .mutator import MutationError, Mutator, _remove_port, candidate_keys
+from .mutator import MutationError, Mutator, candidate_keys
 from .trace import LEAF_HANDLERS, TraceError, trace_with_choices
 
 # ---- ValueChoice -----------------------------------------------------------------------------
@@ -338,9 +338,9 @@ def splice_graph(g: Graph, sub: Graph, prefix: str, sources: list[Node]) -> tupl
             new = g.add_node(g.unique_name(prefix + n.name), op)
             new.meta = dict(n.meta)
             mapping[n.uid] = new.uid
-    for s, d, port in sub._nx.edges(keys=True):
-        if sub.node_by_uid(d).kind != "output":
-            g.connect(g.node_by_uid(mapping[s]), g.node_by_uid(mapping[d]), port)
+    for s, d, port in sub.edges():
+        if d.kind != "output":
+            g.connect(g.node_by_uid(mapping[s.uid]), g.node_by_uid(mapping[d.uid]), port)
     return mapping, g.node_by_uid(mapping[out_src.uid])
 
 
@@ -352,8 +352,8 @@ def _splice(mutator: Mutator, node: Node, sub: Graph, prefix: str) -> dict[int, 
     created = [v for k, v in mapping.items() if sub.node_by_uid(k).kind != "input"]
     mutator._ctx.created.update(created)
     users = [u.uid for u in node.users]
-    for _, dst, port in list(g._nx.out_edges(node.uid, keys=True)):
-        g.connect(out, g.node_by_uid(dst), port)
+    for dst, port in g.out_edges(node):
+        g.connect(out, dst, port)
     for port in range(node.op.num_ports):
         g.disconnect_port(node, port)
     g.remove_node(node)
@@ -391,7 +391,7 @@ class _InputChoiceMutator(_Inline):
         for port in reversed(range(self.n)):
             if port not in kept:
                 src = node.inputs[port]
-                _remove_port(node, port)
+                self.graph.remove_port(node, port)
                 self._record("disconnect", src=src.uid, dst=node.uid, ports=[port])
 
 
@@ -409,9 +409,9 @@ class _RepeatMutator(_Inline):
             dropped = {self.remap.get(u, u) for b in self.blocks[depth:] for u in b["uids"]}
             last_out = self.node(self.blocks[-1]["out"])
             keep_out = self.node(self.blocks[depth - 1]["out"] if depth else self.blocks[0]["src"])
-            for _, dst, port in list(g._nx.out_edges(last_out.uid, keys=True)):
-                if dst not in dropped:
-                    self.connect(keep_out, g.node_by_uid(dst), port)
+            for dst, port in g.out_edges(last_out):
+                if dst.uid not in dropped:
+                    self.connect(keep_out, dst, port)
             for block in reversed(self.blocks[depth:]):
                 for uid in reversed(block["uids"]):
                     self.delete_node(self.node(uid))
@@ -433,8 +433,9 @@ class _ValueChoiceMutator(_Inline):
     def mutate(self, targets):
         from .codec import decode
 
+        alive = self.graph.uids()
         nodes = [self.graph.node_by_uid(u) for u in (self.remap.get(u, u) for u in self.uids)
-                 if u in self.graph._nodes]
+                 if u in alive]
         tagged = [n for n in nodes if _labels_in([n.op.args, n.op.kwargs, n.op.spec])]
         used = set().union(*(_labels_in([n.op.args, n.op.kwargs, n.op.spec]) for n in tagged))
         chosen = {label: self.choose([decode(v) for v in values], label)

@@ -40,7 +40,7 @@ import heapq
 import json
 import marshal
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, KeysView
 
 import networkx as nx
 
@@ -151,6 +151,11 @@ class Node:
     def attr(self) -> str:
         return self.op.attr or self.name
 
+    @property
+    def seq(self) -> int:
+        """Creation order in its graph (later nodes are larger); breaks topological ties."""
+        return self._seq
+
     def __repr__(self):
         return f"Node({self.name!r}, {self.op.describe()}, uid={self.uid})"
 
@@ -192,6 +197,58 @@ class Graph:
 
     def node_by_uid(self, uid: int) -> Node:
         return self._nodes[uid]
+
+    def uids(self) -> KeysView[int]:
+        """The uids of the graph's nodes: a live read-only view (``uid in g.uids()``)."""
+        return self._nodes.keys()
+
+    def out_edges(self, node: Node) -> list[tuple[Node, int]]:
+        """``(user, port)`` for every edge leaving ``node``, one per input port it feeds."""
+        nodes = self._nodes
+        return [(nodes[dst], port) for dst, ports in self._nx._succ[node.uid].items()
+                for port in ports]
+
+    def edges(self) -> list[tuple[Node, Node, int]]:
+        """Every edge as ``(source, destination, port)``."""
+        nodes = self._nodes
+        return [(nodes[src], nodes[dst], port) for src, succ in self._nx._succ.items()
+                for dst, ports in succ.items() for port in ports]
+
+    def descendant_uids(self, node: Node) -> set[int]:
+        """uids of every node that ``node``'s value flows into (``node`` itself excluded)."""
+        return self._reach(node.uid, self._nx._succ)
+
+    def ancestor_uids(self, node: Node) -> set[int]:
+        """uids of every node whose value flows into ``node`` (``node`` itself excluded)."""
+        return self._reach(node.uid, self._nx._pred)
+
+    def reaches(self, src: Node, dst: Node) -> bool:
+        """Whether ``src``'s value flows into ``dst`` (a node reaches itself): feeding ``src``
+        from ``dst`` would close a cycle."""
+        if src.uid == dst.uid:
+            return True
+        succ, seen, todo = self._nx._succ, {src.uid}, [src.uid]
+        while todo:
+            for nxt in succ[todo.pop()]:
+                if nxt == dst.uid:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    @staticmethod
+    def _reach(start: int, adjacency: dict) -> set[int]:
+        # NOTE: the adjacency dict itself, as in ``inputs``: mutators ask this for every
+        # target of every model they build.
+        seen: set[int] = set()
+        todo = [start]
+        while todo:
+            for nxt in adjacency[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
 
     @property
     def input_nodes(self) -> list[Node]:
@@ -263,6 +320,44 @@ class Graph:
                 self._order = None
                 return self._nodes[src]
         return None
+
+    def append_port(self, node: Node, in_list: bool = False) -> int:
+        """Add one input port at the end of ``node``'s call template and return its number;
+        it dangles until :meth:`connect` feeds it. ``in_list``: append it to the list that is
+        the first argument (the tensors of ``torch.cat``), creating that list if needed."""
+        op = node.op
+        port = op.num_ports
+        if in_list:
+            if not op.args or not isinstance(op.args[0], list):
+                op.args = [[]] + list(op.args)
+            op.args[0].append({"__in__": port})
+        else:
+            op.args.append({"__in__": port})
+        return port  # (no edge changed: the topological order stands)
+
+    def remove_port(self, node: Node, port: int) -> None:
+        """Drop input ``port`` of a node taking any number of inputs (a sum, ``torch.cat``):
+        its edge and its ``{"__in__": port}`` item in the call template go, and the ports
+        after it are renumbered, edges included."""
+        def walk(d):
+            if isinstance(d, list):
+                return [walk(x) for x in d if not (isinstance(x, dict) and x.get("__in__") == port
+                                                   and len(x) == 1)]
+            if isinstance(d, dict):
+                if len(d) == 1 and "__in__" in d:
+                    return {"__in__": d["__in__"] - (d["__in__"] > port)}
+                return {k: walk(v) for k, v in d.items()}
+            return d
+
+        edges = [(s, p) for s, _, p in self._nx.in_edges(node.uid, keys=True)]
+        for s, p in edges:
+            self._nx.remove_edge(s, node.uid, key=p)
+        node.op.args = walk(node.op.args)
+        node.op.kwargs = walk(node.op.kwargs)
+        for s, p in edges:
+            if p != port:
+                self._nx.add_edge(s, node.uid, key=p - (p > port))
+        self._order = None
 
     def ports_between(self, src: Node, dst: Node) -> list[int]:
         data = self._nx.get_edge_data(src.uid, dst.uid) or {}

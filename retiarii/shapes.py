@@ -93,9 +93,7 @@ class _Prop(fx.Interpreter):
 def _choices_for(model, node) -> dict:
     """The choices made by the mutations that touched ``node`` or any node upstream of it
     (a width changed three layers up breaks this one)."""
-    import networkx as nx
-
-    uids = {node.uid} | nx.ancestors(node.graph._nx, node.uid)
+    uids = {node.uid} | node.graph.ancestor_uids(node)
     labels: list[str] = []
     for rec in model.history:
         if uids & {rec.get(k) for k in ("node", "dst", "src")} or \
@@ -119,7 +117,6 @@ def propagate(model, example_input: Any) -> None:
         return
     for node, module in settled:
         _settle(model, node, module)
-    model.graph._order = None
 
 
 def _settle(model, node, module) -> None:
@@ -226,7 +223,6 @@ def _reference_run(model, example_input: Any) -> None:
     for node in model.graph.nodes:
         if _is_lazy(node):
             _settle(model, node, gm.get_submodule(node.attr))
-    model.graph._order = None
 
 
 def _is_lazy(node) -> bool:

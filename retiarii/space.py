@@ -76,13 +76,13 @@ class Model:
         """
         if other.base != self.base:
             return set()
-        mine = set(self.graph._nodes) - self.created() - self.touched()
-        theirs = set(other.graph._nodes) - other.created() - other.touched()
+        mine = set(self.graph.uids()) - self.created() - self.touched()
+        theirs = set(other.graph.uids()) - other.created() - other.touched()
         return mine & theirs
 
     def differing_nodes(self, other: "Model") -> set[int]:
         """uids present in either model that are not shared."""
-        return (set(self.graph._nodes) | set(other.graph._nodes)) - self.shared_nodes(other)
+        return (set(self.graph.uids()) | set(other.graph.uids())) - self.shared_nodes(other)
 
 
 # ---- samplers --------------------------------------------------------------------------------

@@ -56,18 +56,6 @@ def select_nodes(graph: Graph, spec: Any, target: Node) -> list[Node]:
     return [n for n in graph.nodes if any(t(n) for t in tests)]
 
 
-def descendants(graph: Graph, node: Node) -> set[int]:
-    """uids of ``node`` and every node it reaches (feeding ``node`` from one is a cycle)."""
-    succ = graph._nx._succ  # the adjacency dict itself: this runs once per target per model
-    seen, todo = {node.uid}, [node.uid]
-    while todo:
-        for dst in succ[todo.pop()]:
-            if dst not in seen:
-                seen.add(dst)
-                todo.append(dst)
-    return seen
-
-
 def operation_of(mutator: Mutator, candidate: Any) -> Operation:
     """``candidate`` as an :class:`Operation`, made once per candidate object and mutator
     (reading a module's spec or tracing a composite module costs more than the edit)."""
@@ -128,7 +116,7 @@ def node_shapes(graph: Graph, example_input: Any) -> dict[int, Any]:
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     example = [[_shape(x), str(getattr(x, "dtype", repr(x)))] for x in inputs]
     key = json.dumps([example, [[n.uid, n.op.to_data()] for n in graph.nodes],
-                      sorted(graph._nx.edges(keys=True))], sort_keys=True)
+                      sorted((s.uid, d.uid, p) for s, d, p in graph.edges())], sort_keys=True)
     if key in _SHAPE_CACHE:
         return _SHAPE_CACHE[key]
     shapes: dict[int, Any] = {}
