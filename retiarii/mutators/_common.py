@@ -8,12 +8,11 @@ import json
 from typing import Any, Iterator, Sequence
 
 import torch
-import torch.fx as fx
 
 from ..graph import Graph, Node, Operation
 from ..match import predicate
 from ..mutator import MutationError, Mutator, as_operation
-from ..shapes import _shape
+from ..shapes import ShapeRecorder, _shape
 
 # Node kinds that compute a tensor from their inputs (what a skip edge may leave or enter).
 COMPUTING = ("module", "function", "method", "subgraph")
@@ -93,19 +92,6 @@ _SHAPE_CACHE: dict[str, dict[int, Any]] = {}
 _CACHE_SIZE = 256
 
 
-class _Record(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, shapes: dict):
-        super().__init__(gm)
-        self.shapes = shapes
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        uid = n.meta.get("retiarii_uid")
-        if uid is not None:
-            self.shapes[uid] = _shape(out)
-        return out
-
-
 def node_shapes(graph: Graph, example_input: Any) -> dict[int, Any]:
     """uid -> output shape of every node of ``graph`` run on ``example_input``.
 
@@ -122,10 +108,8 @@ def node_shapes(graph: Graph, example_input: Any) -> dict[int, Any]:
     shapes: dict[int, Any] = {}
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     try:
-        with torch.device("meta"):
-            gm = graph.to_module()
-            gm.eval()
-            _Record(gm, shapes).run(*inputs)
+        with torch.device("meta"), torch.no_grad():
+            ShapeRecorder(graph, shapes).run(*inputs)
     except Exception:  # noqa: BLE001 - a graph that does not run: shapes up to the failure
         pass
     if len(_SHAPE_CACHE) >= _CACHE_SIZE:
