@@ -24,17 +24,19 @@ ValueChoice object is one choice wherever it is used. Give the same label to tie
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 from torch import nn
 
-from .codec import encode, evaluate_choice
+from . import ops
+from .codec import decode, encode, evaluate_choice, resolve_ref
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
 from .mutator import MutationError, Mutator, candidate_keys
-from .trace import LEAF_HANDLERS, TraceError, trace_with_choices
+from .trace import LEAF_HANDLERS, TraceError, _plain_kwargs, trace_with_choices
 
 # ---- ValueChoice -----------------------------------------------------------------------------
 
@@ -234,8 +236,6 @@ class InputChoice(nn.Module):
             n_candidates, n_chosen, reduction, label
 
     def merge_module(self) -> nn.Module:
-        from . import ops
-
         return {"sum": ops.Sum, "none": ops.Sum, "mean": ops.Mean,
                 "concat": ops.Concat}[self.reduction]()
 
@@ -431,8 +431,6 @@ class _ValueChoiceMutator(_Inline):
         self.uids, self.labels = uids, labels  # label -> encoded values, in order of first use
 
     def mutate(self, targets):
-        from .codec import decode
-
         alive = self.graph.uids()
         nodes = [self.graph.node_by_uid(u) for u in (self.remap.get(u, u) for u in self.uids)
                  if u in alive]
@@ -474,10 +472,6 @@ def _substitute(data: Any, chosen: dict) -> Any:
 
 def _arg_names(op: Operation) -> list[str]:
     """Constructor parameter names of a module operation, to name its ValueChoices readably."""
-    import inspect
-
-    from .codec import resolve_ref
-
     try:
         cls = resolve_ref(op.spec["cls"])
         return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
@@ -588,8 +582,6 @@ def _candidate(module: nn.Module, prefix: str) -> tuple:
 
 
 def _on_layer_choice(conv, n: fx.Node, module: LayerChoice) -> None:
-    from .trace import _plain_kwargs
-
     path = str(n.target)
     scope = _TraceScope.current()
     options = [_candidate(m, f"{path}.{str(key).replace('#', '_')}.")

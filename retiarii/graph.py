@@ -43,8 +43,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, KeysView
 
 import networkx as nx
+import torch
 
 from .codec import decode, port_indices, resolve_ref
+from .modspec import build_module
 
 SCHEMA_VERSION = 1
 KINDS = ("input", "output", "module", "function", "method", "param", "constant", "subgraph")
@@ -531,6 +533,11 @@ class Graph:
         return hashlib.sha256("".join(sorted(self.node_hashes().values())).encode()).hexdigest()
 
     # ---- emitting ----------------------------------------------------------------------------
+    # NOTE: [The one upward import] codegen sits above graph (it imports Graph), so these two
+    # methods import it when called: ``g.to_module()`` / ``g.to_source()`` are the IR's public
+    # face (README, docs/ir.md) and stay. This is the only edge of the IR core that points up;
+    # tests/test_layering.py allows exactly this one. Code inside retiarii calls
+    # ``retiarii.codegen`` directly.
     def to_module(self, class_name: str = "GeneratedModel"):
         """A runnable ``nn.Module`` (fresh weights) whose state-dict keys follow the node names."""
         from .codegen import to_module
@@ -657,8 +664,6 @@ def _check_op(node: Node, where: str, deep: bool) -> list[str]:
 
 def _check_tensor_spec(kind: str, spec: dict) -> None:
     """Raise if a param/constant spec cannot give its tensor (what codegen will build)."""
-    import torch
-
     if kind == "constant":
         if not isinstance(decode(spec["value"]), torch.Tensor):
             raise ValueError("the constant's value is not a tensor")
@@ -679,10 +684,6 @@ def _check_tensor_spec(kind: str, spec: dict) -> None:
 
 def _check_owned_tensor(node: Node, owner: Node, name: str) -> list[str]:
     """A param node inside a module's path must name a tensor of that module, same shape."""
-    import torch
-
-    from .modspec import build_module
-
     try:
         with torch.device("meta"):
             module = build_module(owner.op.spec)
@@ -705,10 +706,6 @@ def _check_constructible(spec: dict) -> None:
     key = json.dumps(spec, sort_keys=True)
     if key in _CONSTRUCTIBLE:
         return
-    import torch
-
-    from .modspec import build_module
-
     with torch.device("meta"):
         build_module(spec)
     _CONSTRUCTIBLE.add(key)

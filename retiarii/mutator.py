@@ -34,10 +34,11 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from .codec import encode, port_indices, ref_of
+from .codec import encode, port_indices, ref_of, resolve_ref
 from .graph import Graph, Node, Operation, _copy_data
 from .match import match_targets
 from .modspec import SpecError, is_marked_leaf, is_torch_builtin, module_spec
+from .trace import trace
 
 # Functions whose first argument is a list of tensors: connecting into them appends to the list.
 _LIST_FUNCTIONS = {"torch:cat", "torch:stack", "torch:concat", "torch:concatenate",
@@ -113,9 +114,7 @@ def as_operation(op: Any, where: str) -> Operation:
                 return Operation("module", spec=module_spec(op))
             except SpecError as e:
                 raise MutationError(f"{where}: {e}") from None
-        from .trace import trace  # a composite module becomes a cell (subgraph)
-
-        return Operation("subgraph", graph=trace(op))
+        return Operation("subgraph", graph=trace(op))  # a composite module becomes a cell
     if isinstance(op, functools.partial):
         inner = as_operation(op.func, where)
         inner.kwargs = {k: encode(v) for k, v in op.keywords.items()}
@@ -137,8 +136,6 @@ def _is_variadic(node: Node) -> bool:
     if op.kind == "function" and op.target in _LIST_FUNCTIONS:
         return True
     if op.kind == "module" and op.spec:
-        from .codec import resolve_ref
-
         return bool(getattr(resolve_ref(op.spec["cls"]), "variadic", False))
     return False
 

@@ -27,8 +27,10 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
+from .choices import ValueChoice, trace_space
 from .graph import Graph
 from .mutator import BoundMutator, Context, Mutator, SampleError
+from .shapes import has_lazy, propagate
 
 _TOUCHING = {"replace": ("node",), "delete_node": ("node",), "connect": ("dst",),
              "disconnect": ("dst",), "materialize": ("node",)}
@@ -165,8 +167,6 @@ class ModelSpace:
     def __init__(self, base_model_or_models: nn.Module | Sequence[nn.Module],
                  mutators: Sequence[Mutator | BoundMutator] = (), example_input: Any = None,
                  concrete_args: dict | None = None, leaf_modules: Sequence = ()):
-        from .choices import trace_space
-
         bases = base_model_or_models if isinstance(base_model_or_models, (list, tuple)) \
             else [base_model_or_models]
         if not bases:
@@ -191,8 +191,6 @@ class ModelSpace:
         architecture choices; the chosen values land in ``Model.hparams``. Returns a new space
         (sharing the traced bases); plain values in ``hparams`` are not choices and are
         ignored."""
-        from .choices import ValueChoice
-
         space = copy.copy(self)
         space.hparams = dict(self.hparams)
         for name, value in hparams.items():
@@ -255,8 +253,6 @@ class ModelSpace:
         Raises:
             ShapeMismatchError: as :meth:`instantiate`.
         """
-        from .shapes import propagate
-
         if self.example_input is not None:
             propagate(model, self.example_input)
         return model
@@ -270,8 +266,6 @@ class ModelSpace:
         """
         if check:
             return self.instantiate(sample).to_module()
-        from .shapes import has_lazy, propagate
-
         model = self.replay(sample)
         if self.example_input is not None and has_lazy(model.graph):
             propagate(model, self.example_input)
