@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import ops
-from .codec import decode, encode, evaluate_choice, resolve_ref
+from .codec import decode, encode, evaluate_choice, find_tags, map_tags, resolve_ref
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
 from .mutator import MutationError, Mutator, candidate_keys
@@ -447,24 +447,14 @@ class _ValueChoiceMutator(_Inline):
 
 
 def _labels_in(data: Any) -> set[str]:
-    if isinstance(data, list):
-        return set().union(*(_labels_in(v) for v in data)) if data else set()
-    if isinstance(data, dict):
-        if len(data) == 1 and "__choice__" in data:
-            p = data["__choice__"]
-            return _labels_in(p["args"]) if "op" in p else {p["label"]}
-        return set().union(*(_labels_in(v) for v in data.values())) if data else set()
-    return set()
+    labels: set[str] = set()
+    for p in find_tags(data, "__choice__"):
+        labels |= _labels_in(p["args"]) if "op" in p else {p["label"]}
+    return labels
 
 
 def _substitute(data: Any, chosen: dict) -> Any:
-    if isinstance(data, list):
-        return [_substitute(v, chosen) for v in data]
-    if isinstance(data, dict):
-        if len(data) == 1 and "__choice__" in data:
-            return encode(evaluate_choice(data["__choice__"], chosen))
-        return {k: _substitute(v, chosen) for k, v in data.items()}
-    return data
+    return map_tags(data, "__choice__", lambda p: encode(evaluate_choice(p, chosen)))
 
 
 # ---- tracing inline choices ------------------------------------------------------------------------
@@ -503,13 +493,8 @@ def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
     uids: list[int] = []
 
     def visit(data, where, node):
-        if isinstance(data, list):
-            return [visit(v, where, node) for v in data]
-        if not isinstance(data, dict):
-            return data
-        if len(data) == 1 and "__choice__" in data:
-            return {"__choice__": visit_choice(data["__choice__"], where, node)}
-        return {k: visit(v, where, node) for k, v in data.items()}
+        return map_tags(data, "__choice__",
+                        lambda p: {"__choice__": visit_choice(p, where, node)})
 
     def visit_choice(p, where, node):
         if "op" in p:

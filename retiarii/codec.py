@@ -220,24 +220,74 @@ def evaluate_choice(payload: dict, chosen: dict | None) -> Any:
     return chosen[payload["label"]]
 
 
-def port_indices(data: Any) -> list[int]:
-    """Every input port index referenced in an encoded template, in order of appearance."""
-    found: list[int] = []
+# ---- walking encoded data (as torch.fx's map_arg walks call arguments) ----------------------
+#
+# Encoded data nests lists and dicts (tag payloads, call kwargs, module specs). The two walkers
+# below share one rule: a tag dict ``{tag: payload}`` is handed over whole (its payload is not
+# searched), every other list and dict is walked into.
 
-    def walk(d):
-        if isinstance(d, list):
-            for v in d:
-                walk(v)
-        elif isinstance(d, dict):
-            if "__in__" in d and len(d) == 1:
-                found.append(d["__in__"])
-            else:
-                for v in d.values():
-                    walk(v)
+DROP = object()  # a map_tags function's answer for "leave this list item out"
 
-    walk(data)
+
+def find_tags(data: Any, tag: str) -> list:
+    """The payload of every ``{tag: payload}`` in encoded ``data``, in order of appearance.
+
+    Example::
+
+        >>> find_tags([{"__in__": 0}, {"__tuple__": [{"__in__": 1}, 2]}], "__in__")
+        [0, 1]
+    """
+    found: list = []
+    _find(data, tag, found)
     return found
 
 
+def _find(data: Any, tag: str, found: list) -> None:
+    # (an accumulator, not a generator: port_indices runs for every node on every edit)
+    if isinstance(data, list):
+        for v in data:
+            _find(v, tag, found)
+    elif isinstance(data, dict):
+        if len(data) == 1 and tag in data:
+            found.append(data[tag])
+        else:
+            for v in data.values():
+                _find(v, tag, found)
+
+
+def map_tags(data: Any, tag: str, fn: Callable[[Any], Any]) -> Any:
+    """A copy of encoded ``data`` with every ``{tag: payload}`` replaced by ``fn(payload)``.
+    An item of a list for which ``fn`` returns :data:`DROP` is left out (elsewhere the tag
+    is kept as it was).
+
+    Example::
+
+        >>> map_tags({"x": [{"__in__": 0}, {"__in__": 1}]}, "__in__",
+        ...          lambda k: DROP if k == 0 else {"__in__": k - 1})
+        {'x': [{'__in__': 0}]}
+    """
+    if isinstance(data, list):
+        out = []
+        for v in data:
+            mapped = map_tags(v, tag, fn)
+            if mapped is not DROP:
+                out.append(mapped)
+        return out
+    if isinstance(data, dict):
+        if len(data) == 1 and tag in data:
+            return fn(data[tag])
+        return {k: _kept(map_tags(v, tag, fn), v) for k, v in data.items()}
+    return data
+
+
+def _kept(mapped: Any, original: Any) -> Any:
+    return original if mapped is DROP else mapped
+
+
+def port_indices(data: Any) -> list[int]:
+    """Every input port index referenced in an encoded template, in order of appearance."""
+    return find_tags(data, "__in__")
+
+
 __all__ = ["EncodeError", "PortRef", "encode", "decode", "ref_of", "resolve_ref",
-           "port_indices", "evaluate_choice"]
+           "port_indices", "evaluate_choice", "find_tags", "map_tags", "DROP"]

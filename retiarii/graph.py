@@ -45,7 +45,7 @@ from typing import Any, Iterator, KeysView
 import networkx as nx
 import torch
 
-from .codec import decode, port_indices, resolve_ref
+from .codec import DROP, decode, map_tags, port_indices, resolve_ref
 from .modspec import build_module
 
 SCHEMA_VERSION = 1
@@ -341,21 +341,14 @@ class Graph:
         """Drop input ``port`` of a node taking any number of inputs (a sum, ``torch.cat``):
         its edge and its ``{"__in__": port}`` item in the call template go, and the ports
         after it are renumbered, edges included."""
-        def walk(d):
-            if isinstance(d, list):
-                return [walk(x) for x in d if not (isinstance(x, dict) and x.get("__in__") == port
-                                                   and len(x) == 1)]
-            if isinstance(d, dict):
-                if len(d) == 1 and "__in__" in d:
-                    return {"__in__": d["__in__"] - (d["__in__"] > port)}
-                return {k: walk(v) for k, v in d.items()}
-            return d
+        def renumber(k: int) -> Any:
+            return DROP if k == port else {"__in__": k - (k > port)}
 
         edges = [(s, p) for s, _, p in self._nx.in_edges(node.uid, keys=True)]
         for s, p in edges:
             self._nx.remove_edge(s, node.uid, key=p)
-        node.op.args = walk(node.op.args)
-        node.op.kwargs = walk(node.op.kwargs)
+        node.op.args = map_tags(node.op.args, "__in__", renumber)
+        node.op.kwargs = map_tags(node.op.kwargs, "__in__", renumber)
         for s, p in edges:
             if p != port:
                 self._nx.add_edge(s, node.uid, key=p - (p > port))

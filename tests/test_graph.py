@@ -818,3 +818,34 @@ def test_every_zoo_family_is_present():
                 "lstm_classifier", "gru_classifier", "unet", "darts_cell", "mlp_dropout"}
     assert families <= set(CASES)
     assert len(CASES) >= 12
+
+
+# ---- walking encoded data (codec.find_tags / map_tags) ----------------------------------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=3))
+_encoded = st.recursive(
+    st.one_of(_scalars, st.builds(lambda k: {"__in__": k}, st.integers(0, 4))),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.builds(lambda v: {"__tuple__": v}, st.lists(inner, max_size=3)),
+        st.dictionaries(st.sampled_from(["dim", "stride", "x"]), inner, max_size=3)),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_encoded)
+def test_tag_walkers_find_map_and_drop(data):
+    from retiarii.codec import DROP, find_tags, map_tags
+
+    ports = find_tags(data, "__in__")
+    assert json.dumps(map_tags(data, "__in__", lambda k: {"__in__": k})) == json.dumps(data)
+    assert find_tags(map_tags(data, "__in__", lambda k: {"__in__": k + 1}), "__in__") == \
+        [k + 1 for k in ports]
+    # dropping port 0 removes it from lists; elsewhere (a dict value) the tag stays
+    dropped = map_tags(data, "__in__", lambda k: DROP if k == 0 else {"__in__": k})
+    assert DROP not in find_tags(dropped, "__in__")
+    kept = find_tags(dropped, "__in__")
+    assert [k for k in kept if k != 0] == [k for k in ports if k != 0]
+    assert len(kept) <= len(ports)
+    if not isinstance(data, list):
+        assert find_tags([data], "__in__") == ports
