@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from retiarii.strategies import ASHA, HyperTrick, Hyperband, MedianStopping, PBT, Scheduler
-from retiarii.strategies.asha import rung_milestones
 from retiarii.strategies import pbt
+from retiarii.strategies.asha import rung_milestones
 from retiarii.strategies.hyperband import bracket_plan
 from retiarii.strategies.hypertrick import (
     dcm_threshold, expected_completion_rate, min_completion_rate,
