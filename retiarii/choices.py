@@ -24,26 +24,21 @@ ValueChoice object is one choice wherever it is used. Give the same label to tie
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
-import operator
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 from torch import nn
 
-from .codec import encode
+from . import ops
+from .codec import decode, encode, evaluate_choice, find_tags, map_tags, resolve_ref
 from .graph import Graph, Node, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
-from .mutator import (MutationError, Mutator, _append_port, _remove_port, candidate_keys,
-                      opaque_operation)
-from .trace import LEAF_HANDLERS, TraceError, trace_with_choices
+from .mutator import MutationError, Mutator, candidate_keys, opaque_operation
+from .trace import LEAF_HANDLERS, TraceError, _plain_kwargs, trace_with_choices
 
 # ---- ValueChoice -----------------------------------------------------------------------------
-
-_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
-           "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
-           "pow": operator.pow}
-
 
 class _Expr:
     """Arithmetic on ValueChoices (``ratio * channels``), evaluated once values are chosen."""
@@ -118,21 +113,6 @@ class ChoiceExpr(_Expr):
 
     def __retiarii_encode__(self) -> dict:
         return {"__choice__": {"op": self.op, "args": [encode(a) for a in self.args]}}
-
-
-def evaluate_choice(payload: dict, chosen: dict | None) -> Any:
-    """Value of an encoded ValueChoice/expression under ``chosen`` (label -> value); the
-    defaults when ``chosen`` is None."""
-    from .codec import decode
-
-    if "op" in payload:
-        args = [evaluate_choice(a["__choice__"], chosen) if isinstance(a, dict)
-                and "__choice__" in a else decode(a) for a in payload["args"]]
-        return _BINARY[payload["op"]](*args)
-    values = [decode(v) for v in payload["values"]]
-    if chosen is None:
-        return values[0]
-    return chosen[payload["label"]]
 
 
 class _HParamChooser(Mutator):
@@ -272,8 +252,6 @@ class InputChoice(nn.Module):
         return list(pick(range(self.n_candidates), self.n_chosen))
 
     def merge_module(self) -> nn.Module:
-        from . import ops
-
         return {"sum": ops.Sum, "none": ops.Sum, "mean": ops.Mean,
                 "concat": ops.Concat}[self.reduction]()
 
@@ -387,9 +365,9 @@ def splice_graph(g: Graph, sub: Graph, prefix: str, sources: list[Node]) -> tupl
             new = g.add_node(g.unique_name(prefix + n.name), op)
             new.meta = dict(n.meta)
             mapping[n.uid] = new.uid
-    for s, d, port in sub._nx.edges(keys=True):
-        if sub.node_by_uid(d).kind != "output":
-            g.connect(g.node_by_uid(mapping[s]), g.node_by_uid(mapping[d]), port)
+    for s, d, port in sub.edges():
+        if d.kind != "output":
+            g.connect(g.node_by_uid(mapping[s.uid]), g.node_by_uid(mapping[d.uid]), port)
     return mapping, g.node_by_uid(mapping[out_src.uid])
 
 
@@ -401,8 +379,8 @@ def _splice(mutator: Mutator, node: Node, sub: Graph, prefix: str) -> dict[int, 
     created = [v for k, v in mapping.items() if sub.node_by_uid(k).kind != "input"]
     mutator._ctx.created.update(created)
     users = [u.uid for u in node.users]
-    for _, dst, port in list(g._nx.out_edges(node.uid, keys=True)):
-        g.connect(out, g.node_by_uid(dst), port)
+    for dst, port in g.out_edges(node):
+        g.connect(out, dst, port)
     for port in range(node.op.num_ports):
         g.disconnect_port(node, port)
     g.remove_node(node)
@@ -450,11 +428,11 @@ class _InputChoiceMutator(_Inline):
         drop = range(self.n) if len(set(kept)) < len(kept) else \
             [p for p in range(self.n) if p not in kept]
         for port in reversed(drop):
-            _remove_port(node, port)
+            self.graph.remove_port(node, port)
             self._record("disconnect", src=sources[port].uid, dst=node.uid, ports=[port])
         if len(set(kept)) < len(kept):
             for i in kept:
-                port = _append_port(node)
+                port = self.graph.append_port(node)
                 self.graph.connect(sources[i], node, port)
                 self._record("connect", src=sources[i].uid, dst=node.uid, port=port)
         _delete_unused(self, [sources[p] for p in range(self.n) if p not in kept])
@@ -492,9 +470,9 @@ class _RepeatMutator(_Inline):
             dropped = {self.remap.get(u, u) for b in self.blocks[depth:] for u in b["uids"]}
             last_out = self.node(self.blocks[-1]["out"])
             keep_out = self.node(self.blocks[depth - 1]["out"] if depth else self.blocks[0]["src"])
-            for _, dst, port in list(g._nx.out_edges(last_out.uid, keys=True)):
-                if dst not in dropped:
-                    self.connect(keep_out, g.node_by_uid(dst), port)
+            for dst, port in g.out_edges(last_out):
+                if dst.uid not in dropped:
+                    self.connect(keep_out, dst, port)
             for block in reversed(self.blocks[depth:]):
                 for uid in reversed(block["uids"]):
                     self.delete_node(self.node(uid))
@@ -514,10 +492,9 @@ class _ValueChoiceMutator(_Inline):
         self.uids, self.labels = uids, labels  # label -> encoded values, in order of first use
 
     def mutate(self, targets):
-        from .codec import decode
-
+        alive = self.graph.uids()
         nodes = [self.graph.node_by_uid(u) for u in (self.remap.get(u, u) for u in self.uids)
-                 if u in self.graph._nodes]
+                 if u in alive]
         tagged = [n for n in nodes if _labels_in([n.op.args, n.op.kwargs, n.op.spec])]
         used = set().union(*(_labels_in([n.op.args, n.op.kwargs, n.op.spec]) for n in tagged))
         chosen = {label: self.choose([decode(v) for v in values], label)
@@ -531,24 +508,14 @@ class _ValueChoiceMutator(_Inline):
 
 
 def _labels_in(data: Any) -> set[str]:
-    if isinstance(data, list):
-        return set().union(*(_labels_in(v) for v in data)) if data else set()
-    if isinstance(data, dict):
-        if len(data) == 1 and "__choice__" in data:
-            p = data["__choice__"]
-            return _labels_in(p["args"]) if "op" in p else {p["label"]}
-        return set().union(*(_labels_in(v) for v in data.values())) if data else set()
-    return set()
+    labels: set[str] = set()
+    for p in find_tags(data, "__choice__"):
+        labels |= _labels_in(p["args"]) if "op" in p else {p["label"]}
+    return labels
 
 
 def _substitute(data: Any, chosen: dict) -> Any:
-    if isinstance(data, list):
-        return [_substitute(v, chosen) for v in data]
-    if isinstance(data, dict):
-        if len(data) == 1 and "__choice__" in data:
-            return encode(evaluate_choice(data["__choice__"], chosen))
-        return {k: _substitute(v, chosen) for k, v in data.items()}
-    return data
+    return map_tags(data, "__choice__", lambda p: encode(evaluate_choice(p, chosen)))
 
 
 # ---- tracing inline choices ------------------------------------------------------------------------
@@ -556,10 +523,6 @@ def _substitute(data: Any, chosen: dict) -> Any:
 
 def _arg_names(op: Operation) -> list[str]:
     """Constructor parameter names of a module operation, to name its ValueChoices readably."""
-    import inspect
-
-    from .codec import resolve_ref
-
     try:
         cls = resolve_ref(op.spec["cls"])
         return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
@@ -591,13 +554,8 @@ def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
     uids: list[int] = []
 
     def visit(data, where, node):
-        if isinstance(data, list):
-            return [visit(v, where, node) for v in data]
-        if not isinstance(data, dict):
-            return data
-        if len(data) == 1 and "__choice__" in data:
-            return {"__choice__": visit_choice(data["__choice__"], where, node)}
-        return {k: visit(v, where, node) for k, v in data.items()}
+        return map_tags(data, "__choice__",
+                        lambda p: {"__choice__": visit_choice(p, where, node)})
 
     def visit_choice(p, where, node):
         if "op" in p:
@@ -689,8 +647,6 @@ def _candidate(module: nn.Module, prefix: str) -> tuple:
 
 
 def _on_layer_choice(conv, n: fx.Node, module: LayerChoice) -> None:
-    from .trace import _plain_kwargs
-
     path = str(n.target)
     scope = _TraceScope.current()
     options = [_candidate(m, f"{path}.{str(key).replace('#', '_')}.")

@@ -16,6 +16,7 @@ back to an equal value. Tags are one-key dicts whose key starts and ends with ``
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -147,8 +148,6 @@ def decode(data: Any, inputs: list | None = None,
     if tag == "__ref__":
         return resolve_ref(payload)
     if tag == "__choice__":  # an unresolved ValueChoice: its default (the first value)
-        from .choices import evaluate_choice
-
         return evaluate_choice(payload, None)
     if tag == "__module__":
         if module_decoder is None:
@@ -157,30 +156,97 @@ def decode(data: Any, inputs: list | None = None,
     raise ValueError(f"unknown tag {tag!r} in encoded value")
 
 
-def port_indices(data: Any) -> list[int]:
-    """Every input port index referenced in an encoded template, in order of appearance."""
-    found: list[int] = []
+# Arithmetic on ValueChoices (``ratio * channels``), by the name ``ChoiceExpr`` records.
+_CHOICE_OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
+               "truediv": operator.truediv, "floordiv": operator.floordiv, "mod": operator.mod,
+               "pow": operator.pow}
 
-    def walk(d):
-        if isinstance(d, list):
-            for v in d:
-                walk(v)
-        elif isinstance(d, dict):
-            if "__in__" in d and len(d) == 1:
-                found.append(d["__in__"])
-            else:
-                for v in d.values():
-                    walk(v)
 
-    walk(data)
+def evaluate_choice(payload: dict, chosen: dict | None) -> Any:
+    """Value of an encoded ValueChoice/expression (the payload of a ``__choice__`` tag) under
+    ``chosen`` (label -> value); the defaults when ``chosen`` is None.
+
+    It lives here, not in :mod:`retiarii.choices`, because ``decode`` needs it: the encoding is
+    the bottom layer and imports nothing of retiarii.
+    """
+    if "op" in payload:
+        args = [evaluate_choice(a["__choice__"], chosen) if isinstance(a, dict)
+                and "__choice__" in a else decode(a) for a in payload["args"]]
+        return _CHOICE_OPS[payload["op"]](*args)
+    values = [decode(v) for v in payload["values"]]
+    if chosen is None:
+        return values[0]
+    return chosen[payload["label"]]
+
+
+# ---- walking encoded data (as torch.fx's map_arg walks call arguments) ----------------------
+#
+# Encoded data nests lists and dicts (tag payloads, call kwargs, module specs). The two walkers
+# below share one rule: a tag dict ``{tag: payload}`` is handed over whole (its payload is not
+# searched), every other list and dict is walked into.
+
+DROP = object()  # a map_tags function's answer for "leave this list item out"
+
+
+def find_tags(data: Any, tag: str) -> list:
+    """The payload of every ``{tag: payload}`` in encoded ``data``, in order of appearance.
+
+    Example::
+
+        >>> find_tags([{"__in__": 0}, {"__tuple__": [{"__in__": 1}, 2]}], "__in__")
+        [0, 1]
+    """
+    found: list = []
+    _find(data, tag, found)
     return found
 
 
-def is_builtin_namespace(ref: str) -> bool:
-    """True for references into torch, operator, math or builtins (no user import needed)."""
-    root = ref.split(":", 1)[0].split(".", 1)[0]
-    return root in {"torch", "operator", "_operator", "math", "builtins"}
+def _find(data: Any, tag: str, found: list) -> None:
+    # (an accumulator, not a generator: port_indices runs for every node on every edit)
+    if isinstance(data, list):
+        for v in data:
+            _find(v, tag, found)
+    elif isinstance(data, dict):
+        if len(data) == 1 and tag in data:
+            found.append(data[tag])
+        else:
+            for v in data.values():
+                _find(v, tag, found)
+
+
+def map_tags(data: Any, tag: str, fn: Callable[[Any], Any]) -> Any:
+    """A copy of encoded ``data`` with every ``{tag: payload}`` replaced by ``fn(payload)``.
+    An item of a list for which ``fn`` returns :data:`DROP` is left out (elsewhere the tag
+    is kept as it was).
+
+    Example::
+
+        >>> map_tags({"x": [{"__in__": 0}, {"__in__": 1}]}, "__in__",
+        ...          lambda k: DROP if k == 0 else {"__in__": k - 1})
+        {'x': [{'__in__': 0}]}
+    """
+    if isinstance(data, list):
+        out = []
+        for v in data:
+            mapped = map_tags(v, tag, fn)
+            if mapped is not DROP:
+                out.append(mapped)
+        return out
+    if isinstance(data, dict):
+        if len(data) == 1 and tag in data:
+            return fn(data[tag])
+        return {k: _kept(map_tags(v, tag, fn), v) for k, v in data.items()}
+    return data
+
+
+def _kept(mapped: Any, original: Any) -> Any:
+    return original if mapped is DROP else mapped
+
+
+def port_indices(data: Any) -> list[int]:
+    """Every input port index referenced in an encoded template, in order of appearance."""
+    return find_tags(data, "__in__")
 
 
 __all__ = ["EncodeError", "PortRef", "encode", "decode", "ref_of", "resolve_ref",
-           "port_indices", "is_builtin_namespace"]
+           "port_indices", "evaluate_choice", "find_tags", "map_tags", "DROP"]

@@ -39,24 +39,10 @@ from torch import nn
 from .codec import decode, ref_of, resolve_ref
 from .graph import Graph, GraphError, Node
 from .inline import InlineError, Inliner
+from .interpreter import Interpreter, init_tensor
 from .modspec import build_module
 
 # ---- shared helpers ------------------------------------------------------------------------
-
-
-def _init_spec_shape(spec: dict) -> tuple[list, torch.dtype]:
-    """(shape, dtype) of a parameter/buffer node's tensor."""
-    return spec["shape"], getattr(torch, spec["dtype"])
-
-
-def _init_tensor(spec: dict) -> torch.Tensor:
-    """Initial value of a parameter/buffer node: stored exactly when small, else a default."""
-    if "init" in spec:
-        return decode(spec["init"]).clone()
-    shape, dtype = _init_spec_shape(spec)
-    if spec["buffer"] or not dtype.is_floating_point:
-        return torch.zeros(shape, dtype=dtype)
-    return nn.init.trunc_normal_(torch.empty(shape, dtype=dtype), std=0.02)
 
 
 def _owner_paths(graph: Graph) -> set[str]:
@@ -96,14 +82,6 @@ def _registration_rank(graph: Graph):
     return lambda path: rank.get(path, len(rank))
 
 
-def _check_ports(node: Node) -> list[Node]:
-    inputs = node.inputs
-    if any(i is None for i in inputs):
-        raise GraphError(f"node {node.name!r} has a dangling input port "
-                         f"{inputs.index(None)}; connect it before emitting code")
-    return inputs
-
-
 # ---- to_module -----------------------------------------------------------------------------
 
 
@@ -126,44 +104,20 @@ def to_module(graph: Graph, class_name: str = "GeneratedModel") -> fx.GraphModul
                 and node.attr not in installed:
             installed.add(node.attr)
             spec = node.op.spec
-            value = _init_tensor(spec)
+            value = init_tensor(spec)
             if not spec["buffer"]:
                 value = nn.Parameter(value, requires_grad=spec.get("requires_grad", True))
             _install(root, node.attr, value, buffer=spec["buffer"],
                      persistent=spec.get("persistent", True))
+    constants: dict[int, str] = {}
     for i, node in enumerate(nodes):
         if node.kind == "constant":
-            node_attr = f"_constant_{i}"
-            root.register_buffer(node_attr, decode(node.op.spec["value"]), persistent=False)
-
-    fxg = fx.Graph()
-    env: dict[int, fx.Node] = {}
-    names = _PyNames()
-    for i, node in enumerate(nodes):
-        inputs = [env[x.uid] for x in _check_ports(node)]
-        args = decode(node.op.args, inputs, build_module)
-        kwargs = {k: decode(v, inputs, build_module) for k, v in node.op.kwargs.items()}
-        kind = node.kind
-        if kind == "input":
-            spec = node.op.spec or {}
-            default = decode(spec["default"]) if "default" in spec else inspect.Signature.empty
-            out = fxg.placeholder(node.op.target or node.name, default_value=default)
-        elif kind in ("module", "subgraph"):
-            out = fxg.call_module(node.attr, tuple(args), kwargs)
-        elif kind == "function":
-            out = fxg.call_function(resolve_ref(node.op.target), tuple(args), kwargs)
-        elif kind == "method":
-            out = fxg.call_method(node.op.target, tuple(args), kwargs)
-        elif kind == "param":
-            out = fxg.get_attr(node.attr)
-        elif kind == "constant":
-            out = fxg.get_attr(f"_constant_{i}")
-        else:  # output
-            out = fxg.output(args[0])
-        if kind not in ("input", "output"):
-            out.name = names.fresh(node.name)
-        out.meta["retiarii_uid"] = node.uid  # lets analyses (shapes.py) report our nodes
-        env[node.uid] = out
+            constants[node.uid] = f"_constant_{i}"
+            root.register_buffer(constants[node.uid], decode(node.op.spec["value"]),
+                                 persistent=False)
+    emitter = _FxEmitter(graph, constants)
+    emitter.run()
+    fxg = emitter.fxg
     gm = fx.GraphModule(root, fxg, class_name)
     # GraphModule copies modules into fresh containers in call order and re-registers buffers
     # as persistent; adopt root's own hierarchy (registration order, non-persistent buffers
@@ -171,6 +125,51 @@ def to_module(graph: Graph, class_name: str = "GeneratedModel") -> fx.GraphModul
     for attr in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
         gm.__dict__[attr] = root.__dict__[attr]
     return gm
+
+
+class _FxEmitter(Interpreter):
+    """Runs the graph on fx nodes: every node becomes the fx node that computes it."""
+
+    def __init__(self, graph: Graph, constants: dict[int, str]):
+        super().__init__(graph)
+        self.fxg = fx.Graph()
+        self.constants = constants  # uid of a constant node -> its buffer's attribute
+        self.names = _PyNames()
+
+    def run_node(self, node: Node, inputs: list) -> fx.Node:
+        out = super().run_node(node, inputs)
+        if node.kind not in ("input", "output"):
+            out.name = self.names.fresh(node.name)
+        out.meta["retiarii_uid"] = node.uid  # lets analyses report our nodes
+        return out
+
+    def on_input(self, node, inputs):
+        spec = node.op.spec or {}
+        default = decode(spec["default"]) if "default" in spec else inspect.Signature.empty
+        return self.fxg.placeholder(node.op.target or node.name, default_value=default)
+
+    def on_module(self, node, inputs):
+        args, kwargs = self.call_args(node, inputs)
+        return self.fxg.call_module(node.attr, tuple(args), kwargs)
+
+    on_subgraph = on_module  # the cell is a GraphModule of its own at node.attr
+
+    def on_function(self, node, inputs):
+        args, kwargs = self.call_args(node, inputs)
+        return self.fxg.call_function(resolve_ref(node.op.target), tuple(args), kwargs)
+
+    def on_method(self, node, inputs):
+        args, kwargs = self.call_args(node, inputs)
+        return self.fxg.call_method(node.op.target, tuple(args), kwargs)
+
+    def on_param(self, node, inputs):
+        return self.fxg.get_attr(node.attr)
+
+    def on_constant(self, node, inputs):
+        return self.fxg.get_attr(self.constants[node.uid])
+
+    def on_output(self, node, inputs):
+        return self.fxg.output(decode(node.op.args[0], inputs, build_module))
 
 
 # ---- to_source -----------------------------------------------------------------------------
@@ -395,7 +394,7 @@ def to_source(graph: Graph, class_name: str = "Model") -> str:
     params: list[str] = []
     body: list[str] = []
     signature: list[str] = []
-    _emit(graph, "", src, names, tree, params, body, signature, None)
+    _SourceEmitter(graph, "", src, names, tree, params, body, signature, None).run()
     tree.sort(_registration_rank(graph))
 
     init = ["super().__init__()"]
@@ -446,66 +445,100 @@ def _function(name: str, params: list[str], lines: list[str]) -> cst.FunctionDef
     )
 
 
-def _emit(graph: Graph, prefix: str, src: _Source, names: _PyNames, tree: _Tree,
-          params: list[str], body: list[str], signature: list[str],
-          cell_inputs: list[str] | None) -> list[str]:
-    """Append ``graph``'s statements to ``body``; return the output expression's inputs."""
-    env: dict[int, str] = {}
-    owners = {prefix + p for p in _owner_paths(graph)}
-    declared: set[str] = set()
-    inputs_seen = 0
-    for node in graph.nodes:
-        ins = [env[x.uid] for x in _check_ports(node)]
-        path = prefix + node.attr
-        if node.kind == "input":
-            if cell_inputs is None:
-                var = names.fresh(node.op.target or node.name)
-                spec = node.op.spec or {}
-                signature.append(var + (f"={src.literal(spec['default'], [])}"
-                                        if "default" in spec else ""))
-            else:
-                var = cell_inputs[inputs_seen]
-                inputs_seen += 1
-            env[node.uid] = var
-            continue
-        if node.kind == "output":
-            out = src.literal(node.op.args[0], ins)
-            if cell_inputs is None:
-                body.append(f"return {out}")
-                return []
-            var = names.fresh(prefix.rstrip(".") or "out")
-            body.append(f"{var} = {out}")
-            return [var]
-        if node.kind == "subgraph":
-            (env[node.uid],) = _emit(node.op.graph, path + ".", src, names, tree, params, body,
-                                     signature, ins)
-            continue
-        var = names.fresh(prefix + node.name)
-        if node.kind == "module":
-            inline = _inline_expr(node, ins)
-            if inline is not None:  # a weightless merge (retiarii.ops): plain torch code
-                body.append(f"{var} = {inline}")
-            else:
-                if path not in declared:
-                    tree.put(path, src.constructor(node.op.spec))
-                    declared.add(path)
-                body.append(f"{var} = {src.call(node, ins, _access(path))}")
-        elif node.kind == "param":
-            if not _owned_by_module(path, owners) and path not in declared:
-                declared.add(path)
-                tree.ensure(path.rpartition(".")[0])
-                params.append(_param_line(path, node.op.spec, src))
-            owner, _, leaf = path.rpartition(".")  # a tensor, not a submodule: no [key]
-            owner_expr = _access(owner) if owner else "self"
-            plain = leaf.isidentifier() and leaf not in _DICT_ATTRS
-            body.append(f"{var} = {owner_expr}.{leaf}" if plain
-                        else f"{var} = getattr({owner_expr}, {leaf!r})")
-        elif node.kind == "constant":
-            body.append(f"{var} = {src.literal(node.op.spec['value'], [])}")
-        else:
-            body.append(f"{var} = {src.call(node, ins, None)}")
-        env[node.uid] = var
-    raise GraphError("graph has no output node")
+class _SourceEmitter(Interpreter):
+    """Runs the graph on source text: every node appends its statement to ``body`` and
+    becomes the name of the variable holding its value. A cell (subgraph) is written inline,
+    its names and module paths under its own path."""
+
+    def __init__(self, graph: Graph, prefix: str, src: _Source, names: _PyNames, tree: _Tree,
+                 params: list[str], body: list[str], signature: list[str],
+                 cell_inputs: list[str] | None):
+        super().__init__(graph)
+        self.prefix, self.src, self.names, self.tree = prefix, src, names, tree
+        self.params, self.body, self.signature = params, body, signature
+        self.cell_inputs = cell_inputs  # a cell's input variables; None at the top level
+        self.owners = {prefix + p for p in _owner_paths(graph)}
+        self.declared: set[str] = set()
+        self.inputs_seen = 0
+        self.returned = False
+
+    def run(self) -> str | None:
+        out = super().run()
+        if not self.returned:
+            raise GraphError("graph has no output node")
+        return out
+
+    def fetch_inputs(self, node: Node) -> list:
+        return [] if self.returned else super().fetch_inputs(node)
+
+    def run_node(self, node: Node, inputs: list) -> str | None:
+        if self.returned:  # nothing after the return statement
+            return None
+        return super().run_node(node, inputs)
+
+    def fresh(self, node: Node) -> str:
+        return self.names.fresh(self.prefix + node.name)
+
+    def on_input(self, node, inputs):
+        if self.cell_inputs is not None:
+            self.inputs_seen += 1
+            return self.cell_inputs[self.inputs_seen - 1]
+        var = self.names.fresh(node.op.target or node.name)
+        spec = node.op.spec or {}
+        self.signature.append(var + (f"={self.src.literal(spec['default'], [])}"
+                                     if "default" in spec else ""))
+        return var
+
+    def on_output(self, node, inputs):
+        out = self.src.literal(node.op.args[0], inputs)
+        self.returned = True
+        if self.cell_inputs is None:
+            self.body.append(f"return {out}")
+            return None
+        var = self.names.fresh(self.prefix.rstrip(".") or "out")
+        self.body.append(f"{var} = {out}")
+        return var
+
+    def on_subgraph(self, node, inputs):
+        return _SourceEmitter(node.op.graph, self.prefix + node.attr + ".", self.src, self.names,
+                              self.tree, self.params, self.body, self.signature, inputs).run()
+
+    def on_module(self, node, inputs):
+        var, path = self.fresh(node), self.prefix + node.attr
+        inline = _inline_expr(node, inputs)
+        if inline is not None:  # a weightless merge (retiarii.ops): plain torch code
+            self.body.append(f"{var} = {inline}")
+            return var
+        if path not in self.declared:
+            self.tree.put(path, self.src.constructor(node.op.spec))
+            self.declared.add(path)
+        self.body.append(f"{var} = {self.src.call(node, inputs, _access(path))}")
+        return var
+
+    def on_param(self, node, inputs):
+        var, path = self.fresh(node), self.prefix + node.attr
+        if not _owned_by_module(path, self.owners) and path not in self.declared:
+            self.declared.add(path)
+            self.tree.ensure(path.rpartition(".")[0])
+            self.params.append(_param_line(path, node.op.spec, self.src))
+        owner, _, leaf = path.rpartition(".")  # a tensor, not a submodule: no [key]
+        owner_expr = _access(owner) if owner else "self"
+        plain = leaf.isidentifier() and leaf not in _DICT_ATTRS
+        self.body.append(f"{var} = {owner_expr}.{leaf}" if plain
+                         else f"{var} = getattr({owner_expr}, {leaf!r})")
+        return var
+
+    def on_constant(self, node, inputs):
+        var = self.fresh(node)
+        self.body.append(f"{var} = {self.src.literal(node.op.spec['value'], [])}")
+        return var
+
+    def on_function(self, node, inputs):
+        var = self.fresh(node)
+        self.body.append(f"{var} = {self.src.call(node, inputs, None)}")
+        return var
+
+    on_method = on_function
 
 
 def _inline_expr(node: Node, inputs: list[str]) -> str | None:

@@ -40,11 +40,13 @@ import heapq
 import json
 import marshal
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, KeysView
 
 import networkx as nx
+import torch
 
-from .codec import decode, port_indices, resolve_ref
+from .codec import DROP, decode, map_tags, port_indices, resolve_ref
+from .modspec import build_module
 
 SCHEMA_VERSION = 1
 KINDS = ("input", "output", "module", "function", "method", "param", "constant", "subgraph")
@@ -151,6 +153,11 @@ class Node:
     def attr(self) -> str:
         return self.op.attr or self.name
 
+    @property
+    def seq(self) -> int:
+        """Creation order in its graph (later nodes are larger); breaks topological ties."""
+        return self._seq
+
     def __repr__(self):
         return f"Node({self.name!r}, {self.op.describe()}, uid={self.uid})"
 
@@ -193,16 +200,61 @@ class Graph:
     def node_by_uid(self, uid: int) -> Node:
         return self._nodes[uid]
 
+    def uids(self) -> KeysView[int]:
+        """The uids of the graph's nodes: a live read-only view (``uid in g.uids()``)."""
+        return self._nodes.keys()
+
+    def out_edges(self, node: Node) -> list[tuple[Node, int]]:
+        """``(user, port)`` for every edge leaving ``node``, one per input port it feeds."""
+        nodes = self._nodes
+        return [(nodes[dst], port) for dst, ports in self._nx._succ[node.uid].items()
+                for port in ports]
+
+    def edges(self) -> list[tuple[Node, Node, int]]:
+        """Every edge as ``(source, destination, port)``."""
+        nodes = self._nodes
+        return [(nodes[src], nodes[dst], port) for src, succ in self._nx._succ.items()
+                for dst, ports in succ.items() for port in ports]
+
+    def descendant_uids(self, node: Node) -> set[int]:
+        """uids of every node that ``node``'s value flows into (``node`` itself excluded)."""
+        return self._reach(node.uid, self._nx._succ)
+
+    def ancestor_uids(self, node: Node) -> set[int]:
+        """uids of every node whose value flows into ``node`` (``node`` itself excluded)."""
+        return self._reach(node.uid, self._nx._pred)
+
+    def reaches(self, src: Node, dst: Node) -> bool:
+        """Whether ``src``'s value flows into ``dst`` (a node reaches itself): feeding ``src``
+        from ``dst`` would close a cycle."""
+        if src.uid == dst.uid:
+            return True
+        succ, seen, todo = self._nx._succ, {src.uid}, [src.uid]
+        while todo:
+            for nxt in succ[todo.pop()]:
+                if nxt == dst.uid:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    @staticmethod
+    def _reach(start: int, adjacency: dict) -> set[int]:
+        # NOTE: the adjacency dict itself, as in ``inputs``: mutators ask this for every
+        # target of every model they build.
+        seen: set[int] = set()
+        todo = [start]
+        while todo:
+            for nxt in adjacency[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
     @property
     def input_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.kind == "input"]
-
-    @property
-    def output_node(self) -> Node:
-        outs = [n for n in self._nodes.values() if n.kind == "output"]
-        if len(outs) != 1:
-            raise GraphError(f"a graph has exactly one output node, found {len(outs)}")
-        return outs[0]
 
     def _topological(self) -> list[Node]:
         pred, succ, nodes = self._nx._pred, self._nx._succ, self._nodes
@@ -270,6 +322,37 @@ class Graph:
                 self._order = None
                 return self._nodes[src]
         return None
+
+    def append_port(self, node: Node, in_list: bool = False) -> int:
+        """Add one input port at the end of ``node``'s call template and return its number;
+        it dangles until :meth:`connect` feeds it. ``in_list``: append it to the list that is
+        the first argument (the tensors of ``torch.cat``), creating that list if needed."""
+        op = node.op
+        port = op.num_ports
+        if in_list:
+            if not op.args or not isinstance(op.args[0], list):
+                op.args = [[]] + list(op.args)
+            op.args[0].append({"__in__": port})
+        else:
+            op.args.append({"__in__": port})
+        return port  # (no edge changed: the topological order stands)
+
+    def remove_port(self, node: Node, port: int) -> None:
+        """Drop input ``port`` of a node taking any number of inputs (a sum, ``torch.cat``):
+        its edge and its ``{"__in__": port}`` item in the call template go, and the ports
+        after it are renumbered, edges included."""
+        def renumber(k: int) -> Any:
+            return DROP if k == port else {"__in__": k - (k > port)}
+
+        edges = [(s, p) for s, _, p in self._nx.in_edges(node.uid, keys=True)]
+        for s, p in edges:
+            self._nx.remove_edge(s, node.uid, key=p)
+        node.op.args = map_tags(node.op.args, "__in__", renumber)
+        node.op.kwargs = map_tags(node.op.kwargs, "__in__", renumber)
+        for s, p in edges:
+            if p != port:
+                self._nx.add_edge(s, node.uid, key=p - (p > port))
+        self._order = None
 
     def ports_between(self, src: Node, dst: Node) -> list[int]:
         data = self._nx.get_edge_data(src.uid, dst.uid) or {}
@@ -443,6 +526,11 @@ class Graph:
         return hashlib.sha256("".join(sorted(self.node_hashes().values())).encode()).hexdigest()
 
     # ---- emitting ----------------------------------------------------------------------------
+    # NOTE: [The one upward import] codegen sits above graph (it imports Graph), so these two
+    # methods import it when called: ``g.to_module()`` / ``g.to_source()`` are the IR's public
+    # face (README, docs/ir.md) and stay. This is the only edge of the IR core that points up;
+    # tests/test_layering.py allows exactly this one. Code inside retiarii calls
+    # ``retiarii.codegen`` directly.
     def to_module(self, class_name: str = "GeneratedModel"):
         """A runnable ``nn.Module`` (fresh weights) whose state-dict keys follow the node names."""
         from .codegen import to_module
@@ -569,8 +657,6 @@ def _check_op(node: Node, where: str, deep: bool) -> list[str]:
 
 def _check_tensor_spec(kind: str, spec: dict) -> None:
     """Raise if a param/constant spec cannot give its tensor (what codegen will build)."""
-    import torch
-
     if kind == "constant":
         if not isinstance(decode(spec["value"]), torch.Tensor):
             raise ValueError("the constant's value is not a tensor")
@@ -591,10 +677,6 @@ def _check_tensor_spec(kind: str, spec: dict) -> None:
 
 def _check_owned_tensor(node: Node, owner: Node, name: str) -> list[str]:
     """A param node inside a module's path must name a tensor of that module, same shape."""
-    import torch
-
-    from .modspec import build_module
-
     try:
         with torch.device("meta"):
             module = build_module(owner.op.spec)
@@ -617,10 +699,6 @@ def _check_constructible(spec: dict) -> None:
     key = json.dumps(spec, sort_keys=True)
     if key in _CONSTRUCTIBLE:
         return
-    import torch
-
-    from .modspec import build_module
-
     with torch.device("meta"):
         build_module(spec)
     _CONSTRUCTIBLE.add(key)

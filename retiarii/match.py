@@ -138,9 +138,9 @@ def _composite_hint(graph: Graph, spec: Any) -> str | None:
 
 
 def _match_pattern(graph: Graph, pattern: Pattern) -> list[tuple]:
-    host = nx.DiGraph(graph._nx)  # parallel edges do not matter for matching
-    for uid in host:
-        host.nodes[uid]["node"] = graph.node_by_uid(uid)
+    host = nx.DiGraph()  # parallel edges do not matter for matching
+    host.add_nodes_from((n.uid, {"node": n}) for n in map(graph.node_by_uid, graph.uids()))
+    host.add_edges_from((s.uid, d.uid) for s, d, _ in graph.edges())
     pat = nx.DiGraph(pattern.graph)
     for p in pat:
         pat.nodes[p]["test"] = predicate(pattern.graph.nodes[p]["match"])

@@ -33,13 +33,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import networkx as nx
 from torch import nn
 
-from .codec import encode, port_indices, ref_of
+from .codec import encode, port_indices, ref_of, resolve_ref
 from .graph import Graph, Node, Operation, _copy_data
 from .match import match_targets
 from .modspec import SpecError, is_marked_leaf, is_torch_builtin, module_spec
+from .trace import TraceError, trace
 
 # Functions whose first argument is a list of tensors: connecting into them appends to the list.
 _LIST_FUNCTIONS = {"torch:cat", "torch:stack", "torch:concat", "torch:concatenate",
@@ -114,9 +114,7 @@ def as_operation(op: Any, where: str) -> Operation:
                 return Operation("module", spec=module_spec(op))
             except SpecError as e:
                 raise MutationError(f"{where}: {e}") from None
-        from .trace import TraceError, trace  # a composite module becomes a cell (subgraph)
-
-        try:
+        try:  # a composite module becomes a cell (subgraph)
             return Operation("subgraph", graph=trace(op))
         except TraceError as e:
             return opaque_operation(op, e, where)
@@ -162,48 +160,8 @@ def _is_variadic(node: Node) -> bool:
     if op.kind == "function" and op.target in _LIST_FUNCTIONS:
         return True
     if op.kind == "module" and op.spec:
-        from .codec import resolve_ref
-
         return bool(getattr(resolve_ref(op.spec["cls"]), "variadic", False))
     return False
-
-
-def _append_port(node: Node) -> int:
-    """Add one input port to ``node``'s call template; return its index."""
-    port = node.op.num_ports
-    op = node.op
-    if op.kind == "function" and op.target in _LIST_FUNCTIONS:
-        if not op.args or not isinstance(op.args[0], list):
-            op.args = [[]] + list(op.args)
-        op.args[0].append({"__in__": port})
-    else:
-        op.args.append({"__in__": port})
-    node.graph._order = None
-    return port
-
-
-def _remove_port(node: Node, port: int) -> None:
-    """Drop input ``port`` from a variadic template and renumber the ports after it."""
-    def walk(d):
-        if isinstance(d, list):
-            return [walk(x) for x in d if not (isinstance(x, dict) and x.get("__in__") == port
-                                               and len(x) == 1)]
-        if isinstance(d, dict):
-            if len(d) == 1 and "__in__" in d:
-                return {"__in__": d["__in__"] - (d["__in__"] > port)}
-            return {k: walk(v) for k, v in d.items()}
-        return d
-
-    g = node.graph
-    edges = [(s, p) for s, _, p in g._nx.in_edges(node.uid, keys=True)]
-    for s, p in edges:
-        g._nx.remove_edge(s, node.uid, key=p)
-    node.op.args = walk(node.op.args)
-    node.op.kwargs = walk(node.op.kwargs)
-    for s, p in edges:
-        if p != port:
-            g._nx.add_edge(s, node.uid, key=p - (p > port))
-    g._order = None
 
 
 # ---- the mutator -----------------------------------------------------------------------------
@@ -271,8 +229,9 @@ class Mutator:
             touched.update(rec[k] for k in ("node", "dst") if k in rec)
             touched.update(rec.get("users", ()))
             touched.update(rec.get("nodes", ()))
-        for node in sorted((g._nodes[u] for u in touched if u in g._nodes),
-                           key=lambda n: n._seq):
+        alive = g.uids()
+        for node in sorted((g.node_by_uid(u) for u in touched if u in alive),
+                           key=lambda n: n.seq):
             for port, src in enumerate(node.inputs):
                 if src is None:
                     culprit = self._deleted_feeder(node)
@@ -299,7 +258,7 @@ class Mutator:
             except KeyError:
                 raise MutationError(f"{self._name}.{primitive}: no node named {node!r}") from None
         if not isinstance(node, Node) or node.graph is not self.graph \
-                or node.uid not in self.graph._nodes:
+                or node.uid not in self.graph.uids():
             raise MutationError(f"{self._name}.{primitive}: {node!r} is not a node of the "
                                 f"graph being mutated (was it deleted?)")
         return node
@@ -354,8 +313,8 @@ class Mutator:
             raise MutationError(f"{self._name}.delete_node: cannot delete the graph "
                                 f"{node.kind} {node.name!r}")
         users = [u.uid for u in node.users]
-        for _, dst, port in list(self.graph._nx.out_edges(node.uid, keys=True)):
-            self.graph.disconnect_port(self.graph.node_by_uid(dst), port)
+        for dst, port in self.graph.out_edges(node):
+            self.graph.disconnect_port(dst, port)
         self.graph.remove_node(node)
         self._ctx.deleted[node.uid] = node.name
         self._record("delete_node", node=node.uid, name=node.name, users=users)
@@ -368,7 +327,7 @@ class Mutator:
         where = f"{self._name}.connect({src.name!r} -> {dst.name!r})"
         if dst.kind == "input" or src.kind == "output":
             raise MutationError(f"{where}: edges cannot enter an input or leave the output")
-        if src.uid == dst.uid or nx.has_path(self.graph._nx, dst.uid, src.uid):
+        if self.graph.reaches(dst, src):
             raise MutationError(f"{where}: would create a cycle ({dst.name!r} already "
                                 f"reaches {src.name!r})")
         if port is None:
@@ -378,7 +337,8 @@ class Mutator:
             raise MutationError(f"{where}: node has {dst.op.num_ports} input ports; port "
                                 f"{port} does not exist")
         if port == dst.op.num_ports:
-            _append_port(dst)
+            self.graph.append_port(dst, in_list=dst.op.kind == "function"
+                                   and dst.op.target in _LIST_FUNCTIONS)
         self.graph.connect(src, dst, port)
         self._record("connect", src=src.uid, dst=dst.uid, port=port)
 
@@ -403,7 +363,7 @@ class Mutator:
                                 f"{dst.name!r}")
         for port in reversed(ports):
             if _is_variadic(dst):
-                _remove_port(dst, port)
+                self.graph.remove_port(dst, port)
             else:
                 self.graph.disconnect_port(dst, port)
         self._record("disconnect", src=src.uid, dst=dst.uid, ports=ports)

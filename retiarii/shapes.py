@@ -7,26 +7,29 @@ that led there. Lazy modules (``nn.LazyConv2d``, ``nn.LazyLinear``) get their si
 run and their nodes become the concrete modules, so the graph, its hash and its export are
 concrete.
 
-Two runs, the second only when the first does not succeed. The direct run calls the graph's
-nodes one by one without emitting an ``nn.Module``, taking each layer from a cache of modules
-by spec shared by every model checked in the process (building and initializing layers is
-most of the cost of a check, and a space's models share their layers' specs). A graph it
-cannot run (a subgraph node) and every failure hand over to the reference run, an
-``fx.Interpreter`` (as torch.fx's ShapeProp) over the emitted module, fresh weights and all,
-which decides and reports.
+Two runs, the second only when the first does not succeed, both an
+:class:`~retiarii.interpreter.Interpreter` that records every node's shape
+(:class:`ShapeRecorder`). The direct run calls the graph's nodes one by one without emitting an
+``nn.Module``, taking each layer from a cache of modules by spec shared by every model checked
+in the process (building and initializing layers is most of the cost of a check, and a space's
+models share their layers' specs). A graph it cannot run (a subgraph node) and every failure
+hand over to the reference run, which runs the nodes with the layers and tensors of the
+emitted module, fresh weights and all, and decides and reports.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import threading
 from typing import Any
 
 import torch
-import torch.fx as fx
 
-from .codec import decode, resolve_ref
+from .codec import resolve_ref
+from .codegen import to_module
+from .interpreter import Interpreter
 from .modspec import build_module, module_spec
 
 
@@ -65,37 +68,53 @@ def _shape(value: Any) -> Any:
     return None
 
 
-class _Prop(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, model):
-        super().__init__(gm)
-        self.extra_traceback = False  # our error already names the node; keep its message
-        self.model = model
-        self.ir = model.graph
+class ShapeRecorder(Interpreter):
+    """Runs a graph and records what every node returns as its shape: ``shapes[uid]``."""
 
-    def run_node(self, n: fx.Node) -> Any:
-        uid = n.meta.get("retiarii_uid")
+    def __init__(self, graph, shapes: dict | None = None):
+        super().__init__(graph)
+        self.shapes: dict[int, Any] = {} if shapes is None else shapes
+
+    def run_node(self, node, inputs: list) -> Any:
+        out = super().run_node(node, inputs)
+        self.shapes[node.uid] = _shape(out)
+        return out
+
+
+class _ReferenceRun(ShapeRecorder):
+    """Runs the graph with the layers and tensors of its emitted module (``gm``), and reports
+    a failing node as a :class:`ShapeMismatchError`."""
+
+    def __init__(self, model, gm: torch.nn.Module):
+        super().__init__(model.graph)
+        self.model, self.gm = model, gm
+
+    def get_module(self, node) -> torch.nn.Module:
+        return self.gm.get_submodule(node.attr)
+
+    def on_subgraph(self, node, inputs: list) -> Any:
+        args, kwargs = self.call_args(node, inputs)
+        return self.gm.get_submodule(node.attr)(*args, **kwargs)
+
+    def on_param(self, node, inputs: list) -> Any:
+        return functools.reduce(getattr, node.attr.split("."), self.gm)
+
+    def run_node(self, node, inputs: list) -> Any:
         try:
-            out = super().run_node(n)
+            return super().run_node(node, inputs)
         except Exception as e:  # noqa: BLE001 - every failure is reported at its node
-            if uid is None:
-                raise
-            node = self.ir.node_by_uid(uid)
-            ins = [_shape(self.env[a]) for a in n.all_input_nodes]
+            feeders = list(dict.fromkeys(x.uid for x in node.inputs))  # each input node once
+            ins = [_shape(self.env[uid]) for uid in feeders]
             spec = node.op.spec if node.kind == "module" else None
             raise ShapeMismatchError(node.name, _expected(spec, ins) if spec else None, ins,
                                      _choices_for(self.model, node), f"{type(e).__name__}: {e}"
                                      .splitlines()[0][:300]) from None
-        if uid is not None:
-            self.ir.node_by_uid(uid).meta["shape"] = _shape(out)
-        return out
 
 
 def _choices_for(model, node) -> dict:
     """The choices made by the mutations that touched ``node`` or any node upstream of it
     (a width changed three layers up breaks this one)."""
-    import networkx as nx
-
-    uids = {node.uid} | nx.ancestors(node.graph._nx, node.uid)
+    uids = {node.uid} | node.graph.ancestor_uids(node)
     labels: list[str] = []
     for rec in model.history:
         if uids & {rec.get(k) for k in ("node", "dst", "src")} or \
@@ -119,7 +138,6 @@ def propagate(model, example_input: Any) -> None:
         return
     for node, module in settled:
         _settle(model, node, module)
-    model.graph._order = None
 
 
 def _settle(model, node, module) -> None:
@@ -163,70 +181,61 @@ def _shared_module(spec: dict) -> torch.nn.Module:
     return module
 
 
+class _DirectRun(ShapeRecorder):
+    """The direct run: layers from :func:`_shared_module` (a lazy one built as it is, its sizes
+    come from its first input), parameters as zeros (any value has the shape), subgraphs left
+    to the reference run."""
+
+    def __init__(self, graph):
+        super().__init__(graph)
+        self.lazy: list = []  # (node, module) of every lazy module, settled by this run
+
+    def get_module(self, node) -> torch.nn.Module:
+        module = self.modules.get(node.attr)
+        if module is None:
+            if _is_lazy(node):
+                module = build_module(node.op.spec).eval()
+                self.lazy.append((node, module))
+            else:
+                module = _shared_module(node.op.spec)
+            self.modules[node.attr] = module
+        return module
+
+    def on_param(self, node, inputs: list) -> Any:
+        spec = node.op.spec
+        return torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+
+    def on_subgraph(self, node, inputs: list) -> Any:
+        raise _NeedsReferenceRun("a subgraph node: emitted as a module of its own")
+
+
 def _direct_run(graph, example_input: Any) -> list:
     """Shapes of every node from running the graph's nodes one by one (modules from
     :func:`_shared_module`); returns the lazy nodes with their settled modules. Raises when the
     run fails or cannot be done (see the module docstring)."""
-    from .codegen import _check_ports, _init_spec_shape
-
-    inputs = list(example_input if isinstance(example_input, tuple) else (example_input,))
-    modules: dict[str, torch.nn.Module] = {}
-    lazy = []
-    env: dict[int, Any] = {}
-    shapes: dict[int, Any] = {}
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    run = _DirectRun(graph)
     with torch.no_grad():
-        for node in graph.nodes:
-            ins = [env[x.uid] for x in _check_ports(node)]
-            kind = node.kind
-            args = decode(node.op.args, ins, build_module)
-            kwargs = {k: decode(v, ins, build_module) for k, v in node.op.kwargs.items()}
-            if kind == "input":
-                if inputs:
-                    out = inputs.pop(0)
-                elif "default" in (node.op.spec or {}):
-                    out = decode(node.op.spec["default"])
-                else:
-                    raise _NeedsReferenceRun("fewer example inputs than graph inputs")
-            elif kind == "module":
-                module = modules.get(node.attr)
-                if module is None:
-                    if _is_lazy(node):  # its sizes come from its first input: build it as is
-                        module = build_module(node.op.spec).eval()
-                        lazy.append((node, module))
-                    else:
-                        module = _shared_module(node.op.spec)
-                    modules[node.attr] = module
-                out = module(*args, **kwargs)
-            elif kind == "function":
-                out = resolve_ref(node.op.target)(*args, **kwargs)
-            elif kind == "method":
-                out = getattr(args[0], node.op.target)(*args[1:], **kwargs)
-            elif kind == "param":
-                shape, dtype = _init_spec_shape(node.op.spec)
-                out = torch.zeros(shape, dtype=dtype)  # (any value has the shape)
-            elif kind == "constant":
-                out = decode(node.op.spec["value"])
-            elif kind == "output":
-                out = args[0]
-            else:  # a subgraph: emitted as a module of its own, left to the reference run
-                raise _NeedsReferenceRun(f"node kind {kind!r}")
-            env[node.uid] = out
-            shapes[node.uid] = _shape(out)
-    for uid, shape in shapes.items():
+        run.run(*inputs)
+    for uid, shape in run.shapes.items():
         graph.node_by_uid(uid).meta["shape"] = shape
-    return lazy
+    return run.lazy
 
 
 def _reference_run(model, example_input: Any) -> None:
-    gm = model.graph.to_module()
+    gm = to_module(model.graph)
     gm.eval()  # batch statistics of a batch of one would fail in train mode
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
-    with torch.no_grad():
-        _Prop(gm, model).run(*inputs)
+    run = _ReferenceRun(model, gm)
+    try:
+        with torch.no_grad():
+            run.run(*inputs)
+    finally:  # the shapes up to a failing node too
+        for uid, shape in run.shapes.items():
+            model.graph.node_by_uid(uid).meta["shape"] = shape
     for node in model.graph.nodes:
         if _is_lazy(node):
             _settle(model, node, gm.get_submodule(node.attr))
-    model.graph._order = None
 
 
 def _is_lazy(node) -> bool:

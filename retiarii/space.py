@@ -26,9 +26,11 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
+from .choices import ValueChoice, trace_space
 from .graph import Graph
 from .mutator import BoundMutator, Context, Mutator
 from .sampler import PrefixSampler, RandomSampler, ReplaySampler, SampleError, as_sampler
+from .shapes import has_lazy, propagate
 
 _TOUCHING = {"replace": ("node",), "delete_node": ("node",), "connect": ("dst",),
              "disconnect": ("dst",), "materialize": ("node",)}
@@ -76,13 +78,13 @@ class Model:
         """
         if other.base != self.base:
             return set()
-        mine = set(self.graph._nodes) - self.created() - self.touched()
-        theirs = set(other.graph._nodes) - other.created() - other.touched()
+        mine = set(self.graph.uids()) - self.created() - self.touched()
+        theirs = set(other.graph.uids()) - other.created() - other.touched()
         return mine & theirs
 
     def differing_nodes(self, other: "Model") -> set[int]:
         """uids present in either model that are not shared."""
-        return (set(self.graph._nodes) | set(other.graph._nodes)) - self.shared_nodes(other)
+        return (set(self.graph.uids()) | set(other.graph.uids())) - self.shared_nodes(other)
 
 
 # ---- the space -----------------------------------------------------------------------------
@@ -106,8 +108,6 @@ class ModelSpace:
     def __init__(self, base_model_or_models: nn.Module | Sequence[nn.Module],
                  mutators: Sequence[Mutator | BoundMutator] = (), example_input: Any = None,
                  concrete_args: dict | None = None, leaf_modules: Sequence = ()):
-        from .choices import trace_space
-
         bases = base_model_or_models if isinstance(base_model_or_models, (list, tuple)) \
             else [base_model_or_models]
         if not bases:
@@ -132,8 +132,6 @@ class ModelSpace:
         architecture choices; the chosen values land in ``Model.hparams``. Returns a new space
         (sharing the traced bases); plain values in ``hparams`` are not choices and are
         ignored."""
-        from .choices import ValueChoice
-
         space = copy.copy(self)
         space.hparams = dict(self.hparams)
         for name, value in hparams.items():
@@ -210,8 +208,6 @@ class ModelSpace:
         Raises:
             ShapeMismatchError: as :meth:`instantiate`.
         """
-        from .shapes import propagate
-
         if self.example_input is not None:
             propagate(model, self.example_input)
         return model
@@ -225,8 +221,6 @@ class ModelSpace:
         """
         if check:
             return self.instantiate(sample).to_module()
-        from .shapes import has_lazy, propagate
-
         model = self.replay(sample)
         if self.example_input is not None and has_lazy(model.graph):
             propagate(model, self.example_input)

@@ -384,6 +384,64 @@ def test_uids_survive_edits_of_other_nodes():
     assert out.shape == (2, 3)
 
 
+def _fresh_order(graph: Graph) -> list[int]:
+    """The topological order computed from scratch (a copy has no cached order)."""
+    return [n.uid for n in graph.copy().nodes]
+
+
+@pytest.mark.parametrize("name", ["inception", "resnet_basic", "densenet"])
+def test_edge_queries_agree_with_networkx(name):
+    import networkx as nx
+
+    graph = traced(name)
+    ref = nx.MultiDiGraph()
+    ref.add_nodes_from(n["uid"] for n in graph.to_data()["nodes"])
+    ref.add_edges_from((s, d, p) for s, d, p in graph.to_data()["edges"])
+    assert sorted((s.uid, d.uid, p) for s, d, p in graph.edges()) == sorted(ref.edges(keys=True))
+    assert set(graph.uids()) == set(ref)
+    nodes = graph.nodes
+    for node in nodes:
+        assert sorted((d.uid, p) for d, p in graph.out_edges(node)) == \
+            sorted((d, p) for _, d, p in ref.out_edges(node.uid, keys=True))
+        assert graph.descendant_uids(node) == nx.descendants(ref, node.uid)
+        assert graph.ancestor_uids(node) == nx.ancestors(ref, node.uid)
+    for a in nodes[::5]:
+        for b in nodes[::3]:
+            assert graph.reaches(a, b) == nx.has_path(ref, a.uid, b.uid), (a, b)
+
+
+class _TwoWays(nn.Module):
+    def forward(self, x):
+        a, b, c = torch.relu(x), torch.sigmoid(x), torch.tanh(x)
+        return torch.cat([a, b], dim=1), c
+
+
+def test_port_edits_keep_template_edges_and_order_in_sync():
+    graph = retiarii.trace(_TwoWays())
+    cat = graph["cat"]
+    late = graph.add_node("late", Operation("function", target="torch:exp",
+                                            args=[{"__in__": 0}]))
+    graph.connect(graph["x"], late, 0)
+    assert graph.append_port(cat, in_list=True) == 2
+    assert cat.op.args[0] == [{"__in__": 0}, {"__in__": 1}, {"__in__": 2}]
+    graph.connect(late, cat, 2)
+    assert [n.uid for n in graph.nodes] == _fresh_order(graph)
+    graph.lint()
+    x = torch.randn(2, 3)
+    assert torch.equal(graph.to_module()(x)[0],
+                       torch.cat([torch.relu(x), torch.sigmoid(x), torch.exp(x)], dim=1))
+    graph.remove_port(cat, 0)  # relu's edge goes, sigmoid and exp move down one port
+    assert cat.op.args[0] == [{"__in__": 0}, {"__in__": 1}]
+    assert graph.ports_between(graph["sigmoid"], cat) == [0]
+    assert graph.ports_between(late, cat) == [1]
+    assert graph["relu"].users == [] and graph.out_edges(late) == [(cat, 1)]
+    assert [n.uid for n in graph.nodes] == _fresh_order(graph)
+    graph.lint()
+    assert torch.equal(graph.to_module()(x)[0], torch.cat([torch.sigmoid(x), torch.exp(x)], 1))
+    graph.append_port(graph["output"])  # a plain template grows its argument list
+    assert graph["output"].op.args[-1] == {"__in__": 2} and graph["output"].inputs[2] is None
+
+
 # ---- lint catches every broken invariant ----------------------------------------------------
 
 
@@ -760,3 +818,34 @@ def test_every_zoo_family_is_present():
                 "lstm_classifier", "gru_classifier", "unet", "darts_cell", "mlp_dropout"}
     assert families <= set(CASES)
     assert len(CASES) >= 12
+
+
+# ---- walking encoded data (codec.find_tags / map_tags) ----------------------------------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=3))
+_encoded = st.recursive(
+    st.one_of(_scalars, st.builds(lambda k: {"__in__": k}, st.integers(0, 4))),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.builds(lambda v: {"__tuple__": v}, st.lists(inner, max_size=3)),
+        st.dictionaries(st.sampled_from(["dim", "stride", "x"]), inner, max_size=3)),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_encoded)
+def test_tag_walkers_find_map_and_drop(data):
+    from retiarii.codec import DROP, find_tags, map_tags
+
+    ports = find_tags(data, "__in__")
+    assert json.dumps(map_tags(data, "__in__", lambda k: {"__in__": k})) == json.dumps(data)
+    assert find_tags(map_tags(data, "__in__", lambda k: {"__in__": k + 1}), "__in__") == \
+        [k + 1 for k in ports]
+    # dropping port 0 removes it from lists; elsewhere (a dict value) the tag stays
+    dropped = map_tags(data, "__in__", lambda k: DROP if k == 0 else {"__in__": k})
+    assert DROP not in find_tags(dropped, "__in__")
+    kept = find_tags(dropped, "__in__")
+    assert [k for k in kept if k != 0] == [k for k in ports if k != 0]
+    assert len(kept) <= len(ports)
+    if not isinstance(data, list):
+        assert find_tags([data], "__in__") == ports

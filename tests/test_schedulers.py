@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from retiarii.strategies import ASHA, HyperTrick, Hyperband, MedianStopping, PBT, Scheduler
+from retiarii.strategies import pbt
 from retiarii.strategies.asha import rung_milestones
 from retiarii.strategies.hyperband import bracket_plan
 from retiarii.strategies.hypertrick import (
@@ -429,3 +430,48 @@ def test_asha_decides_as_ray(seed):
         ours = ASHA("loss", mode, grace, max_t, rf, brackets=brackets, stop_last_trials=last,
                     seed=seed)
         _compare(ours, theirs, _ray_streams(seed, max_t=max_t))
+
+
+# ---- replaying saved event logs (scheduler.replay_log) ------------------------------------------
+
+
+def test_replay_log_calls_one_handler_per_event_in_order():
+    from retiarii.strategies.scheduler import replay_log
+
+    seen = []
+    replay_log([["a", 1, 2], ["b"], ["a", 3, 4]],
+               {"a": lambda x, y: seen.append(("a", x, y)), "b": lambda: seen.append(("b",))},
+               "Test")
+    assert seen == [("a", 1, 2), ("b",), ("a", 3, 4)]
+    for bad in (["c", 1], []):
+        with pytest.raises(ValueError, match=r"unknown event .* in a saved Test state"):
+            replay_log([["b"], bad], {"b": lambda: None}, "Test")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ASHA("acc", "max", grace_period=1, max_t=10, reduction_factor=2),
+    lambda: Hyperband("acc", "max", max_t=9, reduction_factor=3),
+    lambda: MedianStopping("acc", "max", grace_period=1, min_samples_required=1),
+    lambda: PBT("acc", "max", {"lr": pbt.Continuous(0.1, 1.0)}, population_size=2,
+                steps_per_trial=1),
+], ids=["ASHA", "Hyperband", "MedianStopping", "PBT"])
+def test_a_replayed_log_rebuilds_the_state_and_refuses_unknown_events(make):
+    s = make()
+    for i in range(3):
+        s.on_trial_add(f"t{i}", {"lr": 0.5})
+    for step in (1, 2, 3):
+        for i in range(3):
+            s.on_trial_result(f"t{i}", {"training_iteration": step, "acc": i * 0.1 + step})
+    state = json.loads(json.dumps(s.state_dict()))
+    again = make()
+    again.load_state_dict(state)
+    assert again.state_dict() == s.state_dict()
+    # and it decides as the original does from here on
+    for step in (4, 5):
+        for i in (2, 0, 1):
+            result = {"training_iteration": step, "acc": (2 - i) * 0.3 + step}
+            assert again.on_trial_result(f"t{i}", result) == s.on_trial_result(f"t{i}", result)
+    assert again.state_dict() == s.state_dict()
+    state["log"] = state["log"] + [["no-such-event", "t0"]]
+    with pytest.raises(ValueError, match="unknown event"):
+        make().load_state_dict(state)

@@ -8,12 +8,11 @@ import json
 from typing import Any, Iterator, Sequence
 
 import torch
-import torch.fx as fx
 
 from ..graph import Graph, Node, Operation
 from ..match import predicate
 from ..mutator import MutationError, Mutator, as_operation
-from ..shapes import _shape
+from ..shapes import ShapeRecorder, _shape
 
 # Node kinds that compute a tensor from their inputs (what a skip edge may leave or enter).
 COMPUTING = ("module", "function", "method", "subgraph")
@@ -56,18 +55,6 @@ def select_nodes(graph: Graph, spec: Any, target: Node) -> list[Node]:
     return [n for n in graph.nodes if any(t(n) for t in tests)]
 
 
-def descendants(graph: Graph, node: Node) -> set[int]:
-    """uids of ``node`` and every node it reaches (feeding ``node`` from one is a cycle)."""
-    succ = graph._nx._succ  # the adjacency dict itself: this runs once per target per model
-    seen, todo = {node.uid}, [node.uid]
-    while todo:
-        for dst in succ[todo.pop()]:
-            if dst not in seen:
-                seen.add(dst)
-                todo.append(dst)
-    return seen
-
-
 def operation_of(mutator: Mutator, candidate: Any) -> Operation:
     """``candidate`` as an :class:`Operation`, made once per candidate object and mutator
     (reading a module's spec or tracing a composite module costs more than the edit)."""
@@ -105,19 +92,6 @@ _SHAPE_CACHE: dict[str, dict[int, Any]] = {}
 _CACHE_SIZE = 256
 
 
-class _Record(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, shapes: dict):
-        super().__init__(gm)
-        self.shapes = shapes
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        uid = n.meta.get("retiarii_uid")
-        if uid is not None:
-            self.shapes[uid] = _shape(out)
-        return out
-
-
 def node_shapes(graph: Graph, example_input: Any) -> dict[int, Any]:
     """uid -> output shape of every node of ``graph`` run on ``example_input``.
 
@@ -128,16 +102,14 @@ def node_shapes(graph: Graph, example_input: Any) -> dict[int, Any]:
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     example = [[_shape(x), str(getattr(x, "dtype", repr(x)))] for x in inputs]
     key = json.dumps([example, [[n.uid, n.op.to_data()] for n in graph.nodes],
-                      sorted(graph._nx.edges(keys=True))], sort_keys=True)
+                      sorted((s.uid, d.uid, p) for s, d, p in graph.edges())], sort_keys=True)
     if key in _SHAPE_CACHE:
         return _SHAPE_CACHE[key]
     shapes: dict[int, Any] = {}
     inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     try:
-        with torch.device("meta"):
-            gm = graph.to_module()
-            gm.eval()
-            _Record(gm, shapes).run(*inputs)
+        with torch.device("meta"), torch.no_grad():
+            ShapeRecorder(graph, shapes).run(*inputs)
     except Exception:  # noqa: BLE001 - a graph that does not run: shapes up to the failure
         pass
     if len(_SHAPE_CACHE) >= _CACHE_SIZE:

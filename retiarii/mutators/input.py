@@ -24,8 +24,7 @@ from typing import Any, Callable, Sequence
 from .. import ops
 from ..graph import Node
 from ..mutator import MutationError, Mutator
-from ._common import COMPUTING, descendants, flat_targets, relative_name, select_nodes, \
-    shapes_of
+from ._common import COMPUTING, flat_targets, relative_name, select_nodes, shapes_of
 
 SAME_SHAPE = "same_shape"
 _MERGES = {"sum": ops.Sum, "mean": ops.Mean, "concat": ops.Concat}
@@ -83,7 +82,8 @@ class InputMutator(Mutator):
             raise MutationError(f"{where} has {len(inputs)} input ports; port {self.port} "
                                 f"does not exist")
         current = inputs[self.port]
-        blocked = descendants(self.graph, target)  # feeding the target from these is a cycle
+        # feeding the target from these is a cycle
+        blocked = {target.uid} | self.graph.descendant_uids(target)
         if self.candidates == SAME_SHAPE:
             shapes = shapes_of(self, "candidates='same_shape'", required=True)
             want = shapes.get(current.uid)

@@ -60,10 +60,8 @@ class InsertingMutator(Mutator):
             if op is None:
                 continue
             order = {n.uid: i for i, n in enumerate(self.graph.nodes)}
-            users = sorted(((dst, port) for _, dst, port in
-                            self.graph._nx.out_edges(node.uid, keys=True)),
-                           key=lambda e: (order[e[0]], e[1]))
+            users = sorted(self.graph.out_edges(node), key=lambda e: (order[e[0].uid], e[1]))
             new = self.create_node(f"{node.name}_{self.name}", operation_of(self, op))
             self.connect(node, new)
             for dst, port in users:
-                self.connect(new, self.graph.node_by_uid(dst), port)
+                self.connect(new, dst, port)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..enums import Mode
-from .scheduler import Decision, Scheduler, check_state, from_json_float, json_float
+from .scheduler import Decision, Scheduler, check_state, from_json_float, json_float, replay_log
 
 
 def rung_milestones(grace_period: float, max_t: float, reduction_factor: float, s: int) -> list:
@@ -279,21 +279,20 @@ class ASHA(Scheduler):
         for b in self._brackets:
             b.rungs = [(m, {}) for m, _ in b.rungs]
             b.promoted = [set() for _ in b.rungs]
-        for event in state["log"]:
-            kind = event[0]
-            if kind == "add":
-                self._trial_bracket[event[1]] = event[2]
-            elif kind == "forget":
-                self._trial_bracket.pop(event[1], None)
-            elif kind == "dead":
-                self._dead.add(event[1])
-            elif kind == "rec":
-                self._brackets[event[1]].rungs[event[2]][1][event[3]] = from_json_float(event[4])
-            elif kind == "promote":
-                self._brackets[event[1]].promoted[event[2]].add(event[3])
-            else:
-                raise ValueError(f"unknown event {event!r} in a saved ASHA state")
-            self._log.append(list(event))
+        brackets = self._brackets
+
+        def rec(bracket: int, rung: int, trial_id: str, value) -> None:
+            brackets[bracket].rungs[rung][1][trial_id] = from_json_float(value)
+
+        replay_log(state["log"], {
+            "add": self._trial_bracket.__setitem__,  # [trial, bracket]
+            "forget": lambda trial_id: self._trial_bracket.pop(trial_id, None),
+            "dead": self._dead.add,
+            "rec": rec,
+            "promote": lambda bracket, rung, trial_id: brackets[bracket].promoted[rung].add(
+                trial_id),
+        }, "ASHA")
+        self._log.extend(list(event) for event in state["log"])
         for b in self._brackets:
             b.derive()
         _set_rng_state(self._rng, state["rng"])

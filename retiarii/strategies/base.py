@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterable
 from ..enums import Mode
 from ..sampler import RandomSampler, ReplaySampler, Sampler, sample_key
 
+from .scheduler import replay_log
+
 
 class SpaceExhausted(Exception):
     """The strategy has nothing new to propose: the space, or the budget, is used up."""
@@ -373,25 +375,27 @@ class Strategy(abc.ABC):
         self._records, self._record_ids, self._told, self._log = {}, {}, [], []
         records: list[_Record] = []
         keys: list[str] = []
-        for event in state["log"]:
-            kind = event[0]
-            if kind == "new":
-                key = sample_key(event[1])
-                self._new_record(key, _Record(dict(event[1]), event[2], proposed=event[3]))
-                records.append(self._records[key])
-                keys.append(key)
-            elif kind == "ask":
-                records[event[1]].pending += 1
-            elif kind == "tell":
-                record = records[event[1]]
-                if record.pending > 0:  # as tell() did: a pending sample, else a foreign one
-                    record.pending -= 1
-                record.values.append(event[2])
-                self._told.append((keys[event[1]], event[2]))
-            elif kind == "trace":
-                records[event[1]].trace = event[2]
-            else:
-                raise ValueError(f"{name}.load_state_dict: unknown event {event!r} in the log")
+
+        def new(sample: dict, trace, proposed) -> None:
+            key = sample_key(sample)
+            self._new_record(key, _Record(dict(sample), trace, proposed=proposed))
+            records.append(self._records[key])
+            keys.append(key)
+
+        def ask(index: int) -> None:
+            records[index].pending += 1
+
+        def tell(index: int, value) -> None:
+            record = records[index]
+            if record.pending > 0:  # as tell() did: a pending sample, else a foreign one
+                record.pending -= 1
+            record.values.append(value)
+            self._told.append((keys[index], value))
+
+        def trace(index: int, trace) -> None:
+            records[index].trace = trace
+
+        replay_log(state["log"], {"new": new, "ask": ask, "tell": tell, "trace": trace}, name)
         self._log = [list(event) for event in state["log"]]
         self._num_proposed = state["num_proposed"]
         self._elapsed_before = state["elapsed"]

@@ -5,7 +5,7 @@ import math
 
 from ..enums import Mode
 from .scheduler import (
-    Decision, Scheduler, check_state, from_json_float, json_float, metric_value,
+    Decision, Scheduler, check_state, from_json_float, json_float, metric_value, replay_log,
 )
 
 
@@ -228,17 +228,11 @@ class Hyperband(Scheduler):
     def load_state_dict(self, state: dict) -> None:
         check_state(state, "Hyperband")
         self._brackets, self._trial_bracket, self._to_stop, self._log = [], {}, [], []
-        for event in state["log"]:
-            kind = event[0]
-            if kind == "add":
-                self._add(event[1])
-            elif kind == "res":
-                self._result(event[1], event[2], from_json_float(event[3]))
-            elif kind == "error":
-                self.on_trial_error(event[1])
-            elif kind == "force":
-                self._force_close()
-            elif kind == "taken":
-                self.trials_to_stop()
-            else:
-                raise ValueError(f"unknown event {event!r} in a saved Hyperband state")
+        replay_log(state["log"], {
+            "add": self._add,
+            "res": lambda trial_id, time, value: self._result(trial_id, time,
+                                                              from_json_float(value)),
+            "error": self.on_trial_error,
+            "force": self._force_close,
+            "taken": self.trials_to_stop,
+        }, "Hyperband")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..enums import Mode
-from .scheduler import Decision, Scheduler, check_state, from_json_float, json_float
+from .scheduler import Decision, Scheduler, check_state, from_json_float, json_float, replay_log
 
 
 def _running_mean(history: list[tuple[float, float]], grace_period: float, time: float) -> float:
@@ -124,11 +124,12 @@ class MedianStopping(Scheduler):
     def load_state_dict(self, state: dict) -> None:
         check_state(state, "MedianStopping")
         self._results, self._stopped, self._log, self._means = {}, set(), [], {}
-        for event in state["log"]:
-            if event[0] == "r":
-                self._append(event[1], from_json_float(event[2]), from_json_float(event[3]))
-            elif event[0] == "stop":
-                self._stopped.add(event[1])
-                self._log.append(["stop", event[1]])
-            else:
-                raise ValueError(f"unknown event {event!r} in a saved MedianStopping state")
+        def stop(trial_id: str) -> None:
+            self._stopped.add(trial_id)
+            self._log.append(["stop", trial_id])
+
+        replay_log(state["log"], {
+            "r": lambda trial_id, time, value: self._append(trial_id, from_json_float(time),
+                                                            from_json_float(value)),
+            "stop": stop,
+        }, "MedianStopping")

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 from ..enums import Mode
 from .scheduler import (
     Decision, Scheduler, Spawn, check_state, from_json_float, json_float, metric_value,
+    replay_log,
 )
 
 # ---- hyper-parameter kinds -------------------------------------------------------------------
@@ -441,19 +442,16 @@ class PBT(Scheduler):
         self._trials, self._pins, self._counter, self._log = {}, {}, 0, []
         self._rng_start = state["rng_start"]
         _set_rng_state(self._rng, self._rng_start)
-        for event in state["log"]:
-            kind = event[0]
-            if kind == "spawn":
-                if self.next_spawn() is None:
-                    raise ValueError("a saved PBT state does not replay (a spawn it logged did "
-                                     "not happen again): build the PBT with the same arguments")
-            elif kind == "add":
-                self.on_trial_add(event[1], event[2])
-            elif kind == "finish":
-                self._finished(event[1], event[2], [from_json_float(f) for f in event[3]])
-            elif kind == "error":
-                self.on_trial_error(event[1])
-            elif kind == "sample":
-                self.sample_config()
-            else:
-                raise ValueError(f"unknown event {event!r} in a saved PBT state")
+        def spawn() -> None:
+            if self.next_spawn() is None:
+                raise ValueError("a saved PBT state does not replay (a spawn it logged did "
+                                 "not happen again): build the PBT with the same arguments")
+
+        replay_log(state["log"], {
+            "spawn": spawn,
+            "add": self.on_trial_add,
+            "finish": lambda trial_id, time, fitness: self._finished(
+                trial_id, time, [from_json_float(f) for f in fitness]),
+            "error": self.on_trial_error,
+            "sample": self.sample_config,
+        }, "PBT")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 class Decision(enum.Enum):
@@ -88,6 +88,25 @@ def check_state(state: dict, kind: str) -> dict:
             f"the scheduler it was started with"
         )
     return state
+
+
+def replay_log(log: list, handlers: dict[str, Callable[..., Any]], owner: str) -> None:
+    """Replay a saved event log: each event ``[kind, *args]`` calls ``handlers[kind](*args)``,
+    in order. A state whose log grows (ASHA, Hyperband, PBT, strategies) is rebuilt this way.
+
+    Example::
+
+        replay_log([["add", "t1"], ["res", "t1", 1, 0.5]],
+                   {"add": self._add, "res": self._result}, "Hyperband")
+
+    Raises:
+        ValueError: an event of a kind no handler takes (naming the event and ``owner``).
+    """
+    for event in log:
+        handler = handlers.get(event[0]) if event else None
+        if handler is None:
+            raise ValueError(f"unknown event {event!r} in a saved {owner} state")
+        handler(*event[1:])
 
 
 # ---- the base class --------------------------------------------------------------------------
