@@ -152,7 +152,9 @@ class Experiment:
         metric, mode: the reported metric the strategy optimizes, and its direction.
         max_failures: retries of a failing trial from its last checkpoint.
         dedup: do not train a structure (same structural hash and hyper-parameters) twice.
-        executor: an :class:`~.executors.Executor` to use instead of local processes.
+        executor: an :class:`~.executors.Executor` to use instead of local processes, or
+            ``"ray"`` for a :class:`~.executors.ray.RayExecutor` with ``workers`` slots
+            (``"local"``, the default, is the same as None).
         progress: called with a summary dict after each finished trial (the CLI's display).
         origin: JSON kept with the experiment saying how it was made (the CLI's flags, so
             that ``retiarii resume`` can rebuild it); not compared on resume.
@@ -178,6 +180,8 @@ class Experiment:
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()
         self.metric, self.mode, self.max_failures, self.dedup = metric, mode, max_failures, dedup
+        if isinstance(executor, str) and executor not in ("local", "ray"):
+            raise ExperimentError(f"executor={executor!r}: give 'local', 'ray' or an Executor")
         self.executor, self.progress, self.origin = executor, progress, origin
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
@@ -276,10 +280,14 @@ class Experiment:
                     self._keys[row["id"]] = key
         self._count = len(models)
         executor = self.executor
-        if executor is None:
+        if executor is None or executor == "local":
             from .executors.local import LocalExecutor
 
             executor = LocalExecutor(self.workers, self.devices)
+        elif executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
+            from .executors.ray import RayExecutor
+
+            executor = RayExecutor(self.workers)
         epochs = getattr(self.trainer, "epochs", None)
         source = None if self.scheduler.spawns_trials else self._next_trial
         kwargs = dict(max_failures=self.max_failures, max_steps=epochs,
@@ -307,7 +315,7 @@ class Experiment:
             store.set_experiment_status("interrupted")
             raise
         finally:
-            if self.executor is None:
+            if executor is not self.executor:  # made here (None or "ray"): ours to close
                 executor.close()
             store.flush()
         return self.summary()
