@@ -60,6 +60,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -116,7 +117,10 @@ class _WorkerActor:
     Created with ``max_concurrency=2`` so that :meth:`events` answers while :meth:`run` trains.
     """
 
-    def __init__(self, name: str, threads: int):
+    def __init__(self, name: str, threads: int, sys_path: list[str]):
+        # The driver's import path first (as multiprocessing's spawn gives a child): a space
+        # module beside the driver's script imports here too.
+        sys.path[:0] = [p for p in sys_path if p not in sys.path]
         import torch
 
         torch.set_num_threads(threads)
@@ -435,7 +439,10 @@ class RayExecutor(Executor):
                      "until the cluster grows", what)
 
     def _create(self, slot: _Slot) -> None:
-        slot.actor = self._actor_class.remote(slot.name, self.threads)
+        # On this machine the driver's sys.path is the actors' too; a cluster's nodes have
+        # their own (code reaches them installed, or by runtime_env).
+        sys_path = sys.path if self.address is None else []
+        slot.actor = self._actor_class.remote(slot.name, self.threads, list(sys_path))
         slot.ready, slot.pid, slot.node, slot.job, slot.run_ref = False, None, None, None, None
         self._refs[slot.actor.ready.remote()] = (slot, "ready", slot.actor)
 
