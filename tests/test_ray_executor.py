@@ -300,6 +300,18 @@ class TestRayExecutor:
         assert all(e.step < 50 for e in events if isinstance(e, TrialResult))
         assert ex.worker_pids()[started.worker] != pid  # a new actor (starting: None)
 
+    def test_an_idle_actor_that_dies_is_replaced_before_it_gets_a_job(self, ex):
+        assert ex.wait_ready(TIMEOUT)
+        ex.submit(Job("j-hold", [TrialTask("hold", self.spec(), 0, 60)], meta={"worker": "ray-0"}))
+        assert isinstance(ex.next_event(timeout=TIMEOUT), JobStarted)
+        pid = self.kill_worker(ex, "ray-1")  # idle: no job of it will ever fail
+        events = []
+        while ex.worker_pids()["ray-1"] == pid and not events[-1:] == [JobFinished("j-hold")]:
+            events.append(ex.next_event(timeout=TIMEOUT))  # the hold job's results meanwhile
+        assert ex.worker_pids()["ray-1"] != pid  # noticed while the other actor trained
+        events += wait_for(ex, ["j-hold"]) if events[-1] != JobFinished("j-hold") else []
+        assert [type(e) for e in events] == [TrialResult] * 60 + [JobFinished]
+
     def test_duplicate_job_id_is_refused(self, ex):
         ex.submit(Job("j-dup", [TrialTask("d", self.spec(), 0, 1)]))
         with pytest.raises(ValueError, match="'j-dup' is already submitted"):

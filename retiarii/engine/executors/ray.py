@@ -9,11 +9,13 @@ worker does, so it rebuilds every model from the trial's spec; models never trav
 trains the job in one thread and pushes every event ``run_job`` emits onto a queue inside the
 actor; ``events(wait)`` blocks (inside the actor, at most ``wait`` seconds) until that queue holds
 something and returns all of it. The driver keeps exactly one ``events`` call outstanding per
-busy actor, and :meth:`RayExecutor.next_event` blocks in one ``ray.wait`` over every outstanding
-call (with a timeout: Ray's own wait, no sleep-polling here). A ``TrialResult`` therefore
+actor (idle ones too: an idle actor's call returns empty every ``poll_wait`` seconds, and its
+failure is how the death of an idle actor is noticed at once), and
+:meth:`RayExecutor.next_event` blocks in one ``ray.wait`` over every outstanding call (with a
+timeout: Ray's own wait, no sleep-polling here). A ``TrialResult`` therefore
 reaches the driver one actor call after its epoch ends (a millisecond or so on one machine),
 however long the job: per-step events are as prompt as LocalExecutor's pipe. When a call
-returns, the driver queues its events and, while the job runs, issues the next one.
+returns, the driver queues its events and issues the next one.
 
 Why not one call per job returning its events at the end: the scheduler needs every epoch's
 result as it happens (ASHA stops a trial after its first rung). Why not a streaming generator:
@@ -227,6 +229,13 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor)
+    except RayError:
+        pass  # already gone
+
+
 def _write_atomically(path: str, data: bytes) -> None:
     """As :func:`retiarii.engine.checkpoint.save` writes: a temporary file, then rename."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -305,19 +314,20 @@ class RayExecutor(Executor):
         if job.job_id in running or any(j.job_id == job.job_id for j in self._pending):
             raise ValueError(f"job {job.job_id!r} is already submitted; job ids must be unique")
         self._start()
+        self._collect()  # an idle actor Ray already knows is dead gets no job: it is replaced
         self._pending.append(job)
         self._dispatch()
 
     def next_event(self, timeout: float | None = None) -> Event | None:
-        """The next event; None after ``timeout`` s, or at once when nothing is queued,
-        running or starting (nothing could ever come)."""
+        """The next event; None after ``timeout`` s, or at once when no job is queued or
+        running (nothing could ever come)."""
         self._start()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._events:
                 if self._broken is not None:
                     raise RuntimeError(self._broken)
-                if not self._refs:
+                if not self._pending and all(s.job is None for s in self._slots):
                     return None
                 left = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
                 ready, _ = ray.wait(list(self._refs), num_returns=1,
@@ -358,7 +368,7 @@ class RayExecutor(Executor):
         if self._started and ray.is_initialized():
             for slot in self._slots:
                 if slot.actor is not None:
-                    ray.kill(slot.actor)
+                    _kill(slot.actor)
                     slot.actor = None
             self._refs.clear()
             if self._owns_ray:
@@ -450,7 +460,7 @@ class RayExecutor(Executor):
         """Kill the slot's actor (whatever it is doing) and start a new one."""
         for ref in [r for r, (s, _, _) in self._refs.items() if s is slot]:
             del self._refs[ref]
-        ray.kill(slot.actor)
+        _kill(slot.actor)
         self._create(slot)
 
     def _dispatch(self) -> None:
@@ -466,8 +476,7 @@ class RayExecutor(Executor):
             self._uses += 1
             slot.job, slot.last_used = job, self._uses
             blobs = None if self.shared_storage else self._read_inputs(job)
-            slot.run_ref = slot.actor.run.remote(job, blobs)
-            self._poll(slot)
+            slot.run_ref = slot.actor.run.remote(job, blobs)  # its events call is outstanding
 
     @staticmethod
     def _read_inputs(job: Job) -> dict[str, bytes | None]:
@@ -480,6 +489,13 @@ class RayExecutor(Executor):
                 except FileNotFoundError:
                     blobs[task.trial_id] = None  # the worker reports the missing file
         return blobs
+
+    def _collect(self) -> None:
+        """Handle every call that has already returned, without waiting."""
+        if self._refs:
+            done, _ = ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
+            for ref in done:
+                self._handle(ref)
 
     def _poll(self, slot: _Slot) -> None:
         self._refs[slot.actor.events.remote(self.poll_wait)] = (slot, "events", slot.actor)
@@ -501,6 +517,7 @@ class RayExecutor(Executor):
         if kind == "ready":
             slot.ready, slot.failed_starts = True, 0
             slot.pid, slot.node = value
+            self._poll(slot)
             self._dispatch()
             return
         for event, data in value:
@@ -511,9 +528,8 @@ class RayExecutor(Executor):
             self._events.append(event)
             if isinstance(event, (JobFinished, JobFailed)):
                 slot.job, slot.run_ref = None, None
-        if slot.job is not None:
-            self._poll(slot)
-        else:
+        self._poll(slot)  # busy or idle: one events call per live actor, always
+        if slot.job is None:
             self._dispatch()
 
     def _lost(self, slot: _Slot, err: BaseException) -> None:
