@@ -119,9 +119,17 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     strategy = _strategy(flags["strategy"], flags["seed"]) if flags["strategy"] else \
         strategy or _strategy("evolution", flags["seed"])
     scheduler = _scheduler(flags["scheduler"], trainer.epochs, "val_acc")
+    executor = flags.get("executor") or "local"  # stores from before --executor: local
+    if flags.get("address"):
+        if executor != "ray":
+            raise CliError("--address names a Ray cluster: add --executor ray")
+        from .engine.executors.ray import RayExecutor
+
+        # connects on first use, disconnects at exit (RayExecutor.close runs at exit)
+        executor = RayExecutor(flags["workers"], address=flags["address"])
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=flags["max_models"],
-                      seed=flags["seed"], scheduler=scheduler,
+                      seed=flags["seed"], scheduler=scheduler, executor=executor,
                       progress=_Progress(flags["max_models"]),
                       origin={"cli": {"space": recorded_space, **flags}})
 
@@ -174,7 +182,7 @@ def cmd_run(args) -> int:
     _positive(args.epochs, "--epochs")
     flags = {"strategy": args.strategy, "seed": args.seed, "max_models": args.max_models,
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
-             "scheduler": args.scheduler}
+             "scheduler": args.scheduler, "executor": args.executor, "address": args.address}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -202,6 +210,8 @@ def cmd_resume(args) -> int:
         cli["workers"] = args.workers
     if args.max_models:
         cli["max_models"] = args.max_models  # a budget may change between runs
+    if args.address:
+        cli["address"] = args.address  # the cluster's head may have moved
     exp = _build(space, cli, recorded_space=recorded)
     summary = exp.resume()
     print(file=sys.stderr)
@@ -398,6 +408,11 @@ def parser() -> argparse.ArgumentParser:
                           "when the space file defines its own `trainer`")
     run.add_argument("--scheduler", choices=SCHEDULERS, default="none",
                      help="early stopping: none, asha or median (default none)")
+    run.add_argument("--executor", choices=("local", "ray"), default="local",
+                     help="where models train: local processes, or Ray actors (docs/ray.md)")
+    run.add_argument("--address", default=None,
+                     help="with --executor ray: the Ray cluster to use (default: a private "
+                          "local Ray instance)")
     run.set_defaults(fn=cmd_run)
 
     status = sub.add_parser("status", help="trials by state and the best models of a store")
@@ -413,6 +428,9 @@ def parser() -> argparse.ArgumentParser:
     resume.add_argument("--workers", type=int, default=None, help="override the worker count")
     resume.add_argument("--max-models", type=int, default=None,
                         help="a new model budget (default: the one the run was started with)")
+    resume.add_argument("--address", default=None,
+                        help="the Ray cluster to continue on, for runs started with --executor "
+                             "ray (default: the address the run was started with)")
     resume.set_defaults(fn=cmd_resume)
 
     export = sub.add_parser("export", help="standalone .py + state_dict of the best models")

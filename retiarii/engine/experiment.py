@@ -186,7 +186,9 @@ class Experiment:
         model_retries: retries after the model's own failure (a shape error, a NaN loss),
             which is deterministic: none by default.
         dedup: do not train a structure (same structural hash and hyper-parameters) twice.
-        executor: an :class:`~.executors.Executor` to use instead of local processes.
+        executor: an :class:`~.executors.Executor` to use instead of local processes, or
+            ``"ray"`` for a :class:`~.executors.ray.RayExecutor` with ``workers`` slots
+            (``"local"``, the default, is the same as None).
         progress: called with a summary dict after each finished trial (the CLI's display).
         origin: JSON kept with the experiment saying how it was made (the CLI's flags, so
             that ``retiarii resume`` can rebuild it); not compared on resume.
@@ -214,6 +216,8 @@ class Experiment:
         self.metric, self.mode = metric, Mode.parse(mode, "Experiment")
         self.max_failures, self.dedup = max_failures, dedup
         self.model_retries = model_retries
+        if isinstance(executor, str) and executor not in ("local", "ray"):
+            raise ExperimentError(f"executor={executor!r}: give 'local', 'ray' or an Executor")
         self.executor, self.progress, self.origin = executor, progress, origin
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
@@ -313,10 +317,14 @@ class Experiment:
                     self._keys[row["id"]] = key
         self._count = len(models)
         executor = self.executor
-        if executor is None:
+        if executor is None or executor == "local":
             from .executors.local import LocalExecutor
 
             executor = LocalExecutor(self.workers, self.devices)
+        elif executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
+            from .executors.ray import RayExecutor
+
+            executor = RayExecutor(self.workers)
         epochs = getattr(self.trainer, "epochs", None)
         source = None if self.scheduler.spawns_trials else self._next_trial
         kwargs = dict(max_failures=self.max_failures, model_retries=self.model_retries,
@@ -350,7 +358,7 @@ class Experiment:
             store.set_experiment_status("interrupted")
             raise
         finally:
-            if self.executor is None:
+            if executor is not self.executor:  # made here (None or "ray"): ours to close
                 executor.close()
             store.flush()
         return self.summary()

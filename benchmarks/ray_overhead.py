@@ -1,0 +1,135 @@
+"""Benchmark: the engine's overhead per model on Ray against LocalExecutor, and throughput.
+
+Issue #16 asks for the engine overhead per model on :class:`~retiarii.engine.executors.ray.
+RayExecutor` next to :class:`~retiarii.engine.executors.local.LocalExecutor`, with the trivial
+trainer of ``benchmarks/engine.py``, and for throughput with 2 and 4 actors. This script reuses
+that benchmark's pieces by import (its space, :class:`TinyTrainer`, :class:`TimedExperiment`,
+:class:`Buckets`, :func:`stats`), so a model's **overhead** means the same here: its latency
+from the moment the engine asks the strategy for it to the moment its result is recorded, minus
+the time spent in the trainer's own code (which the trainer reports as ``trainer_s``).
+
+One run, side by side: for each worker count (2 and 4 by default), a real
+:class:`retiarii.Experiment` (random search, FIFO, the SQLite store, checkpoints written) of
+``--warmup + --models`` models on LocalExecutor and on RayExecutor (one private local Ray
+instance for the whole script, started first; every executor's workers are up before the clock
+starts). Each worker uses one torch thread; a Ray actor holds one logical CPU (the instance
+offers as many as the largest run needs). With several workers the overhead of one model
+includes waiting for a core, so on a 2-core machine the throughput (models per second over the
+run) is the figure to compare at 4 workers.
+
+Prints a table and the Ray/Local ratios; writes ``benchmarks/out/ray_overhead.csv``.
+
+Example::
+
+    .venv/bin/python benchmarks/ray_overhead.py                   # 200 models per run
+    .venv/bin/python benchmarks/ray_overhead.py --models 50 --workers 2
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import engine as bench  # noqa: E402  benchmarks/engine.py: the space, trainer and timing
+import retiarii as rt  # noqa: E402
+from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
+
+OUT = bench.OUT
+
+
+def run_one(kind: str, workers: int, args) -> dict:
+    """One experiment of ``--warmup + --models`` models; its figures."""
+    folder = os.path.join(OUT, "ray-overhead-db")
+    shutil.rmtree(folder, ignore_errors=True)
+    if kind == "local":
+        executor = LocalExecutor(workers, devices=[], threads_per_worker=1)
+    else:
+        from retiarii.engine.executors.ray import RayExecutor
+
+        executor = RayExecutor(workers, num_cpus=1, threads_per_worker=1)
+    try:
+        executor.wait_ready()  # starting workers (importing torch) is not per-model overhead
+        buckets = bench.Buckets()
+        exp = bench.TimedExperiment(bench.SPACE, rt.strategies.Random(seed=args.seed),
+                                    bench.TRAINER, store=os.path.join(folder, f"{kind}.db"),
+                                    executor=executor, buckets=buckets, trainer_metric="trainer_s")
+        start = time.perf_counter()
+        exp.run(max_models=args.warmup + args.models)
+        wall = time.perf_counter() - start
+        exp.store.close()
+    finally:
+        executor.close()
+    failed = sum(not r["ok"] for r in exp.rows)
+    if failed:
+        raise RuntimeError(f"{failed} models failed in the {kind} run with {workers} workers")
+    shutil.rmtree(folder, ignore_errors=True)
+    timed = exp.rows[args.warmup:]
+    overhead = bench.stats([r["latency"] - r["trainer"] for r in timed])
+    return {"executor": kind, "workers": workers, "models": len(timed),
+            "overhead_median_ms": overhead["median_ms"], "overhead_p90_ms": overhead["p90_ms"],
+            "overhead_mean_ms": overhead["mean_ms"],
+            "latency_median_ms": bench.stats([r["latency"] for r in timed])["median_ms"],
+            "trainer_median_ms": bench.stats([r["trainer"] for r in timed])["median_ms"],
+            "models_per_s": len(exp.rows) / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=int, default=200, help="timed models per run")
+    parser.add_argument("--warmup", type=int, default=10, help="models left out at the start")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4],
+                        help="worker counts (processes / actors) to run")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(OUT, exist_ok=True)
+    from retiarii.engine.executors.ray import start_local_ray
+
+    import ray
+
+    temp_dir = start_local_ray(num_cpus=max(args.workers))
+    rows = []
+    try:
+        for workers in args.workers:
+            for kind in ("local", "ray"):
+                row = run_one(kind, workers, args)
+                rows.append(row)
+                print(f"{kind:>5} x{workers}: overhead median {row['overhead_median_ms']:.2f} ms "
+                      f"(p90 {row['overhead_p90_ms']:.2f}), {row['models_per_s']:.1f} models/s",
+                      flush=True)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    print(f"\n{'executor':<8}{'workers':>8}{'overhead median':>17}{'p90':>9}{'mean':>9}"
+          f"{'latency':>9}{'trainer':>9}{'models/s':>10}")
+    for r in rows:
+        print(f"{r['executor']:<8}{r['workers']:>8}{r['overhead_median_ms']:>14.2f} ms"
+              f"{r['overhead_p90_ms']:>9.2f}{r['overhead_mean_ms']:>9.2f}"
+              f"{r['latency_median_ms']:>9.2f}{r['trainer_median_ms']:>9.2f}"
+              f"{r['models_per_s']:>10.1f}")
+    print()
+    for workers in args.workers:
+        local, on_ray = (next(r for r in rows if r["executor"] == k and r["workers"] == workers)
+                         for k in ("local", "ray"))
+        print(f"{workers} workers: Ray / Local overhead median "
+              f"{on_ray['overhead_median_ms'] / local['overhead_median_ms']:.2f}x, throughput "
+              f"{on_ray['models_per_s'] / local['models_per_s']:.2f}x")
+    path = os.path.join(OUT, "ray_overhead.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+                         for r in rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
