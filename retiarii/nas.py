@@ -75,7 +75,8 @@ _WS = " (weight sharing not landed yet)"
 
 ROWS: tuple[Row, ...] = (
     _row(1, "mnasnet", "MnasNet", "MobileNetV2 blocks: kernel, expansion, layers, SE", "RL",
-         "Tan et al., CVPR 2019"),
+         "Tan et al., CVPR 2019", "model_spaces.mnasnet", "PolicyBasedRL",
+         "conv type, skip op and filter sizes fixed (MnasNet-A1's)"),
     _row(2, "enas_cnn", "ENAS-CNN", "ENAS micro cell and macro space", "RL, weight sharing",
          "Pham et al., ICML 2018"),
     _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
