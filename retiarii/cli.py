@@ -391,6 +391,32 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_nas_list(args) -> int:
+    from . import nas
+
+    print(_table(nas.table(), ["#", "name", "space", "strategy", "paper", "status"]))
+    return 0
+
+
+def cmd_nas_run(args) -> int:
+    from . import nas
+
+    for value, flag in ((args.max_models, "--max-models"), (args.epochs, "--epochs"),
+                        (args.workers, "--workers")):
+        _positive(value, flag)
+    try:
+        exp = nas.experiment(args.name, args.preset, max_models=args.max_models,
+                             epochs=args.epochs, store=args.store, workers=args.workers,
+                             seed=args.seed, progress=_Progress(args.max_models))
+    except (KeyError, nas.RowNotImplemented) as err:
+        raise CliError(str(err).strip('"')) from None
+    summary = exp.run()
+    print(file=sys.stderr)
+    print(_best_table(summary["best"]))
+    print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="retiarii", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -443,6 +469,22 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("db", help="the SQLite file of a run")
     plot.add_argument("--out", required=True, help="the PNG file to write")
     plot.set_defaults(fn=cmd_plot)
+
+    nas = sub.add_parser("nas", help="the 27 NAS solutions of the literature: list, run one")
+    nas_sub = nas.add_subparsers(dest="nas_command", required=True)
+    nas_list = nas_sub.add_parser("list", help="name, space, strategy, paper, status of each")
+    nas_list.set_defaults(fn=cmd_nas_list)
+    nas_run = nas_sub.add_parser("run", help="search one row's space on the digits data set")
+    nas_run.add_argument("name", help="a row's name (see `retiarii nas list`)")
+    nas_run.add_argument("--preset", choices=("small", "paper"), default="small",
+                         help="small (trains in seconds, default) or paper (published sizes)")
+    nas_run.add_argument("--max-models", type=int, default=8, help="models to train (default 8)")
+    nas_run.add_argument("--epochs", type=int, default=2, help="epochs per model (default 2)")
+    nas_run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    nas_run.add_argument("--store", default=None,
+                         help="SQLite file (default runs/nas-NAME-PRESET.db)")
+    nas_run.add_argument("--seed", type=int, default=0, help="seed of the search and trials")
+    nas_run.set_defaults(fn=cmd_nas_run)
     return p
 
 

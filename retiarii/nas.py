@@ -1,0 +1,246 @@
+"""The NAS solutions of the literature, one row each: space, strategy, paper, status.
+
+The Retiarii paper (OSDI'20, Table 1) shows 27 published NAS solutions as a base model plus
+mutators plus a strategy. This module is their registry: ``retiarii nas list`` prints it and
+``retiarii nas run NAME`` searches a row's space on the digits data set through
+:class:`~retiarii.Experiment`. A row whose space is written lives in ``model_spaces/`` (one
+file per space, with a ``small`` preset that trains on 8x8 digits in seconds and a ``paper``
+preset with the published sizes); a row not written yet says so (its status), and running it
+fails with :class:`RowNotImplemented`, never with a half-built space.
+
+Rows whose published strategy is differentiable or weight-sharing run with a multi-trial
+strategy until the engine's weight-sharing super-graphs land; ``runs_with`` names it.
+
+Example::
+
+    >>> from retiarii import nas
+    >>> row = nas.get("nasbench201")
+    >>> row.status
+    'implemented'
+    >>> space = nas.build_space("nasbench201", "small")    # a ModelSpace for (1, 8, 8) digits
+    >>> exp = nas.experiment("nasbench201", max_models=4, store="runs/nb201.db")
+    >>> summary = exp.run()                                 # (under `if __name__ == "__main__":`)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+PRESETS = ("small", "paper")
+# What the launcher trains on: scikit-learn's 8x8 grayscale digits, 10 classes.
+DIGITS = {"in_channels": 1, "num_classes": 10, "image_size": 8}
+
+
+class RowNotImplemented(LookupError):
+    """A registry row whose space is not written yet (its status says so)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One NAS solution of the literature."""
+
+    number: int  # its place in the paper's Table 1 (and issue #15's list)
+    name: str  # the launcher's name for it: `retiarii nas run NAME`
+    title: str  # how papers call it
+    space: str  # the model space, in a few words
+    strategy: str  # the published strategy
+    paper: str  # authors, venue, year
+    module: str | None = None  # the model_spaces module with small() and paper(); None: not yet
+    runs_with: str | None = None  # our strategy (rt.strategies name) when implemented
+    note: str = ""  # what differs from the publication, if anything
+    # preset -> (function of `module`, its keyword arguments as (key, value) pairs)
+    presets: tuple = (("small", "small", ()), ("paper", "paper", ()))
+
+    @property
+    def status(self) -> str:
+        return "implemented" if self.module else "not yet"
+
+
+def _row(number, name, title, space, strategy, paper, module=None, runs_with=None, note="",
+         presets: dict | None = None) -> Row:
+    row = Row(number, name, title, space, strategy, paper, module, runs_with, note)
+    if presets:
+        row = dataclasses.replace(row, presets=tuple(
+            (preset, fn, tuple(sorted(kwargs.items()))) for preset, (fn, kwargs) in
+            presets.items()))
+    return row
+
+
+# NASNet and AmoebaNet share model_spaces/nasnet.py: normal cells only, 5 ops (see the note).
+_NASNET = {"small": ("nasnet_space", {"channels": 8, "num_cells": 2}),
+           "paper": ("nasnet_space", {"channels": 32, "num_cells": 6})}
+
+
+_WS = " (weight sharing not landed yet)"
+
+ROWS: tuple[Row, ...] = (
+    _row(1, "mnasnet", "MnasNet", "MobileNetV2 blocks: kernel, expansion, layers, SE", "RL",
+         "Tan et al., CVPR 2019", "model_spaces.mnasnet", "PolicyBasedRL",
+         "conv type, skip op and filter sizes fixed (MnasNet-A1's)"),
+    _row(2, "enas_cnn", "ENAS-CNN", "ENAS micro cell and macro space", "RL, weight sharing",
+         "Pham et al., ICML 2018"),
+    _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
+         "model_spaces.nasnet", "PolicyBasedRL",
+         "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
+         _NASNET),
+    _row(4, "amoebanet", "AmoebaNet", "NASNet cell", "regularized evolution",
+         "Real et al., AAAI 2019", "model_spaces.nasnet", "RegularizedEvolution",
+         "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
+         _NASNET),
+    _row(5, "spos", "SPOS", "ShuffleNetV2 blocks", "evolution over a super-net",
+         "Guo et al., ECCV 2020"),
+    _row(6, "wann", "Weight Agnostic Networks",
+         "evolving: insert node, add connection, change activation", "evolution",
+         "Gaier & Ha, NeurIPS 2019"),
+    _row(7, "path_level", "Path-level NAS", "evolving by replication and split", "RL",
+         "Cai et al., ICML 2018"),
+    _row(8, "large_scale_evolution", "Large-Scale Evolution",
+         "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017"),
+    _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
+         "Tan & Le, ICML 2019"),
+    _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
+         "surrogate-guided progressive search", "Liu et al., ECCV 2018"),
+    _row(11, "enas_rnn", "ENAS-RNN", "recurrent cell", "RL, weight sharing",
+         "Pham et al., ICML 2018"),
+    _row(12, "genetic_cnn", "Genetic CNN", "binary connection strings between stage nodes",
+         "evolution", "Xie & Yuille, ICCV 2017"),
+    _row(13, "oneshot", "Simplified One-Shot", "one-shot cell", "random, weight sharing",
+         "Bender et al., ICML 2018"),
+    _row(14, "darts", "DARTS", "DARTS cell (normal + reduction)", "differentiable",
+         "Liu et al., ICLR 2019", "model_spaces.darts", "RegularizedEvolution",
+         "multi-trial evolution" + _WS),
+    _row(15, "darts_rnn", "DARTS (language models)", "recurrent cell", "differentiable",
+         "Liu et al., ICLR 2019"),
+    _row(16, "fbnet", "FBNet", "FBNet blocks", "differentiable (Gumbel)", "Wu et al., CVPR 2019"),
+    _row(17, "proxylessnas", "ProxylessNAS", "ProxylessNAS space", "differentiable and RL",
+         "Cai et al., ICLR 2019"),
+    _row(18, "fairnas", "FairNAS", "ProxylessNAS space",
+         "evolution after fair super-net training", "Chu et al., ICCV 2021"),
+    _row(19, "scarlet_nas", "SCARLET-NAS", "ProxylessNAS space",
+         "evolution after fair super-net training", "Chu et al., 2019 (arXiv:1908.06022)"),
+    _row(20, "single_path_nas", "Single-Path NAS", "MobileNetV2 kernels as a super-kernel",
+         "differentiable", "Stamoulis et al., ECML-PKDD 2019"),
+    _row(21, "nasbench101", "NAS-Bench-101", "cell of up to 7 nodes, 9 edges", "any",
+         "Ying et al., ICML 2019", "model_spaces.nasbench101", "RegularizedEvolution"),
+    _row(22, "nasbench201", "NAS-Bench-201", "cell of 4 nodes, 5 ops per edge", "any",
+         "Dong & Yang, ICLR 2020", "model_spaces.nasbench201", "RegularizedEvolution"),
+    _row(23, "once_for_all", "Once-for-All", "elastic kernel, depth, width",
+         "predictor-guided evolution", "Cai et al., ICLR 2020"),
+    _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
+         "Liu et al., ICLR 2018"),
+    _row(25, "textnas", "TextNAS", "text cell over embeddings", "RL", "Wang et al., AAAI 2020"),
+    _row(26, "chamnet", "ChamNet", "MobileNetV2 blocks", "predictor-guided search",
+         "Dai et al., CVPR 2019"),
+    _row(27, "neural_predictor", "Neural Predictor", "NAS-Bench-101 cell", "predictor",
+         "Wen et al., ECCV 2020"),
+)
+
+_BY_NAME = {row.name: row for row in ROWS}
+
+
+def get(name: str) -> Row:
+    """The row called ``name`` (``retiarii nas list`` shows the names)."""
+    if name not in _BY_NAME:
+        raise KeyError(f"no NAS solution called {name!r}; the names are: "
+                       f"{', '.join(_BY_NAME)}")
+    return _BY_NAME[name]
+
+
+def implemented() -> list[Row]:
+    return [row for row in ROWS if row.module]
+
+
+def _check(row: Row, preset: str) -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r} is not one of {PRESETS}")
+    if not row.module:
+        raise RowNotImplemented(
+            f"{row.name} ({row.title}, {row.paper}) is not implemented yet: its space is not "
+            f"in model_spaces/ (implemented: {', '.join(r.name for r in implemented())})")
+
+
+def build_space(name: str, preset: str = "small", **shape: Any):
+    """The ModelSpace of row ``name`` at ``preset``, for the digits' shapes unless ``shape``
+    (in_channels, num_classes, image_size) says otherwise."""
+    import importlib
+
+    row = get(name)
+    _check(row, preset)
+    module = importlib.import_module(row.module)
+    fn, kwargs = {p: (f, k) for p, f, k in row.presets}[preset]
+    builder: Callable = getattr(module, fn)
+    return builder(**{**DIGITS, **dict(kwargs), **shape})
+
+
+class _Presets:
+    """``SPACES.<name>.<preset>``: the spaces as import references workers can resolve
+    (``"retiarii.nas:SPACES.nasbench201.small"``), each built on first use and cached."""
+
+    def __init__(self, name: str | None = None):
+        self._name, self._built = name, {}
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        if self._name is None:
+            get(attr)  # a clear KeyError for an unknown row
+            return self._built.setdefault(attr, _Presets(attr))
+        if attr not in self._built:
+            if attr not in PRESETS:
+                raise AttributeError(f"{self._name} has presets {PRESETS}, not {attr!r}")
+            self._built[attr] = build_space(self._name, attr)
+        return self._built[attr]
+
+
+SPACES = _Presets()
+
+
+def strategy(name: str, seed: int = 0):
+    """The multi-trial strategy the row runs with (see ``Row.runs_with``)."""
+    from . import strategies as s
+
+    row = get(name)
+    _check(row, "small")
+    if row.runs_with == "RegularizedEvolution":
+        return s.RegularizedEvolution(population_size=8, sample_size=3, seed=seed)
+    if row.runs_with == "PolicyBasedRL":
+        return s.PolicyBasedRL(seed=seed)
+    return getattr(s, row.runs_with)(seed=seed)
+
+
+def experiment(name: str, preset: str = "small", max_models: int = 8, epochs: int = 2,
+               store: str | None = None, workers: int = 2, seed: int = 0, **kwargs: Any):
+    """An :class:`~retiarii.Experiment` searching row ``name`` on digits.
+
+    Args:
+        name: a row name (``retiarii nas list``).
+        preset: ``"small"`` (trains in seconds) or ``"paper"`` (the published sizes: slow).
+        max_models, epochs, workers, seed: the search budget, epochs per model, worker
+            processes, seed of the strategy and the trials.
+        store: the SQLite file (default ``runs/nas-{name}-{preset}.db``).
+        kwargs: passed on to :class:`~retiarii.Experiment` (``executor``, ``progress``...).
+    """
+    from .engine.experiment import Experiment
+    from .engine.trainer import ClassifierTrainer
+
+    row = get(name)
+    _check(row, preset)
+    ref = f"retiarii.nas:SPACES.{name}.{preset}"
+    return Experiment(ref, strategy(name, seed), ClassifierTrainer(dataset="digits",
+                                                                   epochs=epochs),
+                      store=store or f"runs/nas-{name}-{preset}.db", workers=workers,
+                      max_models=max_models, seed=seed, **kwargs)
+
+
+def table() -> list[list[str]]:
+    """The rows as ``[number, name, space, strategy, paper, status]`` strings; the strategy
+    column says what runs here when it differs from the publication."""
+    out = []
+    for row in ROWS:
+        strategy = row.strategy
+        if row.runs_with and row.note and "weight sharing" in row.note:
+            strategy += f" -> {row.runs_with}{_WS}"
+        elif row.runs_with:
+            strategy += f" ({row.runs_with})"
+        out.append([str(row.number), row.name, row.space, strategy, row.paper, row.status])
+    return out
