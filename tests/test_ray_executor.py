@@ -125,7 +125,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _gone(pids, timeout=30.0) -> bool:
+def _gone(pids, timeout=90.0) -> bool:
     """True once none of ``pids`` is alive (Ray kills and shuts down asynchronously)."""
     deadline = time.monotonic() + timeout
     while any(_alive(p) for p in pids):
@@ -432,7 +432,9 @@ class TestRayExecutor:
             reasons = [e["reason"] for e in store.events()]
             assert store.get_experiment()["status"] == "done"
         assert (origin["executor"], origin["address"]) == ("ray", address)
-        assert "driver restarted" in reasons  # its RUNNING trial was requeued, not lost
+        # (the kill lands after a result is on disk: inside a trial, or between two; the
+        # equality below is what proves nothing was lost or trained twice)
+        assert reasons.count("added") == 3
         from exp_space import space, trainer
 
         whole = rt.Experiment(space, rt.strategies.Random(seed=0), trainer,
