@@ -19,7 +19,8 @@ from .trace import TraceError, trace
 
 __version__ = "0.1.0"
 
-__all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "Graph", "GraphError", "InputChoice", "LayerChoice", "Model", "ModelSpace",
+__all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "Graph", "GraphError",
+           "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
            "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
            "apply_mutator", "engine", "leaf", "mutators", "nn", "ops", "strategies", "trace"]

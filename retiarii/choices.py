@@ -155,7 +155,7 @@ def wrap_layer(cls: type[nn.Module]) -> type[nn.Module]:
     if cls in _WRAPPED:
         return _WRAPPED[cls]
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):  # noqa: N807 (it becomes the class's __init__)
         self.__dict__["_retiarii_init"] = (args, kwargs)
         cls.__init__(self, *_defaults(args), **_defaults(kwargs))
 

@@ -70,7 +70,7 @@ def _load_space_file(ref: str) -> tuple[str, Any]:
     except SyntaxError as err:
         raise CliError(f"{ref} line {err.lineno}: syntax error ({err.msg}); fix the space "
                        f"file") from None
-    except Exception as err:  # the user's code failed while it was imported
+    except Exception as err:  # noqa: BLE001 (the user's code failed while it was imported)
         raise CliError(f"{ref} failed while it was imported: {type(err).__name__}: {err}; "
                        f"run `python {ref}` to see the traceback") from None
 

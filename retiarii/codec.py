@@ -44,7 +44,7 @@ class PortRef:
         return hash(("PortRef", self.index))
 
 
-# ---- encode / decode (references to classes and functions: refs.ref_of / refs.resolve_ref) -- ----------------------------------------------------------------------
+# ---- encode / decode (references to classes and functions: refs.ref_of / refs.resolve_ref) ----
 
 
 def _encode_tensor(t: torch.Tensor) -> dict:

@@ -56,7 +56,7 @@ def leaf(cls: type[nn.Module]) -> type[nn.Module]:
     original_init = cls.__init__
 
     @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):  # noqa: N807 (wraps the class's own __init__)
         # Only the outermost constructor records: a subclass calling super().__init__ with
         # other arguments must not overwrite what the user passed to the subclass.
         if type(self) is cls:

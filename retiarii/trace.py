@@ -99,12 +99,13 @@ def _trace_error(root: nn.Module, tracer: _Tracer, exc: Exception) -> TraceError
     scope = tracer.failed_scope
     where = f"module {scope!r} ({type(root.get_submodule(scope)).__name__})" if scope \
         else f"the top-level module ({type(root).__name__})"
+    leaf_name = type(root.get_submodule(scope)).__name__ if scope else "TheModule"
     frame = _user_frame(exc.__traceback__)
     line = f' at {frame.filename}:{frame.lineno}: "{(frame.line or "").strip()}"' if frame else ""
     return TraceError(
         f"cannot trace {where}{line}: {type(exc).__name__}: {exc}\n"
         f"How to fix: if the code branches on or iterates over a tensor's value, mark that "
-        f"module a leaf (trace(model, leaf_modules=[{type(root.get_submodule(scope)).__name__ if scope else 'TheModule'}]) "
+        f"module a leaf (trace(model, leaf_modules=[{leaf_name}]) "
         f"or decorate its class with @retiarii.leaf) so it is kept as one opaque node; if it "
         f"branches on a forward argument that is fixed for the whole search, pass "
         f"concrete_args={{'name': value}}.")

@@ -523,7 +523,7 @@ def test_evolution_accepts_a_foreign_sample_as_a_member():
     space = toy_spaces.synthetic_space()
     strategy = RegularizedEvolution(population_size=3, sample_size=3, seed=0)
     for _ in range(3):
-        strategy.tell(sample := strategy.ask(space), 0.0)
+        strategy.tell(strategy.ask(space), 0.0)
     champion = {"n_paths": 2, "op0": "skip", "op1": "skip", "lr": 0.01}
     strategy.tell(champion, 10.0)
     child = strategy.ask(space)

@@ -1,6 +1,5 @@
 """Modules torch.fx cannot trace (not marked @retiarii.leaf), importable by worker processes
 and by exported models: the user's own code, as a mutator would receive it."""
-import torch
 from torch import nn
 
 

@@ -12,8 +12,9 @@ uninterrupted one, so a checkpoint holds:
 
 Files are written with :func:`torch.save` to a temporary name and renamed into place, so a
 crash never leaves half a checkpoint behind (a killed process may leave its ``.tmp-PID`` file,
-which :meth:`CheckpointDir.remove_temporaries` clears at resume); they are read with ``torch.load(weights_only=True)``,
-which unpickles nothing but tensors and plain containers. That is why the RNG states are stored
+which :meth:`CheckpointDir.remove_temporaries` clears at resume); they are read with
+``torch.load(weights_only=True)``, which unpickles nothing but tensors and plain containers.
+That is why the RNG states are stored
 as tensors and lists rather than as the tuples the RNG modules hand out, and why :func:`save`
 checks the whole state up front: an object that ``weights_only`` cannot read back fails at save
 time, naming where it sits, instead of at resume time.
@@ -33,8 +34,8 @@ import torch
 FORMAT = "retiarii-checkpoint"
 VERSION = 1
 
-__all__ = ["CheckpointError", "CheckpointPathError", "CheckpointDir", "save", "load", "capture_rng", "restore_rng", "seed_rng",
-           "native_rng", "set_native_rng", "portable_rng", "native_from_portable"]
+__all__ = ["CheckpointError", "CheckpointPathError", "CheckpointDir", "save", "load", "capture_rng",
+           "restore_rng", "seed_rng", "native_rng", "set_native_rng", "portable_rng", "native_from_portable"]
 
 
 class CheckpointError(RuntimeError):

@@ -109,7 +109,7 @@ def _check_workers_see(ref: str, obj: Any, what: str) -> None:
     except ImportError as e:
         raise ExperimentError(f"the {what} is `{attr}` of the script {where}, which worker "
                               f"processes cannot see: {e}. {fix}") from None
-    except Exception as e:  # the script fails when loaded as a module
+    except Exception as e:  # noqa: BLE001 (the script fails when loaded as a module)
         raise ExperimentError(f"the {what} is `{attr}` of the script {where}, but loading the "
                               f"script as worker processes do fails ({type(e).__name__}: {e}). "
                               f"{fix}") from None

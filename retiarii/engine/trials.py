@@ -260,7 +260,8 @@ class TrialRunner:
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
-                 *, max_failures: int = 3, model_retries: int = 0, segment: int = 1, max_steps: int | None = None,
+                 *, max_failures: int = 3, model_retries: int = 0, segment: int = 1,
+                 max_steps: int | None = None,
                  max_total_steps: int | None = None, max_time: float | None = None,
                  checkpoint_dir: str = "checkpoints",
                  source: Callable[[], dict | None] | None = None,

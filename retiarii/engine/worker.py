@@ -35,7 +35,8 @@ from typing import Any, Callable
 from ..refs import resolve_ref  # the one resolver: the references the driver made (refs.py)
 from .checkpoint import CheckpointError
 from .executors.base import (
-    Event, FailureKind, Job, JobFailed, combined_kind, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
+    Event, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
+    TrialTask, combined_kind,
 )
 
 __all__ = ["resolve_ref", "WorkerContext", "run_job", "describe_error", "classify_error"]
@@ -172,7 +173,7 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
     for task in job.tasks:
         try:
             runs[task.trial_id] = _open_task(task, context)
-        except Exception as err:  # bad spec, build error, unreadable checkpoint, I/O error
+        except Exception as err:  # noqa: BLE001 (bad spec, build error, bad checkpoint, I/O)
             failures[task.trial_id] = describe_error(err)
             kinds[task.trial_id] = classify_error(err, loading=task.checkpoint_in is not None)
     active = [task for task in job.tasks if task.trial_id in runs]
@@ -190,7 +191,7 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
                     run.save(task.checkpoint_out)
             except _EmitError:
                 raise
-            except Exception as err:  # fails this trial only
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
                 failures[task.trial_id] = describe_error(err)
                 kinds[task.trial_id] = classify_error(err)
             if task.trial_id in failures or run.step >= task.stop_step:

@@ -145,7 +145,8 @@ class PBT(Scheduler):
     A trial that fails for good is replaced: its initiator reproduces again (generation 0:
     a fresh sample). :meth:`state_dict` holds the random state at construction and a log of
     what changed the population since (spawns, added, finished and failed trials), from which
-    :meth:`load_state_dict` rebuilds the dependency DAG, the pins and the random state; :meth:`lineage` gives the chain to replay a trial from scratch and
+    :meth:`load_state_dict` rebuilds the dependency DAG, the pins and the random state;
+    :meth:`lineage` gives the chain to replay a trial from scratch and
     :meth:`deletable_checkpoints` the checkpoints garbage collection may remove.
 
     Example:

@@ -163,7 +163,7 @@ class _WorkerActor:
                 workdir = tempfile.mkdtemp(dir=self.scratch)
                 job = self._localize(job, blobs, workdir, outputs)
             run_job(job, emit, worker=self.name, context=self.context)
-        except BaseException as err:  # not a trial's fault (reporting itself failed)
+        except BaseException as err:  # noqa: BLE001 (not a trial's fault: reporting itself failed)
             if not terminal:
                 self._push((JobFailed(job.job_id, None, describe_error(err)), None))
         finally:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .base import (
-    Event, Executor, FailureKind, Job, JobFailed, combined_kind, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
-    TrialTask,
+    Event, Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed,
+    TrialResult, TrialTask, combined_kind,
 )
 
 Curve = Callable[[dict, int], Mapping[str, float]]
@@ -275,7 +275,7 @@ class SimulatedExecutor(Executor):
                     break
                 try:
                     metrics, state = self._model(task.spec, step, state)
-                except Exception as exc:  # a broken curve fails this trial, not the run
+                except Exception as exc:  # noqa: BLE001 (a broken curve fails this trial, not the run)
                     error, kind = f"{type(exc).__name__}: {exc}", FailureKind.MODEL
                     break
                 timeline.append((tt, index, TrialResult(
