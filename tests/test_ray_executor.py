@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'reti
 
 import retiarii as rt  # noqa: E402
 from engine_helpers import InProcessExecutor, ref  # noqa: E402
+from executor_contract import ExecutorContract, wait_for  # noqa: E402
 from retiarii.engine.checkpoint import load  # noqa: E402
 from retiarii.engine.executors.base import (  # noqa: E402
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
@@ -113,16 +114,31 @@ def _is_loopback(address: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if there is none or it is a
+    zombie: with a pid_max of 32768 a busy machine reuses pids within seconds, so a pid alone
+    does not name a process for long."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+    return None if fields[0] == "Z" else int(fields[19])  # state, ..., starttime (field 22)
+
+
+_BIRTHS: dict[int, int | None] = {}  # pid -> start time, when the test first named the pid
+
+
+def _note(pids) -> None:
+    """Remember which processes ``pids`` name now (see :func:`_started`)."""
+    for pid in pids:
+        _BIRTHS[pid] = _started(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process the test first saw as ``pid`` still runs (not a later one)."""
+    born = _BIRTHS.setdefault(pid, _started(pid))
+    return born is not None and _started(pid) == born
 
 
 def _gone(pids, timeout=90.0) -> bool:
@@ -138,18 +154,6 @@ def _gone(pids, timeout=90.0) -> bool:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def wait_for(ex, job_ids):
-    """Events until every job in ``job_ids`` has ended; fails the test on a stall."""
-    pending, events = set(job_ids), []
-    while pending:
-        event = ex.next_event(timeout=TIMEOUT)
-        assert event is not None, f"no event in {TIMEOUT}s; still waiting for {pending}"
-        events.append(event)
-        if isinstance(event, (JobFinished, JobFailed)):
-            pending.discard(event.job_id)
-    return events
-
-
 def _of(events, job_id):
     return [e for e in events if e.job_id == job_id]
 
@@ -162,6 +166,7 @@ def ex():
     assert executor.wait_ready(timeout=300)
     assert ray.is_initialized() and executor._owns_ray and executor.shared_storage
     cluster = [p for p in _process_tree(os.getpid()) if p != os.getpid()]
+    _note(cluster)
     temp_dir = executor._temp_dir
     yield executor
     executor.submit(Job("j-at-close", [TrialTask("c", TestRayExecutor.spec(), 0, 100_000)]))
@@ -181,9 +186,22 @@ def moving(ex):
         yield executor
 
 
+class TestRayContract(ExecutorContract):
+    """The executor contract every executor passes (tests/executor_contract.py), on the
+    file's two-actor executor."""
+
+    def task(self, trial_id, stop, *, raise_in_step=None, checkpoint_out=None):
+        return TrialTask(trial_id, TestRayExecutor.spec(trainer=ref("FAILING"),
+                                                        hparams={"raise_in_step": raise_in_step}),
+                         0, stop, None, checkpoint_out)
+
+    def kill_worker(self, ex, worker):
+        TestRayExecutor.kill_worker(ex, worker)
+
+
 class TestRayExecutor:
-    """RayExecutor against the executor contract (multi-task jobs included) and its own
-    promises. ``make``, ``spec`` and ``kill_worker`` are what a contract suite needs."""
+    """RayExecutor's own promises, beyond the contract: ``make``, ``spec`` and ``kill_worker``
+    serve both."""
 
     @staticmethod
     def make(num_slots, **options):
@@ -206,6 +224,7 @@ class TestRayExecutor:
     # ---- the Ray instance ---------------------------------------------------------------------
 
     def test_the_private_instance_listens_on_loopback_only(self, ex, moving):
+        assert ex.wait_ready(TIMEOUT)  # (an actor killed by a contract test is replaced)
         sockets = _bound_sockets()
         tree = _process_tree(os.getpid())
         bound = [(pid, sockets[i]) for pid in tree for i in _socket_inodes(pid) if i in sockets]
@@ -272,6 +291,7 @@ class TestRayExecutor:
             busy_stepped |= isinstance(event, TrialResult) and event.job_id == "j-busy"
         assert started == {"j-hang", "j-busy"}
         pids = ex.worker_pids()
+        _note(pids.values())
         for job_id in ("j-queued", "j-busy", "j-hang", "j-hang", "no-such-job"):
             ex.cancel(job_id)  # twice is harmless, as is an unknown id
         events = wait_for(ex, ["j-queued", "j-hang", "j-busy"])

@@ -245,7 +245,7 @@ class Experiment:
                                       name=os.path.basename(self.path))
             return self._loop(resume=False)
         finally:
-            self._lock.release()
+            self._close()
 
     def resume(self, max_models: int | None = None, max_time: float | None = None) -> dict:
         """Continue the latest experiment of the store (after Ctrl-C, a crash or SIGKILL)."""
@@ -257,7 +257,7 @@ class Experiment:
         try:
             return self._resume()
         finally:
-            self._lock.release()
+            self._close()
 
     def _resume(self) -> dict:
         experiments = self.store.experiments()
@@ -297,6 +297,15 @@ class Experiment:
             raise
         self.checkpoint_dir = self.store.checkpoint_dir  # the run's own: nothing outside it
         self.folder = CheckpointDir(self.checkpoint_dir)
+
+    def _close(self) -> None:
+        """The driver ends: the store is closed (its write-ahead log folded into the file, so
+        the .db alone holds the whole run and can be copied), then the lock is released."""
+        try:
+            if self.store is not None and self.store.db is not None:
+                self.store.close()
+        finally:
+            self._lock.release()
 
     def _loop(self, resume: bool) -> dict:
         store = self.store
@@ -548,8 +557,16 @@ class Experiment:
             self._save_strategy()
 
     def summary(self) -> dict:
-        counts = self.store.counts_by_state()
-        best = self.store.best_models(self.metric, self.mode, 5, finished=True)
+        """Trials by state, the best finished models, models proposed, trials running now."""
+        if self.store is not None and self.store.db is None:  # the driver has ended
+            with Store(self.path) as store:
+                store.use_experiment(self.store.experiment_id)
+                return self._summary(store)
+        return self._summary(self.store)
+
+    def _summary(self, store: Store) -> dict:
+        counts = store.counts_by_state()
+        best = store.best_models(self.metric, self.mode, 5, finished=True)
         runner = getattr(self, "runner", None)
         running = runner.running if runner is not None else counts.get("RUNNING", 0)
         return {"store": self.path, "models": self._count, "trials": counts, "best": best,
