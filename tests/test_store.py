@@ -179,22 +179,21 @@ def test_state_blobs_latest_wins_per_experiment(store):
     assert store.load_strategy_state() == {"population": [{"a": 1}]}
 
 
-def test_checkpoints_latest_pinned_and_stale(store):
+def test_checkpoints_latest_and_forgotten(store):
     store.trial_added(trial("t1"))
     folder = store.checkpoint_dir
     assert folder == str(store.path).replace(".db", ".checkpoints")
     for step in (1, 2):
         store.checkpoint("t1", step, f"t1/step-{step}")  # a name in the run's folder
     store.checkpoint("t1", 3, os.path.join(folder, "t1", "step-3"))  # a file in it: its name
-    store.pin_checkpoint("t1", 1)
     t1 = store.get_trial("t1")
     assert (t1["step"], t1["checkpoint"]) == (3, "t1/step-3")
     last = store.last_checkpoint("t1")
     assert (last["name"], last["path"]) == ("t1/step-3", os.path.join(folder, "t1", "step-3"))
-    assert [(c["step"], c["pinned"]) for c in store.checkpoints("t1")] == [(1, 1), (2, 0), (3, 0)]
-    assert [c["name"] for c in store.stale_checkpoints()] == ["t1/step-2"]
+    assert [(c["step"], c["name"]) for c in store.checkpoints("t1")] == \
+        [(1, "t1/step-1"), (2, "t1/step-2"), (3, "t1/step-3")]
     store.forget_checkpoint("t1", 2)
-    assert store.stale_checkpoints() == []
+    assert [c["step"] for c in store.checkpoints("t1")] == [1, 3]
     store.forget_checkpoint("t1", 3)  # the trial's columns fall back to its newest remaining
     assert (store.get_trial("t1")["step"], store.get_trial("t1")["checkpoint"]) == (1, "t1/step-1")
     for outside in ("/ck/t1-4.pt", "../elsewhere/t1-4", "t1/../../t1-4"):
@@ -400,6 +399,26 @@ def test_migrations_upgrade_an_old_file_in_order(tmp_path, monkeypatch):
         assert s.get_trial("t1")["notes"] == "migrated"
     with Store(path) as s:  # nothing is applied twice
         assert applied == [3]
+
+
+def test_version_2_files_lose_the_unused_pinned_column(tmp_path, monkeypatch):
+    """Schema 3 drops ``checkpoints.pinned`` (garbage collection is the scheduler's
+    ``deletable_checkpoints``); the checkpoints a version-2 file holds survive."""
+    path = tmp_path / "v2.db"
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:2])
+        m.setattr(store_module, "SCHEMA_VERSION", 2)
+        with Store(path) as s:
+            s.trial_added(trial("t1"))
+            s.db.execute("INSERT INTO checkpoints (trial_id, step, path, pinned, time) "
+                         "VALUES ('t1', 1, 't1/step-1', 1, 0), ('t1', 2, 't1/step-2', 0, 0)")
+            s.db.conn.commit()
+    with Store(path) as s:
+        assert s.schema_version == SCHEMA_VERSION == 3
+        assert "pinned" not in s.db["checkpoints"].columns_dict
+        assert [c["name"] for c in s.checkpoints("t1")] == ["t1/step-1", "t1/step-2"]
+        s.checkpoint("t1", 3, "t1/step-3")
+        assert s.last_checkpoint("t1")["name"] == "t1/step-3"
 
 
 def test_failed_migration_leaves_the_file_at_its_old_version(tmp_path, monkeypatch):

@@ -98,9 +98,15 @@ def _schema_v2(db: sqlite_utils.Database) -> None:
         pk=("kind", "experiment_id", "name", "idx"), not_null=["item"])
 
 
+def _schema_v3(db: sqlite_utils.Database) -> None:
+    """Drop ``checkpoints.pinned``: which checkpoints to keep is the scheduler's decision
+    (``Scheduler.deletable_checkpoints``), never a column; nothing ever set it but tests."""
+    db.execute("ALTER TABLE checkpoints DROP COLUMN pinned")  # (SQLite >= 3.35)
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1, _schema_v2]
-SCHEMA_VERSION = 2
+MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3]
+SCHEMA_VERSION = 3
 
 
 def _state(state: Any) -> str:
@@ -541,9 +547,9 @@ class Store:
                 raise StoreError(f"checkpoint of unknown trial {trial_id!r}; journal "
                                  "trial_added(trial) first")
             self.db.execute(
-                "INSERT INTO checkpoints (trial_id, step, path, pinned, time) "
-                "VALUES (?, ?, ?, 0, ?) ON CONFLICT (trial_id, step) DO UPDATE SET "
-                "path = excluded.path, pinned = 0, time = excluded.time",
+                "INSERT INTO checkpoints (trial_id, step, path, time) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT (trial_id, step) DO UPDATE SET "
+                "path = excluded.path, time = excluded.time",
                 [trial_id, int(step), path, now])
 
     def worker(self, trial_id: str, worker: str) -> None:
@@ -829,20 +835,6 @@ class Store:
         """The trial's latest checkpoint row (``step``, ``path``, ``name``), or None."""
         rows = self.checkpoints(trial_id)
         return rows[-1] if rows else None
-
-    def pin_checkpoint(self, trial_id: str, step: int, pinned: bool = True) -> None:
-        """Keep (or stop keeping) a checkpoint from :meth:`stale_checkpoints` (e.g. a PBT donor)."""
-        self.flush()
-        self.db["checkpoints"].update((trial_id, int(step)), {"pinned": int(pinned)})
-
-    def stale_checkpoints(self) -> list[dict]:
-        """Checkpoints no resume needs: not their trial's latest, and not pinned. The engine may
-        delete the files, then :meth:`forget_checkpoint` them."""
-        self.flush()
-        return self._resolved(self.db.query(
-            "SELECT c.trial_id, c.step, c.path FROM checkpoints c WHERE c.pinned = 0 AND c.step < "
-            "(SELECT max(step) FROM checkpoints d WHERE d.trial_id = c.trial_id) "
-            "ORDER BY c.trial_id, c.step"))
 
     def forget_checkpoint(self, trial_id: str, step: int) -> None:
         """Drop a checkpoint row (its file was deleted, or cannot be read); the trial's
