@@ -24,8 +24,8 @@ class TrialState(enum.Enum):  # the TrialRunner's enum has these values
     ERRORED = "ERRORED"
 
 
-def trial(trial_id, config=None, spec=None, parent=None, state=TrialState.PENDING, **extra):
-    return SimpleNamespace(trial_id=trial_id, config=config or {}, spec=spec or {}, parent=parent,
+def trial(trial_id, config=None, parent=None, state=TrialState.PENDING, **extra):
+    return SimpleNamespace(trial_id=trial_id, config=config or {}, parent=parent,
                            state=state, **extra)
 
 
@@ -82,7 +82,7 @@ def test_finished_hashes_by_status_and_experiment(store):
 
 def test_journal_writes_events_and_trial_state(store):
     model_id = store.add_model({"op": 1}, hash="m")
-    store.trial_added(trial("t1", config={"lr": 0.1}, spec={"model_id": model_id}))
+    store.trial_added(trial("t1", config={"lr": 0.1, "model_id": model_id}))
     store.trial_added(trial("t2", parent="t1", model_id=model_id))
     store.transition("t1", TrialState.PENDING, TrialState.RUNNING, "scheduled", worker="local-1")
     store.transition("t1", "RUNNING", "ERRORED", "NaN loss")
@@ -93,8 +93,10 @@ def test_journal_writes_events_and_trial_state(store):
     t1 = store.get_trial("t1")
     assert (t1["state"], t1["attempts"], t1["error"], t1["worker"]) == \
         ("TERMINATED", 1, "NaN loss", "local-0")
-    assert t1["spec"] == {"model_id": model_id} and t1["model_id"] == model_id
-    assert t1["record"]["config"] == {"lr": 0.1}  # differs from the spec: kept
+    assert t1["spec"] == {"lr": 0.1, "model_id": model_id} and t1["model_id"] == model_id
+    assert "config" not in t1["record"]  # the spec column is the trial's config: one copy
+    assert store.records()[0] == ("trial_added", {"trial_id": "t1", "parent": None,
+                                                  "config": {"lr": 0.1, "model_id": model_id}})
     assert t1["started"] <= t1["ended"]
     assert store.get_trial("t2")["parent"] == "t1" and store.get_trial("t2")["model_id"] == model_id
     path = [(e["old_state"], e["new_state"]) for e in store.events("t1")]
@@ -232,7 +234,7 @@ def test_best_trials_and_models_match_reference(store, mode, reduce):
     for n in range(25):
         tid = f"t{n:02d}"
         models[tid] = rng.choice(model_ids)
-        store.trial_added(trial(tid, spec={"model_id": models[tid]}))
+        store.trial_added(trial(tid, config={"model_id": models[tid]}))
         steps = rng.randint(0, 6)  # some trials never reported
         curves[tid] = [(s, round(rng.random(), 3) if rng.random() > 0.1 else None)
                        for s in range(1, steps + 1)]
@@ -264,7 +266,7 @@ def test_queries_are_scoped_to_the_current_experiment(store):
 def test_reopen_keeps_everything(tmp_path):
     with Store(tmp_path / "r.db") as s:
         exp = s.add_experiment({"k": 1}, seed=3)
-        s.trial_added(trial("t1", spec={"hparams": {"lr": 1e-3}}))
+        s.trial_added(trial("t1", config={"hparams": {"lr": 1e-3}}))
         s.result("t1", 1, {"acc": 0.5}, time=1.0)
         s.scheduler_state({"x": 1})
     with Store(tmp_path / "r.db") as s:
@@ -585,7 +587,7 @@ def _example_store(path):
         for i in range(3):
             model = s.add_model({"op": ["conv", "pool"][i % 2]}, {"nodes": []}, f"h{i}")
             tid = f"e1-trial-000{7 + i}"
-            s.trial_added(trial(tid, spec={"model_id": model, "hparams": {"lr": 0.1}}))
+            s.trial_added(trial(tid, config={"model_id": model, "hparams": {"lr": 0.1}}))
             s.transition(tid, "PENDING", "RUNNING", "started")
             for step in (1, 2):
                 s.result(tid, step, {"val_acc": 0.5 + i / 10 + step / 100, "val_loss": 1 / step},

@@ -246,7 +246,7 @@ class Store:
 
             model_id = store.stage_model(sample, graph, hash,
                                          with_it=[lambda: store.save_strategy_state(s)])
-            store.trial_added(trial)      # trial.spec["model_id"] == model_id: all committed
+            store.trial_added(trial)      # trial.config["model_id"] == model_id: all committed
         """
         self.flush()
         top = self.db.execute("SELECT coalesce(max(id), 0) FROM models").fetchone()[0]
@@ -328,19 +328,18 @@ class Store:
     # ---- the journal the TrialRunner writes, before each change takes effect ------------
 
     def trial_added(self, trial: Any) -> None:
-        """Record a new trial: ``.trial_id``, ``.spec`` (what a worker rebuilds it from),
-        ``.config``, ``.parent``, ``.state``; the model id from ``.model_id`` or
-        ``spec["model_id"]``. ``.to_record()``, when the trial has it, is kept verbatim for
-        :meth:`records`."""
+        """Record a new trial: ``.trial_id``, ``.config`` (what a worker rebuilds it from: the
+        ``spec`` column), ``.parent``, ``.state``; the model id from ``.model_id`` or
+        ``config["model_id"]``. ``.to_record()``, when the trial has it, is kept verbatim (but
+        for its config, which is the ``spec`` column) for :meth:`records`."""
         state, now = _state(trial.state), _time.time()
-        spec = trial.spec if trial.spec is not None else {}
+        spec = trial.config if trial.config is not None else {}
         model_id = getattr(trial, "model_id", None)
         if model_id is None and isinstance(spec, dict):
             model_id = spec.get("model_id")
         record = dict(trial.to_record()) if hasattr(trial, "to_record") else \
-            {"trial_id": trial.trial_id, "config": trial.config, "parent": trial.parent}
-        if record.get("config") == spec:
-            del record["config"]  # the runner's config *is* the spec: keep one copy
+            {"trial_id": trial.trial_id, "parent": trial.parent}
+        record.pop("config", None)  # the spec column holds it: keep one copy
         hparams = spec.get("hparams") if isinstance(spec, dict) else None
         self.flush()
         staged = self._staged.pop(model_id, None)
