@@ -89,7 +89,7 @@ def ours(n: int) -> float:
     store = Store(fresh("store.db"))
     calls = [(r["trial_id"], r["step"]) for r in rows(n) if r["name"] == METRICS[0]]
     for trial_id in dict.fromkeys(t for t, _ in calls):
-        store.trial_added(SimpleNamespace(trial_id=trial_id, config={}, spec={}, parent=None,
+        store.trial_added(SimpleNamespace(trial_id=trial_id, config={}, parent=None,
                                           state="RUNNING"))
     start = time.perf_counter()
     for i, (trial_id, step) in enumerate(calls):
@@ -106,7 +106,7 @@ def ours(n: int) -> float:
 def runner_pattern(n: int) -> float:
     store = Store(fresh("runner.db"))
     for t in range(n // (len(METRICS) * 100) + 1):
-        store.trial_added(SimpleNamespace(trial_id=f"t{t}", config={}, spec={}, parent=None,
+        store.trial_added(SimpleNamespace(trial_id=f"t{t}", config={}, parent=None,
                                           state="RUNNING"))
     state = {"rungs": [[f"t{i}", 0.5 + i / 1000] for i in range(60)], "fed": {}}  # ~2 KB
     start = time.perf_counter()
@@ -122,7 +122,7 @@ def runner_pattern(n: int) -> float:
 def transitions(n: int) -> float:
     store = Store(fresh("journal.db"))
     for i in range(n):
-        store.trial_added(SimpleNamespace(trial_id=f"t{i}", config={}, spec={}, parent=None,
+        store.trial_added(SimpleNamespace(trial_id=f"t{i}", config={}, parent=None,
                                           state="PENDING"))
     start = time.perf_counter()
     for i in range(n):

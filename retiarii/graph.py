@@ -58,13 +58,27 @@ class GraphError(ValueError):
 
 @dataclass
 class Operation:
-    """What a node computes. All fields are JSON data (already encoded)."""
+    """What a node computes. All fields are JSON data (already encoded).
+
+    NOTE: [Operation.spec] ``spec`` is the payload of the node's *kind*, and each kind has
+    exactly one meaning for it (as torch.fx's ``target`` means a different thing per opcode):
+
+    - ``module``: how to re-create the module, ``{"cls", "args", "kwargs"}`` (modspec.py);
+    - ``param``: the tensor's declaration, ``{"shape", "dtype", "buffer", "requires_grad",
+      "persistent"}`` and, when small, ``"init"`` (its values);
+    - ``constant``: ``{"value"}``, the encoded tensor;
+    - ``input``: ``{"default"}`` when the argument has one, else None;
+    - ``output``, ``function``, ``method``, ``subgraph``: None.
+
+    One field rather than four keeps the serialized IR (stored in every store's ``models.graph``)
+    and every reader of it unchanged; read it only after checking ``kind``.
+    """
 
     kind: str
     target: str | None = None
     args: list = field(default_factory=list)  # call template (encoded), ports as {"__in__": k}
     kwargs: dict = field(default_factory=dict)
-    spec: dict | None = None  # module: {"cls", "args", "kwargs"}; param/constant/input: details
+    spec: dict | None = None  # the kind's payload: see NOTE: [Operation.spec] above
     attr: str | None = None  # module/param/subgraph: attribute path in the emitted nn.Module
     graph: "Graph | None" = None  # subgraph only
 

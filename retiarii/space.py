@@ -26,7 +26,8 @@ from typing import Any, Iterator, Sequence
 
 from torch import nn
 
-from .choices import ValueChoice, trace_space
+from .choice_tracing import trace_space
+from .choices import ValueChoice
 from .graph import Graph
 from .mutator import BoundMutator, Context, Mutator
 from .sampler import PrefixSampler, RandomSampler, ReplaySampler, SampleError, as_sampler

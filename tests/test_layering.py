@@ -23,7 +23,10 @@ LAYERS = [
     {"retiarii.interpreter", "retiarii.trace", "retiarii.match"},
     {"retiarii.codegen"},
     {"retiarii.shapes", "retiarii.mutator"},
-    {"retiarii.choices", "retiarii.mutators"},  # mutators: the package and its files
+    # inline choices: the user's classes and the mutators they compile to; mutators: the
+    # package and its files
+    {"retiarii.choices", "retiarii.choice_mutators", "retiarii.mutators"},
+    {"retiarii.choice_tracing"},  # trace hooks of inline choices -> choice_mutators
     {"retiarii.space", "retiarii.nn"},
 ]
 
@@ -142,7 +145,8 @@ def test_every_ir_module_has_a_layer():
     """A new module of the IR core is placed in LAYERS (and in docs/architecture.md)."""
     modules = _modules()
     core = {"retiarii.codec", "retiarii.graph", "retiarii.trace", "retiarii.codegen",
-            "retiarii.mutator", "retiarii.choices", "retiarii.space"}
+            "retiarii.mutator", "retiarii.choices", "retiarii.choice_mutators",
+            "retiarii.choice_tracing", "retiarii.space"}
     placed = set().union(*LAYERS)
     assert core <= placed and placed - {"retiarii.mutators"} <= set(modules)
 

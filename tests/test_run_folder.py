@@ -132,9 +132,9 @@ def test_forged_checkpoint_rows_are_refused_never_read_or_deleted(tmp_path, capl
     with Store(db) as store:  # the interrupted trial's older checkpoint row, forged
         store.db.execute("UPDATE checkpoints SET path = ? WHERE trial_id = ? AND step = 1",
                          [str(victim), "e1-trial-0002"])
-        store.db.execute("INSERT INTO checkpoints (trial_id, step, path, pinned, time) "
-                         "VALUES ('e1-trial-0001', 1, '../../victim', 0, 0), "
-                         "('e1-trial-0001', 2, 'link/step-000001', 0, 0)")
+        store.db.execute("INSERT INTO checkpoints (trial_id, step, path, time) "
+                         "VALUES ('e1-trial-0001', 1, '../../victim', 0), "
+                         "('e1-trial-0001', 2, 'link/step-000001', 0)")
         store.db.conn.commit()
         store.use_experiment(1)
         assert [c["step"] for c in store.checkpoints("e1-trial-0001")] == [3]  # refused

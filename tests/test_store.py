@@ -24,8 +24,8 @@ class TrialState(enum.Enum):  # the TrialRunner's enum has these values
     ERRORED = "ERRORED"
 
 
-def trial(trial_id, config=None, spec=None, parent=None, state=TrialState.PENDING, **extra):
-    return SimpleNamespace(trial_id=trial_id, config=config or {}, spec=spec or {}, parent=parent,
+def trial(trial_id, config=None, parent=None, state=TrialState.PENDING, **extra):
+    return SimpleNamespace(trial_id=trial_id, config=config or {}, parent=parent,
                            state=state, **extra)
 
 
@@ -82,7 +82,7 @@ def test_finished_hashes_by_status_and_experiment(store):
 
 def test_journal_writes_events_and_trial_state(store):
     model_id = store.add_model({"op": 1}, hash="m")
-    store.trial_added(trial("t1", config={"lr": 0.1}, spec={"model_id": model_id}))
+    store.trial_added(trial("t1", config={"lr": 0.1, "model_id": model_id}))
     store.trial_added(trial("t2", parent="t1", model_id=model_id))
     store.transition("t1", TrialState.PENDING, TrialState.RUNNING, "scheduled", worker="local-1")
     store.transition("t1", "RUNNING", "ERRORED", "NaN loss")
@@ -93,8 +93,10 @@ def test_journal_writes_events_and_trial_state(store):
     t1 = store.get_trial("t1")
     assert (t1["state"], t1["attempts"], t1["error"], t1["worker"]) == \
         ("TERMINATED", 1, "NaN loss", "local-0")
-    assert t1["spec"] == {"model_id": model_id} and t1["model_id"] == model_id
-    assert t1["record"]["config"] == {"lr": 0.1}  # differs from the spec: kept
+    assert t1["spec"] == {"lr": 0.1, "model_id": model_id} and t1["model_id"] == model_id
+    assert "config" not in t1["record"]  # the spec column is the trial's config: one copy
+    assert store.records()[0] == ("trial_added", {"trial_id": "t1", "parent": None,
+                                                  "config": {"lr": 0.1, "model_id": model_id}})
     assert t1["started"] <= t1["ended"]
     assert store.get_trial("t2")["parent"] == "t1" and store.get_trial("t2")["model_id"] == model_id
     path = [(e["old_state"], e["new_state"]) for e in store.events("t1")]
@@ -179,22 +181,21 @@ def test_state_blobs_latest_wins_per_experiment(store):
     assert store.load_strategy_state() == {"population": [{"a": 1}]}
 
 
-def test_checkpoints_latest_pinned_and_stale(store):
+def test_checkpoints_latest_and_forgotten(store):
     store.trial_added(trial("t1"))
     folder = store.checkpoint_dir
     assert folder == str(store.path).replace(".db", ".checkpoints")
     for step in (1, 2):
         store.checkpoint("t1", step, f"t1/step-{step}")  # a name in the run's folder
     store.checkpoint("t1", 3, os.path.join(folder, "t1", "step-3"))  # a file in it: its name
-    store.pin_checkpoint("t1", 1)
     t1 = store.get_trial("t1")
     assert (t1["step"], t1["checkpoint"]) == (3, "t1/step-3")
     last = store.last_checkpoint("t1")
     assert (last["name"], last["path"]) == ("t1/step-3", os.path.join(folder, "t1", "step-3"))
-    assert [(c["step"], c["pinned"]) for c in store.checkpoints("t1")] == [(1, 1), (2, 0), (3, 0)]
-    assert [c["name"] for c in store.stale_checkpoints()] == ["t1/step-2"]
+    assert [(c["step"], c["name"]) for c in store.checkpoints("t1")] == \
+        [(1, "t1/step-1"), (2, "t1/step-2"), (3, "t1/step-3")]
     store.forget_checkpoint("t1", 2)
-    assert store.stale_checkpoints() == []
+    assert [c["step"] for c in store.checkpoints("t1")] == [1, 3]
     store.forget_checkpoint("t1", 3)  # the trial's columns fall back to its newest remaining
     assert (store.get_trial("t1")["step"], store.get_trial("t1")["checkpoint"]) == (1, "t1/step-1")
     for outside in ("/ck/t1-4.pt", "../elsewhere/t1-4", "t1/../../t1-4"):
@@ -233,7 +234,7 @@ def test_best_trials_and_models_match_reference(store, mode, reduce):
     for n in range(25):
         tid = f"t{n:02d}"
         models[tid] = rng.choice(model_ids)
-        store.trial_added(trial(tid, spec={"model_id": models[tid]}))
+        store.trial_added(trial(tid, config={"model_id": models[tid]}))
         steps = rng.randint(0, 6)  # some trials never reported
         curves[tid] = [(s, round(rng.random(), 3) if rng.random() > 0.1 else None)
                        for s in range(1, steps + 1)]
@@ -265,7 +266,7 @@ def test_queries_are_scoped_to_the_current_experiment(store):
 def test_reopen_keeps_everything(tmp_path):
     with Store(tmp_path / "r.db") as s:
         exp = s.add_experiment({"k": 1}, seed=3)
-        s.trial_added(trial("t1", spec={"hparams": {"lr": 1e-3}}))
+        s.trial_added(trial("t1", config={"hparams": {"lr": 1e-3}}))
         s.result("t1", 1, {"acc": 0.5}, time=1.0)
         s.scheduler_state({"x": 1})
     with Store(tmp_path / "r.db") as s:
@@ -400,6 +401,26 @@ def test_migrations_upgrade_an_old_file_in_order(tmp_path, monkeypatch):
         assert s.get_trial("t1")["notes"] == "migrated"
     with Store(path) as s:  # nothing is applied twice
         assert applied == [3]
+
+
+def test_version_2_files_lose_the_unused_pinned_column(tmp_path, monkeypatch):
+    """Schema 3 drops ``checkpoints.pinned`` (garbage collection is the scheduler's
+    ``deletable_checkpoints``); the checkpoints a version-2 file holds survive."""
+    path = tmp_path / "v2.db"
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:2])
+        m.setattr(store_module, "SCHEMA_VERSION", 2)
+        with Store(path) as s:
+            s.trial_added(trial("t1"))
+            s.db.execute("INSERT INTO checkpoints (trial_id, step, path, pinned, time) "
+                         "VALUES ('t1', 1, 't1/step-1', 1, 0), ('t1', 2, 't1/step-2', 0, 0)")
+            s.db.conn.commit()
+    with Store(path) as s:
+        assert s.schema_version == SCHEMA_VERSION == 3
+        assert "pinned" not in s.db["checkpoints"].columns_dict
+        assert [c["name"] for c in s.checkpoints("t1")] == ["t1/step-1", "t1/step-2"]
+        s.checkpoint("t1", 3, "t1/step-3")
+        assert s.last_checkpoint("t1")["name"] == "t1/step-3"
 
 
 def test_failed_migration_leaves_the_file_at_its_old_version(tmp_path, monkeypatch):
@@ -566,7 +587,7 @@ def _example_store(path):
         for i in range(3):
             model = s.add_model({"op": ["conv", "pool"][i % 2]}, {"nodes": []}, f"h{i}")
             tid = f"e1-trial-000{7 + i}"
-            s.trial_added(trial(tid, spec={"model_id": model, "hparams": {"lr": 0.1}}))
+            s.trial_added(trial(tid, config={"model_id": model, "hparams": {"lr": 0.1}}))
             s.transition(tid, "PENDING", "RUNNING", "started")
             for step in (1, 2):
                 s.result(tid, step, {"val_acc": 0.5 + i / 10 + step / 100, "val_loss": 1 / step},

@@ -5,5 +5,6 @@ from .trials import IllegalTransition, MemoryJournal, Trial, TrialRunner, TrialS
 from .checkpoint import CheckpointError
 from .executors.local import LocalExecutor
 from .store import Store, StoreError
-from .trainer import ClassifierConfig, ClassifierTrainer, Trainer, TrainingError, TrialRun
+from .trainer import ClassifierConfig, ClassifierTrainer, Trainer
+from .trial_run import TrainingError, TrialRun
 from .experiment import EnvironmentFailure, Experiment, ExperimentError

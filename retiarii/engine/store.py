@@ -33,74 +33,13 @@ from typing import Any, Callable, Iterable
 import sqlite_utils
 
 from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
+from .state_store import StateTables
+from .store_schema import APPLICATION, MIGRATIONS, SCHEMA_VERSION, STATES, StoreError
 from ..enums import Mode, ModelStatus
 
 __all__ = ["Store", "StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES"]
 
-STATES = ("PENDING", "RUNNING", "PAUSED", "TERMINATED", "ERRORED")
-APPLICATION = "retiarii"
 _log = logging.getLogger("retiarii.engine")
-
-
-class StoreError(RuntimeError):
-    """A store file that cannot be used (corrupt, not ours, too new) or a journal call that
-    contradicts what the store holds."""
-
-
-# ---- schema and migrations ------------------------------------------------------------------
-
-
-def _schema_v1(db: sqlite_utils.Database) -> None:
-    """The first schema: every table of docs/store.md."""
-    db["meta"].create({"key": str, "value": str}, pk="key")
-    db["experiments"].create(
-        {"id": int, "name": str, "config": str, "seed": int, "status": str,
-         "created": float, "updated": float}, pk="id", not_null=["status"])
-    db["models"].create(
-        {"id": int, "experiment_id": int, "sample": str, "graph": str, "hash": str,
-         "parent": int, "status": str, "value": float, "created": float, "updated": float},
-        pk="id", foreign_keys=[("experiment_id", "experiments", "id")], not_null=["status"])
-    db["models"].create_index(["hash"])
-    db["models"].create_index(["experiment_id", "status"])
-    db["trials"].create(
-        {"id": str, "seq": int, "experiment_id": int, "model_id": int, "spec": str,
-         "hparams": str, "parent": str, "record": str, "state": str, "attempts": int,
-         "worker": str, "step": int, "checkpoint": str, "error": str, "created": float,
-         "started": float, "updated": float, "ended": float},
-        pk="id", not_null=["seq", "state", "attempts", "step"], defaults={"attempts": 0, "step": 0},
-        foreign_keys=[("experiment_id", "experiments", "id"), ("model_id", "models", "id")])
-    db["trials"].create_index(["seq"], unique=True)
-    db["trials"].create_index(["experiment_id", "state"])
-    db["trials"].create_index(["model_id"])
-    db["events"].create(
-        {"id": int, "trial_id": str, "old_state": str, "new_state": str, "reason": str,
-         "worker": str, "time": float},
-        pk="id", foreign_keys=[("trial_id", "trials", "id")], not_null=["new_state"])
-    db["events"].create_index(["trial_id"])
-    # One value per (trial, metric, step): a retried step replaces what the failed attempt wrote.
-    db["metrics"].create(
-        {"trial_id": str, "step": int, "name": str, "value": float, "time": float},
-        pk=("trial_id", "name", "step"), foreign_keys=[("trial_id", "trials", "id")])
-    db["checkpoints"].create(
-        {"trial_id": str, "step": int, "path": str, "pinned": int, "time": float},
-        pk=("trial_id", "step"), not_null=["path", "pinned"], defaults={"pinned": 0},
-        foreign_keys=[("trial_id", "trials", "id")])
-    db["checkpoints"].create_index(["path"])
-    for table in ("strategy_state", "scheduler_state"):
-        db[table].create({"experiment_id": int, "state": str, "time": float}, pk="experiment_id")
-
-
-def _schema_v2(db: sqlite_utils.Database) -> None:
-    """Saved states keep their append-only lists (``state["append_only"]``) as one row per
-    item, so saving a growing state writes only what is new."""
-    db["state_items"].create(
-        {"kind": str, "experiment_id": int, "name": str, "idx": int, "item": str},
-        pk=("kind", "experiment_id", "name", "idx"), not_null=["item"])
-
-
-# MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1, _schema_v2]
-SCHEMA_VERSION = 2
 
 
 def _state(state: Any) -> str:
@@ -120,37 +59,6 @@ def _unjson(row: dict, *columns: str) -> dict:
         if row.get(column) is not None:
             row[column] = json.loads(row[column])
     return row
-
-
-def _split_append_only(state: dict, table: str, path: str = "") -> tuple[dict, dict[str, list]]:
-    """``state`` with each list its ``append_only`` names replaced by ``{"append_only_items":
-    n}``, and those lists by path (``"log"``, ``"scheduler/log"``): see Store._save_state."""
-    names = state.get("append_only") or []
-    head, lists = state, {}
-    for key, value in state.items():
-        if isinstance(value, dict) and "append_only" in value:
-            sub_head, sub_lists = _split_append_only(value, table, f"{path}{key}/")
-            head = dict(head) if head is state else head
-            head[key] = sub_head
-            lists.update(sub_lists)
-    for name in names:
-        if not isinstance(state.get(name), list):
-            raise StoreError(f"{table}: state['append_only'] names {path + name!r}, which is "
-                             f"not a list in the state")
-        head = dict(head) if head is state else head
-        head[name] = {"append_only_items": len(state[name])}
-        lists[f"{path}{name}"] = state[name]
-    return head, lists
-
-
-def _join_append_only(head: dict, items, path: str = "") -> dict:
-    """The inverse of :func:`_split_append_only`; ``items(path, n)`` reads a list back."""
-    for key, value in head.items():
-        if isinstance(value, dict) and "append_only" in value:
-            head[key] = _join_append_only(value, items, f"{path}{key}/")
-    for name in head.get("append_only") or []:
-        head[name] = items(f"{path}{name}", head[name]["append_only_items"])
-    return head
 
 
 class Store:
@@ -180,9 +88,6 @@ class Store:
         self.experiment_id: int | None = None  # the experiment journal calls attach to
         self._buffer: list[tuple] = []
         self._buffered_since = 0.0
-        self._saved: dict[tuple[str, int], str] = {}  # last state JSON written, per table
-        # (table, experiment, list name) -> (items saved, JSON of the last one)
-        self._saved_items: dict[tuple[str, int, str], tuple[int, str | None]] = {}
         # model id -> (row, writes) kept until the trial that trains it is journaled
         self._staged: dict[int, tuple[list, list[Callable[[], None]]]] = {}
         if os.path.dirname(self.path):
@@ -194,6 +99,7 @@ class Store:
             self.db.enable_wal()
             self.db.execute("PRAGMA synchronous=NORMAL")
             self._migrate()
+            self._states = StateTables(self.db, self.path)
         except sqlite3.DatabaseError as err:
             if self.db is not None:
                 self.db.close()
@@ -340,7 +246,7 @@ class Store:
 
             model_id = store.stage_model(sample, graph, hash,
                                          with_it=[lambda: store.save_strategy_state(s)])
-            store.trial_added(trial)      # trial.spec["model_id"] == model_id: all committed
+            store.trial_added(trial)      # trial.config["model_id"] == model_id: all committed
         """
         self.flush()
         top = self.db.execute("SELECT coalesce(max(id), 0) FROM models").fetchone()[0]
@@ -422,19 +328,18 @@ class Store:
     # ---- the journal the TrialRunner writes, before each change takes effect ------------
 
     def trial_added(self, trial: Any) -> None:
-        """Record a new trial: ``.trial_id``, ``.spec`` (what a worker rebuilds it from),
-        ``.config``, ``.parent``, ``.state``; the model id from ``.model_id`` or
-        ``spec["model_id"]``. ``.to_record()``, when the trial has it, is kept verbatim for
-        :meth:`records`."""
+        """Record a new trial: ``.trial_id``, ``.config`` (what a worker rebuilds it from: the
+        ``spec`` column), ``.parent``, ``.state``; the model id from ``.model_id`` or
+        ``config["model_id"]``. ``.to_record()``, when the trial has it, is kept verbatim (but
+        for its config, which is the ``spec`` column) for :meth:`records`."""
         state, now = _state(trial.state), _time.time()
-        spec = trial.spec if trial.spec is not None else {}
+        spec = trial.config if trial.config is not None else {}
         model_id = getattr(trial, "model_id", None)
         if model_id is None and isinstance(spec, dict):
             model_id = spec.get("model_id")
         record = dict(trial.to_record()) if hasattr(trial, "to_record") else \
-            {"trial_id": trial.trial_id, "config": trial.config, "parent": trial.parent}
-        if record.get("config") == spec:
-            del record["config"]  # the runner's config *is* the spec: keep one copy
+            {"trial_id": trial.trial_id, "parent": trial.parent}
+        record.pop("config", None)  # the spec column holds it: keep one copy
         hparams = spec.get("hparams") if isinstance(spec, dict) else None
         self.flush()
         staged = self._staged.pop(model_id, None)
@@ -541,9 +446,9 @@ class Store:
                 raise StoreError(f"checkpoint of unknown trial {trial_id!r}; journal "
                                  "trial_added(trial) first")
             self.db.execute(
-                "INSERT INTO checkpoints (trial_id, step, path, pinned, time) "
-                "VALUES (?, ?, ?, 0, ?) ON CONFLICT (trial_id, step) DO UPDATE SET "
-                "path = excluded.path, pinned = 0, time = excluded.time",
+                "INSERT INTO checkpoints (trial_id, step, path, time) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT (trial_id, step) DO UPDATE SET "
+                "path = excluded.path, time = excluded.time",
                 [trial_id, int(step), path, now])
 
     def worker(self, trial_id: str, worker: str) -> None:
@@ -611,75 +516,13 @@ class Store:
         return self._load_state("scheduler_state")
 
     def _save_state(self, table: str, state: dict) -> None:
-        """Write ``state`` as the latest of ``table`` for the current experiment.
-
-        The lists that ``state["append_only"]`` names (and, in the same way, those of any value
-        of the state that is a dict with its own ``append_only``, e.g. the scheduler's state in
-        the runner's) go to ``state_items``, a row per item, and only the items added since the
-        last save are written (a list that changed elsewhere than at its end is rewritten
-        whole); the rest of the state is one JSON row.
-        """
+        """Write ``state`` as the latest of ``table`` for the current experiment
+        (:meth:`.state_store.StateTables.save`: only new items of its append-only lists)."""
         self.flush()  # the results a scheduler has seen are on disk before its state
-        experiment = self.experiment_id or 0  # 0: a store used without experiments
-        head, lists = _split_append_only(state, table)
-        text = json.dumps(head)
-        key = (table, experiment)
-        if self._saved.get(key) == text:
-            return  # the runner saves after every decision; most change nothing
-        saved = {}
-        with self.db.atomic():
-            for path, items in lists.items():
-                saved[(table, experiment, path)] = self._save_items(table, experiment, path, items)
-            # Plain SQL: this is on the engine's hot path.
-            self.db.execute(f"INSERT OR REPLACE INTO [{table}] (experiment_id, state, time) "
-                            "VALUES (?, ?, ?)", [experiment, text, _time.time()])
-        self._saved_items.update(saved)  # once committed
-        self._saved[key] = text
-
-    def _save_items(self, table: str, experiment: int, name: str,
-                    items: list) -> tuple[int, str | None]:
-        """Write the items of ``items`` not yet saved; (items saved, JSON of the last one)."""
-        key = (table, experiment, name)
-        if key not in self._saved_items:  # first save in this process: what is on disk?
-            count, last = self.db.execute(
-                "SELECT count(*), (SELECT item FROM state_items WHERE kind = ? AND "
-                "experiment_id = ? AND name = ? ORDER BY idx DESC LIMIT 1) FROM state_items "
-                "WHERE kind = ? AND experiment_id = ? AND name = ?", key + key).fetchone()
-            self._saved_items[key] = (count, last)
-        count, last = self._saved_items[key]
-        if count > len(items) or (count and json.dumps(items[count - 1]) != last):
-            # Not an extension of what was saved (a strategy restored from older state):
-            # rewrite the list.
-            self.db.execute("DELETE FROM state_items WHERE kind = ? AND experiment_id = ? AND "
-                            "name = ?", key)
-            count = 0
-        new = [json.dumps(item) for item in items[count:]]
-        if new:
-            self.db.conn.executemany(
-                "INSERT INTO state_items (kind, experiment_id, name, idx, item) "
-                "VALUES (?, ?, ?, ?, ?)",
-                [(table, experiment, name, count + i, item) for i, item in enumerate(new)])
-            last = new[-1]
-        return len(items), (last if items else None)
+        self._states.save(table, self.experiment_id or 0, state)  # 0: a store without experiments
 
     def _load_state(self, table: str) -> dict | None:
-        experiment = self.experiment_id or 0
-        row = self.db.execute(f"SELECT state FROM [{table}] WHERE experiment_id = ?",
-                              [experiment]).fetchone()
-        if row is None:
-            return None
-
-        def items(path: str, want: int) -> list:
-            found = [json.loads(item) for item, in self.db.execute(
-                "SELECT item FROM state_items WHERE kind = ? AND experiment_id = ? AND name = ? "
-                "AND idx < ? ORDER BY idx", [table, experiment, path, want])]
-            if len(found) != want:
-                raise StoreError(f"{self.path}: the saved {table} lists {want} items of "
-                                 f"{path!r} but state_items holds {len(found)}; the file was "
-                                 "edited or is corrupt")
-            return found
-
-        return _join_append_only(json.loads(row[0]), items)
+        return self._states.load(table, self.experiment_id or 0)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -829,20 +672,6 @@ class Store:
         """The trial's latest checkpoint row (``step``, ``path``, ``name``), or None."""
         rows = self.checkpoints(trial_id)
         return rows[-1] if rows else None
-
-    def pin_checkpoint(self, trial_id: str, step: int, pinned: bool = True) -> None:
-        """Keep (or stop keeping) a checkpoint from :meth:`stale_checkpoints` (e.g. a PBT donor)."""
-        self.flush()
-        self.db["checkpoints"].update((trial_id, int(step)), {"pinned": int(pinned)})
-
-    def stale_checkpoints(self) -> list[dict]:
-        """Checkpoints no resume needs: not their trial's latest, and not pinned. The engine may
-        delete the files, then :meth:`forget_checkpoint` them."""
-        self.flush()
-        return self._resolved(self.db.query(
-            "SELECT c.trial_id, c.step, c.path FROM checkpoints c WHERE c.pinned = 0 AND c.step < "
-            "(SELECT max(step) FROM checkpoints d WHERE d.trial_id = c.trial_id) "
-            "ORDER BY c.trial_id, c.step"))
 
     def forget_checkpoint(self, trial_id: str, step: int) -> None:
         """Drop a checkpoint row (its file was deleted, or cannot be read); the trial's

@@ -5,22 +5,15 @@ A :class:`Trainer` is shaped like a Lightning module minus the model: the engine
 so one trainer object serves every model of a space. :class:`ClassifierTrainer` is the default
 (cross-entropy classification on a named data set or on tensors you give it).
 
-:class:`TrialRun` holds one trial's training state in memory and trains it epoch by epoch; it
-saves and restores that state through :mod:`retiarii.engine.checkpoint`. Each run owns its own
-python/numpy/torch RNG streams, swapped in around every epoch, so several trials can share a
-process (one job, several models) and a resumed trial draws exactly the numbers it would have
-drawn had it never stopped. :func:`train_trial` is the one-call form: train steps
-``[start, stop)`` from a checkpoint and write the next one.
+A trainer is driven by a :class:`~.trial_run.TrialRun` (``engine/trial_run.py``; ``TrialRun``,
+``train_trial`` and ``TrainingError`` are importable from here too).
 """
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import importlib.util
-import itertools
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -31,35 +24,11 @@ from torch import nn
 
 from ..choices import ValueChoice
 from ..codec import ref_of
-from . import checkpoint as ckpt
+# One trial's training state lives in trial_run.py; imported from here too.
+from .trial_run import TrainingError, TrialRun, check_segment, train_trial
 
 __all__ = ["Trainer", "ClassifierConfig", "ClassifierTrainer", "TrialRun", "TrainingError",
-           "train_trial", "load_dataset"]
-
-
-class TrainingError(RuntimeError):
-    """A trial's training went wrong (NaN loss, a bad ``training_step``); fails that trial only."""
-
-
-def _batch_size(batch: Any) -> int:
-    """Examples in ``batch``: the length of its first tensor (1 when there is none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return 1
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
+           "train_trial", "check_segment", "load_dataset"]
 
 
 class Trainer(abc.ABC):
@@ -310,227 +279,3 @@ class ClassifierTrainer(Trainer):
         logits = model(x)  # (B, classes)
         return {"val_loss": nn.functional.cross_entropy(logits, y),
                 "val_acc": (logits.argmax(dim=1) == y).float().mean()}
-
-
-# ---- one trial's training state -------------------------------------------------------------
-
-
-def _parse_optimizers(out: Any) -> tuple[torch.optim.Optimizer, Any, str]:
-    """(optimizer, lr scheduler or None, "epoch" | "step") from configure_optimizers' answer."""
-    sched, interval = None, "epoch"
-    if isinstance(out, dict):
-        opt, sched = out.get("optimizer"), out.get("lr_scheduler")
-    elif isinstance(out, (tuple, list)) and len(out) == 2:
-        opt, sched = out
-    else:
-        opt = out
-    if isinstance(sched, dict):
-        sched, interval = sched.get("scheduler"), sched.get("interval", "epoch")
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"configure_optimizers returned {type(out).__name__}; return an optimizer, "
-                        "(optimizer, lr_scheduler) or {'optimizer': ..., 'lr_scheduler': ...}")
-    if interval not in ("epoch", "step"):
-        raise ValueError(f"lr_scheduler interval must be 'epoch' or 'step', got {interval!r}")
-    return opt, sched, interval
-
-
-class TrialRun:
-    """One trial's model, optimizer, LR scheduler, RNG streams and position, trained per epoch.
-
-    Example::
-
-        run = TrialRun(lambda: space.build(sample), ClassifierTrainer(epochs=4), seed=0)
-        for _ in range(2):
-            print(run.step + 1, run.train_epoch())
-        run.save("t1.pt")                       # later, perhaps in another process:
-        run = TrialRun(lambda: space.build(sample), ClassifierTrainer(epochs=4), checkpoint="t1.pt")
-
-    Args:
-        build: makes the model; called with the trial's RNG seeded, so initial weights follow
-            from ``seed``.
-        trainer: a :class:`Trainer`.
-        hparams: the trial's hyper-parameters, handed to every trainer call.
-        seed: seeds the trial's python, numpy and torch RNG streams on a fresh start.
-        checkpoint: resume from this file. When its hparams differ from ``hparams`` (a PBT
-            child), optimizer settings come from the new hparams, the learning rate scaled by
-            new/old initial lr so an LR schedule keeps its position; weights, moments and RNG
-            streams come from the checkpoint.
-        device: where to train; the first visible GPU when there is one, else the CPU.
-        trial_id: names the trial in errors and in the checkpoint.
-    """
-
-    def __init__(self, build: Callable[[], nn.Module], trainer: Trainer, hparams: dict | None = None,
-                 *, seed: int = 0, checkpoint: str | None = None,
-                 device: str | torch.device | None = None, trial_id: str = "trial"):
-        self.trainer, self.hparams, self.trial_id = trainer, dict(hparams or {}), trial_id
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.epoch, self.batch = 0, 0  # data position: epochs done, batches done in this epoch
-        outer = ckpt.native_rng()
-        try:
-            ckpt.seed_rng(seed)
-            model = build()
-            if not isinstance(model, nn.Module):
-                raise TypeError(f"trial {trial_id}: building the model gave a "
-                                f"{type(model).__name__}, not a torch.nn.Module")
-            self.model = model.to(self.device)
-            self.optimizer, self.scheduler, self.interval = _parse_optimizers(
-                trainer.configure_optimizers(self.model, self.hparams))
-            self._rng = ckpt.native_rng()  # this trial's streams while it is swapped out
-            if checkpoint is not None:
-                self._load(checkpoint)
-        finally:
-            ckpt.set_native_rng(outer)
-
-    @property
-    def step(self) -> int:
-        """Steps (epochs) completed."""
-        return self.epoch
-
-    @contextlib.contextmanager
-    def _own_rng(self):
-        """Swap this trial's RNG streams in for the duration of the block."""
-        outer = ckpt.native_rng()
-        ckpt.set_native_rng(self._rng)
-        try:
-            yield
-        finally:
-            self._rng = ckpt.native_rng()
-            ckpt.set_native_rng(outer)
-
-    def train_epoch(self) -> dict[str, float]:
-        """Train the rest of the current epoch, validate, and return the epoch's metrics."""
-        trainer, model, opt = self.trainer, self.model, self.optimizer
-        with self._own_rng():
-            batches: Iterable = trainer.train_dataloader(self.hparams, self.epoch)
-            if self.batch:  # resuming mid-epoch: the order is a function of the epoch, so skip
-                batches = itertools.islice(iter(batches), self.batch, None)
-            model.train()
-            total, count = torch.zeros((), device=self.device), 0
-            for batch in batches:
-                batch = _to_device(batch, self.device)
-                loss = trainer.training_step(model, batch, self.hparams)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise TrainingError(f"trial {self.trial_id}: training_step must return a "
-                                        f"scalar loss tensor, got {type(loss).__name__}")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if self.scheduler is not None and self.interval == "step":
-                    self.scheduler.step()
-                n = _batch_size(batch)
-                total += loss.detach().reshape(()) * n  # no .item(): no device sync per batch
-                count += n
-                self.batch += 1
-            if count == 0:
-                raise TrainingError(f"trial {self.trial_id}: train_dataloader gave no batch "
-                                    f"for epoch {self.epoch}")
-            train_loss = float(total) / count
-            if not math.isfinite(train_loss):
-                raise TrainingError(
-                    f"trial {self.trial_id}: training loss is {train_loss} in epoch "
-                    f"{self.epoch + 1}; the model diverged (lower the learning rate, or check "
-                    "the model for an unstable operation)")
-            if self.scheduler is not None and self.interval == "epoch":
-                self.scheduler.step()
-            metrics = {"train_loss": train_loss, **self._validate()}
-        self.epoch, self.batch = self.epoch + 1, 0
-        return metrics
-
-    @torch.no_grad()
-    def _validate(self) -> dict[str, float]:
-        self.model.eval()
-        sums: dict[str, float] = {}
-        count = 0
-        for batch in self.trainer.val_dataloader(self.hparams):
-            batch = _to_device(batch, self.device)
-            n = _batch_size(batch)
-            for name, value in self.trainer.validation_step(self.model, batch).items():
-                sums[name] = sums.get(name, 0.0) + float(value) * n
-            count += n
-        return {name: total / max(count, 1) for name, total in sums.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the next step reads (see :mod:`retiarii.engine.checkpoint`)."""
-        return {
-            "trial_id": self.trial_id,
-            "step": self.step,
-            "data_position": {"epoch": self.epoch, "batch": self.batch},
-            "hparams": self.hparams,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "rng": ckpt.portable_rng(self._rng),
-        }
-
-    def save(self, path: str) -> None:
-        """Write the checkpoint atomically to ``path``."""
-        ckpt.save(path, self.state_dict())
-
-    def _load(self, path: str) -> None:
-        state = ckpt.load(path, map_location=self.device)
-        try:
-            self.model.load_state_dict(state["model"])
-            fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            self.optimizer.load_state_dict(state["optimizer"])
-            if (self.scheduler is None) != (state["lr_scheduler"] is None):
-                raise ValueError("the checkpoint and the trainer disagree on having an LR scheduler")
-            if self.scheduler is not None:
-                self.scheduler.load_state_dict(state["lr_scheduler"])
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise ckpt.CheckpointError(f"checkpoint {path} does not fit trial {self.trial_id}'s "
-                                       f"model or optimizer: {err}") from err
-        if state.get("hparams") != self.hparams:  # exploit & explore: the new settings win
-            for group, new in zip(self.optimizer.param_groups, fresh):
-                old_initial = group.get("initial_lr", group["lr"])
-                new_initial = new.get("initial_lr", new["lr"])
-                lr = group["lr"] * new_initial / old_initial if old_initial else new["lr"]
-                group.update(new)
-                group["lr"] = lr
-            if self.scheduler is not None:
-                self.scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in fresh]
-        self.epoch = int(state["data_position"]["epoch"])
-        self.batch = int(state["data_position"]["batch"])
-        self._rng = ckpt.native_from_portable(state["rng"])
-
-
-def train_trial(build: Callable[[], nn.Module], trainer: Trainer, hparams: dict | None = None, *,
-                start_step: int = 0, stop_step: int, checkpoint_in: str | None = None,
-                checkpoint_out: str | None = None,
-                report: Callable[[int, dict[str, float]], None] | None = None,
-                seed: int = 0, trial_id: str = "trial") -> TrialRun:
-    """Train one trial for steps ``[start_step, stop_step)`` and checkpoint it.
-
-    Example::
-
-        train_trial(build, ClassifierTrainer(epochs=4), stop_step=2, checkpoint_out="a.pt",
-                    report=lambda step, m: print(step, m["val_acc"]))
-        train_trial(build, ClassifierTrainer(epochs=4), start_step=2, stop_step=4,
-                    checkpoint_in="a.pt", checkpoint_out="b.pt")
-
-    Args:
-        build, trainer, hparams, seed, trial_id: as for :class:`TrialRun`.
-        start_step: steps already done; must equal the step of ``checkpoint_in`` (0 when fresh).
-        stop_step: train until this many steps are done.
-        checkpoint_in: resume from this checkpoint (None: a fresh start).
-        checkpoint_out: write the end-of-segment checkpoint here (None: don't).
-        report: called as ``report(step, metrics)`` after every step, step 1-based.
-    """
-    run = TrialRun(build, trainer, hparams, seed=seed, checkpoint=checkpoint_in, trial_id=trial_id)
-    check_segment(run, start_step, stop_step, checkpoint_in)
-    while run.step < stop_step:
-        metrics = run.train_epoch()
-        if report is not None:
-            report(run.step, metrics)
-    if checkpoint_out is not None:
-        run.save(checkpoint_out)
-    return run
-
-
-def check_segment(run: TrialRun, start_step: int, stop_step: int, checkpoint_in: str | None) -> None:
-    """Raise a clear error when a segment's bounds disagree with the run's position."""
-    if run.step != start_step:
-        where = f"checkpoint {checkpoint_in} is at step {run.step}" if checkpoint_in \
-            else "a fresh start is at step 0 (give checkpoint_in to resume)"
-        raise ValueError(f"trial {run.trial_id}: the task starts at step {start_step} but {where}")
-    if stop_step < start_step:
-        raise ValueError(f"trial {run.trial_id}: stop_step {stop_step} is before start_step {start_step}")

@@ -1,6 +1,6 @@
-"""The trial lifecycle and the control loop that steers trials with a scheduler's decisions.
+"""The control loop that steers trials with a scheduler's decisions: the :class:`TrialRunner`.
 
-A :class:`Trial` moves through ``PENDING -> RUNNING -> PAUSED <-> RUNNING -> TERMINATED``, with
+A :class:`~.trial.Trial` moves through ``PENDING -> RUNNING -> PAUSED <-> RUNNING -> TERMINATED``, with
 ``RUNNING -> ERRORED -> PENDING`` on a retry from its last checkpoint; any other move raises
 :class:`IllegalTransition`. A failure's :class:`~.executors.base.FailureKind` decides the retry:
 the model's own failure is deterministic, so it fails the trial at once (unless
@@ -23,160 +23,24 @@ beyond :class:`~retiarii.strategies.scheduler.Scheduler`.
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from ..enums import TrialState  # defined below the engine, so schedulers can import it too
 from ..strategies.scheduler import Decision, Scheduler, Spawn
 from .checkpoint import CheckpointDir, CheckpointPathError, check_trial_id
 from .executors.base import (
     Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
+from .journal import Journal, MemoryJournal
+from .trial import ALLOWED, IllegalTransition, Trial, TrialState
+
+# Trial, its lifecycle and the journals live in trial.py and journal.py; imported from here too.
+__all__ = ["TrialRunner", "failure_of", "Trial", "TrialState", "ALLOWED", "IllegalTransition",
+           "Journal", "MemoryJournal"]
 
 _log = logging.getLogger("retiarii.engine")
-
-
-_S = TrialState
-ALLOWED = {  # RUNNING -> PENDING only when a restarted driver requeues what was running
-    _S.PENDING: {_S.RUNNING, _S.TERMINATED},
-    _S.RUNNING: {_S.PAUSED, _S.TERMINATED, _S.ERRORED, _S.PENDING},
-    _S.PAUSED: {_S.RUNNING, _S.TERMINATED},
-    _S.ERRORED: {_S.PENDING},
-    _S.TERMINATED: set(),
-}
-
-
-class IllegalTransition(ValueError):
-    """A trial was asked to move between two states the lifecycle does not connect."""
-
-
-@dataclass
-class Trial:
-    """One training run: its spec, where it stands, and how to resume it."""
-
-    trial_id: str
-    config: dict[str, Any]  # the spec a worker rebuilds the model and trainer from
-    state: TrialState = TrialState.PENDING
-    parent: str | None = None  # PBT: the trial whose checkpoint this one starts from
-    parent_step: int | None = None  # ... and the step of that (pinned) checkpoint
-    donor: str | None = None  # ... and its path
-    max_steps: int | None = None  # complete after this step (None: the scheduler decides)
-    spawned: bool = False  # created by the scheduler's next_spawn
-    step: int = 0  # last step reported
-    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> name in checkpoint_dir
-    attempts: int = 0  # failures so far, of every kind
-    model_failures: int = 0  # ... of them the model's own (FailureKind.MODEL)
-    env_failures: int = 0  # ... the environment's in a row (since its last checkpoint)
-    error: str | None = None
-    last_result: dict[str, Any] | None = None
-    time_total: float = 0.0  # executor seconds spent training this trial
-
-    def move(self, new: TrialState) -> None:
-        """Change state, refusing moves the lifecycle does not allow."""
-        if new not in ALLOWED[self.state]:
-            raise IllegalTransition(f"trial {self.trial_id!r} cannot go from {self.state.name} to "
-                                    f"{new.name}")
-        self.state = new
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        """The config under the name the executor's :class:`TrialTask` uses."""
-        return self.config
-
-    def resume_point(self) -> tuple[int, str | None]:
-        """(step, checkpoint name) the next segment starts from: its own latest checkpoint, else
-        the donor's, else a fresh start."""
-        if self.checkpoints:
-            step = max(self.checkpoints)
-            return step, self.checkpoints[step]
-        if self.donor is not None:
-            return int(self.parent_step or 0), self.donor
-        return 0, None
-
-    def to_record(self) -> dict[str, Any]:
-        """The immutable part, as the journal stores it when the trial is added."""
-        return {"trial_id": self.trial_id, "config": self.config, "parent": self.parent,
-                "parent_step": self.parent_step, "donor": self.donor,
-                "max_steps": self.max_steps, "spawned": self.spawned}
-
-    @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> "Trial":
-        return cls(rec["trial_id"], dict(rec["config"]), parent=rec.get("parent"),
-                   parent_step=rec.get("parent_step"), donor=rec.get("donor"),
-                   max_steps=rec.get("max_steps"), spawned=bool(rec.get("spawned")))
-
-
-class Journal(Protocol):
-    """Where the runner writes what happens, before it takes effect (the SQLite store).
-
-    ``scheduler_state`` receives ``{"scheduler": scheduler.state_dict(), "fed": [[trial, step],
-    ...], "known": n, "append_only": ["fed"]}`` (each step the scheduler was fed, in order, and
-    how many trials it knew of); only the latest one matters, and a store may keep the lists
-    that ``append_only`` names incrementally (docs/store.md). ``records()`` returns
-    what was written as ``(kind, payload)`` pairs with the payloads of :class:`MemoryJournal`:
-    ``trial_added`` in creation order, each trial's transitions, results and checkpoints in the
-    order written (no order is needed *between* trials or kinds), and the latest
-    ``scheduler_state``. :meth:`TrialRunner.resume` folds them. Checkpoints are journaled by
-    name, relative to the runner's ``checkpoint_dir`` (:class:`~.checkpoint.CheckpointDir`);
-    ``forget_checkpoint`` withdraws one found unreadable (a journal may instead leave it out of
-    ``records()``, as the store does, or record ``("forget_checkpoint", {trial_id, step})``).
-    """
-
-    def trial_added(self, trial: Trial) -> None: ...
-    def transition(self, trial_id: str, old: TrialState, new: TrialState, reason: str) -> None: ...
-    def result(self, trial_id: str, step: int, metrics: dict, time: float) -> None: ...
-    def checkpoint(self, trial_id: str, step: int, path: str) -> None: ...  # path: a name
-    def forget_checkpoint(self, trial_id: str, step: int) -> None: ...  # unreadable: not used
-    def scheduler_state(self, state: dict) -> None: ...
-    def worker(self, trial_id: str, worker: str) -> None: ...  # where a segment runs (info)
-    def records(self) -> list[tuple[str, dict]]: ...
-
-
-class MemoryJournal:
-    """An in-memory :class:`Journal` for tests; payloads go through JSON, as in a store.
-
-    Example:
-        >>> j = MemoryJournal()
-        >>> j.checkpoint("t1", 3, "ckpt/t1/3")
-        >>> j.records()
-        [('checkpoint', {'trial_id': 't1', 'step': 3, 'path': 'ckpt/t1/3'})]
-    """
-
-    def __init__(self):
-        self._records: list[tuple[str, dict]] = []
-        self.workers: dict[str, str] = {}  # trial -> the worker of its latest segment
-
-    def _write(self, kind: str, payload: dict) -> None:
-        self._records.append((kind, json.loads(json.dumps(payload, allow_nan=False))))
-
-    def trial_added(self, trial: Trial) -> None:
-        self._write("trial_added", trial.to_record())
-
-    def transition(self, trial_id, old, new, reason) -> None:
-        self._write("transition", {"trial_id": trial_id, "old": old.value, "new": new.value,
-                                   "reason": reason})
-
-    def result(self, trial_id, step, metrics, time) -> None:
-        self._write("result", {"trial_id": trial_id, "step": step, "metrics": metrics,
-                               "time": time})
-
-    def checkpoint(self, trial_id, step, path) -> None:
-        self._write("checkpoint", {"trial_id": trial_id, "step": step, "path": path})
-
-    def forget_checkpoint(self, trial_id, step) -> None:
-        self._write("forget_checkpoint", {"trial_id": trial_id, "step": step})
-
-    def scheduler_state(self, state: dict) -> None:
-        self._write("scheduler_state", {"state": state})
-
-    def worker(self, trial_id: str, worker: str) -> None:
-        self.workers[trial_id] = worker  # information only: resume does not need it
-
-    def records(self) -> list[tuple[str, dict]]:
-        return list(self._records)
 
 
 def failure_of(reason: str) -> FailureKind:

@@ -126,7 +126,7 @@ def _out_of_memory(err: BaseException) -> bool:
 
 def _open_task(task: TrialTask, context: WorkerContext):
     """A :class:`TrialRun` for ``task``, at ``task.start_step``."""
-    from .trainer import TrialRun, check_segment
+    from .trial_run import TrialRun, check_segment
 
     spec = task.spec
     for key in ("space", "sample", "trainer"):

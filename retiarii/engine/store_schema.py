@@ -1,0 +1,81 @@
+"""The store's schema: its tables, one function per version, and the migrations between them.
+
+``MIGRATIONS[i]`` takes a file from schema version ``i`` to ``i + 1``; a fresh file runs them
+all, an older one the ones it lacks (:meth:`.store.Store._migrate`, each in one transaction).
+``docs/store.md`` documents every table and column.
+"""
+from __future__ import annotations
+
+import sqlite_utils
+
+__all__ = ["StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES", "APPLICATION"]
+
+STATES = ("PENDING", "RUNNING", "PAUSED", "TERMINATED", "ERRORED")
+APPLICATION = "retiarii"
+
+
+class StoreError(RuntimeError):
+    """A store file that cannot be used (corrupt, not ours, too new) or a journal call that
+    contradicts what the store holds."""
+
+
+# ---- schema and migrations ------------------------------------------------------------------
+
+
+def _schema_v1(db: sqlite_utils.Database) -> None:
+    """The first schema: every table of docs/store.md."""
+    db["meta"].create({"key": str, "value": str}, pk="key")
+    db["experiments"].create(
+        {"id": int, "name": str, "config": str, "seed": int, "status": str,
+         "created": float, "updated": float}, pk="id", not_null=["status"])
+    db["models"].create(
+        {"id": int, "experiment_id": int, "sample": str, "graph": str, "hash": str,
+         "parent": int, "status": str, "value": float, "created": float, "updated": float},
+        pk="id", foreign_keys=[("experiment_id", "experiments", "id")], not_null=["status"])
+    db["models"].create_index(["hash"])
+    db["models"].create_index(["experiment_id", "status"])
+    db["trials"].create(
+        {"id": str, "seq": int, "experiment_id": int, "model_id": int, "spec": str,
+         "hparams": str, "parent": str, "record": str, "state": str, "attempts": int,
+         "worker": str, "step": int, "checkpoint": str, "error": str, "created": float,
+         "started": float, "updated": float, "ended": float},
+        pk="id", not_null=["seq", "state", "attempts", "step"], defaults={"attempts": 0, "step": 0},
+        foreign_keys=[("experiment_id", "experiments", "id"), ("model_id", "models", "id")])
+    db["trials"].create_index(["seq"], unique=True)
+    db["trials"].create_index(["experiment_id", "state"])
+    db["trials"].create_index(["model_id"])
+    db["events"].create(
+        {"id": int, "trial_id": str, "old_state": str, "new_state": str, "reason": str,
+         "worker": str, "time": float},
+        pk="id", foreign_keys=[("trial_id", "trials", "id")], not_null=["new_state"])
+    db["events"].create_index(["trial_id"])
+    # One value per (trial, metric, step): a retried step replaces what the failed attempt wrote.
+    db["metrics"].create(
+        {"trial_id": str, "step": int, "name": str, "value": float, "time": float},
+        pk=("trial_id", "name", "step"), foreign_keys=[("trial_id", "trials", "id")])
+    db["checkpoints"].create(
+        {"trial_id": str, "step": int, "path": str, "pinned": int, "time": float},
+        pk=("trial_id", "step"), not_null=["path", "pinned"], defaults={"pinned": 0},
+        foreign_keys=[("trial_id", "trials", "id")])
+    db["checkpoints"].create_index(["path"])
+    for table in ("strategy_state", "scheduler_state"):
+        db[table].create({"experiment_id": int, "state": str, "time": float}, pk="experiment_id")
+
+
+def _schema_v2(db: sqlite_utils.Database) -> None:
+    """Saved states keep their append-only lists (``state["append_only"]``) as one row per
+    item, so saving a growing state writes only what is new."""
+    db["state_items"].create(
+        {"kind": str, "experiment_id": int, "name": str, "idx": int, "item": str},
+        pk=("kind", "experiment_id", "name", "idx"), not_null=["item"])
+
+
+def _schema_v3(db: sqlite_utils.Database) -> None:
+    """Drop ``checkpoints.pinned``: which checkpoints to keep is the scheduler's decision
+    (``Scheduler.deletable_checkpoints``), never a column; nothing ever set it but tests."""
+    db.execute("ALTER TABLE checkpoints DROP COLUMN pinned")  # (SQLite >= 3.35)
+
+
+# MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
+MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3]
+SCHEMA_VERSION = 3
