@@ -161,11 +161,14 @@ def _of(events, job_id):
 @pytest.fixture(scope="module")
 def ex():
     """The executor that starts (and at the end shuts down) the file's Ray instance."""
+    # Processes this test process had before Ray (a multiprocessing resource tracker, an
+    # earlier test's pool): not Ray's, and not expected to end with it.
+    before = set(_process_tree(os.getpid()))
     executor = RayExecutor(num_workers=2, num_cpus=SLOT_CPUS)
     assert not ray.is_initialized()
     assert executor.wait_ready(timeout=300)
     assert ray.is_initialized() and executor._owns_ray and executor.shared_storage
-    cluster = [p for p in _process_tree(os.getpid()) if p != os.getpid()]
+    cluster = [p for p in _process_tree(os.getpid()) if p not in before]
     _note(cluster)
     temp_dir = executor._temp_dir
     yield executor
