@@ -250,7 +250,10 @@ class ModelSpace:
                 samples the driver already instantiated; lazy modules are still settled.
         """
         if check:
-            model = self.instantiate(sample)
+            # The shape check builds (and caches) layers: keep their init out of the caller's
+            # RNG streams, or the first model built in a process would get other weights.
+            with torch.random.fork_rng(devices=[]):
+                model = self.instantiate(sample)
         else:
             model = self.replay(sample)
             if self.example_input is not None and has_lazy(model.graph):
