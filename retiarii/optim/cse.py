@@ -4,6 +4,7 @@ every model that holds it.
 A pure pass over a :class:`~retiarii.optim.plan.LogicalPlan`: no I/O, no engine. A key held
 by two or more models is shared when
 
+* its holders read the same batches (one data pipeline: they will run as one group);
 * it is not the model's own (:class:`~retiarii.optim.plan.Role` ``OWN``: trainable, stateful,
   random, or an output): the data pipeline, constants, frozen nodes, weightless
   deterministic operations;
@@ -35,9 +36,11 @@ from .plan import LogicalPlan, PassResult, Role
 __all__ = ["cse"]
 
 
-def _shareable(plan: LogicalPlan, key: str, shared: set[str]) -> bool:
+def _shareable(plan: LogicalPlan, key: str, shared: set[str], roots: dict) -> bool:
     node = plan.nodes[key]
     if node.role is Role.OWN or len(node.holders) < 2:
+        return False
+    if len({roots[t] for t in node.holders}) > 1:  # models fed other batches: other groups
         return False
     if not all(src in shared for src in node.inputs):
         return False
@@ -56,8 +59,9 @@ def cse(plan: LogicalPlan) -> PassResult:
         differs from ``plan.shared``. Running it on its own result changes nothing.
     """
     shared = set(plan.shared)  # what earlier passes shared stays shared
+    roots = {m.trial_id: plan.data_roots(m.trial_id) for m in plan.models}
     for key in plan.nodes:  # a topological order: inputs are decided before their readers
-        if key not in shared and _shareable(plan, key, shared):
+        if key not in shared and _shareable(plan, key, shared, roots):
             shared.add(key)
     new = frozenset(shared)
     if new == plan.shared:
