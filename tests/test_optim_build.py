@@ -7,7 +7,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import retiarii as rt
-from retiarii.engine import checkpoint as ckpt
 from retiarii.engine.trainer import ClassifierTrainer, TrialRun, _to_device
 from retiarii.optim.build import GroupError, build_group
 from retiarii.optim.cse import cse

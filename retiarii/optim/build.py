@@ -33,7 +33,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +45,7 @@ from ..codegen import to_module
 from ..graph import Graph, Node, Operation
 from .plan import LogicalPlan, PlanError, Role
 
-__all__ = ["GroupModule", "GroupError", "build_group"]
+__all__ = ["GroupError", "GroupModule", "build_group"]
 
 
 class GroupError(PlanError):

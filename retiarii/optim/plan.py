@@ -34,8 +34,9 @@ import enum
 import functools
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,8 +45,15 @@ from ..graph import Graph, Node
 from ..modspec import build_module
 from ..space import Model
 
-__all__ = ["Role", "PlanModel", "PlanNode", "LogicalPlan", "PassResult", "PlanError",
-           "build_plan"]
+__all__ = [
+    "LogicalPlan",
+    "PassResult",
+    "PlanError",
+    "PlanModel",
+    "PlanNode",
+    "Role",
+    "build_plan",
+]
 
 
 class PlanError(ValueError):
@@ -127,7 +135,7 @@ class LogicalPlan:
             out.setdefault(roots if shared else (m.trial_id,), []).append(m.trial_id)
         return [tuple(g) for g in out.values()]
 
-    def restrict(self, trial_ids: Iterable[str]) -> "LogicalPlan":
+    def restrict(self, trial_ids: Iterable[str]) -> LogicalPlan:
         """The plan of some of its models (a physical group), sharing what this plan shares
         among them."""
         wanted = set(trial_ids)
