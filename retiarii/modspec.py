@@ -233,5 +233,28 @@ def build_module(spec: dict) -> nn.Module:
     cls = resolve_ref(spec["cls"])
     args = decode(spec.get("args", []), module_decoder=build_module)
     kwargs = {k: decode(v, module_decoder=build_module) for k, v in spec.get("kwargs", {}).items()}
-    return cls(*args, **kwargs)
+    module = cls(*args, **kwargs)
+    if spec.get("frozen"):  # see is_frozen: its values come from the base model (space.py)
+        module.requires_grad_(False)
+    return module
+
+
+def is_frozen(module: nn.Module) -> bool:
+    """Whether the trace records ``module`` as *frozen*: it has parameters, none of them
+    trains (``requires_grad=False``), and it keeps no persistent buffers (state such as
+    BatchNorm's running statistics changes while a model trains, so such a module is not
+    frozen whatever its parameters say). A frozen node's spec carries ``"frozen": true``;
+    :func:`build_module` then builds it with ``requires_grad=False``, and
+    ``ModelSpace.build`` gives it the base model's values (docs/optimization.md)."""
+    params = list(module.parameters())
+    if not params or any(p.requires_grad for p in params):
+        return False
+    persistent = [name for name, _ in module.named_buffers()
+                  if name.rpartition(".")[2] not in _owner(module, name)._non_persistent_buffers_set]
+    return not persistent
+
+
+def _owner(module: nn.Module, name: str) -> nn.Module:
+    path = name.rpartition(".")[0]
+    return module.get_submodule(path) if path else module
 

@@ -19,11 +19,13 @@ A *sample* maps each choice's label to the key of the chosen candidate (docs/arc
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+import torch
 from torch import nn
 
 from .choice_tracing import trace_space
@@ -35,6 +37,9 @@ from .shapes import has_lazy, propagate
 
 _TOUCHING = {"replace": ("node",), "delete_node": ("node",), "connect": ("dst",),
              "disconnect": ("dst",), "materialize": ("node",)}
+
+
+_CHANGING_OPS = ("replace", "splice", "materialize")
 
 
 class SpaceError(ValueError):
@@ -65,6 +70,11 @@ class Model:
                 out.add(rec[key])
         return out
 
+    def changed_ops(self) -> set[int]:
+        """uids of base nodes whose operation the mutations replaced (``replace``, a splice,
+        lazy sizes settled): their weights are new, not the base model's."""
+        return {rec["node"] for rec in self.history if rec["primitive"] in _CHANGING_OPS}
+
     def created(self) -> set[int]:
         return {rec["node"] for rec in self.history if rec["primitive"] == "create_node"} | {
             uid for rec in self.history if rec["primitive"] == "splice" for uid in rec["nodes"]}
@@ -86,6 +96,22 @@ class Model:
     def differing_nodes(self, other: "Model") -> set[int]:
         """uids present in either model that are not shared."""
         return (set(self.graph.uids()) | set(other.graph.uids())) - self.shared_nodes(other)
+
+
+def _frozen_values(module: nn.Module, graph: Graph) -> dict[str, dict[str, torch.Tensor]]:
+    """attr -> {state key in a built model: the base's tensor} for the frozen nodes of a
+    traced base (see :meth:`ModelSpace.frozen_nodes`); tensors by reference."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for node in graph.nodes:
+        spec = node.op.spec or {}
+        if node.kind == "module" and spec.get("frozen") and node.attr not in out:
+            sub = module.get_submodule(node.attr)
+            out[node.attr] = {f"{node.attr}.{k}": p.detach()
+                              for k, p in sub.named_parameters(remove_duplicate=False)}
+        elif node.kind == "param" and not spec.get("buffer") \
+                and spec.get("requires_grad") is False:
+            out[node.attr] = {node.attr: module.get_parameter(node.attr).detach()}
+    return out
 
 
 # ---- the space -----------------------------------------------------------------------------
@@ -114,6 +140,10 @@ class ModelSpace:
         if not bases:
             raise ValueError("a ModelSpace needs at least one base model")
         self.bases = [trace_space(m, concrete_args, leaf_modules) for m in bases]
+        # Frozen values (docs/optimization.md): read from the base module objects, by
+        # reference (no copy), and copied into every model built; see frozen_fingerprint.
+        self._frozen = [_frozen_values(m, g) for m, (g, _) in zip(bases, self.bases)]
+        self._frozen_fp: str | None = None
         self.base_names = [type(m).__name__ for m in bases]
         if len(set(self.base_names)) < len(bases):
             self.base_names = [f"{n}#{i}" for i, n in enumerate(self.base_names)]
@@ -221,11 +251,87 @@ class ModelSpace:
                 samples the driver already instantiated; lazy modules are still settled.
         """
         if check:
-            return self.instantiate(sample).to_module()
-        model = self.replay(sample)
-        if self.example_input is not None and has_lazy(model.graph):
-            propagate(model, self.example_input)
-        return model.to_module()
+            # The shape check builds (and caches) layers: keep their init out of the caller's
+            # RNG streams, or the first model built in a process would get other weights.
+            with torch.random.fork_rng(devices=[]):
+                model = self.instantiate(sample)
+        else:
+            model = self.replay(sample)
+            if self.example_input is not None and has_lazy(model.graph):
+                propagate(model, self.example_input)
+        return self.load_frozen(model, model.to_module())
+
+    # ---- frozen parameters ------------------------------------------------------------------
+    def frozen_nodes(self, model: Model) -> dict[int, str]:
+        """uid -> attribute path of the nodes of ``model`` that hold frozen base values: module
+        nodes the trace marked frozen and parameters read directly with
+        ``requires_grad=False``, both from the base model and with their operation unchanged
+        by the mutations (a replaced node has new weights)."""
+        base_graph = self.bases[model.base][0]
+        base_uids, changed = base_graph.uids(), model.changed_ops()
+        out = {}
+        for node in model.graph.nodes:
+            if node.uid not in base_uids or node.uid in changed:
+                continue
+            spec = node.op.spec or {}
+            if (node.kind == "module" and spec.get("frozen")) or (
+                    node.kind == "param" and not spec.get("buffer")
+                    and spec.get("requires_grad") is False):
+                out[node.uid] = node.attr
+        return out
+
+    def load_frozen(self, model: Model, module: nn.Module) -> nn.Module:
+        """Copy the base model's frozen values into ``module`` (built from ``model``); returns it.
+
+        Raises:
+            SpaceError: a frozen node's tensors no longer fit the base's (a choice changed
+                its sizes without replacing it).
+        """
+        values = self._frozen[model.base]
+        owned = dict(module.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for uid, attr in self.frozen_nodes(model).items():
+                for key, value in values.get(attr, {}).items():
+                    target = owned.get(key)
+                    if target is None or target.shape != value.shape:
+                        raise SpaceError(
+                            f"frozen node {model.graph.node_by_uid(uid).name!r}: {key} has "
+                            f"shape {None if target is None else tuple(target.shape)} in the "
+                            f"model but {tuple(value.shape)} in the base model; a frozen layer "
+                            f"must keep its sizes (replace it to give it new weights)")
+                    target.copy_(value)
+                    target.requires_grad_(False)
+        return module
+
+    def frozen_fingerprint(self) -> str | None:
+        """A hash of every frozen value of the base models (None when there is none).
+
+        Frozen values come from the base module objects of the process that made the space,
+        so they must be deterministic (loaded pretrained weights, or an init under a fixed
+        seed): the experiment records this hash in the space's fingerprint, and a worker
+        whose space hashes differently refuses to train (:meth:`check_frozen`).
+        """
+        if self._frozen_fp is None and any(self._frozen):
+            digest = hashlib.sha256()
+            for i, values in enumerate(self._frozen):
+                for attr in sorted(values):
+                    for key, t in sorted(values[attr].items()):
+                        t = t.detach().cpu().contiguous()
+                        digest.update(f"{i}|{key}|{t.dtype}|{list(t.shape)}|".encode())
+                        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            self._frozen_fp = digest.hexdigest()
+        return self._frozen_fp
+
+    def check_frozen(self, fingerprint: str | None) -> None:
+        """Raise :class:`SpaceError` when this process's frozen values are not those hashed
+        as ``fingerprint`` (e.g. by the driver)."""
+        mine = self.frozen_fingerprint()
+        if fingerprint != mine:
+            raise SpaceError(
+                f"the frozen parameters of this space differ from the driver's (fingerprint "
+                f"{str(mine)[:12]} here, {str(fingerprint)[:12]} there): frozen values are "
+                f"read from the base model object in each process, so they must be "
+                f"deterministic (load pretrained weights, or initialise under a fixed seed)")
 
     # ---- the whole space --------------------------------------------------------------------
     def _run(self, prefix: Sequence[int]) -> tuple[Model, list[int]]:

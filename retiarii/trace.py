@@ -27,7 +27,7 @@ from torch import nn
 
 from .codec import EncodeError, PortRef, encode, ref_of
 from .graph import Graph, Operation
-from .modspec import SpecError, is_marked_leaf, is_torch_builtin, module_spec
+from .modspec import SpecError, is_frozen, is_marked_leaf, is_torch_builtin, module_spec
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -212,6 +212,8 @@ class _Converter:
             spec = module_spec(module)
         except SpecError as e:
             raise TraceError(f"module {target!r}: {e}") from None
+        if is_frozen(module):
+            spec["frozen"] = True
         args, feeds = self.template([list(n.args), dict(n.kwargs)])
         calls = self.module_calls.get(target, 0)
         self.module_calls[target] = calls + 1

@@ -154,9 +154,13 @@ class _DrawnModels:
 
 
 def _space_fingerprint(space) -> dict:
-    return {"bases": [g.structural_hash() for g, _ in space.bases],
-            "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
-            "hparams": {k: v.values for k, v in space.hparams.items()}}
+    out = {"bases": [g.structural_hash() for g, _ in space.bases],
+           "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
+           "hparams": {k: v.values for k, v in space.hparams.items()}}
+    frozen = space.frozen_fingerprint()
+    if frozen is not None:  # only spaces with frozen values: older stores still resume
+        out["frozen"] = frozen
+    return out
 
 
 # ---- the experiment -----------------------------------------------------------------------
@@ -458,6 +462,9 @@ class Experiment:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
+            frozen = self.space.frozen_fingerprint()
+            if frozen is not None:  # the worker checks its frozen values are the driver's
+                config["frozen"] = frozen
             return config
         return None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -72,6 +73,14 @@ class Trainer(abc.ABC):
         ``{"class": "pkg.module:Class", "config": {...}}`` (``Class(**config)``), or None (the
         default): the worker then imports this very object by reference, so it must be a
         module-level variable of an importable module or script."""
+        return None
+
+    def data_key(self, hparams: dict) -> str | None:
+        """What decides this trainer's training batches under ``hparams``, as a string, or
+        None (the default): models trained with equal keys read the same batches at the same
+        (epoch, batch) position, so cross-model optimization may feed them from one data
+        pipeline (docs/optimization.md). The batches must then not depend on the trial's own
+        seed or RNG streams. None shares nothing: say what your batches depend on to share."""
         return None
 
     def configure_optimizers(self, model: nn.Module, hparams: dict) -> Any:
@@ -217,6 +226,32 @@ class ClassifierTrainer(Trainer):
         except TypeError:
             return None
         return {"class": ref_of(ClassifierTrainer), "config": config}
+
+    def data_key(self, hparams: dict) -> str | None:
+        """The data set (its name, or a hash of the tensors given), the split (``val_fraction``,
+        ``split_seed``), ``batch_size`` and the data ``seed``: what ``train_dataloader`` reads.
+        The trial's own seed is not in it: the data order never depends on it. None for a
+        subclass that loads its batches in its own way."""
+        if type(self).train_dataloader is not ClassifierTrainer.train_dataloader \
+                or type(self)._split is not ClassifierTrainer._split:
+            return None
+        dataset = self.value("dataset", hparams)
+        parts = {"dataset": dataset if isinstance(dataset, str) else self._tensor_digest(dataset),
+                 **{k: self.value(k, hparams)
+                    for k in ("val_fraction", "split_seed", "batch_size", "seed")}}
+        return "ClassifierTrainer:" + json.dumps(parts, sort_keys=True)
+
+    def _tensor_digest(self, dataset: Any) -> str:
+        """sha256 of a dataset given as tensors (cached: the config holds the same objects)."""
+        cache = self.__dict__.setdefault("_digests", {})
+        if id(dataset) not in cache:
+            digest = hashlib.sha256()
+            for t in dataset:
+                t = torch.as_tensor(t).detach().cpu().contiguous()
+                digest.update(f"{t.dtype}|{list(t.shape)}|".encode())
+                digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            cache[id(dataset)] = (dataset, "sha256:" + digest.hexdigest())
+        return cache[id(dataset)][1]
 
     def _split(self, hparams: dict) -> tuple[tuple, tuple]:
         dataset, fraction, seed = (self.value(k, hparams)

@@ -135,6 +135,8 @@ def _open_task(task: TrialTask, context: WorkerContext):
                            "retiarii.engine.worker for the spec format)")
     space, trainer = context.space(spec["space"]), context.trainer(spec["trainer"])
     sample = spec["sample"]
+    if "frozen" in spec:  # frozen values are read in each process: they must be the driver's
+        space.check_frozen(spec["frozen"])
     # The driver already checked this sample's shapes (spec "checked"): do not run it twice.
     build_kwargs = {"check": False} if spec.get("checked") else {}
     run = TrialRun(lambda: space.build(sample, **build_kwargs), trainer,
