@@ -502,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ExperimentError, StoreError) as err:
         print(f"retiarii {args.command}: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `retiarii status DB | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")  # (so the interpreter's final flush stays quiet)
+        return 0
     except PermissionError as err:  # not "corrupt": say which file and what to do
         print(f"retiarii {args.command}: permission denied on {err.filename}: make it (and its "
               f"folder) writable by this user", file=sys.stderr)

@@ -207,8 +207,10 @@ class TrialRunner:
 
     @property
     def running(self) -> int:
-        """Trials with a segment in flight now."""
-        return len(self._inflight)
+        """Trials training now: a segment in flight and not yet ended (a trial whose end is
+        being handled still has its flight until its last event)."""
+        return sum(1 for f in self._inflight.values()
+                   if f.trial_id in self.trials and self.trials[f.trial_id].state is TrialState.RUNNING)
 
     def states(self) -> dict[str, TrialState]:
         return {t: tr.state for t, tr in self.trials.items()}
