@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_helpers import ref
-from executor_contract import ExecutorContract
+from executor_contract import ExecutorContract, wait_for
 from retiarii.engine.checkpoint import load
 from retiarii.engine.executors.base import (
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
@@ -30,18 +30,6 @@ def spec(sample=None, seed=0, **over):
     base = {"space": ref("SPACE"), "sample": sample or {"width": 4}, "trainer": ref("FAST"),
             "hparams": {}, "seed": seed}
     return {**base, **over}
-
-
-def wait_for(ex, job_ids):
-    """Events until every job in ``job_ids`` has ended; fails the test on a stall."""
-    pending, events = set(job_ids), []
-    while pending:
-        event = ex.next_event(timeout=TIMEOUT)
-        assert event is not None, f"no event in {TIMEOUT}s; still waiting for {pending}"
-        events.append(event)
-        if isinstance(event, (JobFinished, JobFailed)):
-            pending.discard(event.job_id)
-    return events
 
 
 def alive(pid):

@@ -10,23 +10,13 @@ from torch import nn
 
 import retiarii as rt
 from retiarii.mutators import OperatorMutator
+from test_space import Base  # the paper's base chain: conv -> relu -> maxpool -> dense
 from untraceable import Gate, Hidden, LoopMerge
 
 HERE = Path(__file__).resolve().parent
 X = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0))
 
 
-class Base(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 8, 3, padding=1)
-        self.relu = nn.ReLU()
-        self.pool = nn.MaxPool2d(3, 1, 1)
-        self.flat = nn.Flatten()
-        self.dense = nn.Linear(8 * 64, 10)
-
-    def forward(self, x):
-        return self.dense(self.flat(self.pool(self.relu(self.conv(x)))))
 
 
 class Inception(rt.Mutator):

@@ -99,6 +99,14 @@ class JobFailed:
             object.__setattr__(self, "kind", lost)
 
 
+def pick_slot(idle: list, job: Job):
+    """The slot of ``idle`` (each with a ``name``; least recently used first) that ``job``
+    goes to: the one ``job.meta["worker"]`` names (the runner's hint to continue a trial
+    where its last segment ran, so its files and caches are warm), else the first."""
+    hinted = [slot for slot in idle if slot.name == job.meta.get("worker")]
+    return hinted[0] if hinted else idle[0]
+
+
 def combined_kind(kinds) -> FailureKind:
     """One kind for a job several of whose tasks failed: retrying is the safe side, so an
     environment's failure wins over a checkpoint's, which wins over a model's."""

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from .base import Event, Executor, Job, JobFailed, JobFinished
+from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 
 __all__ = ["LocalExecutor"]
 
@@ -326,9 +326,7 @@ class LocalExecutor(Executor):
                       key=lambda s: s.last_used)
         while self._pending and idle:
             job = self._pending.popleft()
-            # job.meta["worker"] is a placement hint (the slot that ran the trial's last segment)
-            hinted = [s for s in idle if s.name == job.meta.get("worker")]
-            slot = hinted[0] if hinted else idle[0]
+            slot = pick_slot(idle, job)
             idle.remove(slot)
             slot.job, slot.last_used = job, next(self._uses)
             self._running[job.job_id] = slot

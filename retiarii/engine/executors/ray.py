@@ -71,7 +71,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from .base import Event, Executor, Job, JobFailed, JobFinished, TrialCheckpointed
+from .base import Event, Executor, Job, JobFailed, JobFinished, TrialCheckpointed, pick_slot
 
 __all__ = ["RayExecutor", "start_local_ray"]
 
@@ -470,8 +470,7 @@ class RayExecutor(Executor):
                       key=lambda s: s.last_used)
         while self._pending and idle:
             job = self._pending.popleft()
-            hinted = [s for s in idle if s.name == job.meta.get("worker")]
-            slot = hinted[0] if hinted else idle[0]
+            slot = pick_slot(idle, job)
             idle.remove(slot)
             self._uses += 1
             slot.job, slot.last_used = job, self._uses
