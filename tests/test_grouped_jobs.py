@@ -13,7 +13,7 @@ from retiarii.engine.executors.base import (
     Job, JobFailed, JobFinished, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.grouped import GroupCandidate, TrainingGroup, group_tasks
+from retiarii.engine.grouped import GroupCandidate, TrainingGroup, group_tasks, plan_group
 from retiarii.engine.trainer import ClassifierTrainer
 from retiarii.engine.worker import WorkerContext, _units, run_job
 
@@ -58,6 +58,15 @@ class DieTrainer(ClassifierTrainer):
         return super().training_step(model, batch, hparams)
 
 
+class CloneTrainer(ClassifierTrainer):
+    """Calls the model on a copy of the batch: cannot share one forward per batch."""
+
+    def training_step(self, model, batch, hparams):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x.clone()), y)
+
+
+CLONE = CloneTrainer(batch_size=128, epochs=2)
 DIE = DieTrainer(batch_size=128, epochs=2, lr=3e-3, lr_schedule="cosine")
 TRAINER = {"class": "retiarii.engine.trainer:ClassifierTrainer",
            "config": {"batch_size": 128, "epochs": 2, "lr": 3e-3, "lr_schedule": "cosine"}}
@@ -224,3 +233,37 @@ def test_local_executor_runs_a_grouped_job(tmp_path):
     assert _results(events) == _alone([_task(t, tmp_path, stop=1, tag="s-") for t in "ab"])
     for t in tasks:
         assert os.path.exists(t.checkpoint_out)
+
+
+def test_an_error_in_a_models_own_part_fails_that_trial_alone(tmp_path):
+    """b's head raises in its 3rd forward (inside the group's forward, while a's
+    training_step runs): b fails, and a and c train their epoch exactly as alone."""
+    tasks = [_task(t, tmp_path) for t in "abc"]
+    runs = {t.trial_id: _open(t) for t in tasks}
+    calls = []
+
+    def boom(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("boom in b's head")
+
+    runs["b"].model.head.register_forward_pre_hook(boom)
+    plan = plan_group({t: SPACE.replay({"h/head": HEAD[t]}) for t in runs},
+                      runs["a"].trainer.data_key({}), {t: {} for t in runs})
+    group = TrainingGroup(plan, runs, runs["a"].trainer)
+    outcome = group.train_epoch()
+    assert isinstance(outcome["b"], ValueError) and group.trials == ("a", "c")
+    for t in "ac":
+        alone = _open(_task(t, tmp_path))
+        assert outcome[t] == alone.train_epoch(), t
+        assert _same(runs[t].state_dict(), alone.state_dict()), t
+
+
+def test_a_trainer_that_does_not_call_the_model_on_the_batch_fails_clearly(tmp_path):
+    tasks = [_task(t, tmp_path, trainer=_ref("CLONE"), stop=1) for t in "ab"]
+    end = _run(Job("g", tasks, meta={"group": True}))[-1]
+    assert isinstance(end, JobFailed) and end.trial_id is None
+    for t in "ab":
+        assert f"trial {t}: training_step called the model with tensors that are not " \
+               "the batch's" in end.error
+    assert isinstance(_run(Job("p", tasks))[-1], JobFinished)  # alone it trains
