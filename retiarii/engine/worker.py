@@ -13,7 +13,10 @@ A worker never receives a pickled model. A :class:`TrialTask` carries a JSON ``s
 
 :func:`run_job` trains the tasks of a job side by side in this process, one epoch of each in
 turn, every task with its own model, optimizer, RNG streams and metrics, and reports events
-through ``emit``. It is the same code whichever executor hosts it.
+through ``emit``. It is the same code whichever executor hosts it. When ``job.meta["group"]``
+is true, the tasks that can share one data pipeline (same space, trainer, data key and start)
+train as one group instead (:mod:`.grouped`): one loader pass feeds every model, the shared
+frozen part runs once, and every event, metric and checkpoint is what training alone gives.
 
 Events of one job, in order: ``JobStarted``; ``TrialResult`` after every step of every task;
 ``TrialCheckpointed`` when a task reaches its ``stop_step`` (and has a ``checkpoint_out``); then
@@ -178,30 +181,41 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
         except Exception as err:  # noqa: BLE001 (bad spec, build error, bad checkpoint, I/O)
             failures[task.trial_id] = describe_error(err)
             kinds[task.trial_id] = classify_error(err, loading=task.checkpoint_in is not None)
-    active = [task for task in job.tasks if task.trial_id in runs]
-    while active:
-        for task in list(active):  # one step of each task in turn
+    tasks = {task.trial_id: task for task in job.tasks}
+    units = _units(job, [task for task in job.tasks if task.trial_id in runs], runs, context)
+    while units:
+        for unit in list(units):  # one step of each unit (a task alone, or a group) in turn
             if cancelled():
                 emit(JobFailed(job.job_id, None, "cancelled"))
                 return
-            run = runs[task.trial_id]
-            try:
-                if run.step < task.stop_step:
-                    metrics = run.train_epoch()
-                    emit(TrialResult(job.job_id, task.trial_id, run.step, metrics, clock()))
-                if run.step >= task.stop_step and task.checkpoint_out is not None:
-                    run.save(task.checkpoint_out)
-            except _EmitError:
-                raise
-            except Exception as err:  # noqa: BLE001 (fails this trial only)
-                failures[task.trial_id] = describe_error(err)
-                kinds[task.trial_id] = classify_error(err)
-            if task.trial_id in failures or run.step >= task.stop_step:
-                active.remove(task)
-                del runs[task.trial_id]  # free the model before the others' next epochs
-                if task.trial_id not in failures and task.checkpoint_out is not None:
-                    emit(TrialCheckpointed(job.job_id, task.trial_id, task.stop_step,
+            members = unit.trials
+            outcome = unit.train_epoch()
+            ended = []
+            for trial in members:
+                task, run, result = tasks[trial], runs[trial], outcome.get(trial)
+                if isinstance(result, Exception):
+                    failures[trial] = describe_error(result)
+                    kinds[trial] = classify_error(result)
+                else:
+                    if result is not None:
+                        emit(TrialResult(job.job_id, trial, run.step, result, clock()))
+                    try:
+                        if run.step >= task.stop_step and task.checkpoint_out is not None:
+                            run.save(task.checkpoint_out)
+                    except Exception as err:  # noqa: BLE001 (fails this trial only)
+                        failures[trial] = describe_error(err)
+                        kinds[trial] = classify_error(err)
+                if trial in failures or run.step >= task.stop_step:
+                    ended.append(trial)
+            unit.drop(ended)
+            for trial in ended:
+                del runs[trial]  # free the model before the others' next epochs
+                task = tasks[trial]
+                if trial not in failures and task.checkpoint_out is not None:
+                    emit(TrialCheckpointed(job.job_id, trial, task.stop_step,
                                            task.checkpoint_out))
+            if not unit.trials:
+                units.remove(unit)
     _release_cuda_cache()
     if not failures:
         emit(JobFinished(job.job_id))
@@ -212,6 +226,73 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
         emit(JobFailed(job.job_id, None,
                        "\n".join(f"trial {t}: {e}" for t, e in failures.items()),
                        kind=combined_kind(kinds.values())))
+
+
+class _Alone:
+    """One task trained by its :class:`TrialRun` alone, in the interface of a
+    :class:`~.grouped.TrainingGroup` (``trials``, ``train_epoch``, ``drop``)."""
+
+    def __init__(self, task: TrialTask, run: Any):
+        self.task, self.run = task, run
+        self.trials: tuple[str, ...] = (task.trial_id,)
+
+    def train_epoch(self) -> dict[str, Any]:
+        if self.run.step >= self.task.stop_step:  # nothing to train: only the checkpoint
+            return {}
+        try:
+            return {self.task.trial_id: self.run.train_epoch()}
+        except Exception as err:  # noqa: BLE001 (fails this trial only)
+            return {self.task.trial_id: err}
+
+    def drop(self, trials: Any) -> None:
+        if self.task.trial_id in set(trials):
+            self.trials = ()
+
+
+def _trainer_key(spec: Any) -> str:
+    return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+
+
+def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext) -> list:
+    """What the job trains, in task order: each task alone, or, when ``job.meta["group"]``
+    asks, the tasks that :func:`~.grouped.group_tasks` and the plan group as one
+    :class:`~.grouped.TrainingGroup` (planning that fails falls back to training alone)."""
+    if not job.meta.get("group"):
+        return [_Alone(task, runs[task.trial_id]) for task in tasks]
+    from .grouped import GroupCandidate, TrainingGroup, group_tasks, plan_group
+
+    by_id = {task.trial_id: task for task in tasks}
+    keys = {}
+    for task in tasks:
+        run = runs[task.trial_id]
+        try:
+            keys[task.trial_id] = run.trainer.data_key(run.hparams)
+        except Exception:  # noqa: BLE001 (a trainer that cannot say: shares nothing)
+            keys[task.trial_id] = None
+    candidates = [GroupCandidate(
+        t.trial_id, t.spec["space"] if isinstance(t.spec["space"], str) else repr(t.spec["space"]),
+        _trainer_key(t.spec["trainer"]), keys[t.trial_id],
+        (runs[t.trial_id].epoch, runs[t.trial_id].batch), t.stop_step - runs[t.trial_id].step)
+        for t in tasks]
+    units: list = []
+    for ids in group_tasks(candidates):
+        if len(ids) == 1:
+            units.append(_Alone(by_id[ids[0]], runs[ids[0]]))
+            continue
+        try:
+            space = context.space(by_id[ids[0]].spec["space"])
+            plan = plan_group({t: space.replay(by_id[t].spec["sample"]) for t in ids},
+                              keys[ids[0]], {t: runs[t].hparams for t in ids})
+            grouped = []
+            for group in plan.groups():
+                if len(group) == 1:
+                    grouped.append(_Alone(by_id[group[0]], runs[group[0]]))
+                else:
+                    grouped.append(TrainingGroup(plan.restrict(group), runs, runs[ids[0]].trainer))
+        except Exception:  # noqa: BLE001 (cannot plan or build them together: train them alone)
+            grouped = [_Alone(by_id[t], runs[t]) for t in ids]
+        units.extend(grouped)
+    return units
 
 
 class _EmitError(ConnectionError):

@@ -73,7 +73,8 @@ class GroupModule(nn.Module):
         self.__dict__["_models"] = dict(models)  # not submodules: their modules are ours
 
     def forward(self, *inputs: Any,
-                rng: Mapping[str, Callable[[], ContextManager]] | None = None) -> dict[str, Any]:
+                rng: Mapping[str, Callable[[], ContextManager]] | None = None,
+                errors: dict[str, Exception] | None = None) -> dict[str, Any]:
         """Every model's output for one batch, ``{trial id: output}``.
 
         Args:
@@ -81,6 +82,9 @@ class GroupModule(nn.Module):
             rng: per trial, a function returning a context manager that swaps that trial's
                 RNG streams in (``TrialRun._own_rng``); None runs every part in the current
                 streams (fine when no model draws random numbers).
+            errors: when given, a part that raises is recorded here (``errors[trial]``) and
+                left out of the result, and the other parts still run: one model's error
+                fails that model alone (the worker's grouped jobs). None: the error propagates.
         """
         with torch.no_grad():  # frozen and weightless only: nothing here trains
             frontier = self.shared(*inputs)  # tuple of the shared values the parts read
@@ -89,8 +93,13 @@ class GroupModule(nn.Module):
             args = [frontier[j] for j in self._reads[i]]
             if self._clones[i]:  # the part writes in place: not into values others read
                 args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            with rng[trial]() if rng is not None else contextlib.nullcontext():
-                outs[trial] = self.parts[str(i)](*args)
+            try:
+                with rng[trial]() if rng is not None else contextlib.nullcontext():
+                    outs[trial] = self.parts[str(i)](*args)
+            except Exception as err:
+                if errors is None:
+                    raise
+                errors[trial] = err
         return outs
 
     def model(self, trial: str) -> nn.Module:

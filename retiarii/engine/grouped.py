@@ -1,0 +1,297 @@
+"""Grouped jobs: the trials of one job that can share a data pipeline train as one module.
+
+:func:`group_tasks` is the decision (pure: plain values in, trial ids out): which tasks of a
+job may train as one group. :class:`TrainingGroup` is the execution: a few
+:class:`~.trial_run.TrialRun` objects, planned (``build_plan`` + ``cse``) and built into one
+:class:`~retiarii.optim.GroupModule`, trained one epoch at a time through **one** loader::
+
+    for batch in trainer.train_dataloader(hparams, epoch):       # once for every model
+        outs = group(x)                                          # the shared frozen part once,
+        loss[t] = trainer.training_step(proxy[t], batch, hp[t])  #   each part in t's RNG streams
+        sum(loss.values()).backward()                            # each loss gets gradient 1
+        optimizer[t].step() ...                                  # each trial's own
+
+Each trial keeps what ``TrialRun.train_epoch`` keeps alone (its optimizer, LR scheduler, RNG
+streams, data position, the epoch's mean loss and NaN check, validation on its own model), so
+its metrics and checkpoint equal those of training it alone, bit for bit on CPU
+(``tests/test_grouped_jobs.py``). ``training_step`` still computes each trial's loss: it gets
+a proxy module whose ``forward`` returns that trial's output of the group's one forward pass
+on this batch. A trial that fails (an exception in its part, its ``training_step`` or its
+optimizer; a NaN epoch loss) fails alone: the group is rebuilt without it, in the middle of
+an epoch if need be, and the others run on. One exception is not attributable: an error in
+the joint ``backward`` fails every trial of the group in that step.
+
+Exactness needs what a data key promises (docs/optimization.md "Data keys"): the batches do
+not depend on the trial, and ``training_step`` draws no random numbers before it calls the
+model (the group's forward runs every part when the first trial calls its proxy).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+from torch import nn
+
+from ..optim import build_group, build_plan, cse
+from ..optim.plan import LogicalPlan, PlanModel
+from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
+
+__all__ = ["GroupCandidate", "group_tasks", "plan_group", "TrainingGroup"]
+
+
+@dataclass(frozen=True)
+class GroupCandidate:
+    """What the decision needs to know of one task (all plain, comparable values)."""
+
+    trial_id: str
+    space: Hashable  # the space reference of the spec
+    trainer: Hashable  # the trainer reference (or its config, as canonical JSON)
+    data_key: str | None  # Trainer.data_key(hparams); None never groups
+    position: tuple[int, int]  # (epoch, batch) the task starts from
+    steps: int  # epochs to train (stop_step - start_step); 0 trains nothing
+
+
+def group_tasks(candidates: Iterable[GroupCandidate]) -> list[tuple[str, ...]]:
+    """The tasks that may train as one group: same space, trainer, data key (not None) and
+    starting position, with something to train; each other task alone. In input order.
+
+    The plan may still split a group (``LogicalPlan.groups()``: a model whose input is not
+    the shared pipeline); that is the worker's second, model-level check.
+
+    Example::
+
+        group_tasks([GroupCandidate("a", "s", "t", "d", (0, 0), 2),
+                     GroupCandidate("b", "s", "t", "d", (0, 0), 1),
+                     GroupCandidate("c", "s", "t", None, (0, 0), 2)])   # [("a", "b"), ("c",)]
+    """
+    out: dict[Hashable, list[str]] = {}
+    for c in candidates:
+        joins = c.data_key is not None and c.steps > 0
+        key = ("group", c.space, c.trainer, c.data_key, c.position) if joins else ("alone", c.trial_id)
+        out.setdefault(key, []).append(c.trial_id)
+    return [tuple(ids) for ids in out.values()]
+
+
+class _Forward:
+    """One batch's group forward, run on the first proxy call and read by every proxy."""
+
+    def __init__(self, group: nn.Module, runs: Mapping[str, TrialRun], batch: Any):
+        self.group, self.runs = group, runs
+        self.batch_tensors = {id(t) for t in _tensors(batch)}
+        self.active: str | None = None  # the trial whose training_step runs now
+        self.inputs: tuple | None = None
+        self.outs: dict[str, Any] = {}
+        self.errors: dict[str, Exception] = {}
+        self.calls: dict[str, int] = {}
+
+    def _stream(self, trial: str):
+        # The active trial's streams are already swapped in (its training_step runs inside
+        # them); swapping them in again would restore its state from before the step.
+        if trial == self.active:
+            return contextlib.nullcontext()
+        return self.runs[trial]._own_rng()
+
+    def output(self, trial: str, inputs: tuple) -> Any:
+        self.calls[trial] = self.calls.get(trial, 0) + 1
+        if self.calls[trial] > 1:
+            raise TrainingError(f"trial {trial}: training_step called the model twice on one "
+                                "batch; a grouped job runs each model once per batch (run "
+                                "this trainer ungrouped)")
+        if self.inputs is None:
+            if not all(id(a) in self.batch_tensors for a in inputs if isinstance(a, torch.Tensor)):
+                raise TrainingError(f"trial {trial}: training_step called the model with "
+                                    "tensors that are not the batch's; a grouped job shares "
+                                    "one forward per batch (run this trainer ungrouped)")
+            self.inputs = inputs
+            self.outs = self.group(*inputs, rng={t: (lambda t=t: self._stream(t))
+                                                 for t in self.runs}, errors=self.errors)
+        elif len(inputs) != len(self.inputs) or any(a is not b for a, b in zip(inputs, self.inputs)):
+            raise TrainingError(f"trial {trial}: training_step called the model with other "
+                                "inputs than the group's other trials on the same batch")
+        if trial in self.errors:
+            raise self.errors[trial]
+        return self.outs[trial]
+
+
+class _Proxy(nn.Module):
+    """What ``training_step`` gets for one trial: ``proxy(x)`` is that trial's output of the
+    group's forward on ``x`` (the batch's own tensors); parameters are its model's."""
+
+    def __init__(self, trial: str, model: nn.Module, forward: _Forward):
+        super().__init__()
+        self.__dict__.update(_trial=trial, _model=model, _forward=forward)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TrainingError(f"trial {self._trial}: a grouped job passes the model its batch "
+                                f"positionally; training_step gave keywords {sorted(kwargs)}")
+        return self._forward.output(self._trial, inputs)
+
+    def parameters(self, recurse: bool = True):
+        return self._model.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self._model.named_parameters(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_model"], name)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [t for b in batch for t in _tensors(b)]
+    if isinstance(batch, dict):
+        return [t for b in batch.values() for t in _tensors(b)]
+    return []
+
+
+class TrainingGroup:
+    """Trial runs with one trainer and one data key, trained one epoch at a time as one group.
+
+    Example::
+
+        group = TrainingGroup(plan.restrict(ids), {t: runs[t] for t in ids}, trainer)
+        outcome = group.train_epoch()   # {trial: metrics, or the exception that failed it}
+
+    Args:
+        plan: the group's plan after the passes (``plan.restrict(ids)``).
+        runs: trial id -> its :class:`TrialRun`, all at the same (epoch, batch).
+        trainer: the trainer every run shares.
+    """
+
+    def __init__(self, plan: LogicalPlan, runs: Mapping[str, TrialRun], trainer: Any):
+        self._plan, self.trainer = plan, trainer
+        self.runs = {t: runs[t] for t in (m.trial_id for m in plan.models)}
+        self._group = build_group(plan, {t: r.model for t, r in self.runs.items()})
+
+    @property
+    def trials(self) -> tuple[str, ...]:
+        return tuple(self.runs)
+
+    def drop(self, trials: Iterable[str]) -> None:
+        """Leave ``trials`` out from now on: the group is rebuilt over the others."""
+        gone = set(trials) & set(self.runs)
+        if not gone:
+            return
+        for t in gone:
+            del self.runs[t]
+        self._group = None  # free the old parts before building the new ones
+        if self.runs:
+            self._group = build_group(self._plan.restrict(self.runs),
+                                      {t: r.model for t, r in self.runs.items()})
+
+    def train_epoch(self) -> dict[str, dict[str, float] | Exception]:
+        """One epoch of every trial (what ``TrialRun.train_epoch`` does for each alone):
+        trial -> its metrics, or the exception that failed it (it has left the group)."""
+        outcome: dict[str, dict[str, float] | Exception] = {}
+        first = next(iter(self.runs.values()))
+        for run in self.runs.values():
+            run.model.train()
+        self._group.train()
+        sums = {t: [torch.zeros((), device=r.device), 0] for t, r in self.runs.items()}
+        # The data key promises the batches do not depend on the trial or its RNG streams.
+        batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
+        if first.batch:  # resuming mid-epoch: every run is at the same position
+            batches = itertools.islice(iter(batches), first.batch, None)
+        for batch in batches:
+            batch = _to_device(batch, first.device)
+            failed = self._step(batch, sums)
+            outcome.update(failed)
+            self.drop(failed)
+            if not self.runs:
+                return outcome
+        for trial, run in list(self.runs.items()):
+            try:
+                outcome[trial] = self._end_epoch(run, *sums[trial])
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
+                outcome[trial] = err
+        self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
+        return outcome
+
+    def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
+        """One batch for every trial; the trials that failed in it."""
+        forward = _Forward(self._group, self.runs, batch)
+        losses: dict[str, torch.Tensor] = {}
+        failed: dict[str, Exception] = {}
+        for trial, run in self.runs.items():
+            proxy = _Proxy(trial, run.model, forward)
+            forward.active = trial
+            try:
+                with run._own_rng():
+                    loss = self.trainer.training_step(proxy, batch, run.hparams)
+                if trial not in forward.calls:
+                    raise TrainingError(f"trial {trial}: training_step never called the model")
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TrainingError(f"trial {trial}: training_step must return a scalar "
+                                        f"loss tensor, got {type(loss).__name__}")
+                losses[trial] = loss
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
+                failed[trial] = err
+            finally:
+                forward.active = None
+        for trial in losses:
+            self.runs[trial].optimizer.zero_grad(set_to_none=True)
+        try:
+            # The models' graphs are disjoint (the shared part ran without grad), so each
+            # loss gets gradient exactly 1 and each model's weights only its own loss's.
+            if losses:
+                sum(losses.values()).backward()
+        except Exception as err:  # noqa: BLE001 (not attributable: fails the group's step)
+            return {**failed, **{t: err for t in losses}}
+        n = _batch_size(batch)
+        for trial, loss in losses.items():
+            run = self.runs[trial]
+            try:
+                run.optimizer.step()
+                if run.scheduler is not None and run.interval == "step":
+                    run.scheduler.step()
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
+                failed[trial] = err
+                continue
+            sums[trial][0] += loss.detach().reshape(()) * n  # no .item(): no sync per batch
+            sums[trial][1] += n
+            run.batch += 1
+        return failed
+
+    @staticmethod
+    def _end_epoch(run: TrialRun, total: torch.Tensor, count: int) -> dict[str, float]:
+        """The end of ``TrialRun.train_epoch`` for one run: mean loss, NaN check, epoch LR
+        step, validation on its own model, the data position."""
+        with run._own_rng():
+            if count == 0:
+                raise TrainingError(f"trial {run.trial_id}: train_dataloader gave no batch "
+                                    f"for epoch {run.epoch}")
+            train_loss = float(total) / count
+            if not math.isfinite(train_loss):
+                raise TrainingError(
+                    f"trial {run.trial_id}: training loss is {train_loss} in epoch "
+                    f"{run.epoch + 1}; the model diverged (lower the learning rate, or check "
+                    "the model for an unstable operation)")
+            if run.scheduler is not None and run.interval == "epoch":
+                run.scheduler.step()
+            metrics = {"train_loss": train_loss, **run._validate()}
+        run.epoch, run.batch = run.epoch + 1, 0
+        return metrics
+
+
+def plan_group(models: Mapping[str, Any], data_key: str,
+               hparams: Mapping[str, dict]) -> LogicalPlan:
+    """The plan of one candidate group after the passes (``build_plan`` + ``cse``); its
+    ``groups()`` say which models really share the pipeline.
+
+    Args:
+        models: trial id -> its :class:`~retiarii.space.Model` (``space.replay(sample)``).
+        data_key: the trainer's data key, the same for every trial.
+        hparams: trial id -> its hparams.
+    """
+    return cse(build_plan([PlanModel(t, m, data_key, dict(hparams[t])) for t, m in models.items()])).plan

@@ -1,0 +1,269 @@
+"""A grouped job (``Job.meta["group"]``) equals running each of its tasks alone with run_job:
+the same TrialResult metrics at every step and the same checkpoint (every tensor equal), bit
+for bit on CPU, with dropout and train-mode BatchNorm in the models' own parts; a trial that
+fails fails alone; tasks that cannot share a data pipeline run separately."""
+import os
+
+import torch
+from torch import nn
+
+import retiarii as rt
+from retiarii.engine import checkpoint as ckpt
+from retiarii.engine.executors.base import (
+    Job, JobFailed, JobFinished, TrialCheckpointed, TrialResult, TrialTask,
+)
+from retiarii.engine.executors.local import LocalExecutor
+from retiarii.engine.grouped import GroupCandidate, TrainingGroup, group_tasks, plan_group
+from retiarii.engine.trainer import ClassifierTrainer
+from retiarii.engine.worker import WorkerContext, _units, run_job
+
+
+class Frozen(nn.Module):
+    """A frozen convolutional trunk and a trainable head the space swaps."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.act = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.head = nn.Linear(32, 10)
+        self.conv.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.pool(self.act(self.conv(x))), 1))
+
+
+HEADS = {
+    "lin": nn.Linear(32, 10),
+    "drop": nn.Sequential(nn.Linear(32, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 10)),
+    "bn": nn.Sequential(nn.Linear(32, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True),
+                        nn.Linear(16, 10)),
+}
+
+torch.manual_seed(0)  # frozen values must be deterministic in every process
+SPACE = rt.ModelSpace(Frozen(), [rt.apply_mutator("head", rt.mutators.OperatorMutator(
+    HEADS, label="h"))], example_input=torch.randn(2, 1, 8, 8))
+
+
+class DieTrainer(ClassifierTrainer):
+    """Raises in the ``die_at``-th training_step of a trial that asks (a bad batch, say)."""
+
+    calls: dict = {}
+
+    def training_step(self, model, batch, hparams):
+        if "die_at" in hparams:
+            n = self.calls[hparams["tag"]] = self.calls.get(hparams["tag"], 0) + 1
+            if n == hparams["die_at"]:
+                raise RuntimeError("boom in training_step")
+        return super().training_step(model, batch, hparams)
+
+
+class CloneTrainer(ClassifierTrainer):
+    """Calls the model on a copy of the batch: cannot share one forward per batch."""
+
+    def training_step(self, model, batch, hparams):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x.clone()), y)
+
+
+CLONE = CloneTrainer(batch_size=128, epochs=2)
+DIE = DieTrainer(batch_size=128, epochs=2, lr=3e-3, lr_schedule="cosine")
+TRAINER = {"class": "retiarii.engine.trainer:ClassifierTrainer",
+           "config": {"batch_size": 128, "epochs": 2, "lr": 3e-3, "lr_schedule": "cosine"}}
+HEAD = {"a": "drop", "b": "bn", "c": "lin", "d": "drop"}  # d: a's model, another seed
+SEED = {"a": 1, "b": 2, "c": 3, "d": 4}
+
+
+def _ref(attr):
+    return f"{os.path.abspath(__file__)}:{attr}"
+
+
+def _task(trial, tmp, start=0, stop=2, head=None, seed=None, hparams=None, trainer=TRAINER,
+          checkpoint_in=None, tag=""):
+    spec = {"space": _ref("SPACE"), "sample": {"h/head": head or HEAD[trial]},
+            "trainer": trainer, "hparams": hparams or {}, "seed": seed or SEED[trial]}
+    return TrialTask(trial, spec, start, stop, checkpoint_in,
+                     str(tmp / f"{tag}{trial}-{stop}.pt"))
+
+
+def _run(job):
+    events = []
+    run_job(job, events.append)
+    return events
+
+
+def _results(events):
+    return {(e.trial_id, e.step): e.metrics for e in events if isinstance(e, TrialResult)}
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _alone(tasks):
+    """The reference: every task in a job of its own (run_job, no grouping)."""
+    results = {}
+    for task in tasks:
+        events = _run(Job(f"alone-{task.trial_id}", [task]))
+        assert isinstance(events[-1], JobFinished), events[-1]
+        results.update(_results(events))
+    return results
+
+
+def _same_checkpoint(path_a, path_b):
+    a, b = ckpt.load(path_a), ckpt.load(path_b)
+    return _same(a, b)
+
+
+def test_grouped_job_equals_each_task_alone(tmp_path):
+    grouped = [_task(t, tmp_path, tag="g-") for t in HEAD]
+    alone = [_task(t, tmp_path, tag="s-") for t in HEAD]
+    units = _units(Job("g", grouped, meta={"group": True}), grouped,
+                   {t.trial_id: _open(t) for t in grouped}, WorkerContext())
+    assert [type(u) for u in units] == [TrainingGroup] and units[0].trials == tuple(HEAD)
+
+    events = _run(Job("g", grouped, meta={"group": True}))
+    assert isinstance(events[-1], JobFinished)
+    assert [e.trial_id for e in events if isinstance(e, TrialCheckpointed)] == list(HEAD)
+    got, expected = _results(events), _alone(alone)
+    assert sorted(got) == sorted(expected) == sorted((t, s) for t in HEAD for s in (1, 2))
+    assert got == expected  # exact floats: train_loss, val_loss, val_acc
+    for g, s in zip(grouped, alone):
+        assert _same_checkpoint(g.checkpoint_out, s.checkpoint_out), g.trial_id
+
+
+def test_grouped_segments_resume_like_one_segment_alone(tmp_path):
+    """Step 1 grouped, checkpoint, step 2 grouped from the checkpoints == steps 1-2 alone."""
+    first = [_task(t, tmp_path, stop=1, tag="g-") for t in "abc"]
+    assert isinstance(_run(Job("g1", first, meta={"group": True}))[-1], JobFinished)
+    second = [_task(t, tmp_path, start=1, stop=2, tag="g-", checkpoint_in=f.checkpoint_out)
+              for t, f in zip("abc", first)]
+    events = _run(Job("g2", second, meta={"group": True}))
+    assert isinstance(events[-1], JobFinished)
+    alone = [_task(t, tmp_path, tag="s-") for t in "abc"]
+    expected = _alone(alone)
+    assert _results(events) == {k: v for k, v in expected.items() if k[1] == 2}
+    for g, s in zip(second, alone):
+        assert _same_checkpoint(g.checkpoint_out, s.checkpoint_out), g.trial_id
+
+
+def _open(task):
+    from retiarii.engine.worker import _open_task
+    return _open_task(task, WorkerContext())
+
+
+def test_a_nan_trial_fails_alone_and_the_others_are_unchanged(tmp_path):
+    tasks = [_task(t, tmp_path, tag="g-") for t in "abc"]
+    tasks.append(_task("n", tmp_path, head="lin", seed=5, hparams={"lr": 1e36}, tag="g-"))
+    events = _run(Job("g", tasks, meta={"group": True}))
+    end = events[-1]
+    assert isinstance(end, JobFailed) and end.trial_id == "n" and "training loss is" in end.error
+    assert not any(e.trial_id == "n" for e in events if isinstance(e, TrialResult))
+    assert [e.trial_id for e in events if isinstance(e, TrialCheckpointed)] == list("abc")
+    alone = [_task(t, tmp_path, tag="s-") for t in "abc"]
+    assert _results(events) == _alone(alone)
+    for g, s in zip(tasks, alone):
+        assert _same_checkpoint(g.checkpoint_out, s.checkpoint_out), g.trial_id
+
+
+def test_an_error_mid_epoch_fails_that_trial_alone(tmp_path):
+    """b raises in its 5th batch: the group is rebuilt without it in the middle of the epoch,
+    and a and c end exactly as alone."""
+    DieTrainer.calls.clear()
+    tasks = [_task(t, tmp_path, trainer=_ref("DIE"), tag="g-",
+                   hparams={"die_at": 5, "tag": "b"} if t == "b" else None) for t in "abc"]
+    events = _run(Job("g", tasks, meta={"group": True}))
+    end = events[-1]
+    assert isinstance(end, JobFailed) and end.trial_id == "b" and "boom" in end.error
+    alone = [_task(t, tmp_path, trainer=_ref("DIE"), tag="s-") for t in "ac"]
+    assert _results(events) == _alone(alone)
+    for g, s in zip([tasks[0], tasks[2]], alone):
+        assert _same_checkpoint(g.checkpoint_out, s.checkpoint_out), g.trial_id
+
+
+def test_ungroupable_tasks_run_separately(tmp_path):
+    # c reads batches of another size: another data key, another pipeline
+    tasks = [_task("a", tmp_path, tag="g-"), _task("b", tmp_path, tag="g-"),
+             _task("c", tmp_path, hparams={"batch_size": 64}, tag="g-")]
+    units = _units(Job("g", tasks, meta={"group": True}), tasks,
+                   {t.trial_id: _open(t) for t in tasks}, WorkerContext())
+    assert [u.trials for u in units] == [("a", "b"), ("c",)]
+    assert type(units[0]) is TrainingGroup and type(units[1]) is not TrainingGroup
+    # without the flag nothing groups: today's behaviour stays the default
+    plain = _units(Job("p", tasks), tasks, {t.trial_id: _open(t) for t in tasks},
+                   WorkerContext())
+    assert [u.trials for u in plain] == [("a",), ("b",), ("c",)]
+    events = _run(Job("g", tasks, meta={"group": True}))
+    assert isinstance(events[-1], JobFinished)
+    assert _results(events) == _alone([_task("a", tmp_path, tag="s-"),
+                                       _task("b", tmp_path, tag="s-"),
+                                       _task("c", tmp_path, hparams={"batch_size": 64},
+                                             tag="s-")])
+
+
+def test_group_tasks_is_a_pure_decision():
+    def c(trial, data="d", position=(0, 0), steps=2, space="s", trainer="t"):
+        return GroupCandidate(trial, space, trainer, data, position, steps)
+
+    assert group_tasks([c("a"), c("b"), c("x", data=None), c("c"), c("y", data="e"),
+                        c("z", position=(1, 0)), c("w", steps=0), c("v", trainer="u"),
+                        c("e", data="e")]) == \
+        [("a", "b", "c"), ("x",), ("y", "e"), ("z",), ("w",), ("v",)]
+    assert group_tasks([]) == []
+
+
+def test_local_executor_runs_a_grouped_job(tmp_path):
+    tasks = [_task(t, tmp_path, stop=1, tag="g-") for t in "ab"]
+    # one thread, as this process runs (conftest): a thread pool of another size sums the
+    # validation reductions in another order, grouped or not
+    with LocalExecutor(num_workers=1, heartbeat_interval=0.2, threads_per_worker=1) as ex:
+        ex.submit(Job("g", tasks, meta={"group": True}))
+        events = []
+        while not events or not isinstance(events[-1], (JobFinished, JobFailed)):
+            event = ex.next_event(timeout=120)
+            assert event is not None, "no event in 120s"
+            events.append(event)
+    assert isinstance(events[-1], JobFinished), events[-1]
+    assert _results(events) == _alone([_task(t, tmp_path, stop=1, tag="s-") for t in "ab"])
+    for t in tasks:
+        assert os.path.exists(t.checkpoint_out)
+
+
+def test_an_error_in_a_models_own_part_fails_that_trial_alone(tmp_path):
+    """b's head raises in its 3rd forward (inside the group's forward, while a's
+    training_step runs): b fails, and a and c train their epoch exactly as alone."""
+    tasks = [_task(t, tmp_path) for t in "abc"]
+    runs = {t.trial_id: _open(t) for t in tasks}
+    calls = []
+
+    def boom(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("boom in b's head")
+
+    runs["b"].model.head.register_forward_pre_hook(boom)
+    plan = plan_group({t: SPACE.replay({"h/head": HEAD[t]}) for t in runs},
+                      runs["a"].trainer.data_key({}), {t: {} for t in runs})
+    group = TrainingGroup(plan, runs, runs["a"].trainer)
+    outcome = group.train_epoch()
+    assert isinstance(outcome["b"], ValueError) and group.trials == ("a", "c")
+    for t in "ac":
+        alone = _open(_task(t, tmp_path))
+        assert outcome[t] == alone.train_epoch(), t
+        assert _same(runs[t].state_dict(), alone.state_dict()), t
+
+
+def test_a_trainer_that_does_not_call_the_model_on_the_batch_fails_clearly(tmp_path):
+    tasks = [_task(t, tmp_path, trainer=_ref("CLONE"), stop=1) for t in "ab"]
+    end = _run(Job("g", tasks, meta={"group": True}))[-1]
+    assert isinstance(end, JobFailed) and end.trial_id is None
+    for t in "ab":
+        assert f"trial {t}: training_step called the model with tensors that are not " \
+               "the batch's" in end.error
+    assert isinstance(_run(Job("p", tasks))[-1], JobFinished)  # alone it trains
