@@ -267,3 +267,24 @@ def test_a_trainer_that_does_not_call_the_model_on_the_batch_fails_clearly(tmp_p
         assert f"trial {t}: training_step called the model with tensors that are not " \
                "the batch's" in end.error
     assert isinstance(_run(Job("p", tasks))[-1], JobFinished)  # alone it trains
+
+
+def test_validation_runs_the_shared_trunk_once_per_batch(tmp_path):
+    """A group validates through the group module: the frozen trunk runs once per
+    validation batch for all trials (alone: once per trial), and each trial's metrics are
+    still exactly those of validating alone."""
+    tasks = [_task(t, tmp_path) for t in "abc"]
+    runs = {t.trial_id: _open(t) for t in tasks}
+    plan = plan_group({t: SPACE.replay({"h/head": HEAD[t]}) for t in runs},
+                      runs["a"].trainer.data_key({}), {t: {} for t in runs})
+    group = TrainingGroup(plan, runs, runs["a"].trainer)
+    trunk_calls = []
+    shared = {id(r.model.conv) for r in runs.values()}
+    assert len(shared) == 1  # one frozen conv object serves the three models
+    runs["a"].model.conv.register_forward_hook(lambda *_: trunk_calls.append(1))
+    metrics = group._validate()
+    batches = len(runs["a"].trainer.val_dataloader({}))
+    assert len(trunk_calls) == batches  # not 3 x batches
+    for t in "abc":
+        alone = _open(_task(t, tmp_path))
+        assert metrics[t] == alone._validate(), t

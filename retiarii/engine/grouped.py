@@ -210,13 +210,58 @@ class TrainingGroup:
             self.drop(failed)
             if not self.runs:
                 return outcome
+        losses: dict[str, float] = {}
         for trial, run in list(self.runs.items()):
             try:
-                outcome[trial] = self._end_epoch(run, *sums[trial])
+                losses[trial] = self._end_training(run, *sums[trial])
             except Exception as err:  # noqa: BLE001 (fails this trial only)
                 outcome[trial] = err
         self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
+        if self.runs:
+            for trial, metrics in self._validate().items():
+                if isinstance(metrics, Exception):
+                    outcome[trial] = metrics
+                    continue
+                run = self.runs[trial]
+                outcome[trial] = {"train_loss": losses[trial], **metrics}
+                run.epoch, run.batch = run.epoch + 1, 0
+        self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
         return outcome
+
+    @torch.no_grad()
+    def _validate(self) -> dict[str, dict[str, float] | Exception]:
+        """``TrialRun._validate`` for every run at once: each validation batch goes through
+        the group (the shared part once), and each trial's ``validation_step`` gets a proxy of
+        its output, in its own RNG streams; trial -> its metrics, or what failed it."""
+        first = next(iter(self.runs.values()))
+        for run in self.runs.values():
+            run.model.eval()
+        self._group.eval()
+        sums: dict[str, dict[str, float]] = {t: {} for t in self.runs}
+        failed: dict[str, Exception] = {}
+        count = 0
+        for batch in self.trainer.val_dataloader(first.hparams):
+            batch = _to_device(batch, first.device)
+            n = _batch_size(batch)
+            forward = _Forward(self._group, self.runs, batch)
+            for trial, run in self.runs.items():
+                if trial in failed:
+                    continue
+                forward.active = trial
+                try:
+                    with run._own_rng():
+                        values = self.trainer.validation_step(
+                            _Proxy(trial, run.model, forward), batch)
+                    for name, value in values.items():
+                        sums[trial][name] = sums[trial].get(name, 0.0) + float(value) * n
+                except Exception as err:  # noqa: BLE001 (fails this trial only)
+                    failed[trial] = err
+                finally:
+                    forward.active = None
+            count += n
+        return {t: failed[t] if t in failed else
+                {name: total / max(count, 1) for name, total in sums[t].items()}
+                for t in self.runs}
 
     def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
         """One batch for every trial; the trials that failed in it."""
@@ -264,9 +309,9 @@ class TrainingGroup:
         return failed
 
     @staticmethod
-    def _end_epoch(run: TrialRun, total: torch.Tensor, count: int) -> dict[str, float]:
-        """The end of ``TrialRun.train_epoch`` for one run: mean loss, NaN check, epoch LR
-        step, validation on its own model, the data position."""
+    def _end_training(run: TrialRun, total: torch.Tensor, count: int) -> float:
+        """The end of ``TrialRun.train_epoch``'s training for one run: the mean loss, its NaN
+        check and the epoch's LR step (validation and the data position follow)."""
         with run._own_rng():
             if count == 0:
                 raise TrainingError(f"trial {run.trial_id}: train_dataloader gave no batch "
@@ -279,9 +324,7 @@ class TrainingGroup:
                     "the model for an unstable operation)")
             if run.scheduler is not None and run.interval == "epoch":
                 run.scheduler.step()
-            metrics = {"train_loss": train_loss, **run._validate()}
-        run.epoch, run.batch = run.epoch + 1, 0
-        return metrics
+        return train_loss
 
 
 def plan_group(models: Mapping[str, Any], data_key: str,
