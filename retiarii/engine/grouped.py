@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -310,21 +309,9 @@ class TrainingGroup:
 
     @staticmethod
     def _end_training(run: TrialRun, total: torch.Tensor, count: int) -> float:
-        """The end of ``TrialRun.train_epoch``'s training for one run: the mean loss, its NaN
-        check and the epoch's LR step (validation and the data position follow)."""
+        """What ``TrialRun.train_epoch`` does after its batches, before validation."""
         with run._own_rng():
-            if count == 0:
-                raise TrainingError(f"trial {run.trial_id}: train_dataloader gave no batch "
-                                    f"for epoch {run.epoch}")
-            train_loss = float(total) / count
-            if not math.isfinite(train_loss):
-                raise TrainingError(
-                    f"trial {run.trial_id}: training loss is {train_loss} in epoch "
-                    f"{run.epoch + 1}; the model diverged (lower the learning rate, or check "
-                    "the model for an unstable operation)")
-            if run.scheduler is not None and run.interval == "epoch":
-                run.scheduler.step()
-        return train_loss
+            return run.end_training(total, count)
 
 
 def plan_group(models: Mapping[str, Any], data_key: str,

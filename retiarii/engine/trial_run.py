@@ -160,20 +160,27 @@ class TrialRun:
                 total += loss.detach().reshape(()) * n  # no .item(): no device sync per batch
                 count += n
                 self.batch += 1
-            if count == 0:
-                raise TrainingError(f"trial {self.trial_id}: train_dataloader gave no batch "
-                                    f"for epoch {self.epoch}")
-            train_loss = float(total) / count
-            if not math.isfinite(train_loss):
-                raise TrainingError(
-                    f"trial {self.trial_id}: training loss is {train_loss} in epoch "
-                    f"{self.epoch + 1}; the model diverged (lower the learning rate, or check "
-                    "the model for an unstable operation)")
-            if self.scheduler is not None and self.interval == "epoch":
-                self.scheduler.step()
+            train_loss = self.end_training(total, count)
             metrics = {"train_loss": train_loss, **self._validate()}
         self.epoch, self.batch = self.epoch + 1, 0
         return metrics
+
+    def end_training(self, total: torch.Tensor, count: int) -> float:
+        """The end of an epoch's training (before validation): the mean loss over ``count``
+        examples whose losses sum to ``total``, checked finite, and the epoch's LR step.
+        Call it with this trial's RNG streams in (a grouped job calls it for each trial)."""
+        if count == 0:
+            raise TrainingError(f"trial {self.trial_id}: train_dataloader gave no batch "
+                                f"for epoch {self.epoch}")
+        train_loss = float(total) / count
+        if not math.isfinite(train_loss):
+            raise TrainingError(
+                f"trial {self.trial_id}: training loss is {train_loss} in epoch "
+                f"{self.epoch + 1}; the model diverged (lower the learning rate, or check "
+                "the model for an unstable operation)")
+        if self.scheduler is not None and self.interval == "epoch":
+            self.scheduler.step()
+        return train_loss
 
     @torch.no_grad()
     def _validate(self) -> dict[str, float]:
