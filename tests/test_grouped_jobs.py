@@ -7,7 +7,6 @@ import os
 import torch
 from torch import nn
 
-import retiarii as rt
 from retiarii.engine import checkpoint as ckpt
 from retiarii.engine.executors.base import (
     Job, JobFailed, JobFinished, TrialCheckpointed, TrialResult, TrialTask,
@@ -17,32 +16,12 @@ from retiarii.engine.grouped import GroupCandidate, TrainingGroup, group_tasks, 
 from retiarii.engine.trainer import ClassifierTrainer
 from retiarii.engine.worker import WorkerContext, _units, run_job
 
-
-class Frozen(nn.Module):
-    """A frozen convolutional trunk and a trainable head the space swaps."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 8, 3, padding=1)
-        self.act = nn.ReLU()
-        self.pool = nn.AdaptiveAvgPool2d(2)
-        self.head = nn.Linear(32, 10)
-        self.conv.requires_grad_(False)
-
-    def forward(self, x):
-        return self.head(torch.flatten(self.pool(self.act(self.conv(x))), 1))
+import test_optim_build as _optim_build
 
 
-HEADS = {
-    "lin": nn.Linear(32, 10),
-    "drop": nn.Sequential(nn.Linear(32, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 10)),
-    "bn": nn.Sequential(nn.Linear(32, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True),
-                        nn.Linear(16, 10)),
-}
-
-torch.manual_seed(0)  # frozen values must be deterministic in every process
-SPACE = rt.ModelSpace(Frozen(), [rt.apply_mutator("head", rt.mutators.OperatorMutator(
-    HEADS, label="h"))], example_input=torch.randn(2, 1, 8, 8))
+# The frozen-trunk space of the group-module tests (a frozen conv trunk, three heads); its
+# frozen values come from a fixed seed, the same in every process that imports it.
+SPACE = _optim_build.SPACE
 
 
 class DieTrainer(ClassifierTrainer):
