@@ -248,8 +248,8 @@ def native_from_portable(state: dict[str, Any]) -> NativeRng:
     py, n = state["python"], state["numpy"]
     return NativeRng((
         (py["version"], tuple(py["state"].tolist()), py["gauss"]),
-        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]),
-        state["torch"], list(state.get("cuda") or []),
+        (n["name"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]),
+        state["torch"].cpu(), [s.cpu() for s in state.get("cuda") or []],
     ))
 
 

@@ -213,7 +213,10 @@ class TrialRun:
         ckpt.save(path, self.state_dict())
 
     def _load(self, path: str) -> None:
-        state = ckpt.load(path, map_location=self.device)
+        # To the CPU: RNG states must be CPU tensors (a CUDA-mapped checkpoint could not be
+        # resumed on a GPU), and load_state_dict moves weights and optimizer moments to the
+        # device of the parameters they belong to.
+        state = ckpt.load(path, map_location="cpu")
         try:
             self.model.load_state_dict(state["model"])
             fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
