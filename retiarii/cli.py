@@ -130,8 +130,13 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=flags["max_models"],
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
+                      optimize=_OPTIMIZE[flags.get("optimize") or "auto"],
+                      batch_models=flags.get("batch_models") or 8,
                       progress=_Progress(flags["max_models"]),
                       origin={"cli": {"space": recorded_space, **flags}})
+
+
+_OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize: Experiment(optimize=)
 
 
 class _Progress:
@@ -180,9 +185,11 @@ def cmd_run(args) -> int:
     _positive(args.workers, "--workers")
     _positive(args.max_models, "--max-models")
     _positive(args.epochs, "--epochs")
+    _positive(args.batch_models, "--batch-models")
     flags = {"strategy": args.strategy, "seed": args.seed, "max_models": args.max_models,
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
-             "scheduler": args.scheduler, "executor": args.executor, "address": args.address}
+             "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
+             "optimize": args.optimize, "batch_models": args.batch_models}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -255,6 +262,11 @@ def cmd_status(args) -> int:
            "models": len(store.models()), "best": store.best_models(metric, mode, args.top),
            "errors": [{"trial_id": t["id"], "model_id": t["model_id"],
                        "error": t["error"] or ""} for t in errored]}
+    from .engine.plans import PlanTable
+
+    plans = PlanTable(store).summary()
+    if plans["jobs"]:
+        out["optimization"] = plans
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -273,7 +285,24 @@ def cmd_status(args) -> int:
                 print(f"- {e['trial_id']} (model {e['model_id']}): {_reason(lines)}")
         if not args.errors:
             print("(retiarii status --errors shows each whole traceback)")
+    if "optimization" in out:
+        print("\n" + _optimization_line(out["optimization"]))
     return 0
+
+
+def _optimization_line(plans: dict) -> str:
+    """One paragraph on cross-model optimization: grouped jobs, merged models, speed-up."""
+    jobs = ", ".join(f"{n} {status}" for status, n in sorted(plans["jobs"].items()))
+    text = f"cross-model optimization: grouped jobs {jobs}; {plans['merged_trials']} trials trained merged"
+    if "speedup" in plans:
+        s = plans["speedup"]
+        text += (f"; measured speed-up {s['median']}x (median of {s['measured_jobs']} jobs, "
+                 f"{s['min']}x-{s['max']}x)")
+    if plans.get("alone_after_revert_or_failure"):
+        text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
+    for why in plans.get("why_not_merged", []):
+        text += f"\n  not merged: {why}"
+    return text
 
 
 def _reason(lines: list[str]) -> str:
@@ -436,6 +465,12 @@ def parser() -> argparse.ArgumentParser:
                      help="early stopping: none, asha or median (default none)")
     run.add_argument("--executor", choices=("local", "ray"), default="local",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")
+    run.add_argument("--optimize", choices=tuple(_OPTIMIZE), default="auto",
+                     help="cross-model optimization: models reading the same batches train as "
+                          "one job, kept when measured faster (auto, the default), always (on), "
+                          "or never (off): see docs/optimization.md")
+    run.add_argument("--batch-models", type=int, default=8,
+                     help="the most models one job trains when optimizing (default 8)")
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")

@@ -173,8 +173,10 @@ def test_resume_drops_models_an_older_crash_left_without_their_trial(tmp_path):
 def test_evolution_writes_each_childs_parent(tmp_path):
     db = tmp_path / "x.db"
     strategy = rt.strategies.RegularizedEvolution(population_size=2, sample_size=1, seed=0)
+    # optimize=False: one model per job, so each child is asked after its parent's result
+    # (a grouped job asks for up to batch_models models before any is told)
     rt.Experiment(space, strategy, FAST, store=str(db), executor=InProcessExecutor(),
-                  max_models=6).run()
+                  max_models=6, optimize=False).run()
     models = _models(db)
     by_id = {m["id"]: m for m in models}
     assert [m["parent"] for m in models[:2]] == [None, None]  # the random initial population
@@ -313,9 +315,15 @@ def test_progress_best_counts_finished_trials_only(tmp_path):
     lines = []
     db = tmp_path / "x.db"
     exp = rt.Experiment(space, rt.strategies.Random(seed=0), FAST, store=str(db),
-                        executor=InProcessExecutor(), max_models=4, progress=lines.append)
+                        executor=InProcessExecutor(), max_models=4, progress=lines.append,
+                        optimize=False)
     exp.run()
     bests = [s["best"][0]["value"] for s in lines if s["best"]]
     assert bests == sorted(bests)  # never goes down
     # one slot, and the trial whose end is reported no longer counts as running
     assert [s["running"] for s in lines] == [0] * 4
+    # grouped (the default): the four share one job, so three still run when the first ends
+    lines.clear()
+    rt.Experiment(space, rt.strategies.Random(seed=0), FAST, store=str(tmp_path / "g.db"),
+                  executor=InProcessExecutor(), max_models=4, progress=lines.append).run()
+    assert [s["running"] for s in lines] == [3, 2, 1, 0]

@@ -42,6 +42,7 @@ from ..strategies.base import SpaceExhausted, UnknownSample
 from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir, CheckpointPathError
 from .lock import StoreLock, StoreLocked
+from .plans import PlanTable
 from .store import Store
 from .trainer import Trainer
 from .trials import Trial, TrialRunner, TrialState
@@ -196,6 +197,14 @@ class Experiment:
         progress: called with a summary dict after each finished trial (the CLI's display).
         origin: JSON kept with the experiment saying how it was made (the CLI's flags, so
             that ``retiarii resume`` can rebuild it); not compared on resume.
+        optimize: cross-model optimization (docs/optimization.md). ``"auto"`` (default):
+            up to ``batch_models`` trials that read the same batches (equal
+            ``Trainer.data_key``) train as one job: one data pipeline, their common frozen
+            layers once; each group is measured and reverted when slower than its models
+            apart. ``True``: the same, never reverted for speed. ``False``: every model
+            trains alone (the baseline). Results are the same either way (bit for bit on CPU).
+        batch_models: the most trials one job trains when optimizing (the paper plans in
+            batches of 50; 8 keeps a job's memory modest).
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -203,7 +212,13 @@ class Experiment:
                  max_time: float | None = None, seed: int = 0,
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
-                 progress: Callable[[dict], None] | None = None, origin: dict | None = None):
+                 progress: Callable[[dict], None] | None = None, origin: dict | None = None,
+                 optimize: bool | str = "auto", batch_models: int = 8):
+        if optimize not in ("auto", True, False):
+            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
+        if not isinstance(batch_models, int) or batch_models < 1:
+            raise ExperimentError(f"batch_models={batch_models!r}: give a number of trials >= 1")
+        self.optimize, self.batch_models = optimize, batch_models
         self.space_ref = object_ref(space, "space")
         self.space = space if not isinstance(space, str) else resolve_ref(space)
         self.strategy, self.trainer = strategy, trainer
@@ -229,6 +244,7 @@ class Experiment:
         self._count = 0  # models proposed so far (this experiment, resumes included)
         self._model_of: dict[str, int] = {}  # sample key -> model id (parents of children)
         self._lock: StoreLock | None = None
+        self._data_keys: dict[str, Any] = {}  # hparams (JSON) -> the trainer's data key
 
     # ---- public ---------------------------------------------------------------------------
     def config(self) -> dict:
@@ -345,6 +361,9 @@ class Experiment:
                       checkpoint_dir=self.checkpoint_dir, source=source,
                       on_result=self._on_result, on_trial_end=self._on_trial_end,
                       id_prefix=f"e{eid}-", spawn_config=self._spawn_config)
+        if self.optimize:
+            kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
+                          profile=self.optimize == "auto", on_group=self._on_group)
         self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
@@ -353,6 +372,8 @@ class Experiment:
             if resume:
                 self.folder.remove_temporaries()  # half-written by workers killed with us
                 runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
+                plans = PlanTable(store)  # groups reverted or failed before stay apart
+                runner.alone, runner.alone_s = plans.alone_trials(), plans.alone_profiles()
                 self._rebind(runner)
                 self.runner = runner
                 self._finish_half_ended(runner)
@@ -400,6 +421,31 @@ class Experiment:
         order = {row["id"]: row["ended"] or 0.0 for row in self.store.trials()}
         for trial in sorted(ended, key=lambda t: order.get(t.trial_id, 0.0)):
             self._on_trial_end(trial, report=False)
+
+    def _group_key(self, trial: Trial) -> Any:
+        """What trials must share to train in one job: the space, the trainer and the data
+        key of their hyper-parameters (None: the trainer shares nothing; alone)."""
+        config = trial.config
+        if "sample" not in config or "trainer" not in config:
+            return None
+        hparams = json.dumps(config.get("hparams") or {}, sort_keys=True, default=str)
+        if hparams not in self._data_keys:
+            try:
+                self._data_keys[hparams] = self.trainer.data_key(config.get("hparams") or {})
+            except Exception as err:  # noqa: BLE001 (a trainer that cannot say shares nothing)
+                _log.warning("%s.data_key failed (%s): its trials train alone",
+                             type(self.trainer).__name__, err)
+                self._data_keys[hparams] = None
+        key = self._data_keys[hparams]
+        if key is None:
+            return None
+        return (json.dumps(config["space"], sort_keys=True, default=str),
+                json.dumps(config["trainer"], sort_keys=True, default=str), key)
+
+    def _on_group(self, record: dict) -> None:
+        PlanTable(self.store).add(record)
+        if record["status"] in ("reverted", "failed"):
+            _log.info("group %s %s: %s", record["job_id"], record["status"], record["reason"])
 
     def _dedup_key(self, structure_hash: str, sample: dict) -> str:
         hp = {k: sample.get(k) for k in sorted(self.search_space.hparams)}
@@ -576,8 +622,12 @@ class Experiment:
         best = store.best_models(self.metric, self.mode, 5, finished=True)
         runner = getattr(self, "runner", None)
         running = runner.running if runner is not None else counts.get("RUNNING", 0)
-        return {"store": self.path, "models": self._count, "trials": counts, "best": best,
-                "running": running, "max_models": self.max_models}
+        out = {"store": self.path, "models": self._count, "trials": counts, "best": best,
+               "running": running, "max_models": self.max_models}
+        plans = PlanTable(store).summary()
+        if plans["jobs"]:
+            out["optimization"] = plans
+        return out
 
 
 def _comparable(config: dict) -> dict:

@@ -28,7 +28,9 @@ model (the group's forward runs every part when the first trial calls its proxy)
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from ..optim import build_group, build_plan, cse
+from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
 from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
 
@@ -144,6 +147,15 @@ class _Proxy(nn.Module):
             return getattr(self.__dict__["_model"], name)
 
 
+_END = object()
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer reads work done rather than queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _tensors(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
@@ -166,12 +178,31 @@ class TrainingGroup:
         plan: the group's plan after the passes (``plan.restrict(ids)``).
         runs: trial id -> its :class:`TrialRun`, all at the same (epoch, batch).
         trainer: the trainer every run shares.
+        profile: trials whose separate step time to measure (:meth:`_profile`), on copies of
+            their model and optimizer at the first batch, outside every RNG stream: what they
+            train is unchanged. Given (even empty), the group's own times are measured with
+            the device synchronized at each batch; None times without synchronizing.
     """
 
-    def __init__(self, plan: LogicalPlan, runs: Mapping[str, TrialRun], trainer: Any):
+    def __init__(self, plan: LogicalPlan, runs: Mapping[str, TrialRun], trainer: Any,
+                 profile: Iterable[str] | None = None):
         self._plan, self.trainer = plan, trainer
         self.runs = {t: runs[t] for t in (m.trial_id for m in plan.models)}
+        self.members = tuple(self.runs)  # every trial it started with (the report names them)
         self._group = build_group(plan, {t: r.model for t, r in self.runs.items()})
+        self._measure = profile is not None
+        self._to_profile = set(profile or ()) & set(self.runs)
+        self._batches, self._load_s, self._compute_s = 0, 0.0, 0.0
+        self._alone_s: dict[str, float] = {}
+
+    def report(self) -> dict:
+        """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
+        unit): batches, seconds waiting for the loader and computing (the shared part once,
+        every model's own part, backward, optimizer steps), and each profiled trial's separate
+        step time."""
+        return {"trials": list(self.members), "merged": True, "batches": self._batches,
+                "load_s": self._load_s, "compute_s": self._compute_s,
+                "alone_s": dict(self._alone_s)}
 
     @property
     def trials(self) -> tuple[str, ...]:
@@ -202,9 +233,24 @@ class TrainingGroup:
         batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
         if first.batch:  # resuming mid-epoch: every run is at the same position
             batches = itertools.islice(iter(batches), first.batch, None)
-        for batch in batches:
+        batches = iter(batches)
+        sync = _sync if self._measure else (lambda device: None)
+        while True:
+            sync(first.device)
+            t0 = time.perf_counter()
+            batch = next(batches, _END)  # the loader's time: what one shared pipeline saves
+            if batch is _END:
+                break
             batch = _to_device(batch, first.device)
+            t1 = time.perf_counter()
+            if self._to_profile:
+                self._profile(batch)
+                t1 = time.perf_counter()
             failed = self._step(batch, sums)
+            sync(first.device)
+            self._batches += 1
+            self._load_s += t1 - t0
+            self._compute_s += time.perf_counter() - t1
             outcome.update(failed)
             self.drop(failed)
             if not self.runs:
@@ -226,6 +272,36 @@ class TrainingGroup:
                 run.epoch, run.batch = run.epoch + 1, 0
         self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
         return outcome
+
+    def _profile(self, batch: Any) -> None:
+        """Each trial to profile, trained alone for a few steps on ``batch``: a copy of its
+        model and optimizer, under saved RNG states (the trial's own streams never move), so
+        the real training is what it would be unprofiled. A trial whose copy fails is not
+        profiled (its own training will say what is wrong)."""
+        outer = ckpt.native_rng()
+        try:
+            for trial in sorted(self._to_profile & set(self.runs)):
+                run = self.runs[trial]
+                try:
+                    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> copies
+                    times = []
+                    for _ in range(4):  # the first warms caches and allocators up
+                        _sync(run.device)
+                        t0 = time.perf_counter()
+                        loss = self.trainer.training_step(model, batch, run.hparams)
+                        opt.zero_grad(set_to_none=True)
+                        loss.backward()
+                        opt.step()
+                        _sync(run.device)
+                        times.append(time.perf_counter() - t0)
+                    self._alone_s[trial] = sum(times[1:]) / len(times[1:])
+                except Exception:  # noqa: BLE001 (unprofiled; never fails the trial)
+                    pass
+                finally:
+                    ckpt.set_native_rng(outer)
+        finally:
+            self._to_profile.clear()
+            ckpt.set_native_rng(outer)
 
     @torch.no_grad()
     def _validate(self) -> dict[str, dict[str, float] | Exception]:

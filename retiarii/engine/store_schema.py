@@ -76,6 +76,17 @@ def _schema_v3(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE checkpoints DROP COLUMN pinned")  # (SQLite >= 3.35)
 
 
+def _schema_v4(db: sqlite_utils.Database) -> None:
+    """``plans``: every grouped job the engine ran (cross-model optimization), its trials,
+    the passes, what it measured and whether it was kept, reverted or failed (plans.py)."""
+    db["plans"].create(
+        {"id": int, "experiment_id": int, "job_id": str, "trials": str, "passes": str,
+         "status": str, "reason": str, "alone": str, "speedup": float, "seconds": float,
+         "units": str, "time": float},
+        pk="id", not_null=["trials", "status"], foreign_keys=[("experiment_id", "experiments", "id")])
+    db["plans"].create_index(["experiment_id", "status"])
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3]
-SCHEMA_VERSION = 3
+MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4]
+SCHEMA_VERSION = 4

@@ -25,13 +25,14 @@ from __future__ import annotations
 import enum
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
 
 from ..strategies.scheduler import Decision, Scheduler, Spawn
 from .checkpoint import CheckpointDir, CheckpointPathError, check_trial_id
 from .executors.base import (
-    Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
+    Executor, FailureKind, Job, JobFailed, JobFinished, JobProfiled, JobStarted, TrialCheckpointed,
+    TrialResult, TrialTask,
 )
 from .journal import Journal, MemoryJournal
 from .trial import ALLOWED, IllegalTransition, Trial, TrialState
@@ -50,6 +51,8 @@ def failure_of(reason: str) -> FailureKind:
     for kind in FailureKind:
         if reason.startswith(f"{kind.value} error:"):
             return kind
+    if reason.startswith("group error:"):  # a merged job failed: its trials retry alone
+        return FailureKind.ENVIRONMENT
     return FailureKind.ENVIRONMENT if reason.startswith("worker lost") else FailureKind.MODEL
 
 
@@ -67,15 +70,28 @@ class _Outcome(enum.Enum):
 
 @dataclass
 class _Flight:
-    """A submitted segment of one trial."""
+    """A submitted segment of one trial (one task of a job)."""
 
     trial_id: str
     task: TrialTask
+    job_id: str
     worker: str | None = None
     started: float | None = None
     mark: float = 0.0  # clock of the last result (time accounting)
     buffered: dict | None = None  # the segment's last result, fed once its checkpoint exists
     outcome: _Outcome | None = None  # once decided, the segment only finishes
+    done: bool = False  # its segment's checkpoint arrived: it finished, whatever the job does
+
+
+@dataclass
+class _JobFlight:
+    """A submitted job: the trials it trains (one, or a group)."""
+
+    trials: list[str]
+    grouped: bool = False
+    units: tuple = ()  # what the worker reported of a grouped job (JobProfiled)
+    started: float | None = None
+    extra: dict = field(default_factory=dict)
 
 
 class TrialRunner:
@@ -121,6 +137,17 @@ class TrialRunner:
         spawn_config: turns a scheduler's :class:`Spawn` (hyper-parameters) and its parent
             trial into the config the child trial runs with (the experiment makes a worker
             spec of it); default: the spawn's config as it is.
+        batch_models: the most trials one job trains (cross-model optimization packs the
+            trials that can share a data pipeline into one job; docs/optimization.md). 1: a
+            job per trial.
+        group_key: what must be equal for two trials to train in one job (the experiment's
+            space, trainer and data key), or None for a trial that trains alone; the runner
+            adds the step they start from. None: nothing groups.
+        profile: ask workers to measure grouped jobs, and revert a group measured slower
+            than its models apart (:mod:`retiarii.optim.cost`): its trials train alone from
+            then on. False: grouped jobs are kept whatever they measure.
+        on_group: called with a record of every grouped job once it ends (trials, status
+            ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
@@ -131,9 +158,13 @@ class TrialRunner:
                  source: Callable[[], dict | None] | None = None,
                  on_result: Callable[[Trial, dict], None] | None = None,
                  on_trial_end: Callable[[Trial], None] | None = None, id_prefix: str = "",
-                 spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None):
+                 spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None,
+                 batch_models: int = 1, group_key: Callable[[Trial], Hashable | None] | None = None,
+                 profile: bool = False, on_group: Callable[[dict], None] | None = None):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
+        if batch_models < 1:
+            raise ValueError(f"batch_models must be >= 1 trial per job, got {batch_models}")
         self.executor, self.scheduler, self.journal = executor, scheduler, journal
         self.max_failures, self.segment, self.max_steps = max_failures, segment, max_steps
         self.model_retries = model_retries
@@ -145,8 +176,8 @@ class TrialRunner:
         self.steps_trained = 0  # every step any job reported, replays included
         self.timeline: list[dict] = []  # one entry per finished job: worker, start, end
         self._order: dict[str, int] = {}
-        self._inflight: dict[str, _Flight] = {}
-        self._job_of: dict[str, str] = {}
+        self._inflight: dict[str, _JobFlight] = {}  # job id -> its trials
+        self._flights: dict[str, _Flight] = {}  # trial id -> its segment in flight
         self._fed: dict[str, int] = {}  # trial -> last step the scheduler saw
         self._fed_log: list[list] = []  # [trial, step] each time _fed changed (journaled)
         self._journaled: dict[str, int] = {}
@@ -160,6 +191,10 @@ class TrialRunner:
         self.source, self.on_result, self.on_trial_end = source, on_result, on_trial_end
         self.id_prefix = id_prefix  # trial ids are unique per store: one prefix per experiment
         self.spawn_config = spawn_config or (lambda spawn, parent: dict(spawn.config))
+        self.batch_models, self.group_key = batch_models, group_key
+        self.profile, self.on_group = profile, on_group
+        self.alone: set[str] = set()  # trials of reverted or failed groups: alone from now on
+        self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -209,7 +244,7 @@ class TrialRunner:
     def running(self) -> int:
         """Trials training now: a segment in flight and not yet ended (a trial whose end is
         being handled still has its flight until its last event)."""
-        return sum(1 for f in self._inflight.values()
+        return sum(1 for f in self._flights.values()
                    if f.trial_id in self.trials and self.trials[f.trial_id].state is TrialState.RUNNING)
 
     def states(self) -> dict[str, TrialState]:
@@ -355,12 +390,21 @@ class TrialRunner:
 
     def _stop_running(self, trial: Trial, reason: str) -> None:
         self._move(trial, TrialState.TERMINATED, reason)
-        flight = self._inflight.get(self._job_of.get(trial.trial_id, ""))
+        flight = self._flights.get(trial.trial_id)
         if flight is not None and flight.outcome is None:
             flight.outcome = _Outcome.STOP
             if trial.step < flight.task.stop_step or flight.buffered is not None:
-                self.executor.cancel(self._job_of[trial.trial_id])
+                self._cancel_if_unwanted(flight.job_id)
         self.scheduler.on_trial_complete(trial.trial_id, trial.last_result or {})
+
+    def _cancel_if_unwanted(self, job_id: str) -> None:
+        """Cancel a job once none of its trials wants the rest of its segment (a job of one
+        trial at once; a group only when every member is decided: the others train on, and
+        the decided one's later results and checkpoints are ignored)."""
+        job = self._inflight.get(job_id)
+        if job is not None and all(self._flights[t].outcome is not None or self._flights[t].done
+                                   for t in job.trials):
+            self.executor.cancel(job_id)
 
     # ---- launching ------------------------------------------------------------------------
 
@@ -371,34 +415,84 @@ class TrialRunner:
             if state in self._unsorted:
                 self._waiting[state] = waiting = dict(sorted(waiting.items(), key=lambda x: x[1]))
                 self._unsorted.discard(state)
-            busy = waiting.keys() & self._job_of.keys()  # paused, their last segment finishing
+            busy = waiting.keys() & self._flights.keys()  # paused, their last segment finishing
             out.extend(waiting if not busy else (t for t in waiting if t not in busy))
         return out
 
     def _fill(self) -> None:
-        """Give every free slot a trial: the scheduler's pick, else a spawned one."""
+        """Give every free slot a job: the scheduler's pick (else a spawned or new trial),
+        with the trials that can train in one job with it (:meth:`_companions`). Slots come
+        first: trials that can group are spread over the free slots, as evenly as they go,
+        before any job takes more than one (``batch_models`` each at most)."""
         while (len(self._inflight) < self.executor.num_slots and not self.budget_hit()
                and self.stop_reason is None):
-            candidates = self._candidates()
-            pick = self.scheduler.choose_trial_to_run(candidates) if candidates else None
-            if pick is not None and pick not in candidates:
-                raise ValueError(f"{type(self.scheduler).__name__}.choose_trial_to_run returned "
-                                 f"{pick!r}, which is not one of the PENDING/PAUSED candidates")
-            spawn = None if pick is not None else self.scheduler.next_spawn()
-            config = self.source() if pick is None and spawn is None and self.source else None
-            if pick is None and spawn is None and config is None:
+            trial = self._next_trial()
+            if trial is None:
                 self._after_scheduler()
                 return
-            if pick is not None:
-                trial = self.trials[pick]
-            elif spawn is not None:
-                trial = self._add_spawn(spawn)
-            else:
-                trial = Trial(self._new_id(), dict(config), max_steps=self.max_steps)
-                self._register(trial)
             self._after_scheduler()
-            if trial.state in (TrialState.PENDING, TrialState.PAUSED):
-                self._launch(trial)
+            if trial.state not in (TrialState.PENDING, TrialState.PAUSED):
+                continue
+            free = self.executor.num_slots - len(self._inflight)
+            batch = [trial, *self._companions([trial], free * self.batch_models)]
+            jobs = min(free, len(batch))
+            for i in range(jobs):  # the first (len % jobs) jobs one trial larger
+                size, extra = divmod(len(batch), jobs)
+                start = i * size + min(i, extra)
+                self._launch(batch[start:start + size + (i < extra)])
+
+    def _next_trial(self, key: Hashable | None = None, taken: frozenset = frozenset()) -> Trial | None:
+        """The next trial to run: the scheduler's pick among the waiting ones, else a spawn,
+        else a new one from the source; with ``key``, only waiting trials of that group key
+        are offered (a new or spawned trial may still not match: the caller checks)."""
+        candidates = [c for c in self._candidates() if c not in taken
+                      and (key is None or self._key(self.trials[c]) == key)]
+        pick = self.scheduler.choose_trial_to_run(candidates) if candidates else None
+        if pick is not None and pick not in candidates:
+            raise ValueError(f"{type(self.scheduler).__name__}.choose_trial_to_run returned "
+                             f"{pick!r}, which is not one of the PENDING/PAUSED candidates")
+        if pick is not None:
+            return self.trials[pick]
+        spawn = self.scheduler.next_spawn()
+        if spawn is not None:
+            return self._add_spawn(spawn)
+        config = self.source() if self.source else None
+        if config is None:
+            return None
+        trial = Trial(self._new_id(), dict(config), max_steps=self.max_steps)
+        self._register(trial)
+        return trial
+
+    def _key(self, trial: Trial) -> Hashable | None:
+        """What must be equal for trials to train in one job (None: alone): the group key
+        and the step the trial starts from."""
+        if self.batch_models < 2 or self.group_key is None or trial.trial_id in self.alone:
+            return None
+        key = self.group_key(trial)
+        return None if key is None else (key, trial.resume_point()[0])
+
+    def _companions(self, batch: list[Trial], limit: int | None = None) -> list[Trial]:
+        """Trials to train with ``batch`` (same key), until there are ``limit`` in all
+        (default ``batch_models``): the waiting ones first, in the scheduler's order, then new
+        ones. A new trial that does not match ends the search; it waits for a slot of its own."""
+        key = self._key(batch[0])
+        out: list[Trial] = []
+        if key is None:
+            return out
+        limit = self.batch_models if limit is None else limit
+        taken = frozenset(t.trial_id for t in batch)
+        while len(batch) + len(out) < limit and not self.budget_hit():
+            trial = self._next_trial(key, taken)
+            if trial is None:
+                break
+            self._after_scheduler()
+            if trial.state not in (TrialState.PENDING, TrialState.PAUSED):
+                continue  # the scheduler stopped it meanwhile
+            if self._key(trial) != key:
+                break
+            out.append(trial)
+            taken = taken | {trial.trial_id}
+        return out
 
     def _add_spawn(self, spawn: Spawn) -> Trial:
         if not isinstance(spawn, Spawn):
@@ -441,69 +535,89 @@ class TrialRunner:
         self._register(trial)
         return trial
 
-    def _launch(self, trial: Trial) -> None:
-        resumed = trial.state is TrialState.PAUSED
-        self._move(trial, TrialState.RUNNING, "resumed" if resumed else "started")
-        self._submit(trial)
+    def _launch(self, batch: list[Trial], worker: str | None = None) -> None:
+        for trial in batch:
+            if trial.state is not TrialState.RUNNING:
+                resumed = trial.state is TrialState.PAUSED
+                self._move(trial, TrialState.RUNNING, "resumed" if resumed else "started")
+        self._submit(batch, worker)
 
-    def _submit(self, trial: Trial, worker: str | None = None) -> None:
-        start, ckpt = trial.resume_point()
-        stop = start + self.segment
-        if trial.max_steps is not None:
-            stop = min(stop, trial.max_steps)
-        if stop <= start:
-            self._stop_running(trial, f"already at max_steps={trial.max_steps}")
-            return
-        try:  # checked again as the files are used: a symlink may have appeared since
-            ckpt = None if ckpt is None else self.folder.path(ckpt)
-            out = self.folder.path(self.folder.name_for(trial.trial_id, stop))
-        except CheckpointPathError as err:
-            self._fail(trial, FailureKind.ENVIRONMENT, str(err))
+    def _submit(self, batch: list[Trial], worker: str | None = None) -> None:
+        """One job training the next segment of every trial of ``batch`` (RUNNING); two or
+        more train as a group (``meta["group"]``)."""
+        tasks: list[TrialTask] = []
+        for trial in batch:
+            start, ckpt = trial.resume_point()
+            stop = start + self.segment
+            if trial.max_steps is not None:
+                stop = min(stop, trial.max_steps)
+            if stop <= start:
+                self._stop_running(trial, f"already at max_steps={trial.max_steps}")
+                continue
+            try:  # checked again as the files are used: a symlink may have appeared since
+                ckpt = None if ckpt is None else self.folder.path(ckpt)
+                out = self.folder.path(self.folder.name_for(trial.trial_id, stop))
+            except CheckpointPathError as err:
+                self._fail(trial, FailureKind.ENVIRONMENT, str(err))
+                continue
+            tasks.append(TrialTask(trial.trial_id, trial.config, start, stop, ckpt, out))
+        if not tasks:
             return
         self._jobs += 1
-        job_id = f"{trial.trial_id}@{stop}#{self._jobs}"
-        task = TrialTask(trial.trial_id, trial.config, start, stop, ckpt, out)
-        self._inflight[job_id] = _Flight(trial.trial_id, task, mark=self.executor.now())
-        self._job_of[trial.trial_id] = job_id
-        meta = {} if worker is None else {"worker": worker}  # a placement hint, may be ignored
-        self.executor.submit(Job(job_id, [task], attempt=trial.attempts, meta=meta))
+        first = tasks[0]
+        more = f"+{len(tasks) - 1}" if len(tasks) > 1 else ""
+        job_id = f"{first.trial_id}{more}@{first.stop_step}#{self._jobs}"
+        grouped = len(tasks) > 1
+        self._inflight[job_id] = _JobFlight([t.trial_id for t in tasks], grouped)
+        now = self.executor.now()
+        for task in tasks:
+            self._flights[task.trial_id] = _Flight(task.trial_id, task, job_id, mark=now)
+        meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
+        if grouped:
+            meta["group"] = True
+            if self.profile:  # measure the group, and each member never profiled alone
+                meta["profile"] = [t.trial_id for t in tasks if t.trial_id not in self.alone_s]
+        attempt = max(self.trials[t.trial_id].attempts for t in tasks)
+        self.executor.submit(Job(job_id, tasks, attempt=attempt, meta=meta))
 
     # ---- events ---------------------------------------------------------------------------
 
     def _on_event(self, event) -> None:
-        flight = self._inflight.get(event.job_id)
-        if flight is None:
+        job = self._inflight.get(event.job_id)
+        if job is None:
             return  # an event of a job we no longer track (cancelled)
-        trial = self.trials[flight.trial_id]
         if isinstance(event, JobStarted):
-            flight.worker, flight.started = event.worker, self.executor.now()
-            flight.mark = flight.started
-            if self.journal is not None:
-                self.journal.worker(trial.trial_id, event.worker)
-        elif isinstance(event, TrialResult):
-            self._on_result(trial, flight, event)
-        elif isinstance(event, TrialCheckpointed):
-            try:
-                name = self.folder.name(event.path)
-            except CheckpointPathError as err:  # not where it was asked to go: never used
-                _log.error("trial %s: %s reported a checkpoint outside the run: %s",
-                           trial.trial_id, type(self.executor).__name__, err)
-                return
-            if self.journal is not None:
-                self.journal.checkpoint(trial.trial_id, event.step, name)
-            trial.checkpoints[event.step] = name
-            trial.env_failures = 0  # progress: the environment works again
-            if (flight.buffered is not None and flight.outcome is None
-                    and event.step == flight.task.stop_step):
-                result, flight.buffered = flight.buffered, None
-                self._feed(trial, result, flight)
+            job.started = self.executor.now()
+            for trial_id in job.trials:
+                flight = self._flights[trial_id]
+                flight.worker, flight.started = event.worker, job.started
+                flight.mark = flight.started
+                if self.journal is not None:
+                    self.journal.worker(trial_id, event.worker)
+        elif isinstance(event, JobProfiled):
+            job.units = tuple(event.units)
+        elif isinstance(event, (TrialResult, TrialCheckpointed)):
+            flight = self._flights.get(event.trial_id)
+            if flight is None or flight.job_id != event.job_id:
+                return  # not a task of this job: ignored
+            trial = self.trials[event.trial_id]
+            if isinstance(event, TrialResult):
+                self._on_result(trial, flight, event)
+            else:
+                self._on_checkpoint(trial, flight, event)
         elif isinstance(event, (JobFinished, JobFailed)):
             self._inflight.pop(event.job_id)
-            self._job_of.pop(trial.trial_id, None)
-            self.timeline.append({"job_id": event.job_id, "trial_id": trial.trial_id,
-                                  "worker": flight.worker, "start": flight.started,
-                                  "end": self.executor.now(),
-                                  "failed": isinstance(event, JobFailed)})
+            flights = [self._flights.pop(t) for t in job.trials]
+            for flight in flights:
+                self.timeline.append({"job_id": event.job_id, "trial_id": flight.trial_id,
+                                      "worker": flight.worker, "start": flight.started,
+                                      "end": self.executor.now(),
+                                      "failed": isinstance(event, JobFailed) and not flight.done})
+            if job.grouped:
+                self._end_group(event, job, flights)
+                return
+            flight, = flights
+            trial = self.trials[flight.trial_id]
             if flight.outcome is not None:
                 return  # stopped or paused: the slot is simply free again
             if isinstance(event, JobFailed):
@@ -512,7 +626,109 @@ class TrialRunner:
                 return
             if flight.buffered is not None:  # an executor that wrote no checkpoint
                 self._feed(trial, flight.buffered, None)
-            self._after_continue(trial, flight.worker)
+            self._continue([trial], flight.worker)
+
+    def _on_checkpoint(self, trial: Trial, flight: _Flight, event: TrialCheckpointed) -> None:
+        try:
+            name = self.folder.name(event.path)
+        except CheckpointPathError as err:  # not where it was asked to go: never used
+            _log.error("trial %s: %s reported a checkpoint outside the run: %s",
+                       trial.trial_id, type(self.executor).__name__, err)
+            return
+        if event.step == flight.task.stop_step:
+            flight.done = True
+        if flight.outcome is not None and event.step > self._fed.get(trial.trial_id, 0):
+            return  # decided before it: steps the scheduler never saw (a group trains on)
+        if self.journal is not None:
+            self.journal.checkpoint(trial.trial_id, event.step, name)
+        trial.checkpoints[event.step] = name
+        trial.env_failures = 0  # progress: the environment works again
+        if (flight.buffered is not None and flight.outcome is None
+                and event.step == flight.task.stop_step):
+            result, flight.buffered = flight.buffered, None
+            self._feed(trial, result, flight)
+
+    def _end_group(self, event, job: _JobFlight, flights: list[_Flight]) -> None:
+        """A grouped job ended. Its trials that finished their segment continue (planned
+        again together); any that did not are retried alone with nothing charged to them
+        (a merged job that fails reruns its models separately, so a failure lands on the
+        model that caused it), except after a lost worker, which is every trial's
+        environment; the group's record goes to ``on_group``, reverted when measured slower
+        than its models apart."""
+        failed = isinstance(event, JobFailed)
+        live = [f for f in flights if f.outcome is None
+                and self.trials[f.trial_id].state is TrialState.RUNNING]
+        unfinished = [f for f in live if failed and not f.done]
+        errors = {t: (kind, err) for t, kind, err in getattr(event, "failures", ())}
+        # One error shared by every unfinished member (the joint backward, the group's own
+        # memory) is the group's; a model's own error the worker attributed is that model's.
+        joint = len(unfinished) > 1 and len(
+            {errors.get(f.trial_id, (None, event.error))[1] for f in unfinished}) == 1
+        record = self._group_record(event, job, joint or any(
+            f.trial_id not in errors for f in unfinished))
+        continuing: list[Trial] = []
+        for flight in live:
+            trial = self.trials[flight.trial_id]
+            if flight in unfinished:
+                kind, error = errors.get(trial.trial_id, (None, event.error))
+                if event.worker_lost:
+                    self._fail(trial, FailureKind.ENVIRONMENT, event.error, flight.task, lost=True)
+                elif kind is FailureKind.MODEL and not joint:
+                    self._fail(trial, kind, error, flight.task)
+                else:
+                    self.alone.add(trial.trial_id)
+                    record["alone"].append(trial.trial_id)
+                    self._retry_alone(trial, error)
+                continue
+            if flight.buffered is not None:  # an executor that wrote no checkpoint
+                self._feed(trial, flight.buffered, None)
+            continuing.append(trial)
+        if record["status"] == "reverted":
+            self.alone.update(job.trials)
+            record["alone"] = list(job.trials)
+        if self.on_group is not None:
+            self.on_group(record)
+        self._continue(continuing, flights[0].worker)
+
+    def _group_record(self, event, job: _JobFlight, group_failed: bool) -> dict:
+        """What the plans table keeps of a grouped job (see :meth:`_end_group`);
+        ``group_failed``: the job failed as a group, not by its models' own errors."""
+        from ..optim.cost import merged_speedup, slower_than_apart
+
+        for unit in job.units:
+            self.alone_s.update(unit.get("alone_s") or {})
+        merged = [u for u in job.units if u.get("merged")]
+        speedups = [merged_speedup(u, self.alone_s) for u in merged]
+        known = [s for s in speedups if s is not None]
+        errors = {t: f"{kind.value} error: {err}" for t, kind, err in
+                  getattr(event, "failures", ())}
+        status, reason = "merged", ""
+        if (isinstance(event, JobFailed) and group_failed and not event.worker_lost
+                and event.error != "cancelled"):
+            status = "failed"
+            reason = (event.error.strip().splitlines() or [""])[0][:500]
+        elif not merged and job.units:
+            status, reason = "not merged", "; ".join(
+                sorted({u.get("reason", "") for u in job.units}))[:500]
+        elif self.profile and any(slower_than_apart(s) for s in speedups):
+            status = "reverted"
+            reason = (f"measured {min(known):.2f}x of training its models apart: they train "
+                      f"alone from now on")
+        seconds = None if job.started is None else self.executor.now() - job.started
+        return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
+                "reason": reason, "speedup": min(known) if known else None,
+                "seconds": seconds, "units": [dict(u) for u in job.units], "errors": errors,
+                "alone": []}
+
+    def _retry_alone(self, trial: Trial, error: str) -> None:
+        """A trial that did not finish its segment in a failed grouped job: back to PENDING
+        from its last checkpoint, to train alone; not counted as its failure."""
+        trial.attempts += 1
+        first = (error.strip().splitlines() or [""])[0]
+        self._move(trial, TrialState.ERRORED, f"group error: {first}")
+        step, _ = trial.resume_point()
+        self._move(trial, TrialState.PENDING, f"retry {trial.attempts} alone from step {step}")
+
 
     def _on_result(self, trial: Trial, flight: _Flight, event: TrialResult) -> None:
         self.steps_trained += 1
@@ -555,20 +771,33 @@ class TrialRunner:
             if flight is not None:
                 flight.outcome = _Outcome.PAUSE
                 if mid_segment:  # resumes from the last checkpoint, redoing these steps
-                    self.executor.cancel(self._job_of[trial.trial_id])
+                    self._cancel_if_unwanted(flight.job_id)
         self._after_scheduler()
 
-    def _after_continue(self, trial: Trial, worker: str | None) -> None:
-        """A segment ended with CONTINUE: train the next one at once, preferably on the same
-        worker (or pause on budget)."""
-        if trial.state is not TrialState.RUNNING:
-            return
-        if self.stop_reason is not None:
-            self._move(trial, TrialState.PAUSED, "run stopped: the environment keeps failing")
-        elif self.budget_hit():
-            self._move(trial, TrialState.PAUSED, "budget exhausted")
-        else:
-            self._submit(trial, worker)
+    def _continue(self, trials: list[Trial], worker: str | None) -> None:
+        """Segments ended with CONTINUE: train the next ones at once, preferably on the same
+        worker (or pause on budget). Trials that still share a key continue as one job,
+        filled up with waiting trials of that key; the others each in their own."""
+        go: list[Trial] = []
+        for trial in trials:
+            if trial.state is not TrialState.RUNNING:
+                continue
+            if self.stop_reason is not None:
+                self._move(trial, TrialState.PAUSED, "run stopped: the environment keeps failing")
+            elif self.budget_hit():
+                self._move(trial, TrialState.PAUSED, "budget exhausted")
+            else:
+                go.append(trial)
+        batches: dict[Hashable, list[Trial]] = {}
+        for trial in go:
+            key = self._key(trial)
+            batches.setdefault(("alone", trial.trial_id) if key is None else key, []).append(trial)
+        for i, batch in enumerate(batches.values()):
+            chunks = [batch[j:j + self.batch_models] for j in range(0, len(batch), self.batch_models)]
+            for k, chunk in enumerate(chunks):
+                chunk = [*chunk, *self._companions(chunk)] if self._key(chunk[0]) is not None else chunk
+                self._launch(chunk, worker if i == 0 and k == 0 else None)
+
 
     def _fail(self, trial: Trial, kind: FailureKind, error: str, task: TrialTask | None = None,
               lost: bool = False) -> None:

@@ -38,8 +38,8 @@ from typing import Any, Callable
 from ..refs import resolve_ref  # the one resolver: the references the driver made (refs.py)
 from .checkpoint import CheckpointError
 from .executors.base import (
-    Event, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
-    TrialTask, combined_kind,
+    Event, FailureKind, Job, JobFailed, JobFinished, JobProfiled, JobStarted, TrialCheckpointed,
+    TrialResult, TrialTask, combined_kind,
 )
 
 __all__ = ["resolve_ref", "WorkerContext", "run_job", "describe_error", "classify_error"]
@@ -183,6 +183,7 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
             kinds[task.trial_id] = classify_error(err, loading=task.checkpoint_in is not None)
     tasks = {task.trial_id: task for task in job.tasks}
     units = _units(job, [task for task in job.tasks if task.trial_id in runs], runs, context)
+    reports = [unit for unit in units if hasattr(unit, "report")]
     while units:
         for unit in list(units):  # one step of each unit (a task alone, or a group) in turn
             if cancelled():
@@ -217,24 +218,30 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
             if not unit.trials:
                 units.remove(unit)
     _release_cuda_cache()
+    if job.meta.get("group"):
+        emit(JobProfiled(job.job_id, tuple(unit.report() for unit in reports)))
+    every = tuple((t, kinds[t], e) for t, e in failures.items())
     if not failures:
         emit(JobFinished(job.job_id))
     elif len(failures) == 1:
         (trial_id, error), = failures.items()
-        emit(JobFailed(job.job_id, trial_id, error, kind=kinds[trial_id]))
+        emit(JobFailed(job.job_id, trial_id, error, kind=kinds[trial_id], failures=every))
     else:
         emit(JobFailed(job.job_id, None,
                        "\n".join(f"trial {t}: {e}" for t, e in failures.items()),
-                       kind=combined_kind(kinds.values())))
+                       kind=combined_kind(kinds.values()), failures=every))
 
 
 class _Alone:
     """One task trained by its :class:`TrialRun` alone, in the interface of a
-    :class:`~.grouped.TrainingGroup` (``trials``, ``train_epoch``, ``drop``)."""
+    :class:`~.grouped.TrainingGroup` (``trials``, ``train_epoch``, ``drop``; ``report`` when
+    a grouped job trains it alone, saying why)."""
 
-    def __init__(self, task: TrialTask, run: Any):
+    def __init__(self, task: TrialTask, run: Any, why: str | None = None):
         self.task, self.run = task, run
         self.trials: tuple[str, ...] = (task.trial_id,)
+        if why is not None:
+            self.report = lambda: {"trials": [task.trial_id], "merged": False, "reason": why}
 
     def train_epoch(self) -> dict[str, Any]:
         if self.run.step >= self.task.stop_step:  # nothing to train: only the checkpoint
@@ -274,10 +281,14 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
         _trainer_key(t.spec["trainer"]), keys[t.trial_id],
         (runs[t.trial_id].epoch, runs[t.trial_id].batch), t.stop_step - runs[t.trial_id].step)
         for t in tasks]
+    profile = job.meta.get("profile")  # None: not measured; a list: measured, these alone too
     units: list = []
     for ids in group_tasks(candidates):
         if len(ids) == 1:
-            units.append(_Alone(by_id[ids[0]], runs[ids[0]]))
+            c = next(c for c in candidates if c.trial_id == ids[0])
+            why = ("its trainer's data_key is None: it shares no data pipeline" if c.data_key is None
+                   else "no other task of the job has its space, trainer, data key and position")
+            units.append(_Alone(by_id[ids[0]], runs[ids[0]], why))
             continue
         try:
             space = context.space(by_id[ids[0]].spec["space"])
@@ -286,11 +297,14 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             grouped = []
             for group in plan.groups():
                 if len(group) == 1:
-                    grouped.append(_Alone(by_id[group[0]], runs[group[0]]))
+                    grouped.append(_Alone(by_id[group[0]], runs[group[0]],
+                                          "the plan gives it no input in common with the others"))
                 else:
-                    grouped.append(TrainingGroup(plan.restrict(group), runs, runs[ids[0]].trainer))
-        except Exception:  # noqa: BLE001 (cannot plan or build them together: train them alone)
-            grouped = [_Alone(by_id[t], runs[t]) for t in ids]
+                    grouped.append(TrainingGroup(plan.restrict(group), runs, runs[ids[0]].trainer,
+                                                 profile=profile))
+        except Exception as err:  # noqa: BLE001 (cannot plan or build them together: alone)
+            why = f"planning or building the group failed: {type(err).__name__}: {err}"[:500]
+            grouped = [_Alone(by_id[t], runs[t], why) for t in ids]
         units.extend(grouped)
     return units
 

@@ -92,11 +92,26 @@ class JobFailed:
     error: str
     worker_lost: bool = False
     kind: FailureKind | None = None
+    # (trial, kind, error) of every trial that failed, when the worker knows (a job of
+    # several tasks); a trial of the job named neither here nor by a TrialCheckpointed at
+    # its stop step did not finish its segment for a reason not its own.
+    failures: tuple[tuple[str, FailureKind, str], ...] = ()
 
     def __post_init__(self):
         if self.kind is None:
             lost = FailureKind.ENVIRONMENT if self.worker_lost else FailureKind.MODEL
             object.__setattr__(self, "kind", lost)
+
+
+@dataclass(frozen=True)
+class JobProfiled:
+    """What the worker measured of a grouped job (before its terminal event): one entry per
+    unit it trained, ``{"trials": [...], "merged": bool, "reason": str, "batches": int,
+    "load_s": float, "compute_s": float, "alone_s": {trial: seconds per step}}``, read by
+    :func:`retiarii.optim.cost.merged_speedup`. Executors pass it on like any event."""
+
+    job_id: str
+    units: tuple[dict, ...]
 
 
 def pick_slot(idle: list, job: Job):
@@ -117,7 +132,7 @@ def combined_kind(kinds) -> FailureKind:
     return FailureKind.MODEL
 
 
-Event = JobStarted | TrialResult | TrialCheckpointed | JobFinished | JobFailed
+Event = JobStarted | TrialResult | TrialCheckpointed | JobProfiled | JobFinished | JobFailed
 
 
 class Executor(abc.ABC):

@@ -1,0 +1,92 @@
+"""The ``plans`` table: what cross-model optimization did, one row per grouped job.
+
+The runner reports each grouped job as it ends (:meth:`~.trials.TrialRunner` ``on_group``);
+the experiment writes it here. A row says which trials trained together, which passes
+applied, whether the group was kept (``merged``), ``reverted`` (measured slower than its
+models apart: they train alone from then on), ``failed`` (its failed trials retry alone) or
+``not merged`` (the worker could not plan them together, and why), with the measured
+speed-up and the worker's measurements. ``retiarii status`` summarises it
+(:func:`plan_summary`); a resumed experiment reads back which trials must stay alone and the
+profiles already measured (:func:`alone_trials`, :func:`alone_profiles`).
+
+Example::
+
+    plans = PlanTable(store)
+    plans.add({"job_id": "j", "trials": ["a", "b"], "status": "merged", "speedup": 1.8})
+    plans.summary()["merged_trials"]     # 2
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+__all__ = ["PlanTable"]
+
+PASSES = ["cse"]  # what build_plan + the worker's passes apply today (docs/optimization.md)
+
+
+class PlanTable:
+    """The current experiment's rows of ``plans`` in a :class:`~.store.Store`."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def add(self, record: dict) -> None:
+        """Write one grouped job's record (what ``TrialRunner.on_group`` gives)."""
+        self.store.flush()  # after the trials' own rows: a row never names a trial not written
+        self.store.db["plans"].insert({
+            "experiment_id": self.store.experiment_id, "job_id": record.get("job_id"),
+            "trials": json.dumps(list(record["trials"])),
+            "passes": json.dumps(record.get("passes", PASSES)),
+            "status": record["status"], "reason": record.get("reason") or "",
+            "alone": json.dumps(list(record.get("alone") or [])),
+            "speedup": record.get("speedup"), "seconds": record.get("seconds"),
+            "units": json.dumps(record.get("units") or []), "time": time.time()})
+
+    def rows(self) -> list[dict]:
+        """Every row of the current experiment, oldest first, JSON columns decoded."""
+        self.store.flush()
+        out = []
+        for row in self.store.db["plans"].rows_where("experiment_id = ?", [self.store.experiment_id],
+                                                    order_by="id"):
+            out.append({**row, "trials": json.loads(row["trials"]),
+                        "alone": json.loads(row["alone"] or "[]"),
+                        "passes": json.loads(row["passes"] or "[]"),
+                        "units": json.loads(row["units"] or "[]")})
+        return out
+
+    def alone_trials(self) -> set[str]:
+        """Trials of reverted groups, and those a failed group sent to retry alone: they
+        train alone for the rest of the search."""
+        return {t for row in self.rows() for t in row["alone"]}
+
+    def alone_profiles(self) -> dict[str, float]:
+        """Trial -> its separate step time, as profiled in a grouped job."""
+        out: dict[str, float] = {}
+        for row in self.rows():
+            for unit in row["units"]:
+                out.update(unit.get("alone_s") or {})
+        return out
+
+    def summary(self) -> dict:
+        """What ``retiarii status`` shows: grouped jobs by status, how many trials trained
+        merged, and the measured speed-up of the kept groups (median and range)."""
+        rows = self.rows()
+        by_status: dict[str, int] = {}
+        for row in rows:
+            by_status[row["status"]] = by_status.get(row["status"], 0) + 1
+        merged = [row for row in rows if row["status"] == "merged"]
+        speedups = [row["speedup"] for row in merged if row["speedup"] is not None]
+        out = {"jobs": by_status,
+               "merged_trials": len({t for row in merged for t in row["trials"]}),
+               "alone_after_revert_or_failure": len(self.alone_trials())}
+        if speedups:
+            out["speedup"] = {"median": round(statistics.median(speedups), 3),
+                              "min": round(min(speedups), 3), "max": round(max(speedups), 3),
+                              "measured_jobs": len(speedups)}
+        reasons = sorted({row["reason"] for row in rows
+                          if row["status"] != "merged" and row["reason"]})
+        if reasons:
+            out["why_not_merged"] = reasons[:5]
+        return out
