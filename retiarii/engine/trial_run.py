@@ -213,7 +213,10 @@ class TrialRun:
         ckpt.save(path, self.state_dict())
 
     def _load(self, path: str) -> None:
-        state = ckpt.load(path, map_location=self.device)
+        # Read onto the CPU whatever the device: the RNG states must be CPU tensors (torch and
+        # numpy take no others), and load_state_dict moves weights and optimizer moments to
+        # their parameters' device. So a checkpoint written on a GPU resumes anywhere.
+        state = ckpt.load(path, map_location="cpu")
         try:
             self.model.load_state_dict(state["model"])
             fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
