@@ -143,7 +143,7 @@ def test_local_executor_has_one_slot_per_gpu_each_with_its_own_device():
     # every worker sees one GPU, its own (the ids the executor gave its slots)
     slots = {slot.name: slot.device for slot in ex._slots}
     for worker, visible in seen.items():
-        assert str(int(visible)) == slots[worker].split(",")[0], (worker, visible, slots)
+        assert str(int(visible)) == slots[worker], (worker, visible, slots)
 
 
 def test_cpu_only_workers_do_not_see_the_gpus():
