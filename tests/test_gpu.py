@@ -7,7 +7,8 @@ with the reason when torch sees no CUDA device).
   kernels; within rtol 1e-5 with the defaults the engine runs with), and a checkpoint written
   on the GPU resumes on the CPU and back;
 - a grouped job on the GPU gives every trial the metrics and weights of training it alone
-  (rtol 1e-5), with dropout and train-mode BatchNorm in the heads;
+  (rtol 1e-5), with dropout and train-mode BatchNorm in the heads; a group's own tensor
+  constants live on the models' GPU;
 - a real CUDA out-of-memory fails only its trial, as the environment's fault, and the worker
   trains its next job.
 
@@ -40,6 +41,8 @@ from retiarii.engine.store import Store
 from retiarii.engine.trainer import ClassifierTrainer
 from retiarii.engine.trial_run import TrialRun
 from retiarii.engine.worker import WorkerContext, _open_task, _units, classify_error
+from retiarii.optim import build_group, build_plan, cse
+from retiarii.optim.plan import PlanModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False")]
@@ -311,6 +314,37 @@ def test_a_grouped_job_on_the_gpu_equals_each_task_alone(tmp_path):
     for g, s in zip(grouped, alone):
         _close(ckpt.load(g.checkpoint_out), ckpt.load(s.checkpoint_out), exact=False,
                where=g.trial_id)
+
+
+class WithConstants(nn.Module):
+    """A frozen stem, a non-persistent buffer and a tensor constant (a CONST node the group
+    module makes itself, not adopted from a model), then a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 6).requires_grad_(False)
+        self.register_buffer("mask", torch.ones(6), persistent=False)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):  # (B, 6) -> (B, 3)
+        return self.head(self.stem(x) * self.mask + torch.tensor([1., 2., 3., 4., 5., 6.]))
+
+
+def test_a_group_on_the_gpu_keeps_its_constants_on_the_gpu():
+    torch.manual_seed(0)
+    space = rt.ModelSpace(WithConstants(), [rt.apply_mutator("head", rt.mutators.OperatorMutator(
+        {"a": nn.Linear(6, 3), "b": nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))},
+        label="h"))], example_input=torch.randn(2, 6))
+    plan = cse(build_plan([PlanModel(f"t{i}", m, "data") for i, m in
+                           enumerate(space.enumerate())])).plan
+    assert "_tensor_constant0" in {plan.nodes[k].name for k in plan.shared}
+    models = {m.trial_id: space.build(m.model.sample, check=False).cuda() for m in plan.models}
+    group = build_group(plan, models)
+    assert all(b.is_cuda for b in group.buffers()) and all(p.is_cuda for p in group.parameters())
+    x = torch.randn(5, 6, device="cuda")
+    got = group(x)
+    for trial, model in models.items():
+        assert torch.equal(got[trial], model(x)), trial
 
 
 # ---- 4. A real CUDA out-of-memory ---------------------------------------------------------------
