@@ -59,16 +59,18 @@ def _ref(attr: str) -> str:
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _drain(ex: LocalExecutor, job_id: str) -> list:
-    """The events of ``job_id`` up to its terminal one."""
-    events = []
-    while True:
+def _drain(ex: LocalExecutor, *job_ids: str) -> dict[str, list]:
+    """job id -> its events up to its terminal one, for every job of ``job_ids``."""
+    events: dict[str, list] = {job_id: [] for job_id in job_ids}
+    running = set(job_ids)
+    while running:
         event = ex.next_event(timeout=TIMEOUT)
         assert event is not None, f"no event in {TIMEOUT} s"
-        if event.job_id == job_id:
-            events.append(event)
-        if isinstance(event, (JobFinished, JobFailed)) and event.job_id == job_id:
-            return events
+        if event.job_id in events:
+            events[event.job_id].append(event)
+            if isinstance(event, (JobFinished, JobFailed)):
+                running.discard(event.job_id)
+    return events
 
 
 def _close(a, b, exact: bool, where: str = "") -> None:
@@ -136,8 +138,7 @@ def test_local_executor_has_one_slot_per_gpu_each_with_its_own_device():
         for job in jobs:
             ex.submit(job)
         seen = {}
-        for job in jobs:
-            events = _drain(ex, job.job_id)
+        for events in _drain(ex, *(job.job_id for job in jobs)).values():
             assert isinstance(events[-1], JobFinished), events[-1]
             (result,) = [e for e in events if isinstance(e, TrialResult)]
             assert result.metrics["on_cuda"] == 1.0 and result.metrics["gpus_seen"] == 1.0
@@ -154,7 +155,7 @@ def test_cpu_only_workers_do_not_see_the_gpus():
     with LocalExecutor(num_workers=1, devices=[], heartbeat_interval=0.5) as ex:
         ex.submit(Job("cpu", [TrialTask("c", {"space": _ref("OOM_SPACE"), "sample": {},
                                               "trainer": _ref("DEVICE_TRAINER")}, 0, 1)]))
-        events = _drain(ex, "cpu")
+        events = _drain(ex, "cpu")["cpu"]
     assert isinstance(events[-1], JobFinished), events[-1]
     (result,) = [e for e in events if isinstance(e, TrialResult)]
     assert result.metrics["on_cuda"] == 0.0 and result.metrics["gpus_seen"] == 0.0
@@ -378,22 +379,26 @@ def test_a_real_cuda_out_of_memory_is_the_environments_fault():
     assert classify_error(info.value) is FailureKind.ENVIRONMENT
 
 
-def _oom_task(trial: str, tmp_path: Path, greedy: bool = False, seed: int = 0) -> TrialTask:
+def _oom_task(trial: str, folder: Path, greedy: bool = False, seed: int = 0) -> TrialTask:
+    folder.mkdir(exist_ok=True)
     return TrialTask(trial, {"space": _ref("OOM_SPACE"), "sample": {"greedy": greedy},
                              "trainer": OOM_TRAINER, "seed": seed},
-                     0, 2, None, str(tmp_path / f"{trial}-2.pt"))
+                     0, 2, None, str(folder / f"{trial}-2.pt"))
 
 
 def test_a_cuda_out_of_memory_fails_only_its_trial_and_the_worker_trains_on(tmp_path):
     with LocalExecutor(num_workers=1, heartbeat_interval=0.5) as ex:
         assert ex.wait_ready(timeout=TIMEOUT)
         pids = ex.worker_pids()
+        ex.submit(Job("j0", [_oom_task("ok1", tmp_path / "ref", seed=1),
+                             _oom_task("ok2", tmp_path / "ref", seed=2)]))
+        reference = _drain(ex, "j0")["j0"]
         ex.submit(Job("j1", [_oom_task("ok1", tmp_path, seed=1),
                              _oom_task("oom", tmp_path, greedy=True),
                              _oom_task("ok2", tmp_path, seed=2)]))
-        first = _drain(ex, "j1")
+        first = _drain(ex, "j1")["j1"]
         ex.submit(Job("j2", [_oom_task("after", tmp_path, seed=3)]))
-        second = _drain(ex, "j2")
+        second = _drain(ex, "j2")["j2"]
         assert ex.worker_pids() == pids, "the worker was restarted"
     end = first[-1]
     assert isinstance(end, JobFailed) and end.trial_id == "oom" and not end.worker_lost
@@ -404,8 +409,12 @@ def test_a_cuda_out_of_memory_fails_only_its_trial_and_the_worker_trains_on(tmp_
     assert sorted((e.trial_id, e.step) for e in results) == \
         [("ok1", 1), ("ok1", 2), ("ok2", 1), ("ok2", 2)]
     assert all(math.isfinite(v) for e in results for v in e.metrics.values())
+    # the others trained as in a job without the greedy trial (j0), in the same worker
+    assert isinstance(reference[-1], JobFinished), reference[-1]
+    _close({(e.trial_id, e.step): e.metrics for e in reference if isinstance(e, TrialResult)},
+           {(e.trial_id, e.step): e.metrics for e in results}, exact=False)
     assert isinstance(second[-1], JobFinished), second[-1]
-    assert [e.worker for e in first + second if isinstance(e, JobStarted)] == ["local-0"] * 2
-    # the others of the first job trained as if the greedy one had not been there
+    assert [e.worker for e in reference + first + second if isinstance(e, JobStarted)] == \
+        ["local-0"] * 3
     assert [e.step for e in second if isinstance(e, TrialResult)] == [1, 2]
     assert os.path.exists(tmp_path / "after-2.pt")
