@@ -101,6 +101,10 @@ _OVERRIDES: dict[str, dict[str, Callable[[nn.Module], Any]]] = {
     "Embedding": {"_weight": lambda m: None, "_freeze": lambda m: not m.weight.requires_grad},
 }
 _OVERRIDES["TransformerDecoderLayer"] = _OVERRIDES["TransformerEncoderLayer"]
+# The stacks keep deep copies of the layer they were given, never the argument itself; the
+# first copy re-creates it (the verification checks that every layer has its structure).
+_OVERRIDES["TransformerEncoder"] = {"encoder_layer": lambda m: m.layers[0]}
+_OVERRIDES["TransformerDecoder"] = {"decoder_layer": lambda m: m.layers[0]}
 
 
 @functools.lru_cache(maxsize=None)  # inspect.signature is slow; classes are few

@@ -647,6 +647,29 @@ def test_leaf_spec_records_constructor_arguments():
                                        "kwargs": {"init": 0.5}}
 
 
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+def test_transformer_stacks_are_recreated_from_their_layers(stack):
+    """nn.TransformerEncoder/Decoder keep copies of the layer they were given, not the
+    argument: the spec re-creates it from the first copy, final norm included."""
+    from retiarii.modspec import build_module, module_spec
+
+    if stack == "encoder":
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        module = nn.TransformerEncoder(layer, 3, norm=nn.LayerNorm(8), enable_nested_tensor=False)
+    else:
+        layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.1, norm_first=True)
+        module = nn.TransformerDecoder(layer, 2)
+    spec = json.loads(json.dumps(module_spec(module)))
+    rebuilt = build_module(spec)
+    assert repr(rebuilt) == repr(module) and len(rebuilt.layers) == len(module.layers)
+    rebuilt.load_state_dict(module.state_dict())  # same names and shapes
+    module.eval()
+    rebuilt.eval()
+    x = torch.randn(2, 5, 8) if stack == "encoder" else torch.randn(5, 2, 8)
+    args = (x,) if stack == "encoder" else (x, torch.randn(4, 2, 8))
+    assert torch.equal(rebuilt(*args), module(*args))
+
+
 # ---- bad input: corrupt JSON, newer schema ----------------------------------------------------
 
 

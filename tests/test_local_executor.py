@@ -331,3 +331,23 @@ def test_each_worker_sees_its_own_gpu_round_robin():
         ex.submit(Job("j-cpu", [TrialTask("j-cpu", spec(trainer=ref("DEVICE_REPORTING")), 0, 1)]))
         result = next(e for e in wait_for(ex, ["j-cpu"]) if isinstance(e, TrialResult))
     assert result.metrics["visible_device"] == -1.0
+
+
+@pytest.mark.parametrize("inherited, count, expected", [
+    (None, 2, ["0", "1"]),  # this process sees every GPU: CUDA's own numbering
+    ("3,5", 2, ["3", "5"]),  # this process was given GPUs 3 and 5: its workers get those
+    ("GPU-a1, GPU-b2", 2, ["GPU-a1", "GPU-b2"]),  # UUIDs pass through
+    ("4,9", 1, ["4"]),  # CUDA stops at an invalid entry: only the GPUs torch counts
+    ("", 0, []),  # no GPU for this process: CPU-only workers
+])
+def test_default_devices_are_this_processs_own_gpus(monkeypatch, inherited, count, expected):
+    """A driver started with CUDA_VISIBLE_DEVICES=3,5 must hand its workers "3" and "5", not
+    "0" and "1" (which would name the machine's first GPUs, another job's perhaps)."""
+    from retiarii.engine.executors.local import visible_gpus
+
+    if inherited is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", inherited)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert visible_gpus() == expected

@@ -78,6 +78,43 @@ def test_frozen_embedding():
     assert cse(plan).plan.executions() == 3 + 2 * 4
 
 
+class Encoder(nn.Module):
+    """A frozen embedding and nn.TransformerEncoder (an opaque node: fx keeps torch.nn
+    layers whole) feeding a trainable head: a frozen text encoder and its task head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8))
+        self.emb.requires_grad_(False)
+        self.enc.requires_grad_(False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):  # (B, L) -> (B, L, 8) -> (B, 3)
+        return self.head(self.enc(self.emb(tokens)).mean(1))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_frozen_transformer_encoder_is_computed_once(train):
+    space = space_of(Encoder(), 8, torch.randint(0, 50, (2, 7)))
+    assert space.bases[0][0]["enc"].op.spec["frozen"] is True
+    plan = plan_of(space, 4)
+    assert plan.executions() == 6 * 4  # tokens emb enc mean head output
+    result = cse(plan)
+    assert result.plan.executions() == 4 + 2 * 4
+    assert {result.plan.nodes[k].name for k in result.plan.shared} == {"tokens", "emb", "enc", "mean"}
+    # one encoder object serves the group, and each model's output is its output alone
+    built = {m.trial_id: space.build(m.model.sample, check=False) for m in result.plan.models}
+    alone = {t: copy.deepcopy(m).train(train) for t, m in built.items()}
+    module = build_group(result.plan, built).train(train)
+    assert len({id(m.enc) for m in built.values()}) == 1
+    x = torch.randint(0, 50, (5, 7))
+    got = module(x)
+    for t, model in alone.items():
+        assert torch.equal(got[t], model(x)), t
+
+
 def test_trainable_prefix_shares_only_the_data_and_frozen_tensors():
     plan = cse(plan_of(space_of(Backbone(frozen=False), 12, torch.randn(2, 6)), 3)).plan
     assert {plan.nodes[k].name for k in plan.shared} == {"x", "scale"}

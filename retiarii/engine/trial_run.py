@@ -213,9 +213,9 @@ class TrialRun:
         ckpt.save(path, self.state_dict())
 
     def _load(self, path: str) -> None:
-        # To the CPU: RNG states must be CPU tensors (a CUDA-mapped checkpoint could not be
-        # resumed on a GPU), and load_state_dict moves weights and optimizer moments to the
-        # device of the parameters they belong to.
+        # Read onto the CPU whatever the device: the RNG states must be CPU tensors (torch and
+        # numpy take no others), and load_state_dict moves weights and optimizer moments to
+        # their parameters' device. So a checkpoint written on a GPU resumes anywhere.
         state = ckpt.load(path, map_location="cpu")
         try:
             self.model.load_state_dict(state["model"])

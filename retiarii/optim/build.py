@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
@@ -152,9 +153,11 @@ def _same_values(a: Any, b: Any) -> bool:
         for k in sa)
 
 
-def _emit(graph: Graph, adopt: Callable[[Node], tuple[nn.Module, str] | None]) -> nn.Module:
+def _emit(graph: Graph, adopt: Callable[[Node], tuple[nn.Module, str] | None],
+          device: torch.device | None) -> nn.Module:
     """The cell's fx module, its modules and tensors then replaced by the adopted ones
-    (``adopt(node) -> (model, attr)``, None: keep the emitted one, e.g. a constant)."""
+    (``adopt(node) -> (model, attr)``, None: keep the emitted one, e.g. a constant), and
+    what it keeps moved to ``device``, the models' (None: leave it where it was made)."""
     with torch.random.fork_rng(devices=[]):  # emitting inits fresh weights: not in any stream
         module = to_module(graph, "Cell")
     owners = {n.attr for n in graph.nodes if n.kind in ("module", "subgraph")}
@@ -168,7 +171,21 @@ def _emit(graph: Graph, adopt: Callable[[Node], tuple[nn.Module, str] | None]) -
         source = adopt(node)
         if source is not None:
             _set(module, node.attr, _get(*source))
+    if device is not None:  # only the kept tensors (constants) are elsewhere: made on the CPU
+        for owner in module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    owner._buffers[name] = buffer.to(device)
     return module
+
+
+def _device(models: Mapping[str, nn.Module]) -> torch.device | None:
+    """Where the models live (a model trains on one device), or None when they hold no
+    tensor."""
+    for model in models.values():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            return tensor.device
+    return None
 
 
 def _inverse(plan: LogicalPlan) -> dict[str, dict[str, int]]:
@@ -280,12 +297,13 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
     shared_cell.lint()
 
     # 4. Emit each cell through codegen; adopt the models' modules.
+    device = _device(models)
     shared_module = _emit(shared_cell, lambda n: (models[cell_attr[n.attr][0]],
-                                                  cell_attr[n.attr][1]))
+                                                  cell_attr[n.attr][1]), device)
     parts = []
     for trial, cell in zip(trials, own_cells):
         cell.lint()
-        parts.append(_emit(cell, lambda n, t=trial: (models[t], n.attr)))
+        parts.append(_emit(cell, lambda n, t=trial: (models[t], n.attr), device))
     merged = _merged_graph(shared_cell, own_cells, reads, trials)
     return GroupModule(merged, shared_module, parts, reads, clones, trials,
                        {t: models[t] for t in trials})

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 
-__all__ = ["LocalExecutor"]
+__all__ = ["LocalExecutor", "visible_gpus"]
 
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide: children start one at a time
 _BROKEN = object()  # queued when a slot cannot start; next_event raises
@@ -88,6 +88,25 @@ def _worker_main(name: str, jobs_in, events_out, heartbeat_interval: float, thre
         pass  # the driver closed our pipes: exit quietly
     finally:
         stop.set()
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as a worker's ``CUDA_VISIBLE_DEVICES`` takes them:
+    this process's own list when it has one (a worker told "0" would otherwise use the
+    machine's first GPU, not this process's first), else ``0 .. count - 1``.
+
+    Example::
+
+        visible_gpus()   # CUDA_VISIBLE_DEVICES=2,3 on a 4-GPU machine: ["2", "3"]
+    """
+    import torch
+
+    count = torch.cuda.device_count()
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None:
+        return [str(i) for i in range(count)]
+    # CUDA stops reading the list at its first invalid entry: the first `count` are the GPUs.
+    return [name.strip() for name in inherited.split(",") if name.strip()][:count]
 
 
 class _Inbox:
@@ -148,8 +167,8 @@ class LocalExecutor(Executor):
     Args:
         num_workers: slots. Default: one per device in ``devices``, or one per CPU core when
             there is no GPU. More workers than GPUs share them round-robin.
-        devices: GPU ids for ``CUDA_VISIBLE_DEVICES``. Default: every GPU torch sees; ``[]``
-            forces CPU-only workers.
+        devices: GPU ids for ``CUDA_VISIBLE_DEVICES``, as this machine names them. Default:
+            every GPU this process sees (:func:`visible_gpus`); ``[]`` forces CPU-only workers.
         threads_per_worker: torch threads in each worker. Default: cores // num_workers (at
             least 1), so the workers together use the machine without oversubscribing it.
         heartbeat_interval: seconds between a worker's heartbeats.
@@ -166,9 +185,7 @@ class LocalExecutor(Executor):
                  heartbeat_timeout: float | None = 120.0, startup_timeout: float = 300.0,
                  cancel_grace: float = 30.0):
         if devices is None:
-            import torch
-
-            devices = list(range(torch.cuda.device_count()))
+            devices = visible_gpus()
         self.devices = [str(d) for d in devices]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if num_workers is None:
