@@ -138,6 +138,16 @@ def test_data_key_names_what_the_batches_depend_on(folder, tmp_path):
     assert OwnBatches(**_config(folder)).data_key({}) is None
 
 
+def test_a_validation_folder_replaces_the_held_out_share(folder, tmp_path):
+    val = data.make_jpeg_folder(str(tmp_path / "val"), classes=3, per_class=2, size=24, seed=7)
+    trainer = ImageFolderTrainer(**_config(folder, val_dataset=val))
+    batches = list(trainer.val_dataloader({}))
+    assert torch.equal(torch.cat([y for _, y in batches]), torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert sum(len(y) for _, y in trainer.train_dataloader({}, 0)) == 36  # all of `dataset`
+    key = trainer.data_key({})
+    assert os.path.abspath(val) in key and key != ImageFolderTrainer(**_config(folder)).data_key({})
+
+
 def test_the_worker_rebuilds_it_from_its_spec(folder):
     trainer = ImageFolderTrainer(**_config(folder, loader="torch", flip=False))
     rebuilt = WorkerContext().trainer(trainer.to_spec())
@@ -152,6 +162,9 @@ def test_bad_settings_get_clear_errors(folder, tmp_path, monkeypatch):
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="ImageFolder layout"):
         ImageFolderTrainer(**_config(str(tmp_path / "empty"))).train_dataloader({}, 0)
+    other = data.make_jpeg_folder(str(tmp_path / "four"), classes=4, per_class=1, size=24)
+    with pytest.raises(FileNotFoundError, match=r"\['class3'\] extra"):
+        ImageFolderTrainer(**_config(folder, val_dataset=other)).val_dataloader({})
     with pytest.raises(TypeError, match="unknown settings"):
         ImageFolderTrainer(dataset=folder, workers=2)
     monkeypatch.setattr(data, "dali_available", lambda: False)

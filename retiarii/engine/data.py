@@ -63,9 +63,10 @@ def scan_folder(root: str, classes: Sequence[str] | None = None) -> Folder:
         raise FileNotFoundError(f"image folder {root} does not exist")
     found = sorted(e.name for e in os.scandir(root) if e.is_dir())
     classes = tuple(classes) if classes is not None else tuple(found)
-    missing = sorted(set(classes) - set(found))
-    if missing:
-        raise FileNotFoundError(f"image folder {root} lacks the class folders {missing}")
+    missing, extra = sorted(set(classes) - set(found)), sorted(set(found) - set(classes))
+    if missing or extra:  # a validation folder whose classes are not the training folder's
+        raise FileNotFoundError(f"image folder {root} has other classes than {list(classes)}: "
+                                f"{missing} missing, {extra} extra")
     digest = hashlib.sha256()
     files, labels = [], []
     for label, name in enumerate(classes):
