@@ -7,6 +7,7 @@ from . import engine, mutators, nn, ops, strategies
 from .cell import Cell
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .engine import Experiment, ExperimentError
+from .engine.image_trainer import ImageFolderTrainer
 from .engine.trainer import ClassifierTrainer as Trainer
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
@@ -20,7 +21,7 @@ from .trace import TraceError, trace
 __version__ = "0.1.0"
 
 __all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "Graph", "GraphError",
-           "InputChoice", "LayerChoice", "Model", "ModelSpace",
+           "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
            "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
            "apply_mutator", "engine", "leaf", "mutators", "nn", "ops", "strategies", "trace"]

@@ -6,5 +6,6 @@ from .checkpoint import CheckpointError
 from .executors.local import LocalExecutor
 from .store import Store, StoreError
 from .trainer import ClassifierConfig, ClassifierTrainer, Trainer
+from .image_trainer import ImageFolderConfig, ImageFolderTrainer
 from .trial_run import TrainingError, TrialRun
 from .experiment import EnvironmentFailure, Experiment, ExperimentError

@@ -184,12 +184,15 @@ class ClassifierTrainer(Trainer):
         config: a :class:`ClassifierConfig`; keyword arguments override its fields.
     """
 
+    config_class: type = ClassifierConfig  # a subclass with its own settings names its own
+
     def __init__(self, config: ClassifierConfig | None = None, **overrides: Any):
-        names = {f.name for f in dataclasses.fields(ClassifierConfig)}
+        names = {f.name for f in dataclasses.fields(self.config_class)}
         unknown = sorted(set(overrides) - names)
         if unknown:
-            raise TypeError(f"ClassifierTrainer got unknown settings {unknown}; known: {sorted(names)}")
-        self.config = dataclasses.replace(config or ClassifierConfig(), **overrides)
+            raise TypeError(f"{type(self).__name__} got unknown settings {unknown}; "
+                            f"known: {sorted(names)}")
+        self.config = dataclasses.replace(config or self.config_class(), **overrides)
         self._splits: dict[tuple, tuple] = {}
 
     @property
