@@ -67,17 +67,27 @@ def run_mode(mode: str, args, folder: str) -> dict:
             "plans": plans, "best": best}
 
 
-def same_curves(a: dict, b: dict, rtol: float) -> bool:
+def differences(a: dict, b: dict) -> dict[str, float]:
+    """The largest difference per metric between two runs' curves: relative for the losses,
+    absolute for the accuracy (one validation image is 1/360 on digits); inf if the models
+    or the number of epochs differ."""
+    out = {"train_loss": 0.0, "val_loss": 0.0, "val_acc": 0.0}
     if a.keys() != b.keys():
-        return False
+        return {name: math.inf for name in out}
     for key in a:
-        for name in a[key]:
+        for name in out:
             x, y = a[key][name], b[key][name]
             if len(x) != len(y):
-                return False
-            if any(not math.isclose(u, v, rel_tol=rtol, abs_tol=rtol) for u, v in zip(x, y)):
-                return False
-    return True
+                return {name: math.inf for name in out}
+            for u, v in zip(x, y):
+                d = abs(u - v) if name == "val_acc" else abs(u - v) / max(abs(v), 1e-12)
+                out[name] = max(out[name], d)
+    return out
+
+
+def same_curves(a: dict, b: dict, rtol: float, acc_tol: float) -> bool:
+    d = differences(a, b)
+    return d["train_loss"] <= rtol and d["val_loss"] <= rtol and d["val_acc"] <= acc_tol
 
 
 def main() -> None:
@@ -91,9 +101,13 @@ def main() -> None:
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rtol", type=float, default=None,
-                   help="tolerance of the metric check (default: exact on cpu, 1e-4 on cuda)")
+                   help="relative tolerance of the losses (default: exact on cpu, 1e-3 on cuda, "
+                        "whose kernels are not bit-reproducible)")
+    p.add_argument("--acc-tol", type=float, default=None,
+                   help="absolute tolerance of val_acc (default: exact on cpu, 0.02 on cuda)")
     args = p.parse_args()
-    rtol = args.rtol if args.rtol is not None else (0.0 if args.device == "cpu" else 1e-4)
+    rtol = args.rtol if args.rtol is not None else (0.0 if args.device == "cpu" else 1e-3)
+    acc_tol = args.acc_tol if args.acc_tol is not None else (0.0 if args.device == "cpu" else 0.02)
     out = os.path.join(HERE, "out")
     folder = os.path.join(out, "optimize_e2e")
     shutil.rmtree(folder, ignore_errors=True)
@@ -106,7 +120,8 @@ def main() -> None:
     rows = []
     print(f"\n{'mode':<6}{'wall s':>9}{'ratio':>8}{'models':>8}  same results  plans")
     for r in runs:
-        same = same_curves(r["curves"], base["curves"], rtol)
+        same = same_curves(r["curves"], base["curves"], rtol, acc_tol)
+        diff = differences(r["curves"], base["curves"])
         ratio = base["wall_s"] / r["wall_s"]
         plans = r["plans"]
         text = ", ".join(f"{n} {s}" for s, n in sorted(plans["jobs"].items())) or "-"
@@ -121,6 +136,10 @@ def main() -> None:
                      "jobs": json.dumps(plans["jobs"]),
                      "measured_speedup": (plans.get("speedup") or {}).get("median"),
                      "best_val_acc": r["best"]})
+        rows[-1].update({f"max_diff_{k}": v for k, v in diff.items()})
+        if r is not base:
+            print(f"  largest difference to off: train_loss {diff['train_loss']:.2e} (relative), "
+                  f"val_loss {diff['val_loss']:.2e}, val_acc {diff['val_acc']:.4f} (absolute)")
         if not same:
             print(f"  the {r['mode']} run's metrics differ from the baseline's", file=sys.stderr)
     suffix = "" if args.device == "cpu" else f"-{args.device}"
