@@ -73,7 +73,8 @@ class MBConv(nn.Module):
         stride: of the depthwise conv (an int: it decides the residual).
         kernel: the depthwise kernel (3, 5, 7 or a ValueChoice of them).
         expansion: the hidden width is ``expansion * c_in``.
-        se: add squeeze-and-excitation (to ``c_in // 4`` channels).
+        se: add squeeze-and-excitation (to ``c_in // 4`` channels); a string: a LayerChoice
+            so labelled between ``"none"`` and ``"se"`` (MnasNet searches it).
         act: the activation class (ReLU6 in MobileNetV2, swish in EfficientNet).
         groups: groups of the two 1x1 convs; above 1 a channel shuffle follows the first
             (FBNet's ``g2`` blocks, after ShuffleNet).
@@ -81,7 +82,7 @@ class MBConv(nn.Module):
             int 1 (MobileNetV2's first block has none; FBNet's ``e1`` blocks keep it).
     """
 
-    def __init__(self, c_in, c_out, stride: int = 1, kernel=3, expansion=6, se: bool = False,
+    def __init__(self, c_in, c_out, stride: int = 1, kernel=3, expansion=6, se: bool | str = False,
                  act=nn.ReLU6, groups: int = 1, expand: bool | None = None):
         super().__init__()
         if expand is None:
@@ -95,7 +96,9 @@ class MBConv(nn.Module):
         layers.append(ConvBNAct(mid, mid, kernel, stride, groups=mid, act=act))
         if se:
             squeeze = max(1, c_in // 4) if isinstance(c_in, int) else c_in // 4
-            layers.append(SqueezeExcite(mid, squeeze, act))
+            excite = SqueezeExcite(mid, squeeze, act)
+            layers.append(excite if se is True else rt.LayerChoice(
+                {"none": nn.Identity(), "se": excite}, label=se))
         layers.append(ConvBNAct(mid, c_out, 1, groups=groups, act=None))
         self.body = nn.Sequential(*layers)
         self.residual = keeps_shape(c_in, c_out, stride)
