@@ -1,18 +1,20 @@
 """Blocks shared by the mobile-network spaces (the MobileNetV2 family): one MBConv for all.
 
-EfficientNet, FBNet, ProxylessNAS, FairNAS, SCARLET-NAS, Single-Path NAS, Once-for-All and
-ChamNet all search over MobileNetV2's inverted residual (Sandler et al., CVPR 2018), each with
-its own knobs; they build it from :class:`MBConv` here::
+MnasNet, EfficientNet, FBNet, ProxylessNAS, FairNAS, SCARLET-NAS, Single-Path NAS,
+Once-for-All and ChamNet all search over MobileNetV2's inverted residual (Sandler et al., CVPR
+2018), each with its own knobs; they build it from :class:`MBConv` here::
 
     x ─▶ [1x1 expand (groups g), BN, act] ─▶ [channel shuffle] ─▶ k x k depthwise (stride s),
          BN, act ─▶ [squeeze-excite] ─▶ 1x1 project (groups g), BN ─▶ (+ x when shapes allow)
 
-and wrap it in :class:`MobileNet` (stem, searched layers, head, pooling, classifier). Every
+and wrap it in :class:`MobileNet` (stem, searched layers, head, pooling, classifier), as SPOS
+wraps its ShuffleNetV2 units. Every
 width, kernel and expansion may be an int or a ValueChoice expression: the layers are
 ``retiarii.nn`` layers, so a space can make any of them a choice.
 
 Example::
 
+    >>> import torch
     >>> block = MBConv(16, 16, stride=1, kernel=rt.ValueChoice([3, 5]), expansion=6)
     >>> block(torch.zeros(2, 16, 8, 8)).shape          # runs eagerly as kernel 3
     torch.Size([2, 16, 8, 8])

@@ -17,22 +17,23 @@ This space holds both as choices:
 
 - per stage 2-7, the depthwise kernel (3 or 5, B0's first) and the expansion (6 or 3):
   labels ``stage{s}/kernel``, ``stage{s}/expansion``;
-- ``scaling/depth`` in {100, 120, 140} percent: stage s has ceil(d * layers_s) layers (the extra
-  layers are LayerChoices sharing that label: a block where the depth reaches it, the
+- ``scaling/depth`` in {100, 120, 140} percent: stage s has ceil(d * layers_s) layers (the
+  extra layers are LayerChoices sharing that label: a block where the depth reaches it, the
   identity elsewhere);
 - ``scaling/width`` in {100, 110, 120} percent: every width times w, rounded to a multiple
   of 8 (4 in the small preset);
 - ``scaling/resolution``: the input resized to {1.0, 1.15, 1.3} times the image size (inside
   the model, so the data pipeline is the same for every model).
 
-The all-defaults model is EfficientNet-B0. The grid search's FLOPS constraint
-(alpha * beta^2 * gamma^2 ~ 2) belongs to the search's reward, not to the space. Width
-rounding is to the nearest multiple (EfficientNet also never rounds down by more than 10%).
+The all-defaults model is EfficientNet-B0. The paper's grid search keeps
+alpha * beta^2 * gamma^2 ~ 2 (twice B0's FLOPS); this space holds the whole 3 x 3 x 3 grid,
+and a search that wants the constraint filters or penalises by FLOPS. Widths round to the
+nearest multiple (EfficientNet also never rounds down by more than 10%).
 
 Size: (2 * 2) ** 6 stages * 3 * 3 * 3 = 110,592 models in both presets.
 
 Presets: :func:`paper` is B0's skeleton for 224x224 ImageNet (the scaled models up to
-d=1.4, w=1.2, r=291); :func:`small` divides widths by 4 (8 ... 80, head 64) with stride 2 in
+d=1.4, w=1.2, r=291); :func:`small` divides widths by 4 (4 ... 80, head 64) with stride 2 in
 stages 2 and 4 for the 8x8 digits (resolutions 8, 9, 10).
 
 Example::

@@ -11,8 +11,9 @@ conv to 1984 channels, pooling, the classifier) where each layer is one of 9 can
     k3_e1  k3_e1_g2  k3_e3  k3_e6  k5_e1  k5_e1_g2  k5_e3  k5_e6  skip
 
 FBNet's blocks keep the 1x1 expansion conv at expansion 1 (unlike MobileNetV2's first block).
-``skip`` is the identity where the layer keeps its shape and, as in FBNet's released builder,
-a 1x1 conv + BN + ReLU (with the layer's stride) where it changes the width or resolution.
+``skip`` is the identity where the layer keeps its shape; where the layer changes the width
+or resolution it is a 1x1 conv + BN + ReLU with the layer's stride (our reading of FBNet's
+released builder: the paper leaves it implicit).
 
 Size: 9 ** 22 (about 9.8e20) models, the published count ("9^22 ≈ 10^21").
 

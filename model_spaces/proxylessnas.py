@@ -18,11 +18,14 @@ block, stages of inverted residuals, 1x1 head) where every layer picks its MBCon
   activation, so the super-net trains stably: "LET"); a stand-alone model it selects has a
   plain identity there, which is what this space holds: each model here trains alone.
 - **Single-Path NAS** (Stamoulis et al., ECML-PKDD 2019): kernel 3/5 x expansion 3/6 plus
-  ``skip`` on the layers that keep their shape, on ProxylessNAS's 21-layer layout: 4**6 * 5**15.
+  ``skip`` on the layers that keep their shape (its MobileNetV2-based macro-architecture is
+  taken here as ProxylessNAS's 21-layer layout): 4**6 * 5**15.
   The paper's "super-kernel" is how its differentiable search *shares weights* among these
   candidates (the 3x3 kernel is the centre of the 5x5, expansion 3 the first half of 6); the
   discrete space is the same, and each candidate here is its own MBConv until the engine's
-  weight sharing lands.
+  weight sharing lands. A layer is one LayerChoice of its 4 (or 5) candidates rather than
+  kernel and expansion ValueChoices under a skip choice: the same models, but choices that
+  exist only when a layer is not skipped would make ``size()`` walk 2**15 branches.
 
 Size convention: the number of distinct choice assignments (each a different network; a
 dropped layer is one network whatever else). ProxylessNAS, SCARLET-NAS and Single-Path NAS

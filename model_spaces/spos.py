@@ -12,8 +12,8 @@ channels, pooling, the classifier) where each block picks one of 4 ShuffleNetV2 
     branch of choice_k (k = 3, 5, 7): 1x1, BN, ReLU ─▶ dw k x k, BN ─▶ 1x1, BN, ReLU
     branch of choice_x (Xception):    3 x (dw 3x3, BN ─▶ 1x1, BN, ReLU)
 
-with the branch's hidden width ``C_out / 2``, as in SPOS. The channel search of SPOS's
-section 3.3 is not part of this space (block choices only, its section 4.1's space).
+with the branch's hidden width ``C_out / 2``, as in SPOS. This is SPOS's building-block
+space; its other experiments (channel numbers, mixed-precision quantization) are not here.
 
 Size: 4 ** 20 (about 1.1e12) models, the published count.
 
