@@ -4,8 +4,8 @@ ProxylessNAS, FairNAS, SCARLET-NAS, Single-Path NAS, Once-for-All, ChamNet.
 tests/test_model_spaces.py runs every row's small preset (its size walked, random samples
 shape-checked, a training step on digits, the export round trip). Here: the size formulas
 against the published counts, what the choices do to the networks, the all-defaults
-networks against the reference networks' parameter counts, every paper preset built on a
-small input, and (slow) the paper presets on a (1, 3, 224, 224) input.
+networks against the reference networks' parameter counts, every paper preset's random
+samples on a small input and its all-defaults network on a (1, 3, 224, 224) input.
 """
 from __future__ import annotations
 
@@ -196,9 +196,9 @@ def test_paper_preset_random_samples_on_a_small_input(name):
     assert out.shape == (1, 1000)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", MOBILE)
 def test_paper_preset_at_224(name):
+    # the all-defaults network on the published input: about a second each
     space = nas.build_space(name, "paper", in_channels=3, num_classes=1000, image_size=224)
     net = space.build(space.default_sample()).eval()
     with torch.no_grad():
