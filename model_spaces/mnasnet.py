@@ -8,6 +8,9 @@ the number of layers (the MobileNetV2 count -1, +0, +1, at least 1)::
     stem ─▶ block 1 ─▶ ... ─▶ block 7 ─▶ 1x1 conv ─▶ pool ─▶ classifier
             └ layers x (1x1 expand ─▶ k x k depthwise ─▶ [SE] ─▶ 1x1 project [+ x])
 
+The block is the family's shared MBConv (``model_spaces/_mobile.py``, ReLU here); its SE
+squeezes to a quarter of the block's input channels.
+
 Size convention: 2 * 2 * 2 = 8 per block times its depths (3, or 2 for a block of one base
 layer, which cannot go below 1): the small preset (two base layers per block) has
 24 ** 7 = 4,586,471,424 models, the paper preset (MnasNet-A1's depths 1, 2, 3, 4, 2, 3, 1)
@@ -33,50 +36,11 @@ import torch
 from torch import nn
 
 import retiarii as rt
+from model_spaces._mobile import MBConv
 
 # MnasNet-A1's blocks: (out channels, MobileNetV2 layers, first stride)
 PAPER_BLOCKS = ((16, 1, 1), (24, 2, 2), (40, 3, 2), (80, 4, 2), (112, 2, 1), (160, 3, 2),
                 (320, 1, 1))
-
-
-class SqueezeExcite(nn.Module):
-    """Channel attention: x * sigmoid(fc(relu(fc(mean(x))))), reducing channels by 4.
-    ``channels`` may be a ValueChoice expression (the block's expanded width)."""
-
-    def __init__(self, channels):
-        super().__init__()
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.reduce = rt.nn.Conv2d(channels, channels // 4, 1)
-        self.relu = nn.ReLU()
-        self.expand = rt.nn.Conv2d(channels // 4, channels, 1)
-        self.gate = nn.Sigmoid()
-
-    def forward(self, x):
-        return x * self.gate(self.expand(self.relu(self.reduce(self.pool(x)))))
-
-
-class MBConv(nn.Module):
-    """Inverted residual: (B, C_in, H, W) -> (B, C_out, H/s, W/s); the residual when C_in ==
-    C_out and s == 1. ``kernel``, ``expansion`` and the SE are the block's shared choices."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int, kernel: rt.ValueChoice,
-                 expansion: rt.ValueChoice, se_label: str):
-        super().__init__()
-        mid = expansion * c_in  # a ValueChoice expression: 3 * c_in or 6 * c_in
-        self.expand = nn.Sequential(rt.nn.Conv2d(c_in, mid, 1, bias=False),
-                                    rt.nn.BatchNorm2d(mid), nn.ReLU())
-        self.depthwise = nn.Sequential(
-            rt.nn.Conv2d(mid, mid, kernel, stride, padding=kernel // 2, groups=mid, bias=False),
-            rt.nn.BatchNorm2d(mid), nn.ReLU())
-        self.se = rt.LayerChoice({"none": nn.Identity(), "se": SqueezeExcite(mid)},
-                                 label=se_label)
-        self.project = nn.Sequential(rt.nn.Conv2d(mid, c_out, 1, bias=False),
-                                     nn.BatchNorm2d(c_out))
-        self.residual = c_in == c_out and stride == 1
-
-    def forward(self, x):
-        out = self.project(self.se(self.depthwise(self.expand(x))))
-        return out + x if self.residual else out
 
 
 class MnasNet(nn.Module):
@@ -102,7 +66,7 @@ class MnasNet(nn.Module):
             def layer(i, c_in=c_in, c_out=c_out, stride=stride, kernel=kernel,
                       expansion=expansion, b=b):
                 return MBConv(c_in if i == 0 else c_out, c_out, stride if i == 0 else 1,
-                              kernel, expansion, f"b{b}/se")
+                              kernel, expansion, se=f"b{b}/se", act=nn.ReLU)
 
             layers.append(rt.Repeat(layer, depth=depths, label=f"b{b}/layers"))
             c_in = c_out

@@ -71,6 +71,12 @@ _NASNET = {"small": ("nasnet_space", {"channels": 8, "num_cells": 2}),
            "paper": ("nasnet_space", {"channels": 32, "num_cells": 6})}
 
 
+def _proxyless(variant: str) -> dict:
+    """ProxylessNAS, FairNAS, SCARLET-NAS and Single-Path NAS share
+    model_spaces/proxylessnas.py, one variant each."""
+    return {preset: (preset, {"variant": variant}) for preset in PRESETS}
+
+
 _WS = " (weight sharing not landed yet)"
 
 ROWS: tuple[Row, ...] = (
@@ -88,7 +94,8 @@ ROWS: tuple[Row, ...] = (
          "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
          _NASNET),
     _row(5, "spos", "SPOS", "ShuffleNetV2 blocks", "evolution over a super-net",
-         "Guo et al., ECCV 2020"),
+         "Guo et al., ECCV 2020", "model_spaces.spos", "RegularizedEvolution",
+         "multi-trial evolution, each candidate trained alone" + _WS),
     _row(6, "wann", "Weight Agnostic Networks",
          "evolving: insert node, add connection, change activation", "evolution",
          "Gaier & Ha, NeurIPS 2019"),
@@ -97,7 +104,8 @@ ROWS: tuple[Row, ...] = (
     _row(8, "large_scale_evolution", "Large-Scale Evolution",
          "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017"),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
-         "Tan & Le, ICML 2019"),
+         "Tan & Le, ICML 2019", "model_spaces.efficientnet", "PolicyBasedRL",
+         "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together"),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
          "surrogate-guided progressive search", "Liu et al., ECCV 2018"),
     _row(11, "enas_rnn", "ENAS-RNN", "recurrent cell", "RL, weight sharing",
@@ -111,26 +119,38 @@ ROWS: tuple[Row, ...] = (
          "multi-trial evolution" + _WS),
     _row(15, "darts_rnn", "DARTS (language models)", "recurrent cell", "differentiable",
          "Liu et al., ICLR 2019"),
-    _row(16, "fbnet", "FBNet", "FBNet blocks", "differentiable (Gumbel)", "Wu et al., CVPR 2019"),
+    _row(16, "fbnet", "FBNet", "FBNet blocks", "differentiable (Gumbel)", "Wu et al., CVPR 2019",
+         "model_spaces.fbnet", "RegularizedEvolution", "multi-trial evolution" + _WS),
     _row(17, "proxylessnas", "ProxylessNAS", "ProxylessNAS space", "differentiable and RL",
-         "Cai et al., ICLR 2019"),
+         "Cai et al., ICLR 2019", "model_spaces.proxylessnas", "PolicyBasedRL",
+         "its RL variant, each model trained alone" + _WS, _proxyless("proxylessnas")),
     _row(18, "fairnas", "FairNAS", "ProxylessNAS space",
-         "evolution after fair super-net training", "Chu et al., ICCV 2021"),
+         "evolution after fair super-net training", "Chu et al., ICCV 2021",
+         "model_spaces.proxylessnas", "RegularizedEvolution",
+         "19 layers, no skip; multi-trial evolution" + _WS, _proxyless("fairnas")),
     _row(19, "scarlet_nas", "SCARLET-NAS", "ProxylessNAS space",
-         "evolution after fair super-net training", "Chu et al., 2019 (arXiv:1908.06022)"),
+         "evolution after fair super-net training", "Chu et al., 2019 (arXiv:1908.06022)",
+         "model_spaces.proxylessnas", "RegularizedEvolution",
+         "FairNAS's space + skip (the identity: LET is for the super-net); multi-trial "
+         "evolution" + _WS, _proxyless("scarlet_nas")),
     _row(20, "single_path_nas", "Single-Path NAS", "MobileNetV2 kernels as a super-kernel",
-         "differentiable", "Stamoulis et al., ECML-PKDD 2019"),
+         "differentiable", "Stamoulis et al., ECML-PKDD 2019", "model_spaces.proxylessnas",
+         "RegularizedEvolution", "the super-kernel's candidates as separate MBConvs; "
+         "multi-trial evolution" + _WS, _proxyless("single_path_nas")),
     _row(21, "nasbench101", "NAS-Bench-101", "cell of up to 7 nodes, 9 edges", "any",
          "Ying et al., ICML 2019", "model_spaces.nasbench101", "RegularizedEvolution"),
     _row(22, "nasbench201", "NAS-Bench-201", "cell of 4 nodes, 5 ops per edge", "any",
          "Dong & Yang, ICLR 2020", "model_spaces.nasbench201", "RegularizedEvolution"),
     _row(23, "once_for_all", "Once-for-All", "elastic kernel, depth, width",
-         "predictor-guided evolution", "Cai et al., ICLR 2020"),
+         "predictor-guided evolution", "Cai et al., ICLR 2020", "model_spaces.once_for_all",
+         "RegularizedEvolution", "evolution without the predictors, each sub-network trained "
+         "alone" + _WS),
     _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
          "Liu et al., ICLR 2018"),
     _row(25, "textnas", "TextNAS", "text cell over embeddings", "RL", "Wang et al., AAAI 2020"),
     _row(26, "chamnet", "ChamNet", "MobileNetV2 blocks", "predictor-guided search",
-         "Dai et al., CVPR 2019"),
+         "Dai et al., CVPR 2019", "model_spaces.chamnet", "TPE",
+         "TPE as the surrogate (not a Gaussian process + genetic search); grids ours"),
     _row(27, "neural_predictor", "Neural Predictor", "NAS-Bench-101 cell", "predictor",
          "Wen et al., ECCV 2020"),
 )

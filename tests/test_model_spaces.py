@@ -31,6 +31,16 @@ SIZES = {  # the sizes the module docstrings state (None: counted by a formula t
     "amoebanet": 5_062_500_000_000,
     "nasbench101": 169_093_980,
     "mnasnet": 24 ** 7,
+    # the mobile-network family (tests/test_model_spaces_mobile.py checks the formulas)
+    "spos": 4 ** 20,
+    "efficientnet": 4 ** 6 * 27,
+    "fbnet": 9 ** 22,
+    "proxylessnas": 6 ** 6 * 7 ** 15,
+    "fairnas": 6 ** 19,
+    "scarlet_nas": 6 ** 6 * 7 ** 13,
+    "single_path_nas": 4 ** 6 * 5 ** 15,
+    "once_for_all": 7371 ** 2,
+    "chamnet": 4_649_045_868,
 }
 
 
