@@ -164,6 +164,64 @@ def test_a_scheduler_stops_one_model_of_a_group_and_the_others_train_on_unchange
     assert [len(j.tasks) for j in ex.submitted] == [4, 3, 3]
 
 
+class PauseTheSecondOnce(Scheduler):
+    """Pauses the second trial after its first step, once; it resumes when a slot is free."""
+
+    def __init__(self):
+        self.paused = False
+
+    def on_trial_result(self, trial_id, result):
+        if trial_id.endswith("trial-0002") and not self.paused:
+            self.paused = True
+            return Decision.PAUSE
+        return Decision.CONTINUE
+
+
+def test_a_trial_paused_out_of_its_group_resumes_alone_as_if_never_paused(tmp_path):
+    plain_db, _ = _run(tmp_path, "plain", optimize=False, max_models=4)
+    ex = Recording()
+    db, exp = _run(tmp_path, "paused", executor=ex, optimize=True, scheduler=PauseTheSecondOnce(),
+                   max_models=4)
+    assert _curves(db) == _curves(plain_db)  # its trajectory, and the others', unchanged
+    second = next(t for t in exp.runner.trials if t.endswith("trial-0002"))
+    # planned again at the segment's end: FIFO resumes the paused trial at once, and at the
+    # same step as the others it rejoins them, from its own checkpoint
+    assert [len(j.tasks) for j in ex.submitted] == [4, 4, 4]
+    task = next(t for t in ex.submitted[1].tasks if t.trial_id == second)
+    assert task.start_step == 1 and task.checkpoint_in.endswith("step-000001")
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        moves = [(e["old_state"], e["new_state"]) for e in store.events(second)]
+    assert ("RUNNING", "PAUSED") in moves and ("PAUSED", "RUNNING") in moves
+
+
+class PauseTheSecondUntilTheOthersEnd(PauseTheSecondOnce):
+    """Also keeps the paused trial waiting until the three others have ended."""
+
+    def __init__(self):
+        super().__init__()
+        self.ended = 0
+
+    def on_trial_complete(self, trial_id, result):
+        self.ended += 1
+
+    def choose_trial_to_run(self, candidates):
+        ready = [c for c in candidates if not c.endswith("trial-0002") or self.ended >= 3]
+        return ready[0] if ready else None
+
+
+def test_a_trial_paused_out_of_its_group_resumes_alone_later_as_if_never_paused(tmp_path):
+    plain_db, _ = _run(tmp_path, "plain", optimize=False, max_models=4)
+    ex = Recording()
+    db, exp = _run(tmp_path, "paused", executor=ex, optimize=True, max_models=4,
+                   scheduler=PauseTheSecondUntilTheOthersEnd())
+    assert _curves(db) == _curves(plain_db)
+    second = next(t for t in exp.runner.trials if t.endswith("trial-0002"))
+    assert [len(j.tasks) for j in ex.submitted] == [4, 3, 3, 1, 1]
+    assert [(t.trial_id, t.start_step) for j in ex.submitted[3:] for t in j.tasks] == \
+        [(second, 1), (second, 2)]
+
+
 def test_a_model_failing_in_a_group_fails_alone_and_its_group_runs_on(tmp_path):
     db = tmp_path / "f.db"
     exp = rt.Experiment(failing_space, rt.strategies.Random(seed=1), TRAINER, store=str(db),
