@@ -304,6 +304,23 @@ def _check_loadable(obj: Any, where: str) -> None:
     )
 
 
+def _compact(obj: Any) -> Any:
+    """``obj`` with every tensor that views a larger storage cloned: torch.save writes a
+    view's whole storage, and a fused model's weights (retiarii.optim.fusion) are views of
+    the K models' stacked tensors; a trial's checkpoint holds its own values only."""
+    if isinstance(obj, torch.Tensor):
+        if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
+            return obj.clone()
+        return obj
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, _compact(v)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _compact(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_compact(v) for v in obj)
+    return obj
+
+
 def save(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Write ``state`` atomically to ``path`` (a temporary file, then rename).
 
@@ -322,6 +339,7 @@ def save(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """
     path = os.fspath(path)
     _check_loadable(state, "checkpoint state")
+    state = _compact(state)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
