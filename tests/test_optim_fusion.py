@@ -74,6 +74,9 @@ def _optimizer(name, model, k):
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4 * k,
                                nesterov=k % 2 == 1)
+    if name == "sgd_mixed":  # momentum 0 for one model, Nesterov for one, dampening for one
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=[0.0, 0.9, 0.5, 0.8][k],
+                               nesterov=k == 2, dampening=0.1 if k == 3 else 0.0)
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr / 20, betas=(0.9, 0.99 - 0.002 * k),
                                 weight_decay=1e-4 * k)
@@ -201,7 +204,7 @@ def _eval_metrics(model_or_fused, kind, fused=False):
 
 
 @pytest.mark.parametrize("kind,opt_name", [("mlp", "sgd"), ("mlp", "adam"), ("cnn", "sgd"),
-                                           ("cnn", "adamw")])
+                                           ("cnn", "adamw"), ("mlp", "sgd_mixed")])
 def test_fused_training_equals_alone(kind, opt_name):
     steps = 20
     alone, aopts, ascheds, alosses = _train_alone(kind, opt_name, steps)
@@ -212,6 +215,8 @@ def test_fused_training_equals_alone(kind, opt_name):
         _same_state(fopts[k].state_dict(), aopts[k].state_dict(), f"model {k} optimizer")
         assert fscheds[k].state_dict() == ascheds[k].state_dict()
         assert fopts[k].param_groups[0]["lr"] == aopts[k].param_groups[0]["lr"]
+    if opt_name == "sgd_mixed":  # torch.optim keeps no momentum buffer for momentum 0
+        assert fopts[0].state_dict()["state"] == {} != fopts[1].state_dict()["state"]
     # The learning rates did differ, and the schedules moved them.
     assert len({o.param_groups[0]["lr"] for o in fopts}) == K
     # Metrics in eval mode (BatchNorm on running statistics): fused and each alone.
@@ -249,6 +254,43 @@ def test_batchnorm_statistics_are_per_model_in_train_and_eval_mode():
             _close(out[k], alone[k](x), f"mode {mode} model {k}")
             _same_state(models[k].state_dict(), alone[k].state_dict(), f"model {k} buffers")
     assert int(models[0].bn1.num_batches_tracked) == 2
+
+
+class Functional(nn.Module):
+    """Functions and methods on stacked values: a parameter read directly, view/size, mean,
+    softmax, layer norm, torch.cat, indexing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 16)
+        self.scale = nn.Parameter(torch.rand(16) + 0.5)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x)) * self.scale
+        h = self.norm(h - h.mean(dim=-1, keepdim=True))
+        h = h.view(h.size(0), 4, -1).transpose(1, 2).reshape(h.size(0), -1)
+        h = torch.cat([h, F.softmax(h[:, :8], dim=1)], 1)
+        return self.out(h) + 1.0
+
+
+def test_functions_on_stacked_values_and_their_gradients():
+    torch.manual_seed(0)
+    models = [Functional() for _ in range(3)]
+    alone = copy.deepcopy(models)
+    fused = fuse_models(models)
+    x = DATA["mlp"][0]
+    out = fused(x)
+    refs = [m(x) for m in alone]
+    torch.testing.assert_close(out, torch.stack(refs), rtol=RTOL, atol=ATOL)
+    out.square().sum().backward()
+    sum(r.square().sum() for r in refs).backward()
+    for stacked, slices in fused.slices:
+        names = {id(p): n for n, p in models[0].named_parameters()}
+        name = names[id(slices[0])]
+        grads = torch.stack([dict(m.named_parameters())[name].grad for m in alone])
+        torch.testing.assert_close(stacked.grad, grads, rtol=1e-4, atol=1e-5)
 
 
 # ---- each fused operator against its unfused form -------------------------------------------

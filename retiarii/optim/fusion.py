@@ -95,6 +95,23 @@ _CHANNEL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.
                       F.adaptive_avg_pool3d, F.adaptive_max_pool2d}
 
 
+def _key(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', None) or fn.__name__}"
+
+
+
+
+def _ref(target: Any) -> str:
+    """How an emitted node names ``target``: a method name, or "fn:" and its key."""
+    return target if isinstance(target, str) else "fn:" + _key(target)
+
+
+def _apply(fn: str, x: Any, *args: Any, **kwargs: Any) -> Any:
+    if fn.startswith("fn:"):
+        return _BY_KEY[fn[3:]](x, *args, **kwargs)
+    return getattr(x, fn)(*args, **kwargs)
+
+
 def _shift(dim: Any) -> Any:
     """A per-model dim in the K layout: non-negative dims move one right (K comes first)."""
     if isinstance(dim, (tuple, list)):
@@ -145,9 +162,7 @@ def k_dims(fn, x, *args, **kwargs):
     if fn == "permute":
         dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
         return x.permute(0, *_shift(tuple(dims)))
-    if isinstance(fn, str):
-        return getattr(x, fn)(*_shift(args), **kwargs)
-    return fn(x, *_shift(args), **kwargs)
+    return _apply(fn, x, *_shift(args), **kwargs)
 
 
 def k_cat(tensors, dim=0):
@@ -170,7 +185,7 @@ def k_call(fn, stacked: tuple, *args, **kwargs):
     top = max(ranks, default=0)
     args = tuple(a.view(a.shape[0], *([1] * (top - a.dim() + 1)), *a.shape[1:])
                  if s and a.dim() - 1 < top else a for a, s in zip(args, stacked))
-    return getattr(args[0], fn)(*args[1:], **kwargs) if isinstance(fn, str) else fn(*args, **kwargs)
+    return _apply(fn, *args, **kwargs)
 
 
 _DIM_METHODS = {"softmax", "log_softmax", "transpose", "unsqueeze", "squeeze", "permute",
@@ -179,6 +194,10 @@ _DIM_FUNCTIONS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, to
                   torch.unsqueeze, torch.squeeze, torch.cumsum}
 _REDUCE_METHODS = {"mean", "sum", "amax", "amin"}
 _REDUCE_FUNCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.amax: "amax", torch.amin: "amin"}
+
+# NOTE: fx emits a graph as Python source, which cannot spell a function object as an
+# argument; a fused node names the function it applies by a "fn:" key into this table.
+_BY_KEY = {_key(f): f for f in _POINTWISE_FUNCTIONS | _DIM_FUNCTIONS}
 
 
 # ---- the fused model --------------------------------------------------------------------------
@@ -360,7 +379,7 @@ class _Emitter:
         if isinstance(first, (nn.Softmax, nn.LogSoftmax)):
             if layout == S:
                 return call(name, (x,)), S
-            fn = F.softmax if isinstance(first, nn.Softmax) else F.log_softmax
+            fn = "softmax" if isinstance(first, nn.Softmax) else "log_softmax"
             return self.graph.call_function(k_dims, (fn, self.to((x, layout), K), first.dim)), K
         raise self.fail(node, f"layer {type(first).__name__}")
 
@@ -384,7 +403,8 @@ class _Emitter:
                                       f"inside a container")
             args = tuple(self.to(self.env[a], K) if s else self.arg(a)
                          for a, s in zip(node.args, stacked))
-            return g.call_function(k_call, (target, stacked, *args), self.arg(node.kwargs)), K
+            return g.call_function(k_call, (_ref(target), stacked, *args),
+                                   self.arg(node.kwargs)), K
         if target in (_CHANNEL_FUNCTIONS if not method else ()):
             x, layout = self.env[node.args[0]]
             return g.call_function(target, (self.to((x, layout), C), *self.arg(node.args[1:])),
@@ -415,7 +435,7 @@ class _Emitter:
         if method and target in _DIM_METHODS or not method and target in _DIM_FUNCTIONS:
             if target in ("chunk", "split"):
                 raise self.fail(node, f"{target}: several outputs")
-            return g.call_function(k_dims, (target, x, *rest), kwargs), K
+            return g.call_function(k_dims, (_ref(target), x, *rest), kwargs), K
         raise self.fail(node, _name(target))
 
     def stacked_attr(self, node: fx.Node) -> tuple[fx.Node, str]:
