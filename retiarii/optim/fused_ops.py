@@ -99,7 +99,8 @@ class FusedLinear(nn.Module):
         if self.shared_input:  # (B, *, in) -> (B, *, K*out) -> (K, B, *, out)
             bias = None if self.bias is None else self.bias.flatten()
             y = F.linear(x, self.weight.flatten(0, 1), bias)
-            return y.unflatten(-1, (k, out)).movedim(-2, 0)
+            # contiguous: the next layers read (K, B, ...) rows; one copy here, not in each
+            return y.unflatten(-1, (k, out)).movedim(-2, 0).contiguous()
         flat = x.reshape(k, -1, x.shape[-1])  # (K, B, *, in) -> (K, B*, in)
         wt = self.weight.transpose(1, 2)  # (K, in, out)
         y = torch.bmm(flat, wt) if self.bias is None else torch.baddbmm(

@@ -158,6 +158,12 @@ class FusedOptimizer:
             vec = self._vectors[key] = vec.view(-1, *([1] * (like.dim() - 1)))
         return vec
 
+    def _hp(self, values: list[float], like: torch.Tensor) -> float | torch.Tensor:
+        """One float when every model has the same value (torch.optim's own expression then
+        runs, with no vector to read), else the per-model vector."""
+        first = values[0]
+        return first if all(v == first for v in values) else self._vector(values, like)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for stacked, _ in self.params:
             if stacked.grad is not None:
@@ -210,7 +216,11 @@ class FusedOptimizer:
                 step = torch.where(mom != 0, step, grad)
             grad = step
         # param - lr * grad, as torch's param.add_(grad, alpha=-lr)
-        param.add_(grad * self._vector([-lr for lr in hp["lr"]], param))
+        neg_lr = self._hp([-lr for lr in hp["lr"]], param)
+        if isinstance(neg_lr, float):
+            param.add_(grad, alpha=neg_lr)
+        else:
+            param.add_(grad * neg_lr)
 
     def _adam(self, param, grad, groups, hp, entry) -> None:
         wd = hp["weight_decay"]
@@ -226,16 +236,22 @@ class FusedOptimizer:
         beta1 = [float(g["betas"][0]) for g in groups]
         beta2 = [float(g["betas"][1]) for g in groups]
         exp_avg, exp_avg_sq = entry["exp_avg"], entry["exp_avg_sq"]
-        exp_avg.lerp_(grad, self._vector([1 - b for b in beta1], param))
-        exp_avg_sq.mul_(self._vector(beta2, param)).addcmul_(
-            grad * self._vector([1 - b for b in beta2], param), grad)
+        exp_avg.lerp_(grad, self._hp([1 - b for b in beta1], param))
+        b2 = self._hp(beta2, param)
+        if isinstance(b2, float):
+            exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        else:  # (1 - b2) * grad first: torch's addcmul multiplies value * grad, then * grad
+            exp_avg_sq.mul_(b2).addcmul_(grad * self._vector([1 - b for b in beta2], param), grad)
         # The bias corrections as torch computes them, in Python floats per model.
         steps = entry["steps"]
-        step_size = [lr / (1 - b ** s) for lr, b, s in zip(hp["lr"], beta1, steps)]
-        bc2_sqrt = [math.sqrt(1 - b ** s) for b, s in zip(beta2, steps)]
-        denom = (exp_avg_sq.sqrt() / self._vector(bc2_sqrt, param)).add_(
-            self._vector(hp["eps"], param))
-        param.sub_(exp_avg * self._vector(step_size, param) / denom)
+        step_size = self._hp([lr / (1 - b ** s) for lr, b, s in zip(hp["lr"], beta1, steps)],
+                             param)
+        bc2_sqrt = self._hp([math.sqrt(1 - b ** s) for b, s in zip(beta2, steps)], param)
+        denom = exp_avg_sq.sqrt().div_(bc2_sqrt).add_(self._hp(hp["eps"], param))
+        if isinstance(step_size, float):
+            param.addcdiv_(exp_avg, denom, value=-step_size)
+        else:  # param - (step_size * exp_avg) / denom, as addcdiv rounds it
+            param.sub_(exp_avg.mul(step_size).div_(denom))
 
 
 def _clone(obj: Any) -> Any:
