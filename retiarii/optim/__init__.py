@@ -1,10 +1,15 @@
 """Cross-model optimization (docs/optimization.md): the logical plan, one pass per file, and
-the executable of a group of models."""
+the executable of a group of models, fused training of same-shape models."""
 from .build import GroupError, GroupModule, build_group
 from .cse import cse
+from .fused_optim import FusedOptimizer
+from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
 
 __all__ = [
+           "FusedModel",
+           "FusedOptimizer",
+           "FusionError",
            "GroupError",
            "GroupModule",
            "LogicalPlan",
@@ -15,4 +20,7 @@ __all__ = [
            "build_group",
            "build_plan",
            "cse",
+           "fusable_groups",
+           "fuse_models",
+           "fusion_key",
 ]
