@@ -22,13 +22,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["FusedBatchNorm", "FusedConv", "FusedDropout", "FusedLayerNorm", "FusedLinear",
-           "stack_tensors"]
+           "FusionError", "stack_tensors"]
+
+
+class FusionError(ValueError):
+    """Models that cannot train fused (other architectures, an operator fusion does not
+    support); train them separately instead."""
 
 
 def stack_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -48,11 +54,6 @@ def stack_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _param(tensors: Sequence[torch.Tensor]) -> nn.Parameter:
     return nn.Parameter(stack_tensors(tensors), requires_grad=tensors[0].requires_grad)
-
-
-def _per_model(v: torch.Tensor, dims: int) -> torch.Tensor:
-    """A stacked ``(K, C)`` tensor viewed to broadcast over ``dims`` trailing dims."""
-    return v.view(*v.shape, *([1] * dims))
 
 
 # ---- layout changes (shape comments are per-model (B, C, *s) stacked K times) --------------
@@ -76,6 +77,61 @@ def s_to_k(x: torch.Tensor, k: int) -> torch.Tensor:
 def s_to_c(x: torch.Tensor, k: int) -> torch.Tensor:
     """``(B, C, *s) -> (B, K*C, *s)``, a copy."""
     return x.unsqueeze(1).expand(x.shape[0], k, *x.shape[1:]).flatten(1, 2)
+
+
+# ---- per-model semantics of dim-taking operations on K-layout tensors (emitted by fusion) ----
+
+
+def shift_dim(dim: Any) -> Any:
+    """A per-model dim in the K layout: non-negative dims move one right (K comes first)."""
+    if isinstance(dim, (tuple, list)):
+        return type(dim)(shift_dim(d) for d in dim)
+    return dim + 1 if isinstance(dim, int) and dim >= 0 else dim
+
+
+# Per-model semantics of dim-taking operations on a K-layout tensor (emitted in the graph).
+def k_flatten(x, start_dim=0, end_dim=-1):
+    return x.flatten(shift_dim(start_dim), shift_dim(end_dim))
+
+
+def k_reshape(x, *shape):
+    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    return x.reshape(x.shape[0], *shape)  # reshape: a K view of C values is not contiguous
+
+
+def k_size(x, dim=None):
+    return x.shape[1:] if dim is None else x.shape[shift_dim(dim)]
+
+
+def k_dim(x):
+    return x.dim() - 1
+
+
+def k_shape(x):
+    return x.shape[1:]
+
+
+def k_reduce(name, x, *args, **kwargs):
+    """``x.mean(dim)``-like reductions; no dim: over all of a model's dims."""
+    if not args and "dim" not in kwargs:
+        return getattr(x.flatten(1), name)(1, **kwargs)
+    if args:
+        args = (shift_dim(args[0]), *args[1:])
+    else:
+        kwargs = {**kwargs, "dim": shift_dim(kwargs["dim"])}
+    return getattr(x, name)(*args, **kwargs)
+
+
+def k_cat(tensors, dim=0):
+    return torch.cat(tensors, shift_dim(dim))
+
+
+def k_getitem(x, index):
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, torch.Tensor) for i in index):
+        raise FusionError("indexing a fused tensor with a tensor is not supported; train "
+                          "these models separately (unfused)")
+    return x[index if index and index[0] is Ellipsis else (slice(None), *index)]
 
 
 # ---- layers with weights ---------------------------------------------------------------------

@@ -7,8 +7,10 @@ element-wise operations run once on the fused tensors. :func:`fuse_models` trace
 model with torch.fx, checks every other model has the same graph and layer shapes, and emits
 a fused graph whose values travel in the layouts of :mod:`retiarii.optim.fused_ops`::
 
-    x ─▶ fc1 ─▶ relu ─▶ fc2          x (B, in) ─▶ FusedLinear ─▶ relu ─▶ FusedLinear ─▶ (K, B, out)
-         (one model)                              (K, B, h)            baddbmm over (K, h, out)
+    one model:  x ─▶ fc1 ─▶ relu ─▶ fc2
+    fused:      x (B, in) ─▶ FusedLinear ─▶ relu ─▶ FusedLinear ─▶ (K, B, out)
+                             (one F.linear,          (baddbmm over the stacked
+                              K weights side by side) (K, out, h) weights)
 
 The fused layers adopt the models' tensors: each model's parameters and buffers become
 views of slice k of the stacked ones, so ``models[k].state_dict()`` is, live, exactly what
@@ -40,13 +42,9 @@ from torch.nn import functional as F
 
 from ..space import Model
 from . import fused_ops as ops
+from .fused_ops import FusionError, shift_dim
 
 __all__ = ["FusedModel", "FusionError", "fusable_groups", "fuse_models", "fusion_key"]
-
-
-class FusionError(ValueError):
-    """Models that cannot train fused (other architectures, an operator fusion does not
-    support); train them separately instead."""
 
 
 _FALLBACK = "train these models separately (unfused)"
@@ -112,68 +110,17 @@ def _apply(fn: str, x: Any, *args: Any, **kwargs: Any) -> Any:
     return getattr(x, fn)(*args, **kwargs)
 
 
-def _shift(dim: Any) -> Any:
-    """A per-model dim in the K layout: non-negative dims move one right (K comes first)."""
-    if isinstance(dim, (tuple, list)):
-        return type(dim)(_shift(d) for d in dim)
-    return dim + 1 if isinstance(dim, int) and dim >= 0 else dim
-
-
-# Per-model semantics of dim-taking operations on a K-layout tensor (emitted in the graph).
-def k_flatten(x, start_dim=0, end_dim=-1):
-    return x.flatten(_shift(start_dim), _shift(end_dim))
-
-
-def k_reshape(x, *shape):
-    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    return x.reshape(x.shape[0], *shape)  # reshape: a K view of C values is not contiguous
-
-
-def k_size(x, dim=None):
-    return x.shape[1:] if dim is None else x.shape[_shift(dim)]
-
-
-def k_dim(x):
-    return x.dim() - 1
-
-
-def k_shape(x):
-    return x.shape[1:]
-
-
-def k_reduce(name, x, *args, **kwargs):
-    """``x.mean(dim)``-like reductions; no dim: over all of a model's dims."""
-    if not args and "dim" not in kwargs:
-        return getattr(x.flatten(1), name)(1, **kwargs)
-    if args:
-        args = (_shift(args[0]), *args[1:])
-    else:
-        kwargs = {**kwargs, "dim": _shift(kwargs["dim"])}
-    return getattr(x, name)(*args, **kwargs)
-
-
 _DIM_KEYWORDS = {"dim", "dim0", "dim1", "start_dim", "end_dim"}
 
 
 def k_dims(fn, x, *args, **kwargs):
     """``fn(x, dim, ...)`` with its dims shifted (softmax, transpose, unsqueeze...): every
     positional argument after ``x`` is a dim for the operations this is emitted for."""
-    kwargs = {k: _shift(v) if k in _DIM_KEYWORDS else v for k, v in kwargs.items()}
+    kwargs = {k: shift_dim(v) if k in _DIM_KEYWORDS else v for k, v in kwargs.items()}
     if fn == "permute":
         dims = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
-        return x.permute(0, *_shift(tuple(dims)))
-    return _apply(fn, x, *_shift(args), **kwargs)
-
-
-def k_cat(tensors, dim=0):
-    return torch.cat(tensors, _shift(dim))
-
-
-def k_getitem(x, index):
-    index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, torch.Tensor) for i in index):
-        raise FusionError(f"indexing a fused tensor with a tensor is not supported; {_FALLBACK}")
-    return x[index if index and index[0] is Ellipsis else (slice(None), *index)]
+        return x.permute(0, *shift_dim(tuple(dims)))
+    return _apply(fn, x, *shift_dim(args), **kwargs)
 
 
 def k_call(fn, stacked: tuple, *args, **kwargs):
@@ -374,8 +321,8 @@ class _Emitter:
         if isinstance(first, nn.Flatten):
             if layout == S:
                 return call(name, (x,)), S
-            return self.graph.call_function(k_flatten, (self.to((x, layout), K), first.start_dim,
-                                                        first.end_dim)), K
+            args = (self.to((x, layout), K), first.start_dim, first.end_dim)
+            return self.graph.call_function(ops.k_flatten, args), K
         if isinstance(first, (nn.Softmax, nn.LogSoftmax)):
             if layout == S:
                 return call(name, (x,)), S
@@ -411,27 +358,27 @@ class _Emitter:
                                    self.arg(node.kwargs)), C
         if target is torch.cat:
             parts = [self.to(self.env[n], K) for n in node.args[0]]
-            return g.call_function(k_cat, (parts, *self.arg(node.args[1:])),
+            return g.call_function(ops.k_cat, (parts, *self.arg(node.args[1:])),
                                    self.arg(node.kwargs)), K
         if len(fused) != 1 or not node.args or node.args[0] is not fused[0]:
             raise self.fail(node, f"{_name(target)} over several fused tensors")
         x = self.to(self.env[node.args[0]], K)
         rest, kwargs = self.arg(node.args[1:]), self.arg(node.kwargs)
         if target is torch.flatten or target == "flatten" and method:
-            return g.call_function(k_flatten, (x, *rest), kwargs), K
+            return g.call_function(ops.k_flatten, (x, *rest), kwargs), K
         if method and target in ("view", "reshape") or target is torch.reshape:
-            return g.call_function(k_reshape, (x, *rest), kwargs), K
+            return g.call_function(ops.k_reshape, (x, *rest), kwargs), K
         if method and target == "size":
-            return g.call_function(k_size, (x, *rest), kwargs), S
+            return g.call_function(ops.k_size, (x, *rest), kwargs), S
         if method and target == "dim":
-            return g.call_function(k_dim, (x,)), S
+            return g.call_function(ops.k_dim, (x,)), S
         if target is getattr and rest == ("shape",):
-            return g.call_function(k_shape, (x,)), S
+            return g.call_function(ops.k_shape, (x,)), S
         if target is operator.getitem:
-            return g.call_function(k_getitem, (x, *rest)), K
+            return g.call_function(ops.k_getitem, (x, *rest)), K
         if method and target in _REDUCE_METHODS or target in _REDUCE_FUNCTIONS:
             name = target if method else _REDUCE_FUNCTIONS[target]
-            return g.call_function(k_reduce, (name, x, *rest), kwargs), K
+            return g.call_function(ops.k_reduce, (name, x, *rest), kwargs), K
         if method and target in _DIM_METHODS or not method and target in _DIM_FUNCTIONS:
             if target in ("chunk", "split"):
                 raise self.fail(node, f"{target}: several outputs")
