@@ -241,6 +241,28 @@ def test_dropout_draws_each_models_own_numbers():
     assert out.shape == (K, 64, 5) and torch.isfinite(out).all()
 
 
+def test_channel_dropout_draws_each_models_own_numbers():
+    """Dropout2d (whole channels) in the channel layout, from the shared batch too; a model
+    switched to eval mode alone (a trial validating) does not switch the fused layer off."""
+    def net():
+        return nn.Sequential(nn.Dropout2d(0.5), nn.Conv2d(3, 4, 3), nn.Dropout2d(0.3),
+                             nn.Dropout(0.2))
+
+    torch.manual_seed(0)
+    models = [net() for _ in range(3)]
+    alone = copy.deepcopy(models)
+    fused = fuse_models(models).train()
+    models[0].eval()
+    x = DATA["cnn"][0]
+    streams, ref_streams = _Streams([5, 6, 7]), _Streams([5, 6, 7])
+    out = fused(x, rng=streams.contexts())
+    for k in range(3):
+        with ref_streams.use(k):
+            ref = alone[k](x)
+        _close(out[k], ref, f"model {k}")
+        assert torch.equal(streams.states[k], ref_streams.states[k])  # the same draws
+
+
 def test_batchnorm_statistics_are_per_model_in_train_and_eval_mode():
     models = _models("cnn")
     alone = copy.deepcopy(models)
@@ -466,3 +488,59 @@ def test_unsupported_layer_optimizer_and_mismatch_give_clear_errors():
     with pytest.raises(FusionError, match="does not hold"):
         FusedOptimizer(fused, [torch.optim.SGD(list(m.parameters())[:2], lr=0.1)
                                for m in models])
+
+
+# ---- with the engine's TrialRun: its RNG streams, its checkpoints ------------------------------
+
+
+def test_trial_runs_train_fused_and_checkpoint_as_alone(tmp_path):
+    """TrialRuns (the engine's per-trial state) fused for an epoch: each run's checkpoint
+    (weights, optimizer, cosine schedule, RNG streams with dropout drawn in them, position)
+    equals its alone run's, and a run resumed alone from it trains on as if never fused."""
+    from retiarii.engine.trainer import ClassifierTrainer
+    from retiarii.engine.trial_run import TrialRun
+
+    trainer = ClassifierTrainer(epochs=2, batch_size=128, lr_schedule="cosine")
+    hps = [{"lr": 1e-3}, {"lr": 3e-3}, {"lr": 2e-3}]
+
+    def build():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2),
+                             nn.Linear(32, 10))
+
+    def runs():
+        return [TrialRun(build, trainer, hp, seed=7 + i, trial_id=f"t{i}", device="cpu")
+                for i, hp in enumerate(hps)]
+
+    alone = runs()
+    metrics = [r.train_epoch() for r in alone]
+    fused_runs = runs()
+    fused = fuse_models([r.model for r in fused_runs])
+    fopt = FusedOptimizer(fused, [r.optimizer for r in fused_runs])
+    fused.train()
+    sums = [[torch.zeros(()), 0] for _ in fused_runs]
+    for x, y in trainer.train_dataloader(hps[0], 0):
+        out = fused(x, rng=[r._own_rng for r in fused_runs])  # dropout in each trial's streams
+        losses = [F.cross_entropy(out[k], y) for k in range(len(fused_runs))]
+        fopt.zero_grad()
+        sum(losses).backward()
+        fopt.step()
+        for k, loss in enumerate(losses):
+            sums[k][0] += loss.detach() * len(y)
+            sums[k][1] += len(y)
+    for k, run in enumerate(fused_runs):
+        with run._own_rng():
+            train_loss = run.end_training(*sums[k])  # the epoch's cosine step
+            fused_metrics = {"train_loss": train_loss, **run._validate()}
+        run.epoch += 1
+        for name, value in metrics[k].items():
+            assert fused_metrics[name] == pytest.approx(value, rel=RTOL), name
+        state, ref = run.state_dict(), alone[k].state_dict()
+        assert torch.equal(state["rng"]["torch"], ref["rng"]["torch"])  # the same draws
+        _same_state(state, ref, f"trial {k} checkpoint")
+        path = os.path.join(tmp_path, f"t{k}.pt")
+        run.save(path)
+        resumed = TrialRun(build, trainer, hps[k], checkpoint=path, trial_id=f"t{k}",
+                           device="cpu")
+        after, ref_after = resumed.train_epoch(), alone[k].train_epoch()
+        assert after == pytest.approx(ref_after, rel=1e-4)
+        _same_state(resumed.state_dict(), alone[k].state_dict(), f"trial {k} resumed alone")

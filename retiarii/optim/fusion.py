@@ -28,6 +28,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import inspect
@@ -303,16 +304,17 @@ class _Emitter:
         if isinstance(first, nn.LayerNorm):
             return call(self.add(node.target, ops.FusedLayerNorm(layers), layers),
                         (self.to((x, layout), K),)), K
-        if isinstance(first, (nn.Dropout, nn.AlphaDropout)) or isinstance(
-                first, nn.modules.dropout._DropoutNd) and layout != K:
-            out = K if layout == S else layout
-            return call(self.add(node.target, ops.FusedDropout(first, self.k, layout)), (x,)), out
-        if isinstance(first, nn.modules.dropout._DropoutNd):  # channel dropout: C layout
-            return call(self.add(node.target, ops.FusedDropout(first, self.k, C)),
-                        (self.to((x, layout), C),)), C
+        # Dropout layers are copied: model 0 set to eval mode alone (its validation) must not
+        # switch the fused layer off.
+        if isinstance(first, (nn.Dropout, nn.AlphaDropout)):  # element-wise: any layout
+            fused = ops.FusedDropout(copy.deepcopy(first), self.k, layout)
+            return call(self.add(node.target, fused), (x,)), K if layout == S else layout
+        if isinstance(first, nn.modules.dropout._DropoutNd):  # whole channels: the C layout
+            fused = ops.FusedDropout(copy.deepcopy(first), self.k, C)
+            return call(self.add(node.target, fused), (self.to((x, layout), C),)), C
         if any(True for _ in first.parameters()) or any(True for _ in first.buffers()):
             raise self.fail(node, f"layer {type(first).__name__} with weights")
-        name = self.add(node.target, first)
+        name = self.add(node.target, copy.deepcopy(first))  # weightless: a copy, as dropout
         if isinstance(first, _POINTWISE_MODULES):
             return call(name, (x,)), layout
         if isinstance(first, _CHANNEL_MODULES):
