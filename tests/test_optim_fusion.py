@@ -485,6 +485,12 @@ def test_unsupported_layer_optimizer_and_mismatch_give_clear_errors():
         FusedOptimizer(fused, [torch.optim.RMSprop(m.parameters()) for m in models])
     with pytest.raises(FusionError, match="amsgrad"):
         FusedOptimizer(fused, [torch.optim.Adam(m.parameters(), amsgrad=True) for m in models])
+    frozen = _models("mlp", n=2)
+    for m in frozen:
+        m[0].requires_grad_(False)  # a frozen first layer fuses too; it never steps
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in frozen]
+    fopt = FusedOptimizer(fuse_models(frozen), opts)
+    assert len(fopt.params) == len(list(frozen[0].parameters())) - 2
     with pytest.raises(FusionError, match="does not hold"):
         FusedOptimizer(fused, [torch.optim.SGD(list(m.parameters())[:2], lr=0.1)
                                for m in models])

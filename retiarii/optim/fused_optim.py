@@ -89,7 +89,8 @@ class FusedOptimizer:
                                   f"same parameters of every model: train these separately")
             self.params.append((stacked, groups))
             self._slices.append(slices)
-        held = sum(len(o) for o in owners)
+        held = sum(1 for opt in self.optimizers for g in opt.param_groups for p in g["params"]
+                   if p.requires_grad)  # a frozen parameter in an optimizer never steps
         if held != len(self.params) * fused.k:
             raise FusionError("an optimizer holds parameters that are not its fused model's; "
                               "train these models separately (unfused)")
