@@ -98,8 +98,6 @@ def _key(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', None) or fn.__name__}"
 
 
-
-
 def _ref(target: Any) -> str:
     """How an emitted node names ``target``: a method name, or "fn:" and its key."""
     return target if isinstance(target, str) else "fn:" + _key(target)
@@ -137,7 +135,7 @@ def k_call(fn, stacked: tuple, *args, **kwargs):
 
 
 _DIM_METHODS = {"softmax", "log_softmax", "transpose", "unsqueeze", "squeeze", "permute",
-                "cumsum", "chunk", "split"}
+                "cumsum"}
 _DIM_FUNCTIONS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.transpose,
                   torch.unsqueeze, torch.squeeze, torch.cumsum}
 _REDUCE_METHODS = {"mean", "sum", "amax", "amin"}
@@ -382,8 +380,6 @@ class _Emitter:
             name = target if method else _REDUCE_FUNCTIONS[target]
             return g.call_function(ops.k_reduce, (name, x, *rest), kwargs), K
         if method and target in _DIM_METHODS or not method and target in _DIM_FUNCTIONS:
-            if target in ("chunk", "split"):
-                raise self.fail(node, f"{target}: several outputs")
             return g.call_function(k_dims, (_ref(target), x, *rest), kwargs), K
         raise self.fail(node, _name(target))
 
