@@ -550,3 +550,68 @@ def test_trial_runs_train_fused_and_checkpoint_as_alone(tmp_path):
         after, ref_after = resumed.train_epoch(), alone[k].train_epoch()
         assert after == pytest.approx(ref_after, rel=1e-4)
         _same_state(resumed.state_dict(), alone[k].state_dict(), f"trial {k} resumed alone")
+
+
+# ---- a fuzz test over random same-shape architectures ------------------------------------------
+
+_ACTS = [nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU, nn.LeakyReLU, nn.Identity]
+
+
+def _random_net(rng):
+    """A random CNN or MLP of the operators fusion supports (one draw of ``rng``)."""
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=rng))]  # noqa: E731
+    layers, width = [], 3
+    if pick([True, False]):  # convolutional trunk on (B, 3, 8, 8)
+        for _ in range(pick([1, 2])):
+            out = pick([4, 6])
+            groups = pick([1, 2]) if width % 2 == 0 else 1
+            layers += [nn.Conv2d(width, out, 3, padding=1, groups=groups, bias=False)]
+            layers += [nn.BatchNorm2d(out)] if pick([True, False]) else []
+            layers += [pick(_ACTS)(), pick([nn.MaxPool2d(2), nn.AvgPool2d(2), nn.Identity()])]
+            width = out
+        layers += [nn.AdaptiveAvgPool2d(2), nn.Flatten()]
+        width *= 4
+    else:
+        layers += [nn.Flatten()]
+        width = 3 * 8 * 8
+    for _ in range(pick([1, 2])):
+        hidden = pick([8, 12])
+        layers += [nn.Linear(width, hidden), pick([nn.BatchNorm1d(hidden), nn.LayerNorm(hidden),
+                                                   nn.Identity()]), pick(_ACTS)()]
+        width = hidden
+    return nn.Sequential(*layers, nn.Linear(width, 3))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fuzz_random_architectures_fused_equal_alone(seed):
+    """Outputs in train and eval mode within RTOL/ATOL of each model alone; gradients as close
+    to the float64 truth as each model's alone in float32 (BatchNorm's backward subtracts
+    means, so a gradient element can be a small difference of large terms: elementwise, both
+    float32 runs are off by more than 1e-4 of it)."""
+    rng = torch.Generator().manual_seed(seed)
+    state = rng.get_state()
+    models = []
+    for k in range(3):
+        rng.set_state(state)  # the same architecture ...
+        torch.manual_seed(seed * 10 + k)  # ... with its own weights
+        models.append(_random_net(rng))
+    alone = copy.deepcopy(models)
+    truth = [copy.deepcopy(m).double() for m in models]
+    fused = fuse_models(models)
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+    for mode in (True, False):
+        fused.train(mode)
+        out = fused(x)
+        refs = [m.train(mode)(x) for m in alone]
+        exact = [m.train(mode)(x.double()) for m in truth]
+        torch.testing.assert_close(out, torch.stack(refs), rtol=RTOL, atol=ATOL)
+        for outs in (out, refs, exact):
+            sum(o.sum() for o in outs).backward()
+    for stacked, slices in fused.slices:
+        index = next(i for i, p in enumerate(models[0].parameters()) if p is slices[0])
+        grad32, grad64 = (torch.stack([list(m.parameters())[index].grad.double() for m in ms])
+                          for ms in (alone, truth))
+        scale = grad64.abs().max().clamp_min(1e-12)
+        fused_err = (stacked.grad.double() - grad64).abs().max() / scale
+        alone_err = (grad32 - grad64).abs().max() / scale
+        assert fused_err <= 2 * alone_err + 1e-6, (tuple(stacked.shape), fused_err, alone_err)
