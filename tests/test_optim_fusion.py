@@ -415,6 +415,7 @@ def test_checkpoints_have_the_alone_layout_and_resume_fused(tmp_path, opt_name):
         assert os.path.getsize(path) < 1.2 * os.path.getsize(alone_path)
         state = ckpt.load(path)
         _same_state(state, ckpt.load(alone_path), f"trial {k} checkpoint")
+        assert state["model"]._metadata == alone[k].state_dict()._metadata  # module versions
         states.append(state)
     # Resume fused from the per-model checkpoints: 10 more steps equal 20 steps alone.
     full, fullopts, _, _ = _train_alone("mlp", opt_name, 20)

@@ -307,17 +307,24 @@ def _check_loadable(obj: Any, where: str) -> None:
 def _compact(obj: Any) -> Any:
     """``obj`` with every tensor that views a larger storage cloned: torch.save writes a
     view's whole storage, and a fused model's weights (retiarii.optim.fusion) are views of
-    the K models' stacked tensors; a trial's checkpoint holds its own values only."""
+    the K models' stacked tensors; a trial's checkpoint holds its own values only. Containers
+    holding no such tensor are returned as they are; a rebuilt state dict keeps its
+    ``_metadata`` (the modules' versions, which ``load_state_dict`` reads)."""
     if isinstance(obj, torch.Tensor):
         if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
             return obj.clone()
         return obj
-    if isinstance(obj, collections.OrderedDict):
-        return collections.OrderedDict((k, _compact(v)) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return {k: _compact(v) for k, v in obj.items()}
+    if type(obj) in (dict, collections.OrderedDict):
+        items = {k: _compact(v) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        out = type(obj)(items)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
     if type(obj) in (list, tuple):
-        return type(obj)(_compact(v) for v in obj)
+        items = [_compact(v) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
     return obj
 
 
