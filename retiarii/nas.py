@@ -50,6 +50,9 @@ class Row:
     note: str = ""  # what differs from the publication, if anything
     # preset -> (function of `module`, its keyword arguments as (key, value) pairs)
     presets: tuple = (("small", "small", ()), ("paper", "paper", ()))
+    # keyword arguments of the `runs_with` strategy as (key, value) pairs (evolving spaces
+    # start from their base model: ("initial", "base"))
+    options: tuple = ()
 
     @property
     def status(self) -> str:
@@ -57,8 +60,9 @@ class Row:
 
 
 def _row(number, name, title, space, strategy, paper, module=None, runs_with=None, note="",
-         presets: dict | None = None) -> Row:
-    row = Row(number, name, title, space, strategy, paper, module, runs_with, note)
+         presets: dict | None = None, options: dict | None = None) -> Row:
+    row = Row(number, name, title, space, strategy, paper, module, runs_with, note,
+              options=tuple(sorted((options or {}).items())))
     if presets:
         row = dataclasses.replace(row, presets=tuple(
             (preset, fn, tuple(sorted(kwargs.items()))) for preset, (fn, kwargs) in
@@ -201,11 +205,12 @@ def strategy(name: str, seed: int = 0):
 
     row = get(name)
     _check(row, "small")
+    options = dict(row.options)
     if row.runs_with == "RegularizedEvolution":
-        return s.RegularizedEvolution(population_size=8, sample_size=3, seed=seed)
+        return s.RegularizedEvolution(population_size=8, sample_size=3, seed=seed, **options)
     if row.runs_with == "PolicyBasedRL":
-        return s.PolicyBasedRL(seed=seed)
-    return getattr(s, row.runs_with)(seed=seed)
+        return s.PolicyBasedRL(seed=seed, **options)
+    return getattr(s, row.runs_with)(seed=seed, **options)
 
 
 def experiment(name: str, preset: str = "small", max_models: int = 8, epochs: int = 2,
