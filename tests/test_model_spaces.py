@@ -212,8 +212,14 @@ def test_nas_list_prints_every_row_with_its_status(capsys):
         assert line.rstrip().endswith(row.status) and row.paper in line
 
 
-def test_nas_run_of_a_row_not_implemented_says_so(capsys):
-    missing = next(row for row in nas.ROWS if row.status == "not yet")
+def test_nas_run_of_a_row_not_implemented_says_so(capsys, monkeypatch):
+    import dataclasses
+
+    # a row without its space (once every row is written, one made so for the test)
+    missing = next((row for row in nas.ROWS if row.status == "not yet"), None)
+    if missing is None:
+        missing = dataclasses.replace(nas.ROWS[0], module=None)
+        monkeypatch.setitem(nas._BY_NAME, missing.name, missing)
     assert main(["nas", "run", missing.name]) == 2
     err = capsys.readouterr().err
     assert "not implemented yet" in err and missing.title in err
