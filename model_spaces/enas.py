@@ -7,9 +7,9 @@ picks two inputs among ``s0``, ``s1`` and nodes 0 .. k-1 (independently: one inp
 taken twice) and one op for each, and sums them. 5 ops: identity, sep conv 3x3 and 5x5, avg
 and max pool 3x3. Normal cells share one architecture and reduction cells another; in a
 reduction cell an op reading ``s0`` or ``s1`` has stride 2, as in DARTS (whose op modules
-this file reuses). NOTE: the cell concatenates all its nodes; ENAS concatenates only the
-*loose ends* (nodes no other node reads), which would make the width of a cell's output
-depend on the sample.
+this file reuses). The cell concatenates its *loose ends* (the nodes no other node reads),
+as in ENAS, so its width depends on the sample: the next cells' 1x1 preprocessing and the
+classifier are lazy (``nn.LazyConv2d``, ``nn.LazyLinear``), sized by the shape check.
 
 Size (micro): ``prod_k (k + 2) ** 2 * 5 ** 2`` per cell = 720 ** 2 * 5 ** 10 =
 5,062,500,000,000 (ordered pairs of inputs and of ops), squared for the two cells (about
@@ -41,7 +41,7 @@ from torch import nn
 
 import retiarii as rt
 from retiarii import ops
-from model_spaces.darts import FactorizedReduce, ReLUConvBN, SepConv, make_op as darts_op
+from model_spaces.darts import SepConv, make_op as darts_op
 from model_spaces.nasbench101 import ConvBNReLU
 
 MICRO_OPS = ("identity", "sep_conv_3x3", "sep_conv_5x5", "avg_pool_3x3", "max_pool_3x3")
@@ -60,25 +60,33 @@ def micro_op(name: str, channels: int, stride: int) -> nn.Module:
     return darts_op("skip_connect" if name == "identity" else name, channels, stride)
 
 
+def preprocess(c: int, stride: int) -> nn.Module:
+    """ReLU, lazy 1x1 conv (its input width is the previous cell's loose ends), BN; traced
+    through, so its output node is ``"{name}.2"``."""
+    return nn.Sequential(nn.ReLU(), nn.LazyConv2d(c, 1, stride=stride, bias=False),
+                         nn.BatchNorm2d(c))
+
+
 class MicroCell(nn.Module):
     """A cell whose node k = sep_conv_3x3(s0) + sep_conv_3x3(s1) (the base; the mutator
-    edits it): (s0, s1) -> (B, 5C, H', W')."""
+    edits it): (s0, s1) -> (B, 5C, H', W') (every node a loose end)."""
 
-    def __init__(self, c_pp: int, c_p: int, c: int, reduction: bool, reduction_prev: bool):
+    def __init__(self, c: int, reduction: bool, reduction_prev: bool):
         super().__init__()
-        self.pre0 = FactorizedReduce(c_pp, c) if reduction_prev else ReLUConvBN(c_pp, c)
-        self.pre1 = ReLUConvBN(c_p, c)
+        self.pre0 = preprocess(c, 2 if reduction_prev else 1)
+        self.pre1 = preprocess(c, 1)
         stride = 2 if reduction else 1
         for k in range(NODES):
             setattr(self, f"n{k}_a", micro_op("sep_conv_3x3", c, stride))
             setattr(self, f"n{k}_b", micro_op("sep_conv_3x3", c, stride))
             setattr(self, f"n{k}", ops.Sum())
+        self.out = ops.Concat()
 
     def forward(self, s0, s1):
         s0, s1 = self.pre0(s0), self.pre1(s1)
         nodes = [getattr(self, f"n{k}")(getattr(self, f"n{k}_a")(s0),
                                         getattr(self, f"n{k}_b")(s1)) for k in range(NODES)]
-        return torch.cat(nodes, dim=1)  # (B, C, H', W') x 5 -> (B, 5C, H', W')
+        return self.out(*nodes)  # (B, C, H', W') x loose ends -> (B, ends * C, H', W')
 
 
 class MicroNet(nn.Module):
@@ -90,7 +98,7 @@ class MicroNet(nn.Module):
         c_stem = stem_multiplier * channels
         self.stem = nn.Sequential(nn.Conv2d(in_channels, c_stem, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(c_stem))
-        c_pp, c_p, c = c_stem, c_stem, channels
+        c = channels
         self.reductions = [i for i in range(num_cells)
                            if num_cells >= 3 and i in (num_cells // 3, 2 * num_cells // 3)]
         self.widths = []
@@ -99,12 +107,11 @@ class MicroNet(nn.Module):
         for i in range(num_cells):
             reduction = i in self.reductions
             c = 2 * c if reduction else c
-            self.cells.append(MicroCell(c_pp, c_p, c, reduction, reduction_prev))
+            self.cells.append(MicroCell(c, reduction, reduction_prev))
             self.widths.append(c)
             reduction_prev = reduction
-            c_pp, c_p = c_p, NODES * c
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(c_p, num_classes)
+        self.fc = nn.LazyLinear(num_classes)
 
     def forward(self, x):
         s0 = s1 = self.stem(x)
@@ -128,8 +135,12 @@ class MicroCellMutator(rt.Mutator):
                 src = self.choose(list(range(k + 2)), f"{self.label}/n{k}/input_{side}")
                 op = self.choose(list(MICRO_OPS), f"{self.label}/n{k}/op_{side}")
                 genotype.append((k, side, src, op))
+        read = {src - 2 for _, _, src, _ in genotype if src >= 2}
         for cell, c in zip(self.cells, self.widths):
-            states = [f"{cell}.pre0", f"{cell}.pre1"] + [f"{cell}.n{m}" for m in range(NODES)]
+            for m in sorted(read):  # not a loose end: out of the concatenation
+                self.disconnect(f"{cell}.n{m}", f"{cell}.out")
+            states = [f"{cell}.pre0.2", f"{cell}.pre1.2"] + [f"{cell}.n{m}" for m in
+                                                               range(NODES)]
             for k, side, src, op in genotype:
                 if (src, op) == ("ab".index(side), "sep_conv_3x3"):
                     continue  # the base's own edge

@@ -83,8 +83,7 @@ ROWS: tuple[Row, ...] = (
          "conv type, skip op and filter sizes fixed (MnasNet-A1's)"),
     _row(2, "enas_cnn", "ENAS-CNN", "ENAS micro cell and macro space", "RL, weight sharing",
          "Pham et al., ICML 2018", "model_spaces.enas", "PolicyBasedRL",
-         "micro cell (every node concatenated, not only loose ends); macro space: "
-         "model_spaces.enas.macro_space; multi-trial RL" + _WS),
+         "micro cell; macro space: model_spaces.enas.macro_space; multi-trial RL" + _WS),
     _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
          "model_spaces.nasnet", "PolicyBasedRL",
          "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",

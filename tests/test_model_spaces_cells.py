@@ -115,7 +115,10 @@ def test_enas_micro_inputs_may_repeat_and_reductions_stride_on_cell_inputs():
     model = space.instantiate(sample)
     spec = {n.name: n.op.spec for n in model.graph.nodes if n.op.spec}
     assert "FactorizedReduce" in spec["cells.1.n0_a"]["cls"]  # identity on s1, stride 2
-    assert [n.name for n in model.graph["cells.1.n0_b"].inputs] == ["cells.1.pre1"]
+    assert [n.name for n in model.graph["cells.1.n0_b"].inputs] == ["cells.1.pre1.2"]
+    # loose ends only: node 0 is read by node 1, node 4 by no one
+    ends = [n.name for n in model.graph["cells.1.out"].inputs]
+    assert "cells.1.n0" not in ends and "cells.1.n4" in ends
     assert "Identity" in spec["cells.1.n1_a"]["cls"]  # on node 0, already halved
     assert runs(space, model).shape == (2, 10)
 
