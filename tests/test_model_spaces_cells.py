@@ -350,3 +350,14 @@ def test_neural_predictor_row_proposes_nasbench101_cells_from_its_mlp():
         space.instantiate(sample)
         strategy.tell(sample, sum(v == "conv3x3-bn-relu" for v in sample.values()))
     assert len(strategy.state_dict()["log"]) > 6
+
+
+@pytest.mark.parametrize("module", ["genetic_cnn", "enas", "recurrent", "textnas", "oneshot",
+                                    "hierarchical", "pnas", "wann", "path_level",
+                                    "large_scale_evolution"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"model_spaces.{module}"))
+    assert result.attempted > 0 and result.failed == 0
