@@ -18,9 +18,8 @@ of block k exist only when ``blocks > k``, which is what :class:`~retiarii.strat
 Progressive` (``depth_label="blocks"``) grows one block per stage.
 
 Size: ``sum_{b=1..5} prod_{k<b} (k + 2) ** 2 * 8 ** 2`` = 256 + 147,456 + 150,994,944 +
-241,591,910,400 + 556,627,761,561,600 = 556,869,504,614,656 (:func:`count`; ordered input
-pairs and op pairs: PNAS counts unordered pairs, 136 cells of one block, and about 10^14
-cells of 5 blocks).
+241,591,910,400 + 556,627,761,561,600 = 556,869,504,614,656, about 5.6e14 (:func:`count`;
+input pairs and op pairs counted ordered, no symmetric cell removed).
 
 Presets: :func:`paper` has PNASNet-5's CIFAR-10 shape (N = 3 cells per stack, F = 48
 filters); :func:`small` one cell per stack of 8 filters.

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..sampler import RandomSampler, ReplaySampler, sample_key
 from .base import Draw, Strategy, draw
-from .predictor import SURROGATES, Encoder, rank
+from .predictor import SURROGATES, Encoder, neighbour, rank
 
 
 class Progressive(Strategy):
@@ -19,10 +19,13 @@ class Progressive(Strategy):
     while none is told), draws ``n_candidates`` expansions of them (the parent's choices kept,
     the depth one step deeper, the new block's choices random), ranks the new ones with a
     surrogate fitted on every told result (:func:`~retiarii.strategies.predictor.rank`; PNAS
-    uses an LSTM or MLP ensemble) and proposes the ``beam`` best. After the deepest stage the
-    last stage repeats with a refitted surrogate, so the search goes on while budget remains.
+    uses an LSTM or MLP ensemble) and proposes the ``beam`` best. PNAS stops there; here the
+    deepest stage then repeats while budget remains, its candidates half expansions and half
+    neighbours (one choice changed) of the best deepest models, ranked by a refitted
+    surrogate.
 
-    A space without ``depth_label`` has one stage: ranked random models, ``beam`` at a time.
+    A space without ``depth_label`` has one stage: ranked random models, then ranked random
+    models and neighbours of the best, ``beam`` at a time.
     The state (stage, queue of ranked proposals) is JSON and survives a resume.
 
     Example:
@@ -91,24 +94,31 @@ class Progressive(Strategy):
         return next((i for i, d in enumerate(depths) if sample_key({"d": d}) ==
                      sample_key({"d": value})), None)
 
-    def _beam_of(self, depths: list, index: int) -> list[dict]:
-        """The ``beam`` best told models of depth ``depths[index]``; the proposed ones while
-        none is told."""
-        told = [(s, v) for s, v in self._observations() if self._depth_of(s, depths) == index]
+    def _beam_of(self, depths: list | None, index: int) -> list[dict]:
+        """The ``beam`` best told models of depth ``depths[index]`` (of any depth when the
+        space has none); the proposed ones while none is told."""
+        told = [(s, v) for s, v in self._observations()
+                if depths is None or self._depth_of(s, depths) == index]
         if told:
             order = sorted(range(len(told)), key=lambda i: (-told[i][1], i))
             return [told[i][0] for i in order[:self.beam]]
-        return [r.sample for r in self._records.values()
-                if r.proposed and self._depth_of(r.sample, depths) == index][:self.beam]
+        return [r.sample for r in self._records.values() if r.proposed and (
+            depths is None or self._depth_of(r.sample, depths) == index)][:self.beam]
 
     def _fill(self, space: Any) -> None:
         depths = self._depths(space)
         last = 0 if depths is None else len(depths) - 1
         stage = min(self._stage + 1, last)
-        parents = self._beam_of(depths, stage - 1) if stage > 0 else []
+        parents = self._beam_of(depths, stage - 1) if depths and stage > 0 else []
+        # Past the deepest stage, half the candidates are neighbours of the best deepest
+        # models (one choice changed): the beam's early blocks are fixed, so without them the
+        # search would only re-expand the same parents.
+        best = self._beam_of(depths, last) if self._stage == last else []
         candidates, seen = [], set()
         for i in range(self.n_candidates):
-            if depths is None:
+            if best and i % 2:
+                c = neighbour(self, space, sample_key(best[(i // 2) % len(best)]))
+            elif depths is None:
                 c = self._random_draw(space)
             else:
                 c = self._at_depth(space, stage, parents[i % len(parents)] if parents else None)
