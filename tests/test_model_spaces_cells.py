@@ -297,6 +297,36 @@ def test_a_grown_model_trains_a_step(name):
     assert any(not torch.equal(b, p) for b, p in zip(before, net.parameters()))
 
 
+def exported_equals(space, model) -> None:
+    """The model's exported source, run in a fresh namespace with the model's weights,
+    computes what the model does."""
+    torch.manual_seed(0)
+    net = model.to_module().eval()
+    namespace: dict = {"__name__": "exported"}
+    exec(compile(model.graph.to_source("Exported"), "<exported>", "exec"), namespace)
+    exported = namespace["Exported"]().eval()
+    exported.load_state_dict(net.state_dict())
+    x = torch.rand((3,) + tuple(space.example_input.shape[1:]))
+    with torch.no_grad():
+        assert torch.equal(exported(x), net(x))
+
+
+@pytest.mark.parametrize("name", EVOLVING)
+def test_a_long_grown_model_exports(name):
+    space = nas.build_space(name, "small")
+    model = space.sample(Chain(7, 0.9))
+    space.check_shapes(model)
+    assert sum(1 for k in model.sample if "/grow" in k) > 5
+    exported_equals(space, model)
+
+
+def test_the_enas_macro_space_exports():
+    from model_spaces import enas
+
+    space = enas.macro_small()
+    exported_equals(space, space.instantiate(space.random_sample(seed=2).sample))
+
+
 def test_wann_has_one_shared_weight_read_by_every_connection():
     space = nas.build_space("wann", "small")
     model = space.sample(Chain(4, 0.9))
