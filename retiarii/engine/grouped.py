@@ -194,6 +194,7 @@ class TrainingGroup:
         self._to_profile = set(profile or ()) & set(self.runs)
         self._batches, self._load_s, self._compute_s = 0, 0.0, 0.0
         self._alone_s: dict[str, float] = {}
+        self.setup_s = 0.0  # planning and building it, as the worker measured
 
     def report(self) -> dict:
         """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
@@ -202,7 +203,7 @@ class TrainingGroup:
         step time."""
         return {"trials": list(self.members), "merged": True, "batches": self._batches,
                 "load_s": self._load_s, "compute_s": self._compute_s,
-                "alone_s": dict(self._alone_s)}
+                "setup_s": self.setup_s, "alone_s": dict(self._alone_s)}
 
     @property
     def trials(self) -> tuple[str, ...]:
