@@ -74,7 +74,8 @@ def test_merged_speedup_is_separate_time_over_merged_time():
     # a compute-bound group whose models are cheap apart: slower merged
     unit = {"trials": ["a", "b"], "merged": True, "batches": 10, "load_s": 0.0, "compute_s": 5.0}
     assert merged_speedup(unit, {"a": 0.1, "b": 0.1}) == pytest.approx(0.4)
-    assert slower_than_apart(0.4) and not slower_than_apart(1.0) and not slower_than_apart(None)
+    assert slower_than_apart(0.4) and not slower_than_apart(1.2) and not slower_than_apart(None)
+    assert slower_than_apart(1.05)  # within the margin for what the estimate leaves out
     # planning and building the group is paid once per segment: a short one is not worth it
     unit = {"trials": ["a", "b"], "merged": True, "batches": 2, "load_s": 0.2, "compute_s": 0.2,
             "setup_s": 1.0}
