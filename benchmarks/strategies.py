@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import toy_spaces  # noqa: E402
 from retiarii.strategies import (  # noqa: E402
-    TPE, GridSearch, PolicyBasedRL, Random, RegularizedEvolution,
+    TPE, GridSearch, PolicyBasedRL, Predictor, Progressive, Random, RegularizedEvolution,
 )
 
 
@@ -68,6 +68,9 @@ STRATEGIES = {
     "evolution": lambda seed: RegularizedEvolution(population_size=20, sample_size=5, seed=seed),
     "rl": lambda seed: PolicyBasedRL(seed=seed),
     "tpe": lambda seed: TPE(seed=seed),
+    "predictor": lambda seed: Predictor(seed=seed),
+    # n_paths is the synthetic cell's depth: PNAS grows it one path per stage
+    "progressive": lambda seed: Progressive(seed=seed, depth_label="n_paths"),
     "optuna-tpe": lambda seed: OptunaTPE(seed),
 }
 try:  # Optuna is only a reference line: `./dev setup bench` installs it

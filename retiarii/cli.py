@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-STRATEGIES = ("random", "grid", "evolution", "rl", "tpe")
+STRATEGIES = ("random", "grid", "evolution", "rl", "tpe", "predictor")
 SCHEDULERS = ("none", "asha", "median")
 
 
@@ -37,7 +37,8 @@ def _strategy(name: str, seed: int):
     factories = {"random": lambda: s.Random(seed=seed), "grid": lambda: s.GridSearch(seed=seed),
                  "evolution": lambda: s.RegularizedEvolution(population_size=16, sample_size=4,
                                                              seed=seed),
-                 "rl": lambda: s.PolicyBasedRL(seed=seed), "tpe": lambda: s.TPE(seed=seed)}
+                 "rl": lambda: s.PolicyBasedRL(seed=seed), "tpe": lambda: s.TPE(seed=seed),
+                 "predictor": lambda: s.Predictor(seed=seed)}
     return factories[name]()
 
 

@@ -50,6 +50,9 @@ class Row:
     note: str = ""  # what differs from the publication, if anything
     # preset -> (function of `module`, its keyword arguments as (key, value) pairs)
     presets: tuple = (("small", "small", ()), ("paper", "paper", ()))
+    # keyword arguments of the `runs_with` strategy as (key, value) pairs (evolving spaces
+    # start from their base model: ("initial", "base"))
+    options: tuple = ()
 
     @property
     def status(self) -> str:
@@ -57,8 +60,9 @@ class Row:
 
 
 def _row(number, name, title, space, strategy, paper, module=None, runs_with=None, note="",
-         presets: dict | None = None) -> Row:
-    row = Row(number, name, title, space, strategy, paper, module, runs_with, note)
+         presets: dict | None = None, options: dict | None = None) -> Row:
+    row = Row(number, name, title, space, strategy, paper, module, runs_with, note,
+              options=tuple(sorted((options or {}).items())))
     if presets:
         row = dataclasses.replace(row, presets=tuple(
             (preset, fn, tuple(sorted(kwargs.items()))) for preset, (fn, kwargs) in
@@ -84,7 +88,8 @@ ROWS: tuple[Row, ...] = (
          "Tan et al., CVPR 2019", "model_spaces.mnasnet", "PolicyBasedRL",
          "conv type, skip op and filter sizes fixed (MnasNet-A1's)"),
     _row(2, "enas_cnn", "ENAS-CNN", "ENAS micro cell and macro space", "RL, weight sharing",
-         "Pham et al., ICML 2018"),
+         "Pham et al., ICML 2018", "model_spaces.enas", "PolicyBasedRL",
+         "micro cell; macro space: model_spaces.enas.macro_space; multi-trial RL" + _WS),
     _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
          "model_spaces.nasnet", "PolicyBasedRL",
          "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
@@ -98,27 +103,41 @@ ROWS: tuple[Row, ...] = (
          "multi-trial evolution, each candidate trained alone" + _WS),
     _row(6, "wann", "Weight Agnostic Networks",
          "evolving: insert node, add connection, change activation", "evolution",
-         "Gaier & Ha, NeurIPS 2019"),
+         "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "RegularizedEvolution",
+         "nodes are layers of 16 units; the one shared weight is trained, not swept",
+         options={"initial": "base"}),
     _row(7, "path_level", "Path-level NAS", "evolving by replication and split", "RL",
-         "Cai et al., ICML 2018"),
+         "Cai et al., ICML 2018", "model_spaces.path_level", "PolicyBasedRL",
+         "a plain conv stack transformed (the paper: DenseNet, PyramidNet cells)"),
     _row(8, "large_scale_evolution", "Large-Scale Evolution",
-         "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017"),
+         "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017",
+         "model_spaces.large_scale_evolution", "RegularizedEvolution",
+         "structural mutations and the learning rate; no weight inheritance",
+         options={"initial": "base"}),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
          "Tan & Le, ICML 2019", "model_spaces.efficientnet", "PolicyBasedRL",
          "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together"),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
-         "surrogate-guided progressive search", "Liu et al., ECCV 2018"),
+         "surrogate-guided progressive search", "Liu et al., ECCV 2018", "model_spaces.pnas",
+         "Progressive", "surrogate: gradient-boosted trees (the paper: LSTM, MLP ensemble)",
+         options={"depth_label": "blocks", "beam": 4, "n_candidates": 64}),
     _row(11, "enas_rnn", "ENAS-RNN", "recurrent cell", "RL, weight sharing",
-         "Pham et al., ICML 2018"),
+         "Pham et al., ICML 2018", "model_spaces.recurrent", "PolicyBasedRL",
+         "classifies digit rows as sequences (the paper: language models); multi-trial RL"
+         + _WS, {"small": ("enas_small", {}), "paper": ("enas_paper", {})}),
     _row(12, "genetic_cnn", "Genetic CNN", "binary connection strings between stage nodes",
-         "evolution", "Xie & Yuille, ICCV 2017"),
+         "evolution", "Xie & Yuille, ICCV 2017", "model_spaces.genetic_cnn",
+         "RegularizedEvolution"),
     _row(13, "oneshot", "Simplified One-Shot", "one-shot cell", "random, weight sharing",
-         "Bender et al., ICML 2018"),
+         "Bender et al., ICML 2018", "model_spaces.oneshot", "Random",
+         "random architectures trained one by one" + _WS),
     _row(14, "darts", "DARTS", "DARTS cell (normal + reduction)", "differentiable",
          "Liu et al., ICLR 2019", "model_spaces.darts", "RegularizedEvolution",
          "multi-trial evolution" + _WS),
     _row(15, "darts_rnn", "DARTS (language models)", "recurrent cell", "differentiable",
-         "Liu et al., ICLR 2019"),
+         "Liu et al., ICLR 2019", "model_spaces.recurrent", "RegularizedEvolution",
+         "classifies digit rows as sequences (the paper: language models); multi-trial "
+         "evolution" + _WS, {"small": ("darts_small", {}), "paper": ("darts_paper", {})}),
     _row(16, "fbnet", "FBNet", "FBNet blocks", "differentiable (Gumbel)", "Wu et al., CVPR 2019",
          "model_spaces.fbnet", "RegularizedEvolution", "multi-trial evolution" + _WS),
     _row(17, "proxylessnas", "ProxylessNAS", "ProxylessNAS space", "differentiable and RL",
@@ -143,16 +162,24 @@ ROWS: tuple[Row, ...] = (
          "Dong & Yang, ICLR 2020", "model_spaces.nasbench201", "RegularizedEvolution"),
     _row(23, "once_for_all", "Once-for-All", "elastic kernel, depth, width",
          "predictor-guided evolution", "Cai et al., ICLR 2020", "model_spaces.once_for_all",
-         "RegularizedEvolution", "evolution without the predictors, each sub-network trained "
+         "Predictor", "a surrogate over the choices (gradient-boosted trees; the paper: accuracy "
+         "and latency predictors) ranks random and mutated candidates; each sub-network trained "
          "alone" + _WS),
     _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
-         "Liu et al., ICLR 2018"),
-    _row(25, "textnas", "TextNAS", "text cell over embeddings", "RL", "Wang et al., AAAI 2020"),
+         "Liu et al., ICLR 2018", "model_spaces.hierarchical", "RegularizedEvolution",
+         "motif nodes sum their inputs (the paper: depthwise concatenation)",
+         options={"initial": "base"}),
+    _row(25, "textnas", "TextNAS", "text cell over embeddings", "RL", "Wang et al., AAAI 2020",
+         "model_spaces.textnas", "PolicyBasedRL",
+         "on digits, pixels read as 64 tokens; token input in textnas_space"),
     _row(26, "chamnet", "ChamNet", "MobileNetV2 blocks", "predictor-guided search",
-         "Dai et al., CVPR 2019", "model_spaces.chamnet", "TPE",
-         "TPE as the surrogate (not a Gaussian process + genetic search); grids ours"),
+         "Dai et al., CVPR 2019", "model_spaces.chamnet", "Predictor",
+         "gradient-boosted trees as the accuracy predictor (the paper: Gaussian processes and "
+         "a genetic search); grids ours"),
     _row(27, "neural_predictor", "Neural Predictor", "NAS-Bench-101 cell", "predictor",
-         "Wen et al., ECCV 2020"),
+         "Wen et al., ECCV 2020", "model_spaces.nasbench101", "Predictor",
+         "an MLP over one-hot choices (the paper: a GCN over the cell)",
+         options={"surrogate": "mlp", "n_startup": 4}),
 )
 
 _BY_NAME = {row.name: row for row in ROWS}
@@ -221,11 +248,12 @@ def strategy(name: str, seed: int = 0):
 
     row = get(name)
     _check(row, "small")
+    options = dict(row.options)
     if row.runs_with == "RegularizedEvolution":
-        return s.RegularizedEvolution(population_size=8, sample_size=3, seed=seed)
+        return s.RegularizedEvolution(population_size=8, sample_size=3, seed=seed, **options)
     if row.runs_with == "PolicyBasedRL":
-        return s.PolicyBasedRL(seed=seed)
-    return getattr(s, row.runs_with)(seed=seed)
+        return s.PolicyBasedRL(seed=seed, **options)
+    return getattr(s, row.runs_with)(seed=seed, **options)
 
 
 def experiment(name: str, preset: str = "small", max_models: int = 8, epochs: int = 2,

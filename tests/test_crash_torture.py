@@ -26,7 +26,8 @@ from engine_helpers import InProcessExecutor
 from exp_space import space
 from retiarii.engine.store import Store
 
-MODELS = {"evolution": 5}  # population 2: children from the third on (the old bug: the 5th)
+MODELS = {"evolution": 5,  # population 2: children from the third on (the old bug: the 5th)
+          "predictor": 4, "progressive": 4}  # the surrogate ranks the 3rd and 4th
 EPOCHS = 2
 TRAINER = rt.Trainer(dataset="digits", epochs=EPOCHS, batch_size=512,
                      lr=rt.ValueChoice([0.01, 0.03, 0.1], label="lr"))
@@ -80,6 +81,8 @@ STRATEGIES = {
                                                             seed=1),
     "rl": lambda: rt.strategies.PolicyBasedRL(seed=1),
     "tpe": lambda: rt.strategies.TPE(seed=1, n_startup=2),
+    "predictor": lambda: rt.strategies.Predictor(seed=1, n_startup=2, n_candidates=10),
+    "progressive": lambda: rt.strategies.Progressive(seed=1, beam=2, n_candidates=10),
 }
 
 

@@ -41,6 +41,18 @@ SIZES = {  # the sizes the module docstrings state (None: counted by a formula t
     "single_path_nas": 4 ** 6 * 5 ** 15,
     "once_for_all": 7371 ** 2,
     "chamnet": 4_649_045_868,
+    "enas_cnn": 5_062_500_000_000 ** 2,
+    "wann": math.inf,
+    "path_level": math.inf,
+    "large_scale_evolution": math.inf,
+    "pnas": 556_869_504_614_656,
+    "enas_rnn": 4 ** 12 * math.factorial(11),
+    "genetic_cnn": 2 ** 19,
+    "oneshot": 1_659_571_200,
+    "darts_rnn": 4 ** 8 * math.factorial(8),
+    "hierarchical": 7 ** 46,
+    "textnas": 262_144,
+    "neural_predictor": 169_093_980,
 }
 
 
@@ -128,7 +140,9 @@ def test_random_samples_build_and_pass_the_shape_check(name):
         model.graph.lint()
         out = model.to_module()(torch.zeros(2, 1, 8, 8))
         assert out.shape == (2, 10)
-        assert space.replay(model.sample).structural_hash() == model.structural_hash()
+        # (instantiate again, not replay: lazy layers settle their sizes in the shape check)
+        again = space.instantiate(model.sample)
+        assert again.structural_hash() == model.structural_hash()
 
 
 @pytest.mark.parametrize("name", IMPLEMENTED)
@@ -170,11 +184,15 @@ def test_export_round_trip(name):
 @pytest.mark.parametrize("module,preset", sorted({(row.module, fn) for row in nas.implemented()
                                                   for p, fn, _ in row.presets if p == "paper"}))
 def test_paper_preset_builds_and_passes_the_shape_check(module, preset):
-    row = next(r for r in nas.implemented() if r.module == module)
+    # (a module may hold several spaces: model_spaces.recurrent has ENAS's and DARTS')
+    row = next(r for r in nas.implemented() if r.module == module and
+               ("paper", preset) in {(p, fn) for p, fn, _ in r.presets})
     space = nas.build_space(row.name, "paper", in_channels=3, image_size=8)
     model = space.instantiate(space.random_sample(seed=0).sample)
     # eval: at 8x8 the paper networks reach 1x1 maps, where training-mode BN needs a batch > 1
     assert model.to_module().eval()(torch.zeros(1, 3, 8, 8)).shape == (1, 10)
+    if space.open_ended:  # an evolving space's size is its growth, not its preset
+        return
     # the paper preset is the big one (MnasNet: ~3.3M against ~0.3M parameters)
     params = sum(p.numel() for p in model.to_module().parameters())
     small_params = sum(p.numel() for p in small(row.name).build(
@@ -204,8 +222,14 @@ def test_nas_list_prints_every_row_with_its_status(capsys):
         assert line.rstrip().endswith(row.status) and row.paper in line
 
 
-def test_nas_run_of_a_row_not_implemented_says_so(capsys):
-    missing = next(row for row in nas.ROWS if row.status == "not yet")
+def test_nas_run_of_a_row_not_implemented_says_so(capsys, monkeypatch):
+    import dataclasses
+
+    # a row without its space (once every row is written, one made so for the test)
+    missing = next((row for row in nas.ROWS if row.status == "not yet"), None)
+    if missing is None:
+        missing = dataclasses.replace(nas.ROWS[0], module=None)
+        monkeypatch.setitem(nas._BY_NAME, missing.name, missing)
     assert main(["nas", "run", missing.name]) == 2
     err = capsys.readouterr().err
     assert "not implemented yet" in err and missing.title in err

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import toy_spaces  # noqa: E402
 from retiarii.strategies import (  # noqa: E402
-    TPE, BudgetExhausted, GridSearch, PolicyBasedRL, Random, RegularizedEvolution,
-    SpaceExhausted,
+    TPE, BudgetExhausted, GridSearch, PolicyBasedRL, Predictor, Progressive, Random,
+    RegularizedEvolution, SpaceExhausted,
 )
 from retiarii.sampler import RandomSampler, ReplaySampler, sample_key  # noqa: E402
 from retiarii.strategies.base import UnknownSample, draw  # noqa: E402
@@ -86,6 +86,9 @@ STRATEGIES = {
                                                          seed=seed, **kw),
     "rl": lambda seed, **kw: PolicyBasedRL(seed=seed, **kw),
     "tpe": lambda seed, **kw: TPE(seed=seed, n_startup=5, **kw),
+    "predictor": lambda seed, **kw: Predictor(seed=seed, n_startup=5, n_candidates=20, **kw),
+    "progressive": lambda seed, **kw: Progressive(seed=seed, depth_label="n_paths", beam=3,
+                                                  n_candidates=20, **kw),
 }
 
 PAIRS = [(s, p) for s in STRATEGIES for p in SPACES if not (s == "grid" and p == "unbounded")]
@@ -586,13 +589,16 @@ def random_baseline():
     return statistics.mean(best_found(Random(seed=s), BUDGET, s) for s in range(SEEDS))
 
 
-@pytest.mark.parametrize("name", ["evolution", "rl", "tpe"])
+@pytest.mark.parametrize("name", ["evolution", "rl", "tpe", "predictor", "progressive"])
 def test_finds_better_models_than_random_with_the_same_budget(random_baseline, name):
     space_size = toy_spaces.synthetic_space().size()
     assert space_size >= 1000
     make = {"evolution": lambda s: RegularizedEvolution(population_size=20, sample_size=5,
                                                         seed=s),
-            "rl": lambda s: PolicyBasedRL(seed=s), "tpe": lambda s: TPE(seed=s)}[name]
+            "rl": lambda s: PolicyBasedRL(seed=s), "tpe": lambda s: TPE(seed=s),
+            "predictor": lambda s: Predictor(seed=s),
+            # n_paths is the synthetic space's depth: PNAS grows it one path at a time
+            "progressive": lambda s: Progressive(seed=s, depth_label="n_paths")}[name]
     mean = statistics.mean(best_found(make(s), BUDGET, s) for s in range(SEEDS))
     # Random's mean over 20 seeds has a standard error of about 0.045 here: a margin of 0.2
     # is beyond chance, and well below what each strategy gains (see benchmarks/strategies.py).
@@ -602,7 +608,8 @@ def test_finds_better_models_than_random_with_the_same_budget(random_baseline, n
 # ---- the docstrings' examples run -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["base", "random_search", "grid", "evolution", "rl", "tpe"])
+@pytest.mark.parametrize("module", ["base", "random_search", "grid", "evolution", "rl", "tpe",
+                                    "predictor", "progressive"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib

@@ -192,17 +192,25 @@ class TrainingGroup:
         self._group = build_group(plan, {t: r.model for t, r in self.runs.items()})
         self._measure = profile is not None
         self._to_profile = set(profile or ()) & set(self.runs)
-        self._batches, self._load_s, self._compute_s = 0, 0.0, 0.0
+        self._batches, self._compute_s = 0, 0.0
+        self._loads: list[float] = []  # seconds waiting for each batch
         self._alone_s: dict[str, float] = {}
+        self.setup_s = 0.0  # planning and building it, as the worker measured
 
     def report(self) -> dict:
         """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
         unit): batches, seconds waiting for the loader and computing (the shared part once,
         every model's own part, backward, optimizer steps), and each profiled trial's separate
         step time."""
+        # A loader's first batch of an epoch also pays what is paid once, not per model (a data
+        # set read into memory and cached, worker processes starting): every batch is counted
+        # at the median wait of the others, so N models apart are not charged it N times.
+        loads = self._loads
+        typical = sorted(loads[1:])[len(loads[1:]) // 2] if len(loads) > 1 else sum(loads)
         return {"trials": list(self.members), "merged": True, "batches": self._batches,
-                "load_s": self._load_s, "compute_s": self._compute_s,
-                "alone_s": dict(self._alone_s)}
+                "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
+                "compute_s": self._compute_s,
+                "setup_s": self.setup_s, "alone_s": dict(self._alone_s)}
 
     @property
     def trials(self) -> tuple[str, ...]:
@@ -249,7 +257,7 @@ class TrainingGroup:
             failed = self._step(batch, sums)
             sync(first.device)
             self._batches += 1
-            self._load_s += t1 - t0
+            self._loads.append(t1 - t0)
             self._compute_s += time.perf_counter() - t1
             outcome.update(failed)
             self.drop(failed)

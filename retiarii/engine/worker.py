@@ -291,6 +291,7 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             units.append(_Alone(by_id[ids[0]], runs[ids[0]], why))
             continue
         try:
+            start = time.perf_counter()
             space = context.space(by_id[ids[0]].spec["space"])
             plan = plan_group({t: space.replay(by_id[t].spec["sample"]) for t in ids},
                               keys[ids[0]], {t: runs[t].hparams for t in ids})
@@ -302,6 +303,12 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
                 else:
                     grouped.append(TrainingGroup(plan.restrict(group), runs, runs[ids[0]].trainer,
                                                  profile=profile))
+            # what merging cost before the first batch (planning, building the group module):
+            # paid on top of building each model, which training alone pays too
+            setup = time.perf_counter() - start
+            merged = [g for g in grouped if isinstance(g, TrainingGroup)]
+            for g in merged:
+                g.setup_s = setup / len(merged)
         except Exception as err:  # noqa: BLE001 (cannot plan or build them together: alone)
             why = f"planning or building the group failed: {type(err).__name__}: {err}"[:500]
             grouped = [_Alone(by_id[t], runs[t], why) for t in ids]

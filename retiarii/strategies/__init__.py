@@ -14,3 +14,5 @@ from .grid import GridSearch
 from .evolution import RegularizedEvolution
 from .rl import PolicyBasedRL
 from .tpe import TPE
+from .predictor import Predictor
+from .progressive import Progressive
