@@ -175,8 +175,10 @@ class TrainingGroup:
         outcome = group.train_epoch()   # {trial: metrics, or the exception that failed it}
 
     Args:
-        plan: the group's plan after the passes (``plan.restrict(ids)``).
-        runs: trial id -> its :class:`TrialRun`, all at the same (epoch, batch).
+        plan: the group's plan after the passes (``plan.restrict(ids)``); None for a subclass
+            whose :meth:`_build` needs none (:class:`~.fused.FusedGroup`).
+        runs: trial id -> its :class:`TrialRun`, all at the same (epoch, batch) (with a
+            plan: the plan's trials; without: every run, in order).
         trainer: the trainer every run shares.
         profile: trials whose separate step time to measure (:meth:`_profile`), on copies of
             their model and optimizer at the first batch, outside every RNG stream: what they
@@ -184,12 +186,13 @@ class TrainingGroup:
             the device synchronized at each batch; None times without synchronizing.
     """
 
-    def __init__(self, plan: LogicalPlan, runs: Mapping[str, TrialRun], trainer: Any,
+    def __init__(self, plan: LogicalPlan | None, runs: Mapping[str, TrialRun], trainer: Any,
                  profile: Iterable[str] | None = None):
         self._plan, self.trainer = plan, trainer
-        self.runs = {t: runs[t] for t in (m.trial_id for m in plan.models)}
+        order = list(runs) if plan is None else [m.trial_id for m in plan.models]
+        self.runs = {t: runs[t] for t in order}
         self.members = tuple(self.runs)  # every trial it started with (the report names them)
-        self._group = build_group(plan, {t: r.model for t, r in self.runs.items()})
+        self._group = self._build()
         self._measure = profile is not None
         self._to_profile = set(profile or ()) & set(self.runs)
         self._batches, self._compute_s = 0, 0.0
@@ -207,7 +210,7 @@ class TrainingGroup:
         # at the median wait of the others, so N models apart are not charged it N times.
         loads = self._loads
         typical = sorted(loads[1:])[len(loads[1:]) // 2] if len(loads) > 1 else sum(loads)
-        return {"trials": list(self.members), "merged": True, "batches": self._batches,
+        return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
                 "compute_s": self._compute_s,
                 "setup_s": self.setup_s, "alone_s": dict(self._alone_s)}
@@ -225,8 +228,12 @@ class TrainingGroup:
             del self.runs[t]
         self._group = None  # free the old parts before building the new ones
         if self.runs:
-            self._group = build_group(self._plan.restrict(self.runs),
-                                      {t: r.model for t, r in self.runs.items()})
+            self._group = self._build()
+
+    def _build(self) -> nn.Module:
+        """The module of the current runs: ``module(*inputs, rng={trial: ctx}, errors={})``
+        returns {trial: its output} (a :class:`~retiarii.optim.GroupModule`)."""
+        return build_group(self._plan.restrict(self.runs), {t: r.model for t, r in self.runs.items()})
 
     def train_epoch(self) -> dict[str, dict[str, float] | Exception]:
         """One epoch of every trial (what ``TrialRun.train_epoch`` does for each alone):
@@ -367,17 +374,32 @@ class TrainingGroup:
                 failed[trial] = err
             finally:
                 forward.active = None
-        for trial in losses:
-            self.runs[trial].optimizer.zero_grad(set_to_none=True)
         try:
-            # The models' graphs are disjoint (the shared part ran without grad), so each
-            # loss gets gradient exactly 1 and each model's weights only its own loss's.
-            if losses:
-                sum(losses.values()).backward()
+            failed.update(self._optimize(losses))
         except Exception as err:  # noqa: BLE001 (not attributable: fails the group's step)
             return {**failed, **{t: err for t in losses}}
         n = _batch_size(batch)
         for trial, loss in losses.items():
+            if trial in failed:
+                continue
+            run = self.runs[trial]
+            sums[trial][0] += loss.detach().reshape(()) * n  # no .item(): no sync per batch
+            sums[trial][1] += n
+            run.batch += 1
+        return failed
+
+    def _optimize(self, losses: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
+        """Backward over the sum of ``losses`` and every trial's optimizer (and per-step LR
+        scheduler) step; the trials whose own step failed. An exception it raises (the joint
+        backward) cannot be attributed: it fails every trial of the step."""
+        for trial in losses:
+            self.runs[trial].optimizer.zero_grad(set_to_none=True)
+        # The models' graphs are disjoint (the shared part ran without grad), so each
+        # loss gets gradient exactly 1 and each model's weights only its own loss's.
+        if losses:
+            sum(losses.values()).backward()
+        failed: dict[str, Exception] = {}
+        for trial in losses:
             run = self.runs[trial]
             try:
                 run.optimizer.step()
@@ -385,10 +407,6 @@ class TrainingGroup:
                     run.scheduler.step()
             except Exception as err:  # noqa: BLE001 (fails this trial only)
                 failed[trial] = err
-                continue
-            sums[trial][0] += loss.detach().reshape(()) * n  # no .item(): no sync per batch
-            sums[trial][1] += n
-            run.batch += 1
         return failed
 
     @staticmethod

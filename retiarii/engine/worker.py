@@ -292,11 +292,19 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             continue
         try:
             start = time.perf_counter()
-            space = context.space(by_id[ids[0]].spec["space"])
-            plan = plan_group({t: space.replay(by_id[t].spec["sample"]) for t in ids},
-                              keys[ids[0]], {t: runs[t].hparams for t in ids})
             grouped = []
-            for group in plan.groups():
+            space = context.space(by_id[ids[0]].spec["space"])
+            models = {t: space.replay(by_id[t].spec["sample"]) for t in ids}
+            grouped = _fused_units(job, models, runs, profile)
+            fused = {t for g in grouped for t in g.trials}
+            rest = [t for t in ids if t not in fused]
+            if len(rest) == 1:
+                grouped.append(_Alone(by_id[rest[0]], runs[rest[0]], "the others of its group "
+                                      "train fused (another architecture)"))
+                rest = []
+            plan = plan_group({t: models[t] for t in rest}, keys[ids[0]],
+                              {t: runs[t].hparams for t in rest}) if rest else None
+            for group in plan.groups() if plan is not None else ():
                 if len(group) == 1:
                     grouped.append(_Alone(by_id[group[0]], runs[group[0]],
                                           "the plan gives it no input in common with the others"))
@@ -310,9 +318,30 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             for g in merged:
                 g.setup_s = setup / len(merged)
         except Exception as err:  # noqa: BLE001 (cannot plan or build them together: alone)
+            for g in grouped:
+                g.drop(g.trials)  # a fused group gives its models storage of their own back
             why = f"planning or building the group failed: {type(err).__name__}: {err}"[:500]
             grouped = [_Alone(by_id[t], runs[t], why) for t in ids]
         units.extend(grouped)
+    return units
+
+
+def _fused_units(job: Job, models: dict, runs: dict, profile: Any) -> list:
+    """The :class:`~.fused.FusedGroup` s of one candidate group, when ``job.meta["fuse"]``
+    ("auto" or True) allows: its trials of one architecture (:func:`~.fused.fusable_sets`),
+    except those in ``job.meta["unfused"]`` (fusion reverted for them). A set whose modules or
+    optimizers do not fuse (``FusionError``) is left to the CSE-grouped path."""
+    from .fused import FusedGroup, fusable_sets
+
+    if job.meta.get("fuse", False) not in ("auto", True):
+        return []
+    units = []
+    for ids in fusable_sets(models, job.meta.get("unfused") or ()):
+        first = runs[ids[0]]
+        try:
+            units.append(FusedGroup({t: runs[t] for t in ids}, first.trainer, profile=profile))
+        except Exception:  # noqa: BLE001 (not fusable: these train CSE-grouped instead)
+            continue
     return units
 
 

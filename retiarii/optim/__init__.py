@@ -2,7 +2,7 @@
 the executable of a group of models, fused training of same-shape models."""
 from .build import GroupError, GroupModule, build_group
 from .cse import cse
-from .fused_optim import FusedOptimizer
+from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
 
@@ -23,4 +23,5 @@ __all__ = [
            "fusable_groups",
            "fuse_models",
            "fusion_key",
+           "unfuse",
 ]

@@ -24,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +33,7 @@ import torch
 
 from .fusion import FusedModel, FusionError
 
-__all__ = ["FusedOptimizer"]
+__all__ = ["FusedOptimizer", "unfuse"]
 
 _KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
@@ -253,6 +254,29 @@ class FusedOptimizer:
             param.addcdiv_(exp_avg, denom, value=-step_size)
         else:  # param - (step_size * exp_avg) / denom, as addcdiv rounds it
             param.sub_(exp_avg.mul(step_size).div_(denom))
+
+
+def unfuse(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Give a fused model (and its proxy optimizer's state) storage of its own again: every
+    parameter, buffer and state tensor, now a view of slice k of the stacked ones, becomes a
+    copy of its current value. The model then trains alone with its own ``optimizer.step()``
+    as it would have had it never been fused; the fused model and :class:`FusedOptimizer` it
+    was part of must not be used any more (fuse the others again: ``fuse_models`` stacks their
+    current values).
+
+    Example::
+
+        unfuse(models[k], opts[k])                                  # model k leaves
+        rest = [m for i, m in enumerate(models) if i != k]
+        fused = fuse_models(rest)                                   # the others, restacked
+        fopt = FusedOptimizer(fused, [o for i, o in enumerate(opts) if i != k])
+    """
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            t.data = t.data.clone()
+    if optimizer is not None:
+        for p, state in list(optimizer.state.items()):
+            optimizer.state[p] = _clone(state)
 
 
 def _clone(obj: Any) -> Any:
