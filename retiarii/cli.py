@@ -133,11 +133,12 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
                       optimize=_OPTIMIZE[flags.get("optimize") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
+                      fuse=_OPTIMIZE[flags.get("fuse") or "auto"],
                       progress=_Progress(flags["max_models"]),
                       origin={"cli": {"space": recorded_space, **flags}})
 
 
-_OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize: Experiment(optimize=)
+_OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize, --fuse: Experiment(...)
 
 
 class _Progress:
@@ -190,7 +191,7 @@ def cmd_run(args) -> int:
     flags = {"strategy": args.strategy, "seed": args.seed, "max_models": args.max_models,
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
-             "optimize": args.optimize, "batch_models": args.batch_models}
+             "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -299,6 +300,10 @@ def _optimization_line(plans: dict) -> str:
         s = plans["speedup"]
         text += (f"; measured speed-up {s['median']}x (median of {s['measured_jobs']} jobs, "
                  f"{s['min']}x-{s['max']}x)")
+    if plans.get("fused_trials"):
+        text += f"; {plans['fused_trials']} trained fused"
+    if plans.get("unfused_after_revert"):
+        text += f"; fusion reverted for {plans['unfused_after_revert']}"
     if plans.get("alone_after_revert_or_failure"):
         text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
     for why in plans.get("why_not_merged", []):
@@ -472,6 +477,10 @@ def parser() -> argparse.ArgumentParser:
                           "or never (off): see docs/optimization.md")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
+    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default="auto",
+                     help="with --optimize: models of one architecture in a job train as one "
+                          "fused model, kept when measured faster (auto, the default), always "
+                          "(on), or never (off): see docs/optimization.md")
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")

@@ -1,7 +1,8 @@
 """Cross-model optimization in the engine: the runner packs trials that read the same batches
 into grouped jobs, plans them again at every segment, reverts groups measured slower than
 their models apart, reruns the models of a failed group alone, and records every group in the
-plans table. The reference throughout: the same search with ``optimize=False``."""
+plans table. The reference throughout: the same search with ``optimize=False``. Fusion is off
+here (``fuse=False``): these results are bit for bit; fused searches are in test_fused_jobs.py."""
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,7 @@ def _run(tmp_path, name, executor=None, **kwargs):
     db = tmp_path / f"{name}.db"
     exp = rt.Experiment(space, rt.strategies.Random(seed=0), kwargs.pop("trainer", TRAINER),
                         store=str(db), executor=executor or Recording(), seed=0,
-                        **{"max_models": 6, **kwargs})
+                        **{"max_models": 6, "fuse": False, **kwargs})
     exp.run()
     return db, exp
 
@@ -231,7 +232,7 @@ def test_a_trial_paused_out_of_its_group_resumes_alone_later_as_if_never_paused(
 def test_a_model_failing_in_a_group_fails_alone_and_its_group_runs_on(tmp_path):
     db = tmp_path / "f.db"
     exp = rt.Experiment(failing_space, rt.strategies.Random(seed=1), TRAINER, store=str(db),
-                        executor=Recording(), max_models=6, optimize=True)
+                        executor=Recording(), max_models=6, optimize=True, fuse=False)
     exp.run()
     with Store(db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
@@ -304,7 +305,7 @@ def test_a_group_measured_slower_is_reverted_and_stays_apart_after_a_resume(tmp_
 
     def exp():
         return rt.Experiment(space, rt.strategies.Random(seed=0), TRAINER, store=str(db),
-                             executor=ex, seed=0, max_models=4, optimize="auto")
+                             executor=ex, seed=0, max_models=4, optimize="auto", fuse=False)
 
     with pytest.raises(KeyboardInterrupt):
         exp().run()

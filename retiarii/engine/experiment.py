@@ -205,6 +205,13 @@ class Experiment:
             trains alone (the baseline). Results are the same either way (bit for bit on CPU).
         batch_models: the most trials one job trains when optimizing (the paper plans in
             batches of 50; 8 keeps a job's memory modest).
+        fuse: whether the trials of a grouped job with one architecture (the same choices,
+            other hyper-parameters or seeds) train as one fused model (docs/optimization.md,
+            "Fused training of same-shape models"). ``"auto"`` (default): fused units are
+            measured, and fusion is reverted for trials measured slower fused than grouped
+            unfused. ``True``: fused whenever possible. ``False``: never. Only with
+            ``optimize``; results equal training alone within float rounding (1e-6 relative
+            on CPU), not bit for bit.
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -213,9 +220,12 @@ class Experiment:
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
-                 optimize: bool | str = "auto", batch_models: int = 8):
+                 optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = "auto"):
         if optimize not in ("auto", True, False):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
+        if fuse not in ("auto", True, False):
+            raise ExperimentError(f"fuse={fuse!r}: give 'auto', True or False")
+        self.fuse = fuse
         if not isinstance(batch_models, int) or batch_models < 1:
             raise ExperimentError(f"batch_models={batch_models!r}: give a number of trials >= 1")
         self.optimize, self.batch_models = optimize, batch_models
@@ -363,7 +373,8 @@ class Experiment:
                       id_prefix=f"e{eid}-", spawn_config=self._spawn_config)
         if self.optimize:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
-                          profile=self.optimize == "auto", on_group=self._on_group)
+                          profile=self.optimize == "auto", on_group=self._on_group,
+                          fuse=self.fuse)
         self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
@@ -374,6 +385,7 @@ class Experiment:
                 runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
                 plans = PlanTable(store)  # groups reverted or failed before stay apart
                 runner.alone, runner.alone_s = plans.alone_trials(), plans.alone_profiles()
+                runner.unfused = plans.unfused_trials()
                 self._rebind(runner)
                 self.runner = runner
                 self._finish_half_ended(runner)

@@ -5,7 +5,9 @@ the experiment writes it here. A row says which trials trained together, which p
 applied, whether the group was kept (``merged``), ``reverted`` (measured slower than its
 models apart: they train alone from then on), ``failed`` (its failed trials retry alone) or
 ``not merged`` (the worker could not plan them together, and why), with the measured
-speed-up and the worker's measurements. ``retiarii status`` summarises it
+speed-up and the worker's measurements (each unit's report in ``units``: a fused unit has
+``"fused": true``, its ``fused_speedup`` over grouped unfused and, when measured slower,
+``"fusion_reverted": true``; the row's reason then says so). ``retiarii status`` summarises it
 (:func:`plan_summary`); a resumed experiment reads back which trials must stay alone and the
 profiles already measured (:func:`alone_trials`, :func:`alone_profiles`).
 
@@ -61,6 +63,12 @@ class PlanTable:
         train alone for the rest of the search."""
         return {t for row in self.rows() for t in row["alone"]}
 
+    def unfused_trials(self) -> set[str]:
+        """Trials whose fused unit was measured slower than grouped unfused (a unit with
+        ``"fusion_reverted"``): they train unfused for the rest of the search."""
+        return {t for row in self.rows() for unit in row["units"] if unit.get("fusion_reverted")
+                for t in unit["trials"]}
+
     def alone_profiles(self) -> dict[str, float]:
         """Trial -> its separate step time, as profiled in a grouped job."""
         out: dict[str, float] = {}
@@ -80,7 +88,10 @@ class PlanTable:
         speedups = [row["speedup"] for row in merged if row["speedup"] is not None]
         out = {"jobs": by_status,
                "merged_trials": len({t for row in merged for t in row["trials"]}),
-               "alone_after_revert_or_failure": len(self.alone_trials())}
+               "alone_after_revert_or_failure": len(self.alone_trials()),
+               "fused_trials": len({t for row in merged for u in row["units"] if u.get("fused")
+                                    for t in u["trials"]}),
+               "unfused_after_revert": len(self.unfused_trials())}
         if speedups:
             out["speedup"] = {"median": round(statistics.median(speedups), 3),
                               "min": round(min(speedups), 3), "max": round(max(speedups), 3),

@@ -148,6 +148,10 @@ class TrialRunner:
             then on. False: grouped jobs are kept whatever they measure.
         on_group: called with a record of every grouped job once it ends (trials, status
             ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
+        fuse: whether a grouped job may train its same-architecture trials fused
+            (``meta["fuse"]``; docs/optimization.md): ``"auto"`` measures each fused unit and
+            reverts fusion for trials measured slower fused than grouped unfused (they are
+            sent ``meta["unfused"]`` from then on); True fuses without measuring; False never.
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
@@ -160,7 +164,8 @@ class TrialRunner:
                  on_trial_end: Callable[[Trial], None] | None = None, id_prefix: str = "",
                  spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None,
                  batch_models: int = 1, group_key: Callable[[Trial], Hashable | None] | None = None,
-                 profile: bool = False, on_group: Callable[[dict], None] | None = None):
+                 profile: bool = False, on_group: Callable[[dict], None] | None = None,
+                 fuse: bool | str = False):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         if batch_models < 1:
@@ -194,6 +199,8 @@ class TrialRunner:
         self.batch_models, self.group_key = batch_models, group_key
         self.profile, self.on_group = profile, on_group
         self.alone: set[str] = set()  # trials of reverted or failed groups: alone from now on
+        self.fuse = fuse
+        self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
         self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
 
     # ---- public API -----------------------------------------------------------------------
@@ -575,8 +582,14 @@ class TrialRunner:
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
         if grouped:
             meta["group"] = True
-            if self.profile:  # measure the group, and each member never profiled alone
-                meta["profile"] = [t.trial_id for t in tasks if t.trial_id not in self.alone_s]
+            if self.fuse:
+                meta["fuse"] = self.fuse
+                unfused = sorted(t.trial_id for t in tasks if t.trial_id in self.unfused)
+                if unfused:
+                    meta["unfused"] = unfused
+            if self.profile or self.fuse == "auto":  # measure the group, and each member
+                meta["profile"] = [t.trial_id for t in tasks  # never profiled alone
+                                   if t.trial_id not in self.alone_s]
         attempt = max(self.trials[t.trial_id].attempts for t in tasks)
         self.executor.submit(Job(job_id, tasks, attempt=attempt, meta=meta))
 
@@ -686,6 +699,7 @@ class TrialRunner:
         if record["status"] == "reverted":
             self.alone.update(job.trials)
             record["alone"] = list(job.trials)
+        self.unfused.update(record["unfused"])
         if self.on_group is not None:
             self.on_group(record)
         self._continue(continuing, flights[0].worker)
@@ -693,12 +707,23 @@ class TrialRunner:
     def _group_record(self, event, job: _JobFlight, group_failed: bool) -> dict:
         """What the plans table keeps of a grouped job (see :meth:`_end_group`);
         ``group_failed``: the job failed as a group, not by its models' own errors."""
-        from ..optim.cost import merged_speedup, slower_than_apart
+        from ..optim.cost import fused_speedup, fusion_slower, merged_speedup, slower_than_apart
 
         for unit in job.units:
             self.alone_s.update(unit.get("alone_s") or {})
-        merged = [u for u in job.units if u.get("merged")]
+        units = [dict(u) for u in job.units]
+        merged = [u for u in units if u.get("merged")]
         speedups = [merged_speedup(u, self.alone_s) for u in merged]
+        # A fused unit measured slower than its models grouped unfused is not reverted to
+        # alone: its trials train unfused from now on, and that grouping is measured in turn.
+        unfused: list[str] = []
+        for unit in merged:
+            if unit.get("fused"):
+                unit["fused_speedup"] = fused_speedup(unit, self.alone_s)
+                if self.fuse == "auto" and fusion_slower(unit["fused_speedup"]):
+                    unit["fusion_reverted"] = True
+                    unfused.extend(unit["trials"])
+        judged = [s for u, s in zip(merged, speedups) if not u.get("fusion_reverted")]
         known = [s for s in speedups if s is not None]
         errors = {t: f"{kind.value} error: {err}" for t, kind, err in
                   getattr(event, "failures", ())}
@@ -710,15 +735,20 @@ class TrialRunner:
         elif not merged and job.units:
             status, reason = "not merged", "; ".join(
                 sorted({u.get("reason", "") for u in job.units}))[:500]
-        elif self.profile and any(slower_than_apart(s) for s in speedups):
+        elif self.profile and any(slower_than_apart(s) for s in judged):
             status = "reverted"
-            reason = (f"measured {min(known):.2f}x of training its models apart: they train "
+            worst = min(s for s in judged if s is not None)
+            reason = (f"measured {worst:.2f}x of training its models apart: they train "
                       f"alone from now on")
+        if unfused and status == "merged":
+            worst = min(u["fused_speedup"] for u in merged if u.get("fusion_reverted"))
+            reason = (f"fusion reverted: measured {worst:.2f}x of training its models grouped "
+                      f"unfused: {', '.join(unfused)} train unfused from now on")[:500]
         seconds = None if job.started is None else self.executor.now() - job.started
         return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
                 "reason": reason, "speedup": min(known) if known else None,
-                "seconds": seconds, "units": [dict(u) for u in job.units], "errors": errors,
-                "alone": []}
+                "seconds": seconds, "units": units, "errors": errors,
+                "alone": [], "unfused": unfused}
 
     def _retry_alone(self, trial: Trial, error: str) -> None:
         """A trial that did not finish its segment in a failed grouped job: back to PENDING
