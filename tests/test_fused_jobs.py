@@ -182,3 +182,112 @@ def test_fused_report_is_measured(tmp_path):
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     assert unit["fused"] is True and unit["merged"] is True and unit["batches"] == 24
     assert unit["compute_s"] > 0 and set(unit["alone_s"]) == {"a", "d", "e"}
+
+
+# ---- in a search: Experiment(fuse=...) ------------------------------------------------------
+
+
+def _fused_units(rows):
+    return [u for r in rows for u in r["units"] if u.get("fused")]
+
+
+def _curves_close(got, expected):
+    assert got.keys() == expected.keys()
+    for model, (state, metrics) in expected.items():
+        assert got[model][0] == state, model
+        for name, curve in metrics.items():
+            mine = got[model][1][name]
+            assert [s for s, _ in mine] == [s for s, _ in curve], (model, name)
+            assert [v for _, v in mine] == pytest.approx([v for _, v in curve], rel=RTOL), \
+                (model, name)
+
+
+def test_a_fused_search_trains_the_same_models_to_the_same_results(tmp_path):
+    """Six models of four architectures, three learning rates: fuse=True vs optimize=False."""
+    import test_optimize as o
+
+    off_db, _ = o._run(tmp_path, "off", optimize=False)
+    ex = o.Recording()
+    on_db, exp = o._run(tmp_path, "on", executor=ex, optimize=True, fuse=True)
+    _curves_close(o._curves(on_db), o._curves(off_db))
+    assert all(j.meta.get("fuse") is True for j in ex.submitted if j.meta.get("group"))
+    rows = o._plans(on_db)
+    fused = _fused_units(rows)
+    assert fused and all(len(u["trials"]) >= 2 for u in fused)  # the plans table shows them
+    assert exp.summary()["optimization"]["fused_trials"] == len(
+        {t for u in fused for t in u["trials"]})
+
+
+class _SaysFusedSlower:
+    """Replaces a fused unit's measurement by one at ``speedup`` of its models grouped
+    unfused (0.1 s alone per model and batch, no loader time)."""
+
+    def __init__(self, speedup):
+        self.speedup = speedup
+
+    def __call__(self, event):
+        from retiarii.engine.executors.base import JobProfiled
+
+        if not isinstance(event, JobProfiled):
+            return event
+        units = []
+        for unit in event.units:
+            if unit.get("fused"):
+                n = len(unit["trials"])
+                unit = {**unit, "batches": 1, "load_s": 0.0, "compute_s": 0.1 * n / self.speedup,
+                        "setup_s": 0.0, "alone_s": {t: 0.1 for t in unit["trials"]}}
+            units.append(unit)
+        return JobProfiled(event.job_id, tuple(units))
+
+
+def test_fusion_measured_slower_is_reverted(tmp_path):
+    import test_optimize as o
+    from retiarii.engine.plans import PlanTable
+    from retiarii.engine.store import Store
+
+    class Executor(o.Recording):
+        rewrite = _SaysFusedSlower(0.5)
+
+        def next_event(self, timeout=None):
+            return self.rewrite(super().next_event(timeout))
+
+    ex = Executor()
+    db, exp = o._run(tmp_path, "auto", executor=ex, optimize=True, fuse="auto")
+    rows = o._plans(db)
+    reverted = [u for u in _fused_units(rows) if u.get("fusion_reverted")]
+    assert reverted and all(u["fused_speedup"] == pytest.approx(0.5) for u in reverted)
+    first = next(r for r in rows if any(u.get("fusion_reverted") for u in r["units"]))
+    assert "fusion reverted: measured 0.50x" in first["reason"] and first["status"] == "merged"
+    gone = {t for u in reverted for t in u["trials"]}
+    assert exp.runner.unfused == gone
+    later = ex.submitted[[j.job_id for j in ex.submitted].index(first["job_id"]) + 1:]
+    assert later and all(set(j.meta.get("unfused", ())) == gone & {t.trial_id for t in j.tasks}
+                         for j in later if j.meta.get("group"))
+    # never fused again, and read back on a resume
+    assert not any(u.get("fused") for r in rows[rows.index(first) + 1:] for u in r["units"]
+                   if set(u["trials"]) & gone)
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        assert PlanTable(store).unfused_trials() == gone
+
+
+def test_fusion_measured_faster_is_kept(tmp_path):
+    import test_optimize as o
+
+    class Executor(o.Recording):
+        rewrite = _SaysFusedSlower(2.0)
+
+        def next_event(self, timeout=None):
+            return self.rewrite(super().next_event(timeout))
+
+    db, exp = o._run(tmp_path, "auto", executor=Executor(), optimize=True, fuse="auto")
+    fused = _fused_units(o._plans(db))
+    assert fused and not any(u.get("fusion_reverted") for u in fused) and not exp.runner.unfused
+
+
+def test_bad_fuse_argument_is_refused():
+    import retiarii as rt
+    from exp_space import space
+
+    with pytest.raises(rt.ExperimentError, match="fuse='yes'"):
+        rt.Experiment(space, rt.strategies.Random(), rt.Trainer(dataset="digits"), fuse="yes")
