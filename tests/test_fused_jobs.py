@@ -214,6 +214,7 @@ def test_a_fused_search_trains_the_same_models_to_the_same_results(tmp_path):
     rows = o._plans(on_db)
     fused = _fused_units(rows)
     assert fused and all(len(u["trials"]) >= 2 for u in fused)  # the plans table shows them
+    assert all(("fusion" in r["passes"]) == any(u.get("fused") for u in r["units"]) for r in rows)
     assert exp.summary()["optimization"]["fused_trials"] == len(
         {t for u in fused for t in u["trials"]})
 

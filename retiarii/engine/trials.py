@@ -748,7 +748,8 @@ class TrialRunner:
         return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
                 "reason": reason, "speedup": min(known) if known else None,
                 "seconds": seconds, "units": units, "errors": errors,
-                "alone": [], "unfused": unfused}
+                "alone": [], "unfused": unfused,
+                "passes": ["cse"] + (["fusion"] if any(u.get("fused") for u in merged) else [])}
 
     def _retry_alone(self, trial: Trial, error: str) -> None:
         """A trial that did not finish its segment in a failed grouped job: back to PENDING

@@ -17,6 +17,9 @@ through ``emit``. It is the same code whichever executor hosts it. When ``job.me
 is true, the tasks that can share one data pipeline (same space, trainer, data key and start)
 train as one group instead (:mod:`.grouped`): one loader pass feeds every model, the shared
 frozen part runs once, and every event, metric and checkpoint is what training alone gives.
+When ``job.meta["fuse"]`` is also "auto" or True, the tasks of such a group whose models have
+one architecture train as one fused model (:mod:`.fused`), except those in
+``job.meta["unfused"]``: the same events and checkpoints, values within float rounding.
 
 Events of one job, in order: ``JobStarted``; ``TrialResult`` after every step of every task;
 ``TrialCheckpointed`` when a task reaches its ``stop_step`` (and has a ``checkpoint_out``); then
