@@ -292,3 +292,26 @@ def test_bad_fuse_argument_is_refused():
 
     with pytest.raises(rt.ExperimentError, match="fuse='yes'"):
         rt.Experiment(space, rt.strategies.Random(), rt.Trainer(dataset="digits"), fuse="yes")
+
+
+class PenaltyTrainer(_g.ClassifierTrainer):
+    """Adds a weight penalty read from ``model.parameters()``: not fusable."""
+
+    def training_step(self, model, batch, hparams):
+        loss = super().training_step(model, batch, hparams)
+        return loss + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
+
+
+PENALTY = PenaltyTrainer(batch_size=128, epochs=2)
+
+
+def test_a_trainer_using_the_parameters_fails_the_fused_unit_loudly(tmp_path):
+    tasks = [_g._task(t, tmp_path, head="drop", seed=SEED[t], trainer=_g._ref("PENALTY")
+                      .replace("test_grouped_jobs", "test_fused_jobs"), hparams=HP[t])
+             for t in "ad"]
+    events = _g._run(_job(tasks))
+    end = events[-1]
+    assert isinstance(end, JobFailed) and end.trial_id is None
+    assert {t for t, _, _ in end.failures} == {"a", "d"}
+    assert len({e for _, _, e in end.failures}) == 1 and "fuse=False" in end.error
+    assert isinstance(_g._run(_job(tasks, fuse=False))[-1], JobFinished)

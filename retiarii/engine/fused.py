@@ -37,7 +37,7 @@ from torch import nn
 
 from ..optim import FusedOptimizer, fuse_models, fusion_key, unfuse
 from .grouped import TrainingGroup
-from .trial_run import TrialRun
+from .trial_run import TrainingError, TrialRun
 
 __all__ = ["FusedGroup", "fusable_sets"]
 
@@ -131,11 +131,13 @@ class FusedGroup(TrainingGroup):
             (trial, run), = self.runs.items()
             unfuse(run.model, run.optimizer)
             return _One(trial, run.model)
-        fused = fuse_models([run.model for run in self.runs.values()])
         try:
+            fused = fuse_models([run.model for run in self.runs.values()])
             self._fopt = FusedOptimizer(fused, [run.optimizer for run in self.runs.values()])
         except Exception:
-            for run in self.runs.values():  # not fusable after all: give each its own storage
+            # Not fusable after all; fuse_models may have stacked some layers before the one
+            # it refused: give every model and optimizer storage of its own again.
+            for run in self.runs.values():
                 unfuse(run.model, run.optimizer)
             raise
         return _Fused(fused, list(self.runs))
@@ -150,6 +152,11 @@ class FusedGroup(TrainingGroup):
         if losses:
             # Model k's output depends only on slice k: loss k alone gives slice k its gradient.
             sum(losses.values()).backward()
+        if any(p.grad is not None for t in losses for p in self.runs[t].model.parameters()):
+            # One error for the whole unit: the runner then reruns its trials alone.
+            raise TrainingError("training_step used the model's parameters outside its forward "
+                                "(a weight penalty, say): their gradients never reach a fused "
+                                "step; run this trainer with fuse=False")
         self._fopt.step()
         failed: dict[str, Exception] = {}
         for trial in losses:
