@@ -133,7 +133,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
                       optimize=_OPTIMIZE[flags.get("optimize") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
-                      fuse=_OPTIMIZE[flags.get("fuse") or "auto"],
+                      fuse=_OPTIMIZE[flags.get("fuse") or "off"],
                       progress=_Progress(flags["max_models"]),
                       origin={"cli": {"space": recorded_space, **flags}})
 
@@ -477,10 +477,10 @@ def parser() -> argparse.ArgumentParser:
                           "or never (off): see docs/optimization.md")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
-    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default="auto",
+    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default="off",
                      help="with --optimize: models of one architecture in a job train as one "
-                          "fused model, kept when measured faster (auto, the default), always "
-                          "(on), or never (off): see docs/optimization.md")
+                          "fused model, kept when measured faster (auto), always (on), or never "
+                          "(off, the default: results bit for bit): see docs/optimization.md")
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")

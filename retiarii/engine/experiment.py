@@ -207,11 +207,11 @@ class Experiment:
             batches of 50; 8 keeps a job's memory modest).
         fuse: whether the trials of a grouped job with one architecture (the same choices,
             other hyper-parameters or seeds) train as one fused model (docs/optimization.md,
-            "Fused training of same-shape models"). ``"auto"`` (default): fused units are
-            measured, and fusion is reverted for trials measured slower fused than grouped
-            unfused. ``True``: fused whenever possible. ``False``: never. Only with
-            ``optimize``; results equal training alone within float rounding (1e-6 relative
-            on CPU), not bit for bit.
+            "Fused training of same-shape models"). ``False`` (default): never, so a search's
+            results are those of training alone bit for bit on CPU. ``"auto"``: fused units
+            are measured, and fusion is reverted for trials measured slower fused than
+            grouped unfused. ``True``: fused whenever possible. Only with ``optimize``;
+            fused results equal training alone within float rounding (1e-6 relative on CPU).
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -220,7 +220,7 @@ class Experiment:
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
-                 optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = "auto"):
+                 optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False):
         if optimize not in ("auto", True, False):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
         if fuse not in ("auto", True, False):
