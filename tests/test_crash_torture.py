@@ -87,9 +87,12 @@ STRATEGIES = {
 
 
 def _experiment(path, strategy: str) -> rt.Experiment:
+    # optimize=True: grouped jobs, grouped by keys alone. "auto" keeps or reverts a group by
+    # measured time, so the order of asks and tells (and what a strategy that learns from
+    # results proposes) may change from run to run, as with several workers.
     return rt.Experiment(space, STRATEGIES[strategy](), TRAINER, store=str(path),
                          executor=InProcessExecutor(), max_models=MODELS.get(strategy, 3),
-                         seed=0)
+                         seed=0, optimize=True)
 
 
 def _outcome(path) -> dict:

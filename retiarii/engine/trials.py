@@ -448,10 +448,12 @@ class TrialRunner:
                 start = i * size + min(i, extra)
                 self._launch(batch[start:start + size + (i < extra)])
 
-    def _next_trial(self, key: Hashable | None = None, taken: frozenset = frozenset()) -> Trial | None:
+    def _next_trial(self, key: Hashable | None = None, taken: frozenset = frozenset(),
+                    new: bool = True) -> Trial | None:
         """The next trial to run: the scheduler's pick among the waiting ones, else a spawn,
-        else a new one from the source; with ``key``, only waiting trials of that group key
-        are offered (a new or spawned trial may still not match: the caller checks)."""
+        else a new one from the source (``new=False``: waiting ones only); with ``key``, only
+        waiting trials of that group key are offered (a new or spawned trial may still not
+        match: the caller checks)."""
         candidates = [c for c in self._candidates() if c not in taken
                       and (key is None or self._key(self.trials[c]) == key)]
         pick = self.scheduler.choose_trial_to_run(candidates) if candidates else None
@@ -460,6 +462,8 @@ class TrialRunner:
                              f"{pick!r}, which is not one of the PENDING/PAUSED candidates")
         if pick is not None:
             return self.trials[pick]
+        if not new:
+            return None
         spawn = self.scheduler.next_spawn()
         if spawn is not None:
             return self._add_spawn(spawn)
@@ -488,8 +492,11 @@ class TrialRunner:
             return out
         limit = self.batch_models if limit is None else limit
         taken = frozenset(t.trial_id for t in batch)
+        # A new trial starts at step 0: it can join a batch that starts there, never one that
+        # continues (asking the strategy then would only move its proposals earlier).
+        fresh = key[1] == 0
         while len(batch) + len(out) < limit and not self.budget_hit():
-            trial = self._next_trial(key, taken)
+            trial = self._next_trial(key, taken, new=fresh)
             if trial is None:
                 break
             self._after_scheduler()
