@@ -18,6 +18,8 @@ output is split back per model. A ``(trial, key)`` pair is batched when
   those), and not a no-op (an identity costs nothing alone and a concatenation batched).
   Functions and methods are never batched (``x.view(x.size(0), -1)``, ``mean``, ``cat`` read
   the batch size or mix examples), nor custom leaves;
+* it writes nothing in place, unless nothing else reads its input (as in CSE): batched, it
+  writes the concatenation, and a model reading its input again would see the value unwritten;
 * at least two trials of the group hold such a pair with the same ``op_key``.
 
 Before and after, for two models whose adapters sit at different depths of a frozen trunk::
@@ -100,6 +102,15 @@ def _spec_worth_it(spec_json: str) -> bool:
     return not all(isinstance(m, noop) or type(m) is nn.Sequential for m in module.modules())
 
 
+@functools.lru_cache(maxsize=4096)
+def _spec_in_place(spec_json: str) -> bool:
+    """Whether the module writes a value in place anywhere (``ReLU(inplace=True)`` inside a
+    ``Sequential``): batched, it would write the concatenation, not the model's own input."""
+    with torch.device("meta"):
+        module = build_module(json.loads(spec_json))
+    return any(getattr(m, "inplace", False) is True for m in module.modules())
+
+
 def _batchable(plan: LogicalPlan, node_of: dict, trial: str, key: str) -> bool:
     node = plan.nodes[key]
     if key in plan.shared or node.role not in (Role.FROZEN, Role.PURE) or len(node.inputs) != 1:
@@ -108,6 +119,8 @@ def _batchable(plan: LogicalPlan, node_of: dict, trial: str, key: str) -> bool:
     if op.kind != "module":
         return False
     spec = json.dumps(op.spec, sort_keys=True)
+    if (node.mutates or _spec_in_place(spec)) and plan.readers[node.inputs[0]] != {key}:
+        return False  # alone, the others would read the written value: keep it alone
     return _spec_batch_independent(spec) and _spec_worth_it(spec)
 
 

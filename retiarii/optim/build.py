@@ -151,32 +151,46 @@ class GroupModule(nn.Module):
 
 def _run_batch(batch: Batch, common: dict, env: dict, failed: set[str], joined: dict) -> None:
     """Concatenate the live models' inputs, call once, split by each model's batch size.
-    ``joined`` maps the ids of an earlier batch's split outputs to their concatenation, so a
+
+    Frozen weights get no gradient (``requires_grad=False``), but a model's trainable part
+    upstream (an adapter before this layer) must get one *through* it: the inputs that need a
+    gradient run as one call with autograd, the others as one call under ``no_grad`` (a
+    model whose adapter comes later must not pay for a backward pass here).
+    ``joined`` maps the ids of an earlier call's split outputs to their concatenation, so a
     chain of batched operators (conv -> relu -> conv) concatenates once."""
     live = [(t, src, out) for t, src, out in batch.pairs if t not in failed]
     xs = [env[t][src] if src in env[t] else common[src] for t, src, _ in live]
-    mine = [src in env[t] for t, src, _ in live]
-    if not xs:
-        return
+    grad = [torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
+            for x in xs]
+    for needs in (True, False):
+        part = [i for i, g in enumerate(grad) if g is needs]
+        if not part:
+            continue
+        with torch.set_grad_enabled(needs):
+            ys = _call(batch, [xs[i] for i in part], [live[i][1] in env[live[i][0]] for i in part],
+                       joined)
+        for i, y in zip(part, ys):
+            env[live[i][0]][live[i][2]] = y
+
+
+def _call(batch: Batch, xs: list, mine: list[bool], joined: dict) -> list:
     same = all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[1:] == xs[0].shape[1:]
                and x.dtype == xs[0].dtype and x.device == xs[0].device for x in xs)
-    # Frozen weights get no gradient (requires_grad False), but a model's trainable part
-    # upstream (an adapter before this layer) must get one *through* it: keep autograd then.
-    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                           for x in xs)
-    with torch.set_grad_enabled(grad):
-        if same:  # n x (B_i, ...) -> (sum B_i, ...) -> n x (B_i, ...)
-            whole = joined.get(tuple(id(x) for x in xs))
-            if whole is None or batch.mutates:
-                whole = torch.cat(xs)
-            out = batch.module(whole)
-            ys = out.split([x.shape[0] for x in xs])
-            joined[tuple(id(y) for y in ys)] = out
-        else:  # shapes that cannot be concatenated: one call per model, as alone
-            ys = [batch.module(x if own or not batch.mutates else x.clone())
-                  for x, own in zip(xs, mine)]  # a shared value must not change under others
-    for (t, _, out), y in zip(live, ys):
-        env[t][out] = y
+    if not same:  # shapes that cannot be concatenated: one call per model, as alone
+        return [batch.module(x if own or not batch.mutates else x.clone())
+                for x, own in zip(xs, mine)]  # a shared value must not change under others
+    whole = joined.get(tuple(id(x) for x in xs))  # n x (B_i, ...) -> (sum B_i, ...)
+    if whole is None or batch.mutates:
+        whole = torch.cat(xs)
+    out = batch.module(whole)
+    # -> n x (B_i, ...): one view per model (not split's multi-output views: a model may
+    # write its own slice in place, as it writes its own value alone)
+    ys, start = [], 0
+    for x in xs:
+        ys.append(out.narrow(0, start, x.shape[0]))
+        start += x.shape[0]
+    joined[tuple(id(y) for y in ys)] = out
+    return ys
 
 
 # ---- building -----------------------------------------------------------------------------
@@ -347,9 +361,11 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
         cell.connect(node, out, 0)
         cell.lint()
         module = _emit(cell, lambda n, t=first: (models[t], n.attr), _device(models))
+        # in place anywhere inside (a Sequential's ReLU(inplace=True)): never on a joined input
+        mutates = plan.nodes[fkey].mutates or any(getattr(m, "inplace", False) is True
+                                                  for m in module.modules())
         batches.append(Batch(f"batch_{b}", 0, module,
-                              [(t, plan.nodes[k].inputs[0], k) for t, k in pairs],
-                              plan.nodes[fkey].mutates, cell))
+                             [(t, plan.nodes[k].inputs[0], k) for t, k in pairs], mutates, cell))
 
     # 4. Stages: a model's own nodes between two batched calls form one cell. A node's stage
     # is at least its inputs' (a batched output's: the batch's level) and its predecessor's in
@@ -429,7 +445,7 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                 if shared_at(trial, k) and k not in frontier:
                     frontier.append(k)
             cell.lint()
-            own_reads = [not shared_at(trial, k) and (trial, k) not in plan.batched for k in needed]
+            own_reads = [not shared_at(trial, k) for k in needed]  # batched outputs: its own
             name = f"{i}" if s == 0 and final else f"{i}_{s}"
             cells.append(Cell(name, trial, s, _emit(cell, lambda n, t=trial: (models[t], n.attr),
                                                      _device(models)),
