@@ -20,6 +20,8 @@ output is split back per model. A ``(trial, key)`` pair is batched when
   the batch size or mix examples), nor custom leaves;
 * it writes nothing in place, unless nothing else reads its input (as in CSE): batched, it
   writes the concatenation, and a model reading its input again would see the value unwritten;
+  and no reader of its output writes in place (the output is split into views, one per model,
+  and autograd forbids writing one of several views);
 * at least two trials of the group hold such a pair with the same ``op_key``.
 
 Before and after, for two models whose adapters sit at different depths of a frozen trunk::
@@ -119,9 +121,20 @@ def _batchable(plan: LogicalPlan, node_of: dict, trial: str, key: str) -> bool:
     if op.kind != "module":
         return False
     spec = json.dumps(op.spec, sort_keys=True)
-    if (node.mutates or _spec_in_place(spec)) and plan.readers[node.inputs[0]] != {key}:
+    if _writes(plan, node_of, trial, key) and plan.readers[node.inputs[0]] != {key}:
         return False  # alone, the others would read the written value: keep it alone
+    if any(_writes(plan, node_of, trial, r) for r in plan.readers[key]):
+        return False  # its output is split into views, which a reader must not write
     return _spec_batch_independent(spec) and _spec_worth_it(spec)
+
+
+def _writes(plan: LogicalPlan, node_of: dict, trial: str, key: str) -> bool:
+    """Whether ``key`` writes a value in place (its input, or anything inside a module)."""
+    node = node_of[trial].get(key)
+    if node is None:  # another model's reader: judge by the plan's flag
+        return plan.nodes[key].mutates
+    return plan.nodes[key].mutates or (node.kind == "module" and _spec_in_place(
+        json.dumps(node.op.spec, sort_keys=True)))
 
 
 def batching(plan: LogicalPlan) -> PassResult:

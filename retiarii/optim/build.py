@@ -183,12 +183,10 @@ def _call(batch: Batch, xs: list, mine: list[bool], joined: dict) -> list:
     if whole is None or batch.mutates:
         whole = torch.cat(xs)
     out = batch.module(whole)
-    # -> n x (B_i, ...): one view per model (not split's multi-output views: a model may
-    # write its own slice in place, as it writes its own value alone)
-    ys, start = [], 0
-    for x in xs:
-        ys.append(out.narrow(0, start, x.shape[0]))
-        start += x.shape[0]
+    # -> n x (B_i, ...): split's views, whose backward is one concatenation (narrow views
+    # would each build a full-size zero gradient). Nothing writes them in place: the pass
+    # batches no operator whose output a reader writes.
+    ys = list(out.split([x.shape[0] for x in xs]))
     joined[tuple(id(y) for y in ys)] = out
     return ys
 
@@ -445,7 +443,7 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                 if shared_at(trial, k) and k not in frontier:
                     frontier.append(k)
             cell.lint()
-            own_reads = [not shared_at(trial, k) for k in needed]  # batched outputs: its own
+            own_reads = [not shared_at(trial, k) and (trial, k) not in plan.batched for k in needed]
             name = f"{i}" if s == 0 and final else f"{i}_{s}"
             cells.append(Cell(name, trial, s, _emit(cell, lambda n, t=trial: (models[t], n.attr),
                                                      _device(models)),

@@ -21,8 +21,8 @@ class Cell:
     stage: int
     module: nn.Module
     reads: list[str]  # keys of its arguments: shared values, batched outputs, earlier cells'
-    own_reads: list[bool]  # per argument: this model's own value (an earlier cell's, a slice of
-    # a batched output): written in place as alone; a shared value is cloned first
+    own_reads: list[bool]  # per argument: an earlier cell's value of this model (no clone);
+    # shared values and batched outputs are cloned first when the cell writes in place
     exports: list[str]  # keys of what it returns (a tuple), read by later cells or batches
     final: bool  # holds the model's output node: returns the model's output
     clones: bool  # writes a value in place: gets copies of shared and batched values
