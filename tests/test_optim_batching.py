@@ -17,6 +17,8 @@ from retiarii.optim.build import build_group
 from retiarii.optim.cse import cse
 from retiarii.optim.plan import PlanModel, Role, build_plan
 
+from test_optim_cse import _swap  # a trial's RNG streams swapped in, as TrialRun does
+
 # Batched calls are bit-identical to calls alone for every operator measured on this CPU
 # (linears, convolutions, LayerNorm, pooling, activations), but a kernel may block a larger
 # batch differently: the tests allow the float32 rounding of one reordered sum.
@@ -205,21 +207,6 @@ def test_fuzz_batching_is_sound(program):
                 torch.testing.assert_close(p.grad, q.grad, **TOL)
 
 
-def _swap(states, trial):
-    import contextlib
-
-    @contextlib.contextmanager
-    def swapped():
-        outer = ckpt.native_rng()
-        ckpt.set_native_rng(states[trial])
-        try:
-            yield
-        finally:
-            states[trial] = ckpt.native_rng()
-            ckpt.set_native_rng(outer)
-    return swapped
-
-
 # ---- training: N models through the group equal each trained alone --------------------------
 
 def test_training_through_batched_frozen_layers_equals_training_alone():
@@ -235,6 +222,11 @@ def test_training_through_batched_frozen_layers_equals_training_alone():
         models[t] = space.build(s, check=False)
     alone = {t: copy.deepcopy(m) for t, m in models.items()}
     group = build_group(plan, models)
+    g = group.graph  # the IR: each batch as cat -> the operator's cell -> split
+    g.lint()
+    assert rt.Graph.from_json(g.to_json()).to_json() == g.to_json()
+    assert {n.name for n in g.nodes if n.name.startswith("batch_") and n.kind == "subgraph"} \
+        == {f"batch_{b}" for b in range(len(plan.batches))}
     opts = {t: torch.optim.SGD(m.parameters(), lr=0.05 * (1 + i), momentum=0.9)
             for i, (t, m) in enumerate(models.items())}
     alone_opts = {t: torch.optim.SGD(m.parameters(), lr=0.05 * (1 + i), momentum=0.9)
