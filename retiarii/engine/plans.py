@@ -23,7 +23,7 @@ import time
 
 __all__ = ["PlanTable"]
 
-PASSES = ["cse"]  # what build_plan + the worker's passes apply today (docs/optimization.md)
+PASSES = ["cse", "batching"]  # the worker's passes today, in order (plan_group; docs/optimization.md)
 
 
 class PlanTable:
