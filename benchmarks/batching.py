@@ -20,7 +20,7 @@ Every step's loss of every model is checked against separate training (exact on 
 the largest difference is printed). Prints each way's CPU and wall seconds (the least of
 ``--repeats`` runs; one torch thread, so CPU time is this process's work whatever else shares
 the cores), the ratios over separate training, ``plan.executions()`` of each way, and writes
-``benchmarks/out/batching.csv`` and ``.png``.
+``benchmarks/out/batching-bBATCH.csv`` and ``.png``.
 
 Example::
 
@@ -191,36 +191,36 @@ def main() -> None:
               f"{row['cse+batching_wall_ratio']:.2f}x  executions {row['separate_executions']} / "
               f"{row['cse_executions']} / {row['cse+batching_executions']}  max |loss diff| "
               f"{row['cse+batching_max_loss_diff']:.1e}  load {row['load']}", flush=True)
-    _write(rows)
+    _write(rows, f"batching-b{args.batch}")
 
 
-def _write(rows: list[dict]) -> None:
+def _write(rows: list[dict], name: str) -> None:
     out = os.path.join(HERE, "out")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "batching.csv"), "w", newline="") as f:
+    with open(os.path.join(out, f"{name}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     try:
         import matplotlib
     except ImportError:
-        print(f"wrote {out}/batching.csv (no matplotlib: no plot)")
+        print(f"wrote {out}/{name}.csv (no matplotlib: no plot)")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = [r["models"] for r in rows]
-    for name in ("cse", "cse+batching"):
-        ax.plot(ns, [r[f"{name}_cpu_ratio"] for r in rows], marker="o", label=name)
+    for way in ("cse", "cse+batching"):
+        ax.plot(ns, [r[f"{way}_cpu_ratio"] for r in rows], marker="o", label=way)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("models (adapters at different depths of one frozen CNN)")
     ax.set_ylabel("speed-up over separate training (CPU time)")
-    ax.set_title("Operator batching past the adapters (CPU)")
+    ax.set_title(f"Operator batching past the adapters (CPU, {rows[0]['batch']} per model)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "batching.png"), dpi=100)
-    print(f"wrote {out}/batching.csv and .png")
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=100)
+    print(f"wrote {out}/{name}.csv and .png")
 
 
 if __name__ == "__main__":
