@@ -5,6 +5,7 @@ fails fails alone; tasks that cannot share a data pipeline run separately."""
 import os
 
 import torch
+import retiarii as rt
 from torch import nn
 
 from retiarii.engine import checkpoint as ckpt
@@ -267,3 +268,55 @@ def test_validation_runs_the_shared_trunk_once_per_batch(tmp_path):
     for t in "abc":
         alone = _open(_task(t, tmp_path))
         assert metrics[t] == alone._validate(), t
+
+
+class AdapterTrunk(nn.Module):
+    """A frozen conv trunk with an adapter slot after each conv (benchmarks/batching.py's
+    shape, small)."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)])
+        self.act = nn.ReLU()
+        self.slots = nn.ModuleList([nn.Identity(), nn.Identity()])
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.head = nn.Linear(32, 10)
+        self.convs.requires_grad_(False)
+
+    def forward(self, x):
+        for conv, slot in zip(self.convs, self.slots):
+            x = slot(self.act(conv(x)))
+        return self.head(torch.flatten(self.pool(x), 1))
+
+
+torch.manual_seed(0)
+ADAPTERS = rt.ModelSpace(AdapterTrunk(), [rt.apply_mutator(f"slots.{d}", rt.mutators.OperatorMutator(
+    {"id": nn.Identity(), "ad": nn.Conv2d(8, 8, 1)}, label=f"s{d}")) for d in range(2)],
+    example_input=torch.randn(2, 1, 8, 8))
+
+
+def test_a_grouped_job_with_batched_frozen_layers_equals_each_task_alone(tmp_path):
+    """Adapters after conv 0 (before the frozen conv 1) and after conv 1: conv 1 and its ReLU
+    run batched, the gradient reaches the first adapter through them; exact on CPU."""
+    samples = {"p": ("ad", "id"), "q": ("id", "ad"), "r": ("ad", "ad")}
+
+    def task(trial, tag):
+        spec = {"space": _ref("ADAPTERS"), "sample": {f"s{d}/slots.{d}": c for d, c in
+                                                       enumerate(samples[trial])},
+                "trainer": TRAINER, "hparams": {}, "seed": ord(trial)}
+        return TrialTask(trial, spec, 0, 2, None, str(tmp_path / f"{tag}{trial}.pt"))
+
+    grouped = [task(t, "g-") for t in samples]
+    plan = plan_group({t: ADAPTERS.replay(dict(g.spec["sample"])) for t, g in zip(samples, grouped)},
+                      "d", {t: {} for t in samples}, batch_ops=True)
+    assert {plan.nodes[k].name for b in plan.batches for _, k in b} == {"convs.1", "act@1", "pool"}
+    units = _units(Job("g", grouped, meta={"group": True, "batching": True}), grouped,
+                   {t.trial_id: _open(t) for t in grouped}, WorkerContext())
+    assert [type(u) for u in units] == [TrainingGroup] and units[0].trials == tuple(samples)
+    assert units[0]._plan.batches  # the job asked for the batching pass
+    events = _run(Job("g", grouped, meta={"group": True, "batching": True}))
+    assert isinstance(events[-1], JobFinished)
+    alone = [task(t, "s-") for t in samples]
+    assert _results(events) == _alone(alone)  # exact floats
+    for g, s in zip(grouped, alone):
+        assert _same_checkpoint(g.checkpoint_out, s.checkpoint_out), g.trial_id

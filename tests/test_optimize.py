@@ -409,3 +409,14 @@ def test_a_loaders_first_batch_is_not_charged_to_every_model_apart(tmp_path):
     assert unit["first_load_s"] >= 0.3
     # every batch counted at the median of the others: the 0.3 s is not in the estimate
     assert unit["load_s"] < 0.3 / 2
+
+
+def test_the_batching_pass_is_opt_in_and_recorded(tmp_path):
+    off_db, _ = _run(tmp_path, "off", optimize=False, max_models=3)
+    db, _ = _run(tmp_path, "batching", optimize=True, batching=True, max_models=3)
+    assert _curves(db) == _curves(off_db)  # exact on CPU either way
+    assert all(r["passes"] == ["cse", "batching"] for r in _plans(db))
+    plain, _ = _run(tmp_path, "plain", optimize=True, max_models=3)
+    assert all(r["passes"] == ["cse"] for r in _plans(plain))
+    with pytest.raises(rt.ExperimentError, match="batching='yes'"):
+        rt.Experiment(space, rt.strategies.Random(), TRAINER, batching="yes")

@@ -212,6 +212,10 @@ class Experiment:
             are measured, and fusion is reverted for trials measured slower fused than
             grouped unfused. ``True``: fused whenever possible. Only with ``optimize``;
             fused results equal training alone within float rounding (1e-6 relative on CPU).
+        batching: grouped jobs also batch frozen per-example layers that the models feed with
+            different values (an adapter before a frozen layer; docs/optimization.md,
+            "batching"). Off by default: on a CPU it pays only for small batches
+            (benchmarks/README.md); exact on CPU either way.
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -220,12 +224,16 @@ class Experiment:
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
-                 optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False):
+                 optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False,
+                 batching: bool = False):
         if optimize not in ("auto", True, False):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
         if fuse not in ("auto", True, False):
             raise ExperimentError(f"fuse={fuse!r}: give 'auto', True or False")
         self.fuse = fuse
+        if not isinstance(batching, bool):
+            raise ExperimentError(f"batching={batching!r}: give True or False")
+        self.batching = batching
         if not isinstance(batch_models, int) or batch_models < 1:
             raise ExperimentError(f"batch_models={batch_models!r}: give a number of trials >= 1")
         self.optimize, self.batch_models = optimize, batch_models
@@ -374,7 +382,7 @@ class Experiment:
         if self.optimize:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
                           profile=self.optimize == "auto", on_group=self._on_group,
-                          fuse=self.fuse)
+                          fuse=self.fuse, batching=self.batching)
         self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time

@@ -2,7 +2,7 @@
 
 :func:`group_tasks` is the decision (pure: plain values in, trial ids out): which tasks of a
 job may train as one group. :class:`TrainingGroup` is the execution: a few
-:class:`~.trial_run.TrialRun` objects, planned (``build_plan`` + ``cse``) and built into one
+:class:`~.trial_run.TrialRun` objects, planned (``build_plan``, ``cse``, ``batching``), built into one
 :class:`~retiarii.optim.GroupModule`, trained one epoch at a time through **one** loader::
 
     for batch in trainer.train_dataloader(hparams, epoch):       # once for every model
@@ -38,7 +38,7 @@ from typing import Any, Hashable
 import torch
 from torch import nn
 
-from ..optim import build_group, build_plan, cse
+from ..optim import batching, build_group, build_plan, cse
 from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
 from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
@@ -417,13 +417,19 @@ class TrainingGroup:
 
 
 def plan_group(models: Mapping[str, Any], data_key: str,
-               hparams: Mapping[str, dict]) -> LogicalPlan:
-    """The plan of one candidate group after the passes (``build_plan`` + ``cse``); its
-    ``groups()`` say which models really share the pipeline.
+               hparams: Mapping[str, dict], batch_ops: bool = False) -> LogicalPlan:
+    """The plan of one candidate group after the passes (``build_plan``, ``cse``, then, with
+    ``batch_ops``, ``batching``: a frozen per-example layer the models feed with other values
+    runs once on their concatenated inputs); its ``groups()`` say which models really share
+    the pipeline.
 
     Args:
         models: trial id -> its :class:`~retiarii.space.Model` (``space.replay(sample)``).
         data_key: the trainer's data key, the same for every trial.
         hparams: trial id -> its hparams.
+        batch_ops: run the batching pass too (``Job.meta["batching"]``; opt-in: on a CPU it
+            saves per-call overhead only, and costs concatenations: benchmarks/README.md).
     """
-    return cse(build_plan([PlanModel(t, m, data_key, dict(hparams[t])) for t, m in models.items()])).plan
+    plan = cse(build_plan([PlanModel(t, m, data_key, dict(hparams[t]))
+                           for t, m in models.items()])).plan
+    return batching(plan).plan if batch_ops else plan

@@ -25,7 +25,7 @@ import time
 
 __all__ = ["PlanTable"]
 
-PASSES = ["cse"]  # what build_plan + the worker's passes apply today (docs/optimization.md)
+PASSES = ["cse"]  # the default passes (plan_group; docs/optimization.md); records name theirs
 
 
 class PlanTable:

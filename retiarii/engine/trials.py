@@ -148,6 +148,9 @@ class TrialRunner:
             then on. False: grouped jobs are kept whatever they measure.
         on_group: called with a record of every grouped job once it ends (trials, status
             ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
+        batching: grouped jobs also run the batching pass (``meta["batching"]``): a frozen
+            per-example layer the models feed with other values runs once on their
+            concatenated inputs (docs/optimization.md).
         fuse: whether a grouped job may train its same-architecture trials fused
             (``meta["fuse"]``; docs/optimization.md): ``"auto"`` measures each fused unit and
             reverts fusion for trials measured slower fused than grouped unfused (they are
@@ -165,7 +168,7 @@ class TrialRunner:
                  spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None,
                  batch_models: int = 1, group_key: Callable[[Trial], Hashable | None] | None = None,
                  profile: bool = False, on_group: Callable[[dict], None] | None = None,
-                 fuse: bool | str = False):
+                 fuse: bool | str = False, batching: bool = False):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         if batch_models < 1:
@@ -199,7 +202,7 @@ class TrialRunner:
         self.batch_models, self.group_key = batch_models, group_key
         self.profile, self.on_group = profile, on_group
         self.alone: set[str] = set()  # trials of reverted or failed groups: alone from now on
-        self.fuse = fuse
+        self.fuse, self.batching = fuse, batching
         self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
         self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
 
@@ -589,6 +592,8 @@ class TrialRunner:
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
         if grouped:
             meta["group"] = True
+            if self.batching:
+                meta["batching"] = True
             if self.fuse:
                 meta["fuse"] = self.fuse
                 unfused = sorted(t.trial_id for t in tasks if t.trial_id in self.unfused)
@@ -756,7 +761,8 @@ class TrialRunner:
                 "reason": reason, "speedup": min(known) if known else None,
                 "seconds": seconds, "units": units, "errors": errors,
                 "alone": [], "unfused": unfused,
-                "passes": ["cse"] + (["fusion"] if any(u.get("fused") for u in merged) else [])}
+                "passes": ["cse"] + (["batching"] if self.batching else [])
+                + (["fusion"] if any(u.get("fused") for u in merged) else [])}
 
     def _retry_alone(self, trial: Trial, error: str) -> None:
         """A trial that did not finish its segment in a failed grouped job: back to PENDING

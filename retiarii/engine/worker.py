@@ -306,7 +306,8 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
                                       "train fused (another architecture)"))
                 rest = []
             plan = plan_group({t: models[t] for t in rest}, keys[ids[0]],
-                              {t: runs[t].hparams for t in rest}) if rest else None
+                              {t: runs[t].hparams for t in rest},
+                              batch_ops=bool(job.meta.get("batching"))) if rest else None
             for group in plan.groups() if plan is not None else ():
                 if len(group) == 1:
                     grouped.append(_Alone(by_id[group[0]], runs[group[0]],

@@ -1,5 +1,6 @@
 """Cross-model optimization (docs/optimization.md): the logical plan, one pass per file, and
 the executable of a group of models, fused training of same-shape models."""
+from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
@@ -17,6 +18,8 @@ __all__ = [
            "PlanError",
            "PlanModel",
            "Role",
+           "batch_independent",
+           "batching",
            "build_group",
            "build_plan",
            "cse",

@@ -23,6 +23,18 @@ dropout in model A draws what it draws when A trains alone: shared nodes never d
 numbers (the plan makes random operations a model's own). A part that writes a value in
 place gets its own copy of the shared values it reads.
 
+**Batched operators** (``plan.batches``, :mod:`retiarii.optim.batching`). A model's own nodes
+are cut into *stages* at the batched operators it holds: a cell per model and stage. Between
+two stages each batch runs once on its models' inputs concatenated along dim 0 (trial
+order) and is split back by each model's batch size. Its weights are frozen
+(``requires_grad=False``), and it runs under ``torch.no_grad()`` only when no input needs a
+gradient: a model's adapter *before* a frozen layer gets its gradient through the batched
+call. A node's stage is never below its predecessor's in its model's order, so every model
+still runs its own nodes, random draws included, in the order it runs them alone::
+
+    shared: x -> l1* ─┬─▶ parts.0_0: ad_a ─┐
+                      └───────────────────-┴─▶ batch_0: l2*(cat) ─▶ split ─▶ parts.0_1, parts.1_1
+
 Example::
 
     plan = cse(build_plan(batch)).plan
@@ -44,6 +56,7 @@ from torch import nn
 from ..codec import PortRef, encode
 from ..codegen import to_module
 from ..graph import Graph, Node, Operation
+from .group_graph import Batch, Cell, merged_graph
 from .plan import LogicalPlan, PlanError, Role
 
 __all__ = ["GroupError", "GroupModule", "build_group"]
@@ -58,19 +71,22 @@ class GroupModule(nn.Module):
     """Several models run as one module; see the module docstring.
 
     Attributes:
-        graph: the merged IR (a Graph: inputs, the ``shared`` cell, one cell per model).
-        trials: the trial ids, in plan order (``parts[str(i)]`` is ``trials[i]``'s).
+        graph: the merged IR (a Graph: inputs, the ``shared`` cell, the batched cells, one
+            cell per model and stage).
+        trials: the trial ids, in plan order.
     """
 
-    def __init__(self, graph: Graph, shared: nn.Module, parts: list[nn.Module],
-                 reads: list[list[int]], clones: list[bool], trials: tuple[str, ...],
+    def __init__(self, graph: Graph, shared: nn.Module, frontier: list[str],
+                 cells: list[Cell], batches: list[Batch], trials: tuple[str, ...],
                  models: Mapping[str, nn.Module]):
         super().__init__()
         self.graph = graph
         self.shared = shared
-        self.parts = nn.ModuleDict({str(i): p for i, p in enumerate(parts)})
+        self.parts = nn.ModuleDict({c.name: c.module for c in cells})
+        self.batched = nn.ModuleDict({b.name: b.module for b in batches})
         self.trials = trials
-        self._reads, self._clones = reads, clones
+        self._frontier, self._cells, self._batches = frontier, cells, batches
+        self._stages = max([c.stage for c in cells] + [b.level for b in batches] + [0]) + 1
         self.__dict__["_models"] = dict(models)  # not submodules: their modules are ours
 
     def forward(self, *inputs: Any,
@@ -88,19 +104,36 @@ class GroupModule(nn.Module):
                 fails that model alone (the worker's grouped jobs). None: the error propagates.
         """
         with torch.no_grad():  # frozen and weightless only: nothing here trains
-            frontier = self.shared(*inputs)  # tuple of the shared values the parts read
+            common = dict(zip(self._frontier, self.shared(*inputs)))
+        env: dict[str, dict[str, Any]] = {t: {} for t in self.trials}  # trial -> key -> value
         outs: dict[str, Any] = {}
-        for i, trial in enumerate(self.trials):
-            args = [frontier[j] for j in self._reads[i]]
-            if self._clones[i]:  # the part writes in place: not into values others read
-                args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            try:
-                with rng[trial]() if rng is not None else contextlib.nullcontext():
-                    outs[trial] = self.parts[str(i)](*args)
-            except Exception as err:
-                if errors is None:
-                    raise
-                errors[trial] = err
+        failed: set[str] = set()
+        joined: dict[tuple[int, ...], torch.Tensor] = {}  # see _run_batch
+        for stage in range(self._stages):
+            for batch in self._batches:  # batches of this level run before the stage's cells
+                if batch.level == stage:
+                    _run_batch(batch, common, env, failed, joined)
+            for cell in self._cells:
+                if cell.stage != stage or cell.trial in failed:
+                    continue
+                args = [env[cell.trial][k] if k in env[cell.trial] else common[k]
+                        for k in cell.reads]
+                if cell.clones:  # the cell writes in place: not into values others read
+                    args = [a.clone() if isinstance(a, torch.Tensor) and not own else a
+                            for a, own in zip(args, cell.own_reads)]
+                try:
+                    with rng[cell.trial]() if rng is not None else contextlib.nullcontext():
+                        result = cell.module(*args)
+                except Exception as err:
+                    if errors is None:
+                        raise
+                    errors[cell.trial] = err
+                    failed.add(cell.trial)
+                    continue
+                if cell.final:
+                    outs[cell.trial] = result
+                else:
+                    env[cell.trial].update(zip(cell.exports, result))
         return outs
 
     def model(self, trial: str) -> nn.Module:
@@ -114,6 +147,48 @@ class GroupModule(nn.Module):
     def state_dict_of(self, trial: str) -> dict[str, torch.Tensor]:
         """The trial's state dict, keys and order as its model built alone."""
         return self._models[trial].state_dict()
+
+
+def _run_batch(batch: Batch, common: dict, env: dict, failed: set[str], joined: dict) -> None:
+    """Concatenate the live models' inputs, call once, split by each model's batch size.
+
+    Frozen weights get no gradient (``requires_grad=False``), but a model's trainable part
+    upstream (an adapter before this layer) must get one *through* it: the inputs that need a
+    gradient run as one call with autograd, the others as one call under ``no_grad`` (a
+    model whose adapter comes later must not pay for a backward pass here).
+    ``joined`` maps the ids of an earlier call's split outputs to their concatenation, so a
+    chain of batched operators (conv -> relu -> conv) concatenates once."""
+    live = [(t, src, out) for t, src, out in batch.pairs if t not in failed]
+    xs = [env[t][src] if src in env[t] else common[src] for t, src, _ in live]
+    grad = [torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
+            for x in xs]
+    for needs in (True, False):
+        part = [i for i, g in enumerate(grad) if g is needs]
+        if not part:
+            continue
+        with torch.set_grad_enabled(needs):
+            ys = _call(batch, [xs[i] for i in part], [live[i][1] in env[live[i][0]] for i in part],
+                       joined)
+        for i, y in zip(part, ys):
+            env[live[i][0]][live[i][2]] = y
+
+
+def _call(batch: Batch, xs: list, mine: list[bool], joined: dict) -> list:
+    same = all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[1:] == xs[0].shape[1:]
+               and x.dtype == xs[0].dtype and x.device == xs[0].device for x in xs)
+    if not same:  # shapes that cannot be concatenated: one call per model, as alone
+        return [batch.module(x if own or not batch.mutates else x.clone())
+                for x, own in zip(xs, mine)]  # a shared value must not change under others
+    whole = joined.get(tuple(id(x) for x in xs))  # n x (B_i, ...) -> (sum B_i, ...)
+    if whole is None or batch.mutates:
+        whole = torch.cat(xs)
+    out = batch.module(whole)
+    # -> n x (B_i, ...): split's views, whose backward is one concatenation (narrow views
+    # would each build a full-size zero gradient). Nothing writes them in place: the pass
+    # batches no operator whose output a reader writes.
+    ys = list(out.split([x.shape[0] for x in xs]))
+    joined[tuple(id(y) for y in ys)] = out
+    return ys
 
 
 # ---- building -----------------------------------------------------------------------------
@@ -259,89 +334,146 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
         for port, feed in enumerate(src.inputs):
             shared_cell.connect(in_cell[plan.keys[holder][feed.uid]], new, port)
 
-    # 3. One cell per model: its own nodes, in its own order, fed by the shared values it reads.
-    frontier: list[str] = []
-    own_cells, reads, clones = [], [], []
-    for trial in trials:
-        graph, keys = graphs[trial], plan.keys[trial]
-        own = [n for n in graph.nodes if keys[n.uid] not in plan.shared
-               and not (len(trials) == 1 and keys[n.uid] in roots)]
-        needed: list[str] = []
-        for node in own:
-            for feed in node.inputs:
-                k = keys[feed.uid]
-                if (k in plan.shared or k in roots) and k not in needed:
-                    needed.append(k)
+    # 3. The batched calls: one object per batched frozen module (values checked equal).
+    def shared_at(trial: str, key: str) -> bool:
+        return key in plan.shared or (len(trials) == 1 and key in roots)
+
+    batches: list[Batch] = []
+    for b, pairs in enumerate(plan.batches):
+        first, fkey = pairs[0]
+        src = graphs[first].node_by_uid(inv[first][fkey])
+        keep = _get(models[first], src.attr)
+        for other, okey in pairs[1:]:
+            attr = graphs[other].node_by_uid(inv[other][okey]).attr
+            if _get(models[other], attr) is not keep:
+                if not _same_values(_get(models[other], attr), keep):
+                    raise GroupError(f"frozen {src.name!r} has different values in trials "
+                                     f"{first} and {other}: build both from one space")
+                _set(models[other], attr, keep)
         cell = Graph()
-        cell.meta = {"modules": list(graph.meta.get("modules", []))}
-        next_uid = max(graph.uids()) + 1
-        feeds = {}
-        for j, k in enumerate(needed):
-            name = _fresh(graph, f"shared_{j}")
-            feeds[k] = cell.add_node(name, Operation("input", target=name), uid=next_uid + j)
-        for node in own:  # added in the model's order: the cell runs them in that order
-            new = cell.add_node(node.name, node.op.copy(), uid=node.uid)
-            for port, feed in enumerate(node.inputs):
-                k = keys[feed.uid]
-                cell.connect(feeds[k] if k in feeds else cell.node_by_uid(feed.uid), new, port)
-        for k in needed:
-            if k not in frontier:
-                frontier.append(k)
-        own_cells.append(cell)
-        reads.append([frontier.index(k) for k in needed])
-        clones.append(any(plan.nodes[keys[n.uid]].mutates for n in own))
+        x = cell.add_node("x", Operation("input", target="x"))
+        op = src.op.copy()
+        node = cell.add_node(src.name if src.name != "x" else "op", op)
+        cell.connect(x, node, 0)
+        out = cell.add_node("output", Operation("output", args=[encode(PortRef(0))]))
+        cell.connect(node, out, 0)
+        cell.lint()
+        module = _emit(cell, lambda n, t=first: (models[t], n.attr), _device(models))
+        # in place anywhere inside (a Sequential's ReLU(inplace=True)): never on a joined input
+        mutates = plan.nodes[fkey].mutates or any(getattr(m, "inplace", False) is True
+                                                  for m in module.modules())
+        batches.append(Batch(f"batch_{b}", 0, module,
+                             [(t, plan.nodes[k].inputs[0], k) for t, k in pairs], mutates, cell))
+
+    # 4. Stages: a model's own nodes between two batched calls form one cell. A node's stage
+    # is at least its inputs' (a batched output's: the batch's level) and its predecessor's in
+    # the model's order (so each model runs its nodes, random draws included, in its order);
+    # a batch's level is one more than its inputs' stages in every model holding it.
+    stage: dict[tuple[str, str], int] = {}
+    bound = sum(len(g.nodes) for g in graphs.values()) + 2
+    for _ in range(bound):
+        changed = False
+        for trial in trials:
+            keys, prev = plan.keys[trial], 0
+            for node in graphs[trial].nodes:
+                k = keys[node.uid]
+                if shared_at(trial, k):
+                    continue
+                need = max([prev] + [_level(stage, batches, plan, trial, keys[f.uid])
+                                     for f in node.inputs])
+                b = plan.batched.get((trial, k))
+                if b is not None:
+                    if need + 1 > batches[b].level:
+                        batches[b].level, changed = need + 1, True
+                    prev = max(prev, batches[b].level)
+                    continue
+                if stage.get((trial, k)) != need:
+                    stage[(trial, k)], changed = need, True
+                prev = need
+        if not changed:
+            break
+    else:
+        raise GroupError(f"the batched operators of trials {list(trials)} cannot be ordered "
+                         f"consistently in every model: plan them without batching")
+
+    # 5. One cell per model and stage: its own nodes of that stage, in its own order.
+    frontier: list[str] = [k for bt in batches for t, k, _ in bt.pairs if shared_at(t, k)]
+    frontier = list(dict.fromkeys(frontier))  # the shared values the batches read, once each
+    cells: list[Cell] = []
+    cell_graphs: list[Graph] = []
+    for i, trial in enumerate(trials):
+        graph, keys = graphs[trial], plan.keys[trial]
+        own = [n for n in graph.nodes if not shared_at(trial, keys[n.uid])
+               and (trial, keys[n.uid]) not in plan.batched]
+        batch_reads = {p[1] for bt in batches for p in bt.pairs if p[0] == trial}
+        for s in sorted({stage[(trial, keys[n.uid])] for n in own}):
+            nodes = [n for n in own if stage[(trial, keys[n.uid])] == s]
+            inside = {keys[n.uid] for n in nodes}
+            needed: list[str] = []
+            for node in nodes:
+                for feed in node.inputs:
+                    k = keys[feed.uid]
+                    if k not in inside and k not in needed:
+                        needed.append(k)
+            later = {keys[f.uid] for n in own if stage[(trial, keys[n.uid])] > s
+                     for f in n.inputs} | batch_reads
+            exports = [keys[n.uid] for n in nodes if keys[n.uid] in later]
+            final = any(n.kind == "output" for n in nodes)
+            if final and exports:
+                raise GroupError(f"trial {trial}: values computed with its output are read "
+                                 f"later: plan it without batching")
+            cell = Graph()
+            cell.meta = {"modules": list(graph.meta.get("modules", []))}
+            next_uid = max(graph.uids()) + 1
+            feeds = {}
+            for j, k in enumerate(needed):
+                name = _fresh(graph, f"shared_{j}")
+                feeds[k] = cell.add_node(name, Operation("input", target=name), uid=next_uid + j)
+            for node in nodes:  # added in the model's order: the cell runs them in that order
+                new = cell.add_node(node.name, node.op.copy(), uid=node.uid)
+                for port, feed in enumerate(node.inputs):
+                    k = keys[feed.uid]
+                    cell.connect(feeds[k] if k in feeds else cell.node_by_uid(feed.uid), new, port)
+            if not final:
+                out = cell.add_node(_fresh(graph, "output"), Operation("output", args=[encode(
+                    tuple(PortRef(p) for p in range(len(exports))))]))
+                for p, k in enumerate(exports):
+                    cell.connect(cell.node_by_uid(inv[trial][k]), out, p)
+            for k in needed:
+                if shared_at(trial, k) and k not in frontier:
+                    frontier.append(k)
+            cell.lint()
+            own_reads = [not shared_at(trial, k) and (trial, k) not in plan.batched for k in needed]
+            name = f"{i}" if s == 0 and final else f"{i}_{s}"
+            cells.append(Cell(name, trial, s, _emit(cell, lambda n, t=trial: (models[t], n.attr),
+                                                     _device(models)),
+                               needed, own_reads, exports, final,
+                               any(plan.nodes[keys[n.uid]].mutates for n in nodes)))
+            cell_graphs.append(cell)
     out = shared_cell.add_node("output", Operation("output", args=[encode(
         tuple(PortRef(i) for i in range(len(frontier))))]))
     for i, k in enumerate(frontier):
         shared_cell.connect(in_cell[k], out, i)
     shared_cell.lint()
 
-    # 4. Emit each cell through codegen; adopt the models' modules.
-    device = _device(models)
+    # 6. Emit the shared cell through codegen; adopt the models' modules.
     shared_module = _emit(shared_cell, lambda n: (models[cell_attr[n.attr][0]],
-                                                  cell_attr[n.attr][1]), device)
-    parts = []
-    for trial, cell in zip(trials, own_cells):
-        cell.lint()
-        parts.append(_emit(cell, lambda n, t=trial: (models[t], n.attr), device))
-    merged = _merged_graph(shared_cell, own_cells, reads, trials)
-    return GroupModule(merged, shared_module, parts, reads, clones, trials,
+                                                  cell_attr[n.attr][1]), _device(models))
+    merged = merged_graph(shared_cell, frontier, cells, cell_graphs, batches, trials)
+    return GroupModule(merged, shared_module, frontier, cells, batches, trials,
                        {t: models[t] for t in trials})
+
+
+def _level(stage: dict, batches: list[Batch], plan: LogicalPlan, trial: str, key: str) -> int:
+    """When a value of ``trial`` is ready: a shared value at once (0), an own value at its
+    node's stage, a batched output at its batch's level."""
+    b = plan.batched.get((trial, key))
+    if b is not None:
+        return batches[b].level
+    return stage.get((trial, key), 0)
 
 
 def _fresh(graph: Graph, name: str) -> str:
     while name in graph:
         name = "_" + name
     return name
-
-
-def _merged_graph(shared: Graph, parts: list[Graph], reads: list[list[int]],
-                  trials: tuple[str, ...]) -> Graph:
-    """The group as one IR graph: inputs -> shared cell -> one cell per model -> a dict."""
-    g = Graph()
-    inputs = [g.add_node(n.name, n.op.copy()) for n in shared.input_nodes]
-    width = len(shared["output"].inputs)
-    cell = g.add_node("shared", Operation("subgraph", args=[encode(PortRef(i))
-                                                            for i in range(len(inputs))],
-                                          graph=shared, attr="shared"))
-    for port, node in enumerate(inputs):
-        g.connect(node, cell, port)
-    values = []
-    for j in range(width):
-        item = g.add_node(f"shared_{j}", Operation("function", target="_operator:getitem",
-                                                   args=[encode(PortRef(0)), j]))
-        g.connect(cell, item, 0)
-        values.append(item)
-    outs = []
-    for i, (part, read) in enumerate(zip(parts, reads)):
-        node = g.add_node(f"part_{i}", Operation("subgraph", args=[encode(PortRef(p))
-                                                                   for p in range(len(read))],
-                                                 graph=part, attr=f"parts.{i}"))
-        for port, j in enumerate(read):
-            g.connect(values[j], node, port)
-        outs.append(node)
-    out = g.add_node("output", Operation("output", args=[encode(
-        {t: PortRef(i) for i, t in enumerate(trials)})]))
-    for i, node in enumerate(outs):
-        g.connect(node, out, i)
-    return g

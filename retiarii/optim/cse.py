@@ -44,6 +44,8 @@ def _shareable(plan: LogicalPlan, key: str, shared: set[str], roots: dict) -> bo
         return False
     if not all(src in shared for src in node.inputs):
         return False
+    if any((t, key) in plan.batched for t in node.holders):  # batching.py ran first: keep it
+        return False
     if node.mutates:  # only on a fresh value that no one else reads (see the module docstring)
         src = node.inputs[0] if node.inputs else None
         return src is not None and plan.nodes[src].role is Role.FROZEN \

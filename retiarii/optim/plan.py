@@ -90,6 +90,7 @@ class PlanNode:
     mutates: bool  # writes its first input in place (relu_, +=, inplace=True)
     name: str  # the node's name in the first model holding it (for messages)
     holders: tuple[str, ...]  # trial ids of the models holding it, plan order
+    op_key: str = ""  # the key without the inputs: equal for one frozen op fed other values
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ class LogicalPlan:
     nodes: Mapping[str, PlanNode]  # key -> node, in a topological order of the keys
     keys: Mapping[str, Mapping[int, str]]  # trial id -> node uid -> key
     shared: frozenset[str] = frozenset()  # keys computed once for all their holders
+    # Operator batching (batching.py): each batch is ((trial, key), ...), pairs of one op_key
+    # that run as one call on their inputs concatenated along dim 0, in trial (plan) order.
+    batches: tuple[tuple[tuple[str, str], ...], ...] = ()
 
     def model(self, trial_id: str) -> PlanModel:
         return next(m for m in self.models if m.trial_id == trial_id)
@@ -116,9 +120,16 @@ class LogicalPlan:
 
     def executions(self) -> int:
         """Node evaluations one training step of every model costs under this plan: a shared
-        key counts once, any other once per model holding it."""
-        return sum(1 if key in self.shared else len(node.holders)
-                   for key, node in self.nodes.items())
+        key counts once, a batch once, any other (key, holder) pair once."""
+        batched = {pair for batch in self.batches for pair in batch}
+        return len(self.batches) + sum(
+            1 if key in self.shared else sum((t, key) not in batched for t in node.holders)
+            for key, node in self.nodes.items())
+
+    @functools.cached_property
+    def batched(self) -> Mapping[tuple[str, str], int]:
+        """(trial, key) -> index of its batch in :attr:`batches`."""
+        return {pair: i for i, batch in enumerate(self.batches) for pair in batch}
 
     def data_roots(self, trial_id: str) -> tuple[str, ...]:
         """Keys of the model's input nodes (its data pipeline), in argument order."""
@@ -143,13 +154,17 @@ class LogicalPlan:
         if unknown:
             raise PlanError(f"trials {sorted(unknown)} are not in the plan")
         sub = build_plan([m for m in self.models if m.trial_id in wanted])
+        batches = tuple(kept for kept in (tuple(p for p in batch if p[0] in wanted)
+                                          for batch in self.batches) if len(kept) > 1)
         return replace(sub, shared=frozenset(k for k in self.shared
-                                             if len(sub.nodes.get(k, _NONE).holders) > 1))
+                                             if len(sub.nodes.get(k, _NONE).holders) > 1),
+                       batches=batches)
 
     def describe(self) -> str:
         """One line per key: role, holders, shared or not (for logs and tests)."""
         return "\n".join(f"{n.name:24} {n.role.value:6} x{len(n.holders)}"
                          f"{' shared' if k in self.shared else ''}"
+                         f"{' batched' if any((t, k) in self.batched for t in n.holders) else ''}"
                          for k, n in self.nodes.items())
 
 
@@ -345,9 +360,10 @@ def build_plan(models: Iterable[PlanModel]) -> LogicalPlan:
             key = mine[node.uid] = _hash(payload)
             entry = nodes.get(key)
             if entry is None:
+                op_key = _hash(payload[:3] + payload[4:]) if role is not Role.DATA else key
                 nodes[key] = {"key": key, "role": role, "inputs": tuple(in_keys),
                               "mutates": _mutates(node), "name": node.name,
-                              "holders": [pm.trial_id]}
+                              "holders": [pm.trial_id], "op_key": op_key}
             elif pm.trial_id not in entry["holders"]:
                 entry["holders"].append(pm.trial_id)
         keys[pm.trial_id] = mine
