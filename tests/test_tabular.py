@@ -148,3 +148,10 @@ def test_beats_random_search_on_the_table_over_20_seeds(accuracy, random_baselin
     ends = [tabular.replay(name, s, BUDGET, accuracy)[-1] for s in range(SEEDS)]
     assert statistics.mean(ends) > statistics.mean(random_baseline), \
         (name, statistics.mean(ends), statistics.mean(random_baseline))
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(tabular, raise_on_error=True)
+    assert result.attempted > 0 and result.failed == 0
