@@ -5,7 +5,7 @@ ships with the project (``benchmarks/data/nb201_digits.csv``). The space is NAS-
 cell on the ``small`` network for 8x8 digits, narrowed so the whole of it trains in under an
 hour on 2 cores (``model_spaces.nasbench201.TABLE_OPS``): the input -> output edge is an identity
 shortcut and the five other edges each pick one of none, skip_connect, nor_conv_1x1,
-nor_conv_3x3, so 4 ** 5 = 1,024 cells. The 15,625 of the full space would take about 12 hours
+nor_conv_3x3, so 4 ** 5 = 1,024 cells; the 15,625 of the full space would take 7-15 hours
 here. Every model gets the same trainer (:data:`TRAINER`: Adam, lr 1e-3, batch 64, 3 epochs, the
 fixed 80/20 split); model ``i`` of the grid order gets seed ``i`` for its weights. The run is an
 ``rt.Experiment`` (GridSearch, LocalExecutor with 2 workers, ``optimize=True``) whose store
@@ -79,7 +79,7 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
-def _experiment(workers: int) -> rt.Experiment:
+def _experiment(workers: int, origin: dict) -> rt.Experiment:
     def progress(summary: dict) -> None:
         done = summary["trials"].get("TERMINATED", 0) + summary["trials"].get("ERRORED", 0)
         if done % 32 == 0:
@@ -91,7 +91,7 @@ def _experiment(workers: int) -> rt.Experiment:
     # metrics are the same either way (bit for bit on CPU).
     return rt.Experiment(SPACE, rt.strategies.GridSearch(), TRAINER, store=STORE,
                          workers=workers, devices=[], seed=0, optimize=True,
-                         progress=progress)
+                         progress=progress, origin=origin)
 
 
 def make(workers: int = 2, max_models: int | None = None) -> None:
@@ -101,13 +101,16 @@ def make(workers: int = 2, max_models: int | None = None) -> None:
     print(f"make: {SPACE.size()} models, {EPOCHS} epochs, {workers} workers, commit {commit}"
           f"{' (uncommitted changes)' if dirty else ''}; store {STORE}", flush=True)
     started = time.time()
-    exp = _experiment(workers)
-    if os.path.exists(STORE):
+    # The store keeps the origin of the run that created it: the table names that commit.
+    exp = _experiment(workers, {"command": "python benchmarks/tabular.py make",
+                                "commit": commit, "dirty": dirty})
+    resumed = os.path.exists(STORE)
+    if resumed:
         exp.resume(max_models=max_models)
     else:
         exp.run(max_models=max_models)
     print(f"make: trained in {time.time() - started:.0f} s this run", flush=True)
-    export(commit, dirty)
+    export(resumed_at=commit if resumed else None)
 
 
 def _rows_from_store() -> tuple[list[dict], dict]:
@@ -145,6 +148,7 @@ def _rows_from_store() -> tuple[list[dict], dict]:
         rows.append(row)
     spans = [(t["started"], t["ended"]) for t in trials if t["started"] and t["ended"]]
     facts = {"created": experiment["created"], "trials": len(trials),
+             "origin": experiment["config"].get("origin") or {},
              "span_s": max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0}
     return rows, facts
 
@@ -155,17 +159,23 @@ def _plans(store) -> list[dict]:
     return [p for p in PlanTable(store).rows() if p.get("status") not in ("reverted", "failed")]
 
 
-def export(commit: str | None = None, dirty: bool = False) -> None:
-    """Write TABLE from the store: '#' lines say how it was made, then one row per model."""
+def export(resumed_at: str | None = None) -> None:
+    """Write TABLE from the store: '#' lines say how it was made (the commit of the run that
+    created the store, and ``resumed_at`` when a later one finished it), then one row per
+    model."""
     rows, facts = _rows_from_store()
+    origin = facts["origin"]
+    commit = origin.get("commit", "unknown (not recorded in the store)")
+    if resumed_at is not None and resumed_at != commit:
+        commit += f", resumed at commit {resumed_at}"
     complete = len(rows) == SPACE.size()
     when = datetime.datetime.fromtimestamp(facts["created"], datetime.timezone.utc)
     header = [
         "Tabular benchmark: NAS-Bench-201-like cells on digits (benchmarks/tabular.py).",
         f"models: {len(rows)} of the {SPACE.size()} of model_spaces.nasbench201.small("
         f"ops=TABLE_OPS){'' if complete else ' (INCOMPLETE: run make again to resume)'}",
-        f"command: python benchmarks/tabular.py make; commit {commit or _git('rev-parse', 'HEAD')}"
-        f"{' with uncommitted changes' if dirty else ''}",
+        f"command: python benchmarks/tabular.py make; commit {commit}"
+        f"{' with uncommitted changes' if origin.get('dirty') else ''}",
         f"started: {when:%Y-%m-%d %H:%M} UTC; trials {facts['trials']}, first start to last end "
         f"{facts['span_s'] / 60:.1f} min",
         f"machine: {platform.node()}, {os.cpu_count()} cores ({platform.processor() or '?'}), "
