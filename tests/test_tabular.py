@@ -135,11 +135,11 @@ def random_baseline(accuracy):
     return [tabular.replay("random", s, BUDGET, accuracy)[-1] for s in range(SEEDS)]
 
 
-# The GBT surrogates (predictor, progressive) refit every proposal and RL trains its policy
-# every model: minutes for 20 seeds on 2 cores, so they run with -m slow;
-# `benchmarks/tabular.py compare` runs them all (benchmarks/README.md has the figures).
-CHEAP = ["evolution", "tpe"]
-COSTLY = ["rl", "predictor", "progressive"]
+# The GBT surrogates (predictor, progressive) refit as they propose: 100 s and 15 s for 20 seeds
+# on 2 busy cores, so they run with -m slow; `benchmarks/tabular.py compare` runs them all
+# (benchmarks/README.md has the figures).
+CHEAP = ["evolution", "rl", "tpe"]
+COSTLY = ["predictor", "progressive"]
 
 
 @pytest.mark.parametrize("name", CHEAP + [pytest.param(n, marks=pytest.mark.slow)
