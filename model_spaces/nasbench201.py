@@ -17,7 +17,9 @@ one architecture: the 6 choices are labelled ``"edge_{i}{j}"`` in every cell (sa
 same decision). "nor_conv" is ReLU-Conv-BN, as in the paper.
 
 Presets: :func:`paper` is the published network (C=16, N=5: 15 cells); :func:`small` (C=8,
-N=1) trains on the 8x8 digits in about a second per epoch on a CPU.
+N=1) trains on the 8x8 digits in about a second per epoch on a CPU. ``ops=`` narrows edges to
+fewer candidates (one name fixes the edge): a sub-space of the same cells, e.g. the one our
+tabular benchmark trains in full (``benchmarks/tabular.py``, :data:`TABLE_OPS`).
 
 Example::
 
@@ -37,7 +39,31 @@ import retiarii as rt
 
 OP_NAMES = ("none", "skip_connect", "nor_conv_1x1", "nor_conv_3x3", "avg_pool_3x3")
 EDGES = [(i, j) for j in range(1, 4) for i in range(j)]  # (0,1) (0,2) (1,2) (0,3) (1,3) (2,3)
+EDGE_LABELS = tuple(f"edge_{i}{j}" for i, j in EDGES)
 PUBLISHED_SIZE = 15_625
+
+# The sub-space of the tabular benchmark (4 ** 5 = 1,024 cells, all trained): the cell keeps its
+# input -> output edge as an identity shortcut (a residual cell, as in ResNet), and each other
+# edge picks one of four ops; average pooling goes. Narrowed so that every model trains in under
+# an hour on 2 cores (all 15,625 would take 7-15 hours there).
+TABLE_OPS = {label: ("skip_connect",) if label == "edge_03" else OP_NAMES[:4]
+             for label in EDGE_LABELS}
+
+
+def _edge_ops(ops: dict | None) -> dict[str, tuple[str, ...]]:
+    """``ops`` (edge label -> candidate op names; None: all five everywhere) checked."""
+    if ops is None:
+        return {label: OP_NAMES for label in EDGE_LABELS}
+    if set(ops) != set(EDGE_LABELS):
+        raise ValueError(f"ops= must name every edge, {EDGE_LABELS}; got {sorted(ops)}")
+    out = {}
+    for label in EDGE_LABELS:  # the order the cell asks its choices in, whatever ops= lists
+        names = tuple(ops[label])
+        unknown = [n for n in names if n not in OP_NAMES]
+        if not names or unknown or len(set(names)) != len(names):
+            raise ValueError(f"ops[{label!r}] = {names}: give distinct names of {OP_NAMES}")
+        out[label] = names
+    return out
 
 
 class Zero(nn.Module):
@@ -77,13 +103,15 @@ def make_op(name: str, channels: int) -> nn.Module:
 
 
 class Cell(nn.Module):
-    """The searched cell: (B, C, H, W) -> (B, C, H, W); edge (i, j) is ``self.edge_{i}{j}``."""
+    """The searched cell: (B, C, H, W) -> (B, C, H, W); edge (i, j) is ``self.edge_{i}{j}``, a
+    choice among ``ops[label]`` (all five by default), or that op itself when it is the only one."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, ops: dict | None = None):
         super().__init__()
-        for i, j in EDGES:
-            setattr(self, f"edge_{i}{j}", rt.LayerChoice(
-                {name: make_op(name, channels) for name in OP_NAMES}, label=f"edge_{i}{j}"))
+        for label, names in _edge_ops(ops).items():
+            edge = make_op(names[0], channels) if len(names) == 1 else rt.LayerChoice(
+                {name: make_op(name, channels) for name in names}, label=label)
+            setattr(self, label, edge)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         nodes = [x]
@@ -119,10 +147,11 @@ class NASBench201Net(nn.Module):
         channels: C, the width of the first stage (the paper: 16).
         cells_per_stage: N (the paper: 5).
         in_channels, num_classes: of the images and the labels.
+        ops: edge label -> candidate op names (None: all five on every edge).
     """
 
     def __init__(self, channels: int = 16, cells_per_stage: int = 5, in_channels: int = 3,
-                 num_classes: int = 10):
+                 num_classes: int = 10, ops: dict | None = None):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(channels))
@@ -132,7 +161,7 @@ class NASBench201Net(nn.Module):
             if stage > 0:
                 layers.append(ResidualReduction(c, 2 * c))
                 c *= 2
-            layers += [Cell(c) for _ in range(cells_per_stage)]
+            layers += [Cell(c, ops) for _ in range(cells_per_stage)]
         self.layers = nn.Sequential(*layers)
         self.head = nn.Sequential(nn.BatchNorm2d(c), nn.ReLU())
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -144,20 +173,28 @@ class NASBench201Net(nn.Module):
 
 
 def nasbench201_space(channels: int = 16, cells_per_stage: int = 5, in_channels: int = 3,
-                      num_classes: int = 10, image_size: int = 32) -> rt.ModelSpace:
+                      num_classes: int = 10, image_size: int = 32,
+                      ops: dict | None = None) -> rt.ModelSpace:
     """The NAS-Bench-201 space around :class:`NASBench201Net`; see the module docstring."""
-    return rt.ModelSpace(NASBench201Net(channels, cells_per_stage, in_channels, num_classes),
+    return rt.ModelSpace(NASBench201Net(channels, cells_per_stage, in_channels, num_classes, ops),
                          example_input=torch.zeros(1, in_channels, image_size, image_size))
 
 
-def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8) -> rt.ModelSpace:
-    """C=8, one cell per stage: trains on the 8x8 digits in seconds."""
-    return nasbench201_space(8, 1, in_channels, num_classes, image_size)
+def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8,
+          ops: dict | None = None) -> rt.ModelSpace:
+    """C=8, one cell per stage: trains on the 8x8 digits in seconds (``ops``: a sub-space)."""
+    return nasbench201_space(8, 1, in_channels, num_classes, image_size, ops)
 
 
 def paper(in_channels: int = 3, num_classes: int = 10, image_size: int = 32) -> rt.ModelSpace:
     """The published network: C=16, N=5 (CIFAR-10 shapes by default)."""
     return nasbench201_space(16, 5, in_channels, num_classes, image_size)
+
+
+def full_sample(sample: dict, ops: dict | None = None) -> dict:
+    """A sample of a sub-space (``ops``) with its fixed edges filled in: all six edges."""
+    fixed = {label: names[0] for label, names in _edge_ops(ops).items() if len(names) == 1}
+    return {label: sample[label] if label in sample else fixed[label] for label in EDGE_LABELS}
 
 
 def arch_string(sample: dict) -> str:
