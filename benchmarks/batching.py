@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import os
 import time
 
@@ -195,19 +194,14 @@ def main() -> None:
 
 
 def _write(rows: list[dict], name: str) -> None:
-    out = os.path.join(HERE, "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"wrote {out}/{name}.csv (no matplotlib: no plot)")
+    from _out import OUT, pyplot, write_csv  # benchmarks/: this script's folder
+
+    out = OUT
+
+    write_csv(rows, name)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     ns = [r["models"] for r in rows]
     for way in ("cse", "cse+batching"):

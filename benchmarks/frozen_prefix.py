@@ -32,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import sys
@@ -270,19 +269,14 @@ def measure(trunk: str, models: list[int], epochs: int, device: str) -> list[dic
 
 
 def _write(rows: list[dict], name: str) -> None:
-    out = os.path.join(HERE, "out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"wrote {out}/{name}.csv (no matplotlib: no plot)")
+    from _out import OUT, pyplot, write_csv  # benchmarks/: this script's folder
+
+    out = OUT
+
+    write_csv(rows, name)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 4))
     ns = [r["models"] for r in rows]

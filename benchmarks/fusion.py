@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import time
 
@@ -204,20 +203,15 @@ def run(workloads: list[str], counts: list[int], steps: int, device: torch.devic
 
 
 def write(rows: list[dict], device: str) -> None:
-    out = os.path.join(HERE, "out")
-    os.makedirs(out, exist_ok=True)
+    from _out import OUT, pyplot, write_csv  # benchmarks/: this script's folder
+
+    out = OUT
+
     name = f"fusion-{device}-w{MLP_WIDTH}"
-    with open(os.path.join(out, f"{name}.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"wrote {out}/{name}.csv (no matplotlib: no plot)")
+    write_csv(rows, name)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     for workload in sorted({r["workload"] for r in rows}):
         mine = [r for r in rows if r["workload"] == workload]
