@@ -1,0 +1,161 @@
+"""How the :class:`~.trials.TrialRunner` packs trials into grouped jobs and ends them
+(cross-model optimization in a search: docs/optimization.md, "In a search").
+
+:class:`GroupedJobs` is the runner's half that knows about groups: which trials may share a
+job (:meth:`~GroupedJobs._key`: the experiment's group key and the starting step), which
+waiting or new trials join a batch (:meth:`~GroupedJobs._companions`), and what happens when a
+grouped job ends (:meth:`~GroupedJobs._end_group`: the finished trials continue together, the
+others rerun alone or fail by their own error, the group is kept, reverted or recorded as
+failed in the plans record). It is a mixin of :class:`~.trials.TrialRunner`, whose state it
+reads (``trials``, ``alone``, ``alone_s``, ``unfused``, ``batch_models``, ``group_key``, ...)
+and whose lifecycle methods it calls (``_move``, ``_fail``, ``_feed``, ``_continue``); it adds
+no state of its own. Its ``job`` arguments are the runner's ``_JobFlight`` records and its
+``flights`` the runner's ``_Flight`` s (typed ``Any`` here: importing them back from
+``trials`` would make a cycle).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from .executors.base import FailureKind, JobFailed
+from .trial import Trial, TrialState
+
+__all__ = ["GroupedJobs"]
+
+
+class GroupedJobs:
+    """The grouping half of :class:`~.trials.TrialRunner` (see the module docstring)."""
+
+    def _key(self, trial: Trial) -> Hashable | None:
+        """What must be equal for trials to train in one job (None: alone): the group key
+        and the step the trial starts from."""
+        if self.batch_models < 2 or self.group_key is None or trial.trial_id in self.alone:
+            return None
+        key = self.group_key(trial)
+        return None if key is None else (key, trial.resume_point()[0])
+
+    def _companions(self, batch: list[Trial], limit: int | None = None) -> list[Trial]:
+        """Trials to train with ``batch`` (same key), until there are ``limit`` in all
+        (default ``batch_models``): the waiting ones first, in the scheduler's order, then new
+        ones. A new trial that does not match ends the search; it waits for a slot of its own."""
+        key = self._key(batch[0])
+        out: list[Trial] = []
+        if key is None:
+            return out
+        limit = self.batch_models if limit is None else limit
+        taken = frozenset(t.trial_id for t in batch)
+        # A new trial starts at step 0: it can join a batch that starts there, never one that
+        # continues (asking the strategy then would only move its proposals earlier).
+        fresh = key[1] == 0
+        while len(batch) + len(out) < limit and not self.budget_hit():
+            trial = self._next_trial(key, taken, new=fresh)
+            if trial is None:
+                break
+            self._after_scheduler()
+            if trial.state not in (TrialState.PENDING, TrialState.PAUSED):
+                continue  # the scheduler stopped it meanwhile
+            if self._key(trial) != key:
+                break
+            out.append(trial)
+            taken = taken | {trial.trial_id}
+        return out
+
+    def _end_group(self, event, job: Any, flights: list[Any]) -> None:
+        """A grouped job ended. Its trials that finished their segment continue (planned
+        again together); any that did not are retried alone with nothing charged to them
+        (a merged job that fails reruns its models separately, so a failure lands on the
+        model that caused it), except after a lost worker, which is every trial's
+        environment; the group's record goes to ``on_group``, reverted when measured slower
+        than its models apart."""
+        failed = isinstance(event, JobFailed)
+        live = [f for f in flights if f.outcome is None
+                and self.trials[f.trial_id].state is TrialState.RUNNING]
+        unfinished = [f for f in live if failed and not f.done]
+        errors = {t: (kind, err) for t, kind, err in getattr(event, "failures", ())}
+        # One error shared by every unfinished member (the joint backward, the group's own
+        # memory) is the group's; a model's own error the worker attributed is that model's.
+        joint = len(unfinished) > 1 and len(
+            {errors.get(f.trial_id, (None, event.error))[1] for f in unfinished}) == 1
+        record = self._group_record(event, job, joint or any(
+            f.trial_id not in errors for f in unfinished))
+        continuing: list[Trial] = []
+        for flight in live:
+            trial = self.trials[flight.trial_id]
+            if flight in unfinished:
+                kind, error = errors.get(trial.trial_id, (None, event.error))
+                if event.worker_lost:
+                    self._fail(trial, FailureKind.ENVIRONMENT, event.error, flight.task, lost=True)
+                elif kind is FailureKind.MODEL and not joint:
+                    self._fail(trial, kind, error, flight.task)
+                else:
+                    self.alone.add(trial.trial_id)
+                    record["alone"].append(trial.trial_id)
+                    self._retry_alone(trial, error)
+                continue
+            if flight.buffered is not None:  # an executor that wrote no checkpoint
+                self._feed(trial, flight.buffered, None)
+            continuing.append(trial)
+        if record["status"] == "reverted":
+            self.alone.update(job.trials)
+            record["alone"] = list(job.trials)
+        self.unfused.update(record["unfused"])
+        if self.on_group is not None:
+            self.on_group(record)
+        self._continue(continuing, flights[0].worker)
+
+    def _group_record(self, event, job: Any, group_failed: bool) -> dict:
+        """What the plans table keeps of a grouped job (see :meth:`_end_group`);
+        ``group_failed``: the job failed as a group, not by its models' own errors."""
+        from ..optim.cost import fused_speedup, fusion_slower, merged_speedup, slower_than_apart
+
+        for unit in job.units:
+            self.alone_s.update(unit.get("alone_s") or {})
+        units = [dict(u) for u in job.units]
+        merged = [u for u in units if u.get("merged")]
+        speedups = [merged_speedup(u, self.alone_s) for u in merged]
+        # A fused unit measured slower than its models grouped unfused is not reverted to
+        # alone: its trials train unfused from now on, and that grouping is measured in turn.
+        unfused: list[str] = []
+        for unit in merged:
+            if unit.get("fused"):
+                unit["fused_speedup"] = fused_speedup(unit, self.alone_s)
+                if self.fuse == "auto" and fusion_slower(unit["fused_speedup"]):
+                    unit["fusion_reverted"] = True
+                    unfused.extend(unit["trials"])
+        judged = [s for u, s in zip(merged, speedups) if not u.get("fusion_reverted")]
+        known = [s for s in speedups if s is not None]
+        errors = {t: f"{kind.value} error: {err}" for t, kind, err in
+                  getattr(event, "failures", ())}
+        status, reason = "merged", ""
+        if (isinstance(event, JobFailed) and group_failed and not event.worker_lost
+                and event.error != "cancelled"):
+            status = "failed"
+            reason = (event.error.strip().splitlines() or [""])[0][:500]
+        elif not merged and job.units:
+            status, reason = "not merged", "; ".join(
+                sorted({u.get("reason", "") for u in job.units}))[:500]
+        elif self.profile and any(slower_than_apart(s) for s in judged):
+            status = "reverted"
+            worst = min(s for s in judged if s is not None)
+            reason = (f"measured {worst:.2f}x of training its models apart: they train "
+                      f"alone from now on")
+        if unfused and status == "merged":
+            worst = min(u["fused_speedup"] for u in merged if u.get("fusion_reverted"))
+            reason = (f"fusion reverted: measured {worst:.2f}x of training its models grouped "
+                      f"unfused: {', '.join(unfused)} train unfused from now on")[:500]
+        seconds = None if job.started is None else self.executor.now() - job.started
+        return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
+                "reason": reason, "speedup": min(known) if known else None,
+                "seconds": seconds, "units": units, "errors": errors,
+                "alone": [], "unfused": unfused,
+                "passes": ["cse"] + (["batching"] if self.batching else [])
+                + (["fusion"] if any(u.get("fused") for u in merged) else [])}
+
+    def _retry_alone(self, trial: Trial, error: str) -> None:
+        """A trial that did not finish its segment in a failed grouped job: back to PENDING
+        from its last checkpoint, to train alone; not counted as its failure."""
+        trial.attempts += 1
+        first = (error.strip().splitlines() or [""])[0]
+        self._move(trial, TrialState.ERRORED, f"group error: {first}")
+        step, _ = trial.resume_point()
+        self._move(trial, TrialState.PENDING, f"retry {trial.attempts} alone from step {step}")
