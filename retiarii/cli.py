@@ -307,7 +307,7 @@ def _optimization_line(plans: dict) -> str:
     if plans.get("alone_after_revert_or_failure"):
         text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
     for why in plans.get("why_not_merged", []):
-        text += f"\n  not merged: {why}"
+        text += f"\n  apart: {why}"
     return text
 
 
