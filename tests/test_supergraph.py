@@ -401,3 +401,24 @@ def test_an_op_whose_candidates_change_shape_unslicably_is_a_clear_error():
     space = rt.ModelSpace(Norms(), example_input=torch.zeros(1, 4))
     with pytest.raises(SuperGraphError, match=r"node 'norm'.*'dim'.*LayerNorm.*slicing"):
         SuperGraph(space).path({"dim": 4})
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode_runs(tmp_path, monkeypatch):
+    """benchmarks/supergraph.py --quick (tens of seconds on the shared 2-core CPU: slow)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "supergraph.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("bench_supergraph", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = importlib.import_module("_out")
+    monkeypatch.setattr(out, "OUT", str(tmp_path))
+    rows = bench.main(["--quick"])
+    assert [r["batch"] for r in rows] == [32] and rows[0]["supergraph_models_per_s"] > 0
+    assert (tmp_path / "supergraph-cpu.csv").exists()
