@@ -158,6 +158,28 @@ def test_inline_spaces_share_repeat_blocks_and_value_candidates_of_one_shape():
     torch.testing.assert_close(deep(v), sg.export({"pick": 1, "depth": 3, "eps": 1e-3})(v))
 
 
+@pytest.mark.parametrize("name", ["spos", "nasbench201", "darts"])
+def test_model_spaces_paths_equal_their_exports(name):
+    """Paths of the literature's spaces (cells and layouts reused across samples, paths.py)
+    compute what the standalone model with the inherited weights computes."""
+    import importlib
+
+    space = importlib.import_module(f"model_spaces.{name}").small()
+    sg = SuperGraph(space)
+    x = torch.randn(2, *space.example_input.shape[1:], generator=torch.Generator().manual_seed(0))
+    models = [space.random_sample(seed) for seed in range(2)]
+    for model in models:
+        sg.path(model.sample)  # fill the pool and the caches first
+    for model in models:
+        net = sg.path(model).eval()
+        torch.testing.assert_close(net(x), sg.export(model.sample).eval()(x))
+    if name == "spos":  # block3's candidate: one key whatever the other blocks chose
+        a, b = (space.replay({**models[0].sample, "block1": c}) for c in ("choice_3", "choice_x"))
+        ka, kb = weight_keys(space, a), weight_keys(space, b)
+        shared = [attr for attr in ka if attr.startswith("layers.2.")]
+        assert shared and all(ka[attr].key == kb[attr].key for attr in shared)
+
+
 # ---- training equals a checkpoint-to-file baseline ------------------------------------------------
 
 
