@@ -444,3 +444,20 @@ def test_benchmark_quick_mode_runs(tmp_path, monkeypatch):
     rows = bench.main(["--quick"])
     assert [r["batch"] for r in rows] == [32] and rows[0]["supergraph_models_per_s"] > 0
     assert (tmp_path / "supergraph-cpu.csv").exists()
+
+
+@pytest.mark.gpu
+def test_paths_train_on_a_gpu_and_export_there():
+    device = torch.device("cuda")
+    space = rt.ModelSpace(Widths(), example_input=X[:1])
+    sg = SuperGraph(space, device=device)
+    opt = torch.optim.SGD([{"params": sg.parameters()}], lr=0.1, momentum=0.9)
+    sg.attach(opt)
+    x, y = X.to(device), Y.to(device)
+    for smp in ({"width": 4, "kernel": 3}, {"width": 8, "kernel": 5}, {"width": 6, "kernel": 3}):
+        _train_step(sg.path(smp).train(), opt, x, y)
+    assert all(p.device.type == "cuda" for p in sg.parameters())
+    net = sg.path({"width": 6, "kernel": 3}).eval()
+    exported = sg.export({"width": 6, "kernel": 3}).eval()
+    assert next(exported.parameters()).device.type == "cuda"
+    torch.testing.assert_close(net(x), exported(x))
