@@ -180,6 +180,36 @@ def test_model_spaces_paths_equal_their_exports(name):
         assert shared and all(ka[attr].key == kb[attr].key for attr in shared)
 
 
+class Tensors(nn.Module):
+    """Parameters read directly: a frozen scale and a trainable shift, around a choice."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 4), requires_grad=False)
+        self.shift = nn.Parameter(torch.zeros(4))
+        self.op = rt.LayerChoice({"lin": nn.Linear(4, 4), "tanh": nn.Tanh()}, label="op")
+
+    def forward(self, x):
+        return self.op(x * self.scale) + self.shift
+
+
+def test_parameters_read_directly_are_pooled_frozen_or_trainable():
+    space = rt.ModelSpace(Tensors(), example_input=torch.zeros(1, 4))
+    sg = SuperGraph(space)
+    a, b = sg.path({"op": "lin"}), sg.path({"op": "tanh"})
+    assert a.scale is b.scale and a.shift is b.shift
+    assert not a.scale.requires_grad and a.shift.requires_grad
+    torch.testing.assert_close(a.scale, torch.linspace(0.5, 2.0, 4), rtol=0, atol=0)
+    opt = torch.optim.SGD([{"params": sg.parameters()}], lr=0.5)
+    sg.attach(opt)
+    v = torch.randn(3, 4, generator=torch.Generator().manual_seed(4))
+    opt.zero_grad()
+    b(v).sum().backward()
+    opt.step()
+    torch.testing.assert_close(a.shift, torch.full((4,), -1.5))  # 3 rows, lr 0.5
+    torch.testing.assert_close(a(v), sg.export({"op": "lin"})(v))
+
+
 # ---- training equals a checkpoint-to-file baseline ------------------------------------------------
 
 
