@@ -76,6 +76,13 @@ def test_paths_share_the_parameters_of_shared_operators_only():
     # block2: 1; a conv and a BatchNorm each)
     assert len(sg) == 2 + 4 * 2
     assert len(sg.parameters()) == len({id(p) for p in sg.parameters()})
+    # names that mean one weight whatever order the pool grew in
+    other = SuperGraph(space)
+    other.path(sample("conv5", "conv5", "conv3"))
+    other.path(sample("conv3", "conv5", "pool"))
+    assert sorted(n for n, _ in other.named_parameters()) == \
+        sorted(n for n, _ in sg.named_parameters())
+    assert [id(p) for _, p in sg.named_parameters()] == [id(p) for p in sg.parameters()]
 
 
 def test_keys_hold_only_the_choice_that_made_the_operator():
