@@ -156,6 +156,19 @@ def test_hand_computed_counts_and_unscaled_single_user():
         assert d.dtype == torch.float64 and torch.equal(d, torch.full((4,), 2.5, dtype=d.dtype))
 
 
+def _mismatched_rank(rank: int, world: int, group) -> None:
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(2 + rank)]  # rank 1 has one more
+    for p in params:
+        p.grad = torch.ones(3)
+    average_used_gradients(params, group)
+
+
+def test_different_parameters_on_the_ranks_are_named():
+    with pytest.raises(RankError, match=r"rank 0: 2 parameters, 6 elements, rank 1: 3 "
+                                        r"parameters, 9 elements"):
+        spawn(_mismatched_rank, 2, timeout=60)
+
+
 def test_average_used_gradients_outside_a_group_says_how_to_run_it():
     p = nn.Parameter(torch.zeros(2))
     p.grad = torch.ones(2)

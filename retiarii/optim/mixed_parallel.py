@@ -45,6 +45,7 @@ import pickle
 import socket
 import time
 import traceback
+import zlib
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator
 
@@ -75,7 +76,8 @@ def average_used_gradients(params: Iterable[torch.nn.Parameter], group: Any = No
     """Average each parameter's gradient over the ranks that used it in this step.
 
     Call it on every rank of ``group`` after ``backward`` and before ``optimizer.step()``, with
-    the same parameters in the same order everywhere (the super-graph's ``parameters()``). A
+    the same parameters in the same order everywhere (the super-graph's ``parameters()``;
+    checked, one small all-gather: a ``ValueError`` on every rank otherwise). A
     parameter is *used* on a rank when its ``grad`` is not None, so clear gradients with
     ``zero_grad(set_to_none=True)`` (PyTorch's default) before each step. Afterwards, on every
     rank, a parameter used by ``c > 0`` ranks holds the sum of their gradients divided by ``c``
@@ -102,6 +104,7 @@ def average_used_gradients(params: Iterable[torch.nn.Parameter], group: Any = No
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements must be >= 1, got {bucket_elements}")
     params = list(params)
+    _check_same_parameters(params, group)
     for i, p in enumerate(params):
         if p.grad is not None and p.grad.is_sparse:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has a sparse gradient; "
@@ -141,6 +144,28 @@ def average_used_gradients(params: Iterable[torch.nn.Parameter], group: Any = No
                 else:
                     p.grad.copy_(g)
     return counts
+
+
+def _check_same_parameters(params: list, group: Any) -> None:
+    """Every rank passes the same parameters (count, sizes, shapes in order), or a clear error
+    on every rank: different lists would make the flat all-reduces disagree in size (a hang or
+    a crash in the backend) or, worse, add up unrelated gradients. One small collective."""
+    shapes = [tuple(p.shape) for p in params]
+    mine = torch.tensor([len(params), sum(p.numel() for p in params),
+                         zlib.crc32(repr(shapes).encode())], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
+        mine = mine.cuda()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    every = [t.tolist() for t in every]
+    if any(t != every[0] for t in every):
+        seen = ", ".join(f"rank {r}: {n} parameters, {e} elements" for r, (n, e, _) in
+                         enumerate(every))
+        raise ValueError(f"average_used_gradients got different parameters on different ranks "
+                         f"({seen}; or the same sizes in other shapes or order): pass the same "
+                         "parameters in the same order everywhere; a SuperGraph that grows as "
+                         "paths are built must build every rank's path on every rank, in the "
+                         "same order")
 
 
 # ---- processes -----------------------------------------------------------------------------
