@@ -18,8 +18,9 @@ train it for ``--epochs`` epochs, four ways, from the same initial weights:
   steps.
 
 Every way sees each training image once per epoch with the same SGD (momentum 0.9, learning
-rate ``--lr`` per batch of B). Time per epoch is measured on rank 0 between barriers, the first
-epoch (warm-up) left out. Then rank 0 evaluates ``--eval-paths`` sampled paths (the same for
+rate ``--lr`` per batch of B). Time per epoch is measured on rank 0 between barriers, and CPU
+time per epoch summed over the ranks' processes (less moved by other jobs on shared cores),
+the first epoch (warm-up) left out. Then rank 0 evaluates ``--eval-paths`` sampled paths (the same for
 every way) on the validation split with inherited weights, each after recomputing its
 BatchNorm statistics on training batches (as SPOS does), and reports their mean accuracy.
 Prints one line per way with its ratio (its time / mixed's time), writes
@@ -210,14 +211,14 @@ def train_rank(rank: int, world: int, group, cfg: Config, way: str) -> dict | No
         steps, rows = len(xt) // (k * b), b  # per step: one model, a batch of K B
     else:
         steps, rows = len(xt) // b, b // k  # per step: one model, a batch of B split K ways
-    times = []
+    times, cpu = [], []
     net.train()
     for epoch in range(cfg.epochs):
         perm = torch.randperm(len(xt), generator=torch.Generator().manual_seed(epoch)).to(device)
         paths = _paths(cfg, epoch, steps * k)
         _sync(device)
         dist.barrier(group)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for s in range(steps):
             if way == "mixed":
                 path = paths[s * k + rank]  # rank r's own model ...
@@ -233,12 +234,15 @@ def train_rank(rank: int, world: int, group, cfg: Config, way: str) -> dict | No
         _sync(device)
         dist.barrier(group)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    cpu_timed = cpu[1:] or cpu
+    mine = {"cpu_s_per_epoch": sum(cpu_timed) / len(cpu_timed)}
     if rank != 0:
-        return None
+        return mine
     timed = times[1:] or times
     plain = SuperNet(cfg.width, cfg.layers).to(device)  # no SyncBN: rank 0 evaluates alone
     plain.load_state_dict(net.state_dict())
-    return {"s_per_epoch": sum(timed) / len(timed), "steps_per_epoch": steps,
+    return {**mine, "s_per_epoch": sum(timed) / len(timed), "steps_per_epoch": steps,
             "val_acc": _evaluate(plain, cfg, xt, yt, xv, yv)}
 
 
@@ -248,20 +252,26 @@ def train_rank(rank: int, world: int, group, cfg: Config, way: str) -> dict | No
 def run(cfg: Config) -> list[dict]:
     rows = []
     for way in WAYS:
-        out = spawn(train_rank, cfg.ranks, cfg, way, backend=cfg.backend, threads=_threads(cfg))[0]
+        ranks = spawn(train_rank, cfg.ranks, cfg, way, backend=cfg.backend, threads=_threads(cfg))
+        out = ranks[0]
+        # CPU time of every rank (its process: gloo's threads included), per epoch: less
+        # moved than wall time by other jobs on the cores
+        out["cpu_s_per_epoch"] = sum(r["cpu_s_per_epoch"] for r in ranks)
         rows.append({"way": way, "device": cfg.device, "backend": cfg.backend,
                      "ranks": cfg.ranks, "batch": cfg.batch, "epochs_timed": max(1, cfg.epochs - 1),
                      "width": cfg.width, "layers": cfg.layers, **out,
                      "load_avg_1min": round(os.getloadavg()[0], 2)})
-    base = rows[0]["s_per_epoch"]
+    base, cpu_base = rows[0]["s_per_epoch"], rows[0]["cpu_s_per_epoch"]
     for row in rows:
         row["time_vs_mixed"] = round(row["s_per_epoch"] / base, 3)
+        row["cpu_vs_mixed"] = round(row["cpu_s_per_epoch"] / cpu_base, 3)
         row["s_per_epoch"] = round(row["s_per_epoch"], 4)
+        row["cpu_s_per_epoch"] = round(row["cpu_s_per_epoch"], 4)
         row["val_acc"] = round(row["val_acc"], 4)
         print(f"{cfg.device} K={cfg.ranks} {row['way']:10}: {row['s_per_epoch']:8.3f} s/epoch "
-              f"({row['steps_per_epoch']:3} steps), {row['time_vs_mixed']:5.2f}x mixed's time, "
-              f"val_acc {row['val_acc']:.4f} (mean of {cfg.eval_paths} paths); "
-              f"load {row['load_avg_1min']:.1f}", flush=True)
+              f"({row['steps_per_epoch']:3} steps), {row['time_vs_mixed']:5.2f}x mixed's time "
+              f"({row['cpu_vs_mixed']:5.2f}x its CPU time), val_acc {row['val_acc']:.4f} (mean "
+              f"of {cfg.eval_paths} paths); load {row['load_avg_1min']:.1f}", flush=True)
     return rows
 
 
