@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from retiarii.optim.mixed_parallel import (RankError, average_used_gradients,
+from retiarii.optim.mixed_parallel import (RankError, _Share, average_used_gradients,
                                            run_segment_on_ranks, spawn)
 from retiarii.strategies.one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 
@@ -392,3 +392,15 @@ def test_run_segment_on_ranks_resumes_and_equals_one_process():
     draws = [s.sample(world) for _ in range(2 * (7 // world))]
     assert [m.sample["path"] for m in first.models] == [list(p) for p in draws[2]]
     assert [m.sample["path"] for m in second.models] == [list(p) for p in draws[5]]
+
+
+@pytest.mark.parametrize("world, shares", [
+    (2, [[0, 2, 4], [1, 3, 5]]),  # batch 6 of 7 left out: rank 0 would wait for rank 1
+    (3, [[0, 3], [1, 4], [2, 5]]),
+    (1, [[0, 1, 2, 3, 4, 5, 6]]),
+])
+def test_each_rank_takes_every_kth_batch_and_as_many_as_the_others(world, shares):
+    for rank, want in enumerate(shares):
+        for data in (list(range(7)), iter(range(7))):  # a sized loader, a one-pass generator
+            share = _Share(data, rank, world)
+            assert len(share) == len(want) and list(share) == want and list(share) == want

@@ -402,16 +402,16 @@ class _Share:
     with one more step than the others would wait for them in its all-reduce)."""
 
     def __init__(self, data: Iterable, rank: int, world: int):
-        self.data, self.rank, self.world = data, rank, world
+        # A DataLoader has a length; a generator is read once, here.
+        self.data = data if hasattr(data, "__len__") else list(data)
+        self.rank, self.world = rank, world
 
     def __iter__(self) -> Iterator:
-        data = self.data if hasattr(self.data, "__len__") else list(self.data)
-        stop = len(data) // self.world * self.world
-        return itertools.islice(iter(data), self.rank, stop, self.world)
+        stop = len(self.data) // self.world * self.world
+        return itertools.islice(iter(self.data), self.rank, stop, self.world)
 
     def __len__(self) -> int:
-        data = self.data if hasattr(self.data, "__len__") else list(self.data)
-        return len(data) // self.world
+        return len(self.data) // self.world
 
 
 def _to_cpu(value: Any) -> Any:
@@ -445,7 +445,8 @@ def run_segment_on_ranks(build: Callable[[], tuple[Any, Any]], state: dict | Non
     :class:`~retiarii.strategies.one_shot.SegmentContext`), loads ``state`` when given, sets
     ``ctx.rank``, ``ctx.world``, ``ctx.group`` and ``ctx.train`` to its share of the training
     batches (rank r takes batches r, r + K, ...; the last ``len % K`` are left out so that
-    every rank takes as many steps), and runs ``strategy.run_segment(ctx)``. The strategy
+    every rank takes as many steps; the batches must come in the same order on every rank, as
+    the trainers' loaders seeded by the segment do), and runs ``strategy.run_segment(ctx)``. The strategy
     trains its rank's own sampled model on each batch and calls :func:`average_used_gradients`
     when ``ctx.world > 1``; it must draw the same samples on every rank (the same RNG state)
     and take the one of its rank, so the ranks' states stay equal and rank 0's is the state of
