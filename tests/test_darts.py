@@ -161,7 +161,7 @@ def test_darts_cell_space_on_digits(cls):
     from model_spaces import darts
 
     space = darts.small()
-    trainer = rt.ClassifierTrainer(dataset="digits", batch_size=128)
+    trainer = rt.Trainer(dataset="digits", batch_size=128)
     strategy = cls(epochs=1)
     strategy.setup(space, trainer, {}, CPU)
     ctx = SegmentContext(0, trainer, {}, CPU, train=trainer.train_dataloader({}, 0)[:3])

@@ -222,3 +222,101 @@ def test_a_sample_with_an_unknown_label_is_refused():
         relax.fix({"nope": 1})
     with pytest.raises(RelaxError, match="not among its candidates"):
         relax.fix({"op": "conv"})
+
+
+# ---- spaces written with mutators, Repeat, composite candidates --------------------------------
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l0, self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.l2(self.act(self.l1(self.l0(x)))))
+
+
+def _check_fixed_equals_build(space, x):
+    relax = Relaxation(space)
+    samples = [m.sample for m in space.enumerate()]
+    for sample in samples:
+        torch.testing.assert_close(relax.fix(sample)(x), relax.export(sample)(x),
+                                   rtol=0, atol=1e-6)
+    return relax, samples
+
+
+def test_mutator_space_operator_and_input_choices():
+    torch.manual_seed(0)
+    space = rt.ModelSpace(Chain(), [
+        rt.apply_mutator("act", rt.mutators.OperatorMutator([nn.ReLU(), nn.Tanh(),
+                                                             nn.Linear(4, 4)])),
+        rt.apply_mutator("l2", rt.mutators.InputMutator(["l0", "x"]))],
+        example_input=torch.randn(1, 4))
+    relax, samples = _check_fixed_equals_build(space, torch.randn(3, 4))
+    assert len(samples) == 9 and sorted(map(len, relax.keys.values())) == [3, 3]
+
+
+def test_repeat_depth_is_a_mixed_input_over_the_block_outputs():
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = rt.Repeat(lambda i: nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+                                    depth=(1, 3), label="depth")
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.blocks(x))
+
+    space = _space(Deep())
+    x = torch.randn(3, 4)
+    relax, samples = _check_fixed_equals_build(space, x)
+    with torch.no_grad():
+        relax.alpha("depth").copy_(torch.tensor([0.1, 0.9, -0.5]))
+    p = F.softmax(relax.alpha("depth").detach(), -1)
+    outs = [relax.export(s)(x) for s in samples]  # out is affine: the mixture passes through
+    relax.set_mode("softmax")
+    torch.testing.assert_close(relax(x), sum(w * o for w, o in zip(p, outs)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_composite_candidates_are_spliced_and_mixed_where_they_meet():
+    class Block(nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.fc, self.act = nn.Linear(4, 4), act
+
+        def forward(self, x):
+            return self.act(self.fc(x)) + x
+
+    class Net2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.choice = rt.LayerChoice({"relu": Block(nn.ReLU()), "tanh": Block(nn.Tanh()),
+                                          "id": nn.Identity()}, label="block")
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(torch.sigmoid(self.choice(x)))
+
+    space = _space(Net2())
+    x = torch.randn(3, 4)
+    relax, samples = _check_fixed_equals_build(space, x)
+    with torch.no_grad():
+        relax.alpha("block").copy_(torch.tensor([0.4, -0.2, 0.3]))
+    p = F.softmax(relax.alpha("block").detach(), -1)
+    # the candidates' outputs are mixed at the sigmoid's input, as DARTS mixes an op's output
+    inner = [relax.export(s) for s in samples]
+    z = sum(w * _before_sigmoid(m, x) for w, m in zip(p, inner))
+    relax.set_mode("softmax")
+    torch.testing.assert_close(relax(x), inner[0].out(torch.sigmoid(z)), rtol=1e-5, atol=1e-6)
+
+
+def _before_sigmoid(model, x):
+    """The value entering the sigmoid in a built model of Net2, by hand from its layers."""
+    names = dict(model.named_modules())
+    for key, act in (("relu", torch.relu), ("tanh", torch.tanh)):
+        if f"choice.{key}.fc" in names:
+            return act(names[f"choice.{key}.fc"](x)) + x
+    return x
