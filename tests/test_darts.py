@@ -122,7 +122,17 @@ def test_segment_reports_metrics_and_the_derived_model():
         losses = [F.mse_loss(net(x), y).item()
                   for x, y in Regression(0, batches=4).val_dataloader({})]
     assert model.metrics["val_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
-    assert json.loads(json.dumps(strategy.config()))["epochs"] == 1
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_config_rebuilds_the_strategy(name):
+    strategy = STRATEGIES[name](4)
+    if name == "proxyless":
+        strategy = ProxylessNAS(epochs=2, paths=3, latency={"op": {"linear": 2.0}},
+                                latency_weight=0.5, arch_betas=(0.1, 0.9))
+    config = json.loads(json.dumps(strategy.config()))
+    again = type(strategy)(**config)
+    assert again.config() == config
+    assert config["seed"] == (0 if name == "proxyless" else 4)
 
 
 def test_proxyless_latency_term_steers_away_from_a_costly_candidate():
@@ -177,3 +187,34 @@ def test_darts_cell_space_on_digits(cls):
     with torch.no_grad():
         acc_super = (strategy.relaxation(x.float()).argmax(1) == y).float().mean().item()
     assert acc == pytest.approx(acc_super)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["darts", "gumbel-hard", "proxyless"])
+def test_search_on_a_gpu(name):
+    cuda = torch.device("cuda")
+    trainer = Regression(0)
+    strategy = STRATEGIES[name](0)
+    strategy.setup(_space(), trainer, {}, cuda)
+    for seg in range(3):
+        strategy.run_segment(SegmentContext(seg, trainer, {}, cuda))
+    assert strategy.selected() == {"op": "linear"}
+    relax = strategy.relaxation.fix({"op": "linear"})
+    x = torch.randn(4, 8)
+    net = strategy.export({"op": "linear"})
+    torch.testing.assert_close(relax(x.to(cuda)).cpu(), net(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_quick():
+    """benchmarks/differentiable.py --quick (slow: it reads the DARTS space, ~10-30 s)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import differentiable
+
+    rows = differentiable.main(["--quick", "--strategies", "darts", "proxyless"])
+    assert [r["strategy"] for r in rows] == ["darts", "proxyless"]
+    for row in rows:
+        assert 0.0 <= row["retrained_val_acc"] <= 1.0 and row["models"] >= 1

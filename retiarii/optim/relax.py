@@ -36,6 +36,7 @@ Example::
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -52,6 +53,10 @@ from .relax_space import NodePlan, RelaxError, SpaceReading, op_key, read_space
 __all__ = ["MODES", "Relaxation", "RelaxError"]
 
 MODES = ("softmax", "gumbel", "binary", "fixed")
+
+# A space is read once per process (strategies rebuilt on resume, several strategies compared
+# on one space): reading replays it hundreds of times. Keyed by the space object.
+_READINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Tensor(nn.Module):
@@ -99,7 +104,11 @@ class Relaxation(nn.Module):
                  reading: SpaceReading | None = None):
         super().__init__()
         self.space = space
-        self.reading = reading or read_space(space)
+        if reading is None:
+            reading = _READINGS.get(space)
+            if reading is None:
+                reading = _READINGS[space] = read_space(space)
+        self.reading = reading
         self.labels = list(self.reading.labels)
         self.keys = dict(self.reading.labels)
         self.alphas = nn.ParameterList(

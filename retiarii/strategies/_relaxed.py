@@ -16,6 +16,8 @@ may add to the architecture loss or replace the architecture step.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -188,6 +190,15 @@ class RelaxedOneShot(OneShot):
 
     def selected(self) -> dict:
         return self._need_setup().derive()
+
+    def config(self) -> dict:
+        """The constructor arguments, as JSON: ``type(self)(**config())`` rebuilds it."""
+        names = [n for n in inspect.signature(type(self).__init__).parameters if n != "self"]
+        out = {}
+        for name in names:
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     def export(self, sample: dict | None = None) -> nn.Module:
         """The model of ``sample`` (default: :meth:`selected`) with the supernet's weights."""

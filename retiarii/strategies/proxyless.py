@@ -56,12 +56,12 @@ class ProxylessNAS(RelaxedOneShot):
             raise ValueError("latency_weight is set but no latency table was given "
                              "(latency={label: {candidate key: cost}})")
         self.paths, self.latency_weight = paths, latency_weight
-        self._latency = latency or {}
+        self.latency = {label: dict(costs) for label, costs in (latency or {}).items()}
         self._costs: dict[str, torch.Tensor] = {}
 
     def check(self, relaxation: Relaxation) -> None:
         self._costs = {}
-        for label, table in self._latency.items():
+        for label, table in self.latency.items():
             if label not in relaxation.keys:
                 raise ValueError(f"latency table: label {label!r} is not a choice of the "
                                  f"space; its labels are {relaxation.labels}")
