@@ -320,3 +320,17 @@ def _before_sigmoid(model, x):
         if f"choice.{key}.fc" in names:
             return act(names[f"choice.{key}.fc"](x)) + x
     return x
+
+
+def test_frozen_layers_keep_the_base_values_and_do_not_train():
+    net = Net()
+    net.fc0.requires_grad_(False)
+    space = _space(net)
+    relax = Relaxation(space)
+    trained = [p for p in relax.weight_parameters() if p.requires_grad]
+    frozen = [p for p in relax.weight_parameters() if not p.requires_grad]
+    assert len(frozen) == 2 and trained
+    built = space.build({"op": "lin", "skip": 0})
+    torch.testing.assert_close(relax.export({"op": "lin", "skip": 0}).fc0.weight,
+                               built.fc0.weight, rtol=0, atol=0)
+    assert torch.equal(built.fc0.weight, net.fc0.weight)

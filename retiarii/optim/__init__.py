@@ -1,11 +1,14 @@
 """Cross-model optimization (docs/optimization.md): the logical plan, one pass per file, and
-the executable of a group of models, fused training of same-shape models."""
+the executable of a group of models, fused training of same-shape models, and the continuous
+relaxation of a space that differentiable one-shot strategies search (relax.py)."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
+from .relax import Relaxation
+from .relax_space import RelaxError, read_space
 
 __all__ = [
            "FusedModel",
@@ -17,6 +20,8 @@ __all__ = [
            "PassResult",
            "PlanError",
            "PlanModel",
+           "RelaxError",
+           "Relaxation",
            "Role",
            "batch_independent",
            "batching",
@@ -26,5 +31,6 @@ __all__ = [
            "fusable_groups",
            "fuse_models",
            "fusion_key",
+           "read_space",
            "unfuse",
 ]
