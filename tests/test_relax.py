@@ -334,3 +334,22 @@ def test_frozen_layers_keep_the_base_values_and_do_not_train():
     torch.testing.assert_close(relax.export({"op": "lin", "skip": 0}).fc0.weight,
                                built.fc0.weight, rtol=0, atol=0)
     assert torch.equal(built.fc0.weight, net.fc0.weight)
+
+
+def test_a_tensor_read_from_a_module_stays_tied_to_it():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.op = rt.LayerChoice({"relu": nn.ReLU(), "tanh": nn.Tanh()}, label="op")
+
+        def forward(self, x):
+            return F.linear(self.op(self.fc(x)), self.fc.weight)  # the same weight, twice
+
+    space = _space(Tied())
+    relax = Relaxation(space)
+    x = torch.randn(3, 4)
+    for key in ("relu", "tanh"):
+        torch.testing.assert_close(relax.fix({"op": key})(x), relax.export({"op": key})(x),
+                                   rtol=0, atol=1e-6)
+    assert sum(p.numel() for p in relax.weight_parameters()) == 20  # one 4x4 weight + bias

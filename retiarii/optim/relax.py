@@ -115,8 +115,14 @@ class Relaxation(nn.Module):
             [nn.Parameter(torch.zeros(len(self.keys[label]))) for label in self.labels])
         self.weights = nn.ModuleList()
         self._slot: dict[tuple, int] = {}  # weight key -> index in self.weights
-        for op in self.reading.ops.values():
-            self._add_weights(op)
+        self._alias: dict[str, tuple[int, str]] = {}  # param op key -> (slot, tensor name)
+        ops = list(self.reading.ops.values())
+        for op in ops:
+            if op.kind != "param":
+                self._add_weights(op)
+        for op in ops:  # after the modules: a tensor read from a module is the module's
+            if op.kind == "param":
+                self._add_param(op)
         self._load_frozen()
         self.mode, self.temperature, self.hard, self.paths = mode, temperature, hard, paths
         self.set_mode(mode)
@@ -158,6 +164,25 @@ class Relaxation(nn.Module):
         self._slot[key] = len(self.weights)
         self.weights.append(module)
 
+    def _add_param(self, op) -> None:
+        """A param node's tensor: its own, or (tied weights: ``F.linear(x, self.fc.weight)``)
+        the tensor of the module it lives in, which must then be one module."""
+        owners = {o.attr: o for o in self.reading.ops.values() if o.kind in ("module", "subgraph")}
+        parts = op.attr.split(".")
+        owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
+                      if ".".join(parts[:i]) in owners), None)
+        if owner is None:
+            self._add_weights(op)
+            return
+        slots = {self._slot[_weight_key(o)] for o in self.reading.ops.values()
+                 if o.kind in ("module", "subgraph") and o.attr == owner}
+        if len(slots) != 1:
+            raise RelaxError(f"the tensor {op.attr!r} is read directly from the module "
+                             f"{owner!r}, whose operation is a choice ({len(slots)} candidates): "
+                             f"a relaxation cannot tie it to one of them; read it through the "
+                             f"module, or use a multi-trial strategy")
+        self._alias[op_key(op)] = (slots.pop(), op.attr[len(owner) + 1:])
+
     def weights_of(self, op) -> nn.Module:
         return self.weights[self._slot[_weight_key(op)]]
 
@@ -166,6 +191,8 @@ class Relaxation(nn.Module):
         model = self.reading.reference
         for uid, attr in self.space.frozen_nodes(model).items():
             node = model.graph.node_by_uid(uid)
+            if node.kind == "param" and op_key(node.op) in self._alias:
+                continue  # the module it lives in holds it
             target = self.weights_of(node.op)
             with torch.no_grad():
                 for key, value in self.space._frozen[model.base].get(attr, {}).items():
@@ -256,7 +283,7 @@ class Relaxation(nn.Module):
                                          f"the relaxation never saw ({node.op.describe()})")
                     module.get_submodule(node.attr).load_state_dict(
                         self.weights_of(node.op).state_dict())
-                elif node.kind == "param":
+                elif node.kind == "param" and op_key(node.op) not in self._alias:
                     parts = node.attr.split(".")
                     owner = module.get_submodule(".".join(parts[:-1]))
                     getattr(owner, parts[-1]).copy_(self.weights_of(node.op).value)
@@ -430,6 +457,12 @@ class Relaxation(nn.Module):
             return resolve_ref(op.target)(*args, **kwargs)
         if kind == "method":
             return getattr(args[0], op.target)(*args[1:], **kwargs)
+        if kind == "param" and self._alias:
+            alias = self._alias.get(op_key(op))
+            if alias is not None:
+                holder, name = self.weights[alias[0]], alias[1]
+                return holder.get_parameter(name) if name in dict(holder.named_parameters()) \
+                    else holder.get_buffer(name)
         if kind in ("param", "constant"):
             return self.weights_of(op).value
         raise RelaxError(f"cannot run a {kind!r} operation inside the supernet")
