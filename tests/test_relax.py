@@ -353,3 +353,55 @@ def test_a_tensor_read_from_a_module_stays_tied_to_it():
         torch.testing.assert_close(relax.fix({"op": key})(x), relax.export({"op": key})(x),
                                    rtol=0, atol=1e-6)
     assert sum(p.numel() for p in relax.weight_parameters()) == 20  # one 4x4 weight + bias
+
+
+def test_binary_estimator_on_a_node_with_an_op_and_an_input_choice():
+    """Gate gradients of both choices of one node: each candidate is run on the other
+    choice's active candidate (the inactive ops see the active input)."""
+    class Last(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l0, self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l2(torch.relu(self.l1(self.l0(x))))
+
+    torch.manual_seed(0)
+    space = rt.ModelSpace(Last(), [
+        rt.apply_mutator("l2", rt.mutators.OperatorMutator([nn.Linear(4, 4), nn.Tanh(),
+                                                            nn.Sigmoid()])),
+        rt.apply_mutator("l2", rt.mutators.InputMutator(["l0", "x"]))],
+        example_input=torch.randn(1, 4))
+    relax = Relaxation(space, mode="binary", paths=3, seed=1)
+    op_label, in_label = relax.labels
+    with torch.no_grad():
+        relax.alpha(op_label).copy_(torch.tensor([0.3, -0.2, 0.5]))
+        relax.alpha(in_label).copy_(torch.tensor([-0.1, 0.4, 0.2]))
+    x, r = torch.randn(5, 4), torch.randn(5, 4)
+    (relax(x) * r).sum().backward()
+    p = {lab: F.softmax(relax.alpha(lab).detach(), -1) for lab in relax.labels}
+    keys = relax.keys
+    assert keys[in_label] == ["relu", "x", "l0"]
+    m = relax.export({op_label: "Linear", in_label: "relu"})
+    with torch.no_grad():
+        sources = [torch.relu(m.l1(m.l0(x))), x, m.l0(x)]
+    ops = [relax.export({op_label: k, in_label: "relu"}).l2 for k in keys[op_label]]
+
+    def estimator(dg, q):
+        return torch.stack([(dg * q * ((torch.arange(3) == i).float() - q[i])).sum()
+                            for i in range(3)])
+
+    found = []
+    for a in range(3):  # the active op and input are not known: one pair must fit
+        for b in range(3):
+            # the op's gate multiplies its output; the input's gate its port (mixed input)
+            d_op = torch.stack([(r * op(sources[b])).sum() for op in ops]).detach()
+            z = sources[b].clone().requires_grad_(True)
+            (g_port,) = torch.autograd.grad((r * ops[a](z)).sum(), z)
+            d_in = torch.stack([(g_port * s).sum() for s in sources])
+            if torch.allclose(relax.alpha(op_label).grad, estimator(d_op, p[op_label]),
+                              rtol=1e-4, atol=1e-6) and torch.allclose(
+                    relax.alpha(in_label).grad, estimator(d_in, p[in_label]),
+                    rtol=1e-4, atol=1e-6):
+                found.append((a, b))
+    assert len(found) == 1, found

@@ -344,8 +344,21 @@ class Relaxation(nn.Module):
 
     def _terms(self, plan: NodePlan, lw: dict) -> list:
         """[(op key, weight or None, with grad, [[(source, weight or None, with grad)] per
-        port])] for this step; an empty list when the node does not exist in it."""
-        variants: dict[int, list] = {}  # variant -> [weight, with grad]
+        port])] for this step; an empty list when the node does not exist in it.
+
+        NOTE: [Port weights] Within one operation, a port's sources are weighted by the
+        probability of each source given that operation. When the labels that move the
+        sources are not those that move the operation (an op choice and an input choice on
+        one node), that is the product of the source labels' weights alone, which stays
+        defined for an operation whose own gate is off (binary, hard gumbel): its gate
+        gradient then sees the active input. Otherwise it is the joint weight divided by the
+        operation's, and an operation whose weight is exactly 0 is not computed.
+        """
+        op_labels = set(plan.labels_changing("op"))
+        src_pos = [j for j, label in enumerate(plan.labels)
+                   if label in plan.labels_changing("sources")]
+        separable = not op_labels & {plan.labels[j] for j in src_pos}
+        variants: dict[int, list] = {}  # variant -> [weight, with grad, port weight]
         for combo, vid in plan.table.items():
             if vid is None:
                 continue
@@ -359,19 +372,21 @@ class Relaxation(nn.Module):
                 w = weights[i] if w is None else w * weights[i]
             if not ok:
                 continue
+            wp = 1.0
+            for j in src_pos:
+                wp = wp * lw[plan.labels[j]][0][combo[j]]
             if vid in variants:
                 acc = variants[vid]
-                acc[0] = acc[0] + w
-                acc[1] = acc[1] or grad
+                acc[0], acc[1], acc[2] = acc[0] + w, acc[1] or grad, acc[2] + wp
             else:
-                variants[vid] = [w, grad]
+                variants[vid] = [w, grad, wp]
         if self.mode == "fixed":  # exactly the sample's operation: no weights at all
-            variants = {v: [None, True] for v, (w, _) in variants.items() if w != 0.0}
+            variants = {v: [None, True, None] for v, (w, _, _) in variants.items() if w != 0.0}
         if not variants:
             return []
         exists = None
         if plan.may_be_absent and self.mode != "fixed":
-            exists = _nonzero(sum(w for w, _ in variants.values()))
+            exists = _nonzero(sum(acc[0] for acc in variants.values()))
         by_op: dict[str, list[int]] = {}
         for vid in variants:
             by_op.setdefault(plan.variants[vid][0], []).append(vid)
@@ -387,16 +402,22 @@ class Relaxation(nn.Module):
                 srcs: dict[str, list] = {}
                 for v in vids:
                     s = plan.variants[v][1][k]
-                    w, g = variants[v]
+                    w, g, wp = variants[v]
+                    w = wp if separable else w
                     if s in srcs:
-                        srcs[s][0] = srcs[s][0] + w
-                        srcs[s][1] = srcs[s][1] or g
+                        srcs[s][0], srcs[s][1] = srcs[s][0] + w, srcs[s][1] or g
                     else:
                         srcs[s] = [w, g]
                 if len(srcs) == 1:
                     ports.append([(s, None, g) for s, (w, g) in srcs.items()])
-                else:
-                    ports.append([(s, w / _nonzero(w_op), g) for s, (w, g) in srcs.items()])
+                    continue
+                total = sum(w for w, _ in srcs.values()) if separable else w_op
+                if not separable and float(w_op) == 0.0:
+                    ports = None  # an operation that cannot run on the active inputs
+                    break
+                ports.append([(s, w / _nonzero(total), g) for s, (w, g) in srcs.items()])
+            if ports is None:
+                continue
             weight = None
             if not single or exists is not None:
                 weight = w_op if exists is None else w_op / exists

@@ -67,6 +67,24 @@ class NodePlan:
     def may_be_absent(self) -> bool:
         return any(v is None for v in self.table.values())
 
+    def labels_changing(self, part: str) -> tuple[str, ...]:
+        """The labels that, moved alone, change the node's operation (``part="op"``) or the
+        nodes feeding it (``"sources"``)."""
+        cache = self.__dict__.setdefault("_changing", {})
+        if part not in cache:
+            field = 0 if part == "op" else 1
+            found = set()
+            for j, label in enumerate(self.labels):
+                seen: dict[tuple, set] = {}  # the other labels' indices -> values of the field
+                for combo, vid in self.table.items():
+                    if vid is not None:
+                        rest = combo[:j] + combo[j + 1:]
+                        seen.setdefault(rest, set()).add(self.variants[vid][field])
+                if any(len(values) > 1 for values in seen.values()):
+                    found.add(label)
+            cache[part] = tuple(label for label in self.labels if label in found)
+        return cache[part]
+
 
 @dataclass
 class SpaceReading:
