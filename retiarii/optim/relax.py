@@ -347,17 +347,17 @@ class Relaxation(nn.Module):
         port])] for this step; an empty list when the node does not exist in it.
 
         NOTE: [Port weights] Within one operation, a port's sources are weighted by the
-        probability of each source given that operation. When the labels that move the
-        sources are not those that move the operation (an op choice and an input choice on
-        one node), that is the product of the source labels' weights alone, which stays
-        defined for an operation whose own gate is off (binary, hard gumbel): its gate
-        gradient then sees the active input. Otherwise it is the joint weight divided by the
-        operation's, and an operation whose weight is exactly 0 is not computed.
+        product of the weights of the labels that move the node's sources, summed over the
+        combinations giving that operation and normalized: the probability of each source
+        given the operation, without the factors of labels that only choose the operation.
+        Those factors are common to the operation's variants; leaving them out keeps the
+        division away from tiny numbers (a Gumbel sample of 1e-30 for one op would make the
+        gradient overflow) and keeps the ports of an operation whose one-hot gate is off
+        defined (binary, hard gumbel): its gate gradient then sees the active input. An
+        operation whose sources all weigh exactly 0 is not computed.
         """
-        op_labels = set(plan.labels_changing("op"))
         src_pos = [j for j, label in enumerate(plan.labels)
                    if label in plan.labels_changing("sources")]
-        separable = not op_labels & {plan.labels[j] for j in src_pos}
         variants: dict[int, list] = {}  # variant -> [weight, with grad, port weight]
         for combo, vid in plan.table.items():
             if vid is None:
@@ -402,8 +402,7 @@ class Relaxation(nn.Module):
                 srcs: dict[str, list] = {}
                 for v in vids:
                     s = plan.variants[v][1][k]
-                    w, g, wp = variants[v]
-                    w = wp if separable else w
+                    _, g, w = variants[v]
                     if s in srcs:
                         srcs[s][0], srcs[s][1] = srcs[s][0] + w, srcs[s][1] or g
                     else:
@@ -411,8 +410,8 @@ class Relaxation(nn.Module):
                 if len(srcs) == 1:
                     ports.append([(s, None, g) for s, (w, g) in srcs.items()])
                     continue
-                total = sum(w for w, _ in srcs.values()) if separable else w_op
-                if not separable and float(w_op) == 0.0:
+                total = sum(w for w, _ in srcs.values())
+                if float(total.detach() if isinstance(total, torch.Tensor) else total) == 0.0:
                     ports = None  # an operation that cannot run on the active inputs
                     break
                 ports.append([(s, w / _nonzero(total), g) for s, (w, g) in srcs.items()])
@@ -495,10 +494,11 @@ class Relaxation(nn.Module):
 
 
 def _nonzero(w: Any) -> Any:
-    """``w`` to divide by: where its value is 0 (a one-hot gate that is off, whose terms are
-    then multiplied by 0 anyway) it is 1, so no NaN arises; its gradient stays."""
+    """``w`` to divide by, at least 1e-6: a one-hot gate that is off (0) or a weight that
+    underflowed divides terms that weigh (almost) nothing anyway, without a NaN or an
+    overflowing gradient."""
     if isinstance(w, torch.Tensor):
-        return torch.where(w.detach() == 0, w + 1, w)
+        return w.clamp_min(1e-6)
     return w if w != 0 else 1.0
 
 

@@ -109,7 +109,7 @@ class RelaxedOneShot(OneShot):
         loss = self._loss(batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"{type(self).__name__}: the supernet's training loss is "
-                                     f"{float(loss)}; lower the learning rate")
+                                     f"{float(loss.detach())}; lower the learning rate")
         if loss.requires_grad:  # (a sampled path may hold no weights at all)
             loss.backward()
             if self.grad_clip is not None:
