@@ -3,6 +3,8 @@ model, the mixtures equal their hand-computed sums, the binary gates' gradient e
 ProxylessNAS estimator, and choices it cannot relax are refused by name."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -405,3 +407,40 @@ def test_binary_estimator_on_a_node_with_an_op_and_an_input_choice():
                     rtol=1e-4, atol=1e-6):
                 found.append((a, b))
     assert len(found) == 1, found
+
+
+class _OpFollowsInput(rt.Mutator):
+    """The activation depends on both choices, as a DARTS reduction cell's stride depends on
+    the input: a node whose op and sources move with one label together."""
+
+    def mutate(self, targets):
+        src = self.choose(["l0", "l1"], label="src")
+        op = self.choose(["tanh", "relu"], label="act")
+        module = {("l1", "tanh"): nn.Tanh(), ("l1", "relu"): nn.ReLU(),
+                  ("l0", "tanh"): nn.Hardtanh(), ("l0", "relu"): nn.LeakyReLU()}[src, op]
+        self.replace("act", module)
+        self.connect(src, "act", port=0)
+
+
+def test_a_joint_node_is_exact_when_fixed_and_finite_when_weights_underflow():
+    space = rt.ModelSpace(Chain(), [_OpFollowsInput()], example_input=torch.randn(1, 4))
+    x = torch.randn(3, 4)
+    relax, samples = _check_fixed_equals_build(space, x)
+    assert len(samples) == 4
+    act = next(p for p in relax.reading.nodes if p.name == "act")
+    assert set(act.labels) == {"src", "act"} and len(act.variants) == 4
+    # saturated choices: exp(-120) is 0 in float32, exp(-90) a denormal
+    for mode, a in itertools.product(("softmax", "gumbel"), (60.0, 45.0)):
+        relax.set_mode(mode, temperature=0.05)
+        with torch.no_grad():
+            relax.alpha("src").copy_(torch.tensor([a, -a]))
+            relax.alpha("act").copy_(torch.tensor([-a, a]))
+        relax.zero_grad()
+        y = relax(x)
+        y.square().sum().backward()
+        assert torch.isfinite(y).all()
+        assert all(torch.isfinite(p.grad).all() for p in relax.parameters() if p.grad is not None)
+    relax.set_mode("softmax")
+    with torch.no_grad():
+        expected = relax.export({"src": "l0", "act": "relu"})(x)
+    torch.testing.assert_close(relax(x), expected, rtol=1e-5, atol=1e-6)
