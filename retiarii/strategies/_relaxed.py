@@ -100,7 +100,17 @@ class RelaxedOneShot(OneShot):
         if loss.requires_grad:
             loss.backward()
             self._arch_opt.step()
+        self._check_alphas()
         return float(loss.detach())
+
+    def _check_alphas(self) -> None:
+        relax = self.relaxation
+        bad = [label for label, a in zip(relax.labels, relax.alphas)
+               if not torch.isfinite(a.detach()).all()]
+        if bad:
+            raise FloatingPointError(f"{type(self).__name__}: the architecture parameters of "
+                                     f"{bad[:5]} are not finite after an architecture step; "
+                                     f"lower arch_lr")
 
     def weight_step(self, batch, segment: int) -> float:
         relax = self.relaxation

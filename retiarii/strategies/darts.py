@@ -81,6 +81,7 @@ class DARTS(RelaxedOneShot):
         for a, ga, hp, hm in zip(alphas, d_alpha, *hessian):
             a.grad = ga - xi * (hp - hm) / (2 * eps)
         self._arch_opt.step()
+        self._check_alphas()
         return float(loss.detach())
 
 
