@@ -1,6 +1,7 @@
 """Cross-model optimization (docs/optimization.md): the logical plan, one pass per file, and
 the executable of a group of models, fused training of same-shape models, the weight-sharing
-super-graph; mixed parallelism of weight-sharing training (docs/weight_sharing.md)."""
+super-graph, the continuous relaxation of a space that differentiable one-shot strategies
+search (relax.py), and mixed parallelism of weight-sharing training (docs/weight_sharing.md)."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
 from .cse import cse
@@ -10,6 +11,8 @@ from .mixed_parallel import RankError, average_used_gradients, run_segment_on_ra
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
 from .supergraph import SuperGraph, SuperGraphError
 from .weight_keys import OpKey, weight_keys
+from .relax import Relaxation
+from .relax_space import RelaxError, read_space
 
 __all__ = [
            "FusedModel",
@@ -23,6 +26,8 @@ __all__ = [
            "PlanError",
            "PlanModel",
            "RankError",
+           "RelaxError",
+           "Relaxation",
            "Role",
            "SuperGraph",
            "SuperGraphError",
@@ -37,6 +42,7 @@ __all__ = [
            "fusion_key",
            "run_segment_on_ranks",
            "spawn",
+           "read_space",
            "unfuse",
            "weight_keys",
 ]
