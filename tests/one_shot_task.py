@@ -1,7 +1,9 @@
 """A synthetic task where one model of a small space is clearly best, for one-shot strategies.
 
 The target is linear, ``y = A x``. The space has two inline choices: ``op`` among a trainable
-linear map (it can fit ``A``), a zero op and a frozen random linear map (neither can), and
+linear map (it can fit ``A``), a zero op and a skip connection (neither can, having no
+weights: a frozen layer inside a choice would not do, since a candidate a mutation puts in
+has weights of its own that train, docs/optimization.md), and
 ``act`` between the identity and a ReLU (which clips half of the outputs). The best model is
 ``{"op": "linear", "act": "identity"}``: its validation loss goes to ~0 while every other
 model keeps a loss of the order of the target's variance. The trainer reports ``val_loss``
@@ -28,14 +30,8 @@ class Zero(nn.Module):
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        g = torch.Generator().manual_seed(123)
-        frozen = nn.Linear(DIM, DIM)
-        with torch.no_grad():
-            frozen.weight.copy_(torch.randn(DIM, DIM, generator=g) / DIM ** 0.5)
-            frozen.bias.zero_()
-        frozen.requires_grad_(False)
         self.op = rt.LayerChoice({"linear": nn.Linear(DIM, DIM), "zero": Zero(),
-                                  "frozen": frozen}, label="op")
+                                  "skip": nn.Identity()}, label="op")
         self.act = rt.LayerChoice({"identity": nn.Identity(), "relu": nn.ReLU()}, label="act")
 
     def forward(self, x):
@@ -43,17 +39,17 @@ class Net(nn.Module):
 
 
 def make_space() -> rt.ModelSpace:
-    torch.manual_seed(0)  # the frozen op is seeded itself; this fixes the rest of the base
+    torch.manual_seed(0)
     return rt.ModelSpace(Net(), example_input=torch.randn(2, DIM))
 
 
 class LinearTask(Trainer):
     """Regression onto ``y = A x``; each epoch's batches follow from (seed, epoch) only."""
 
-    def __init__(self, batches: int = 16, batch_size: int = 32, lr: float = 0.05,
+    def __init__(self, batches: int = 16, batch_size: int = 32, lr: float = 0.1,
                  val_batches: int = 2):
         g = torch.Generator().manual_seed(7)
-        self.a = torch.randn(DIM, DIM, generator=g)
+        self.a = torch.randn(DIM, DIM, generator=g) / DIM ** 0.5  # y has unit variance
         self.batches, self.batch_size, self.lr = batches, batch_size, lr
         self.x_val = torch.randn(val_batches * batch_size, DIM, generator=g)
 

@@ -24,7 +24,7 @@ def _spos(seed, **kw):
 
 
 def _enas(seed, **kw):
-    args = dict(segments=3, controller_steps=30, eval_batches=1, controller_lr=0.05, seed=seed)
+    args = dict(segments=3, controller_steps=30, eval_batches=1, seed=seed)
     return ENAS(**{**args, **kw})
 
 
@@ -142,7 +142,7 @@ def test_spos_samples_each_candidate_evenly(monkeypatch):
     ops = collections.Counter(p["op"] for p in paths)
     acts = collections.Counter(p["act"] for p in paths)
     # uniform: 200 per op, 300 per act; a 15% band is ~3.5 standard deviations wide
-    assert set(ops) == {"linear", "zero", "frozen"} and all(170 <= n <= 230 for n in ops.values())
+    assert set(ops) == {"linear", "zero", "skip"} and all(170 <= n <= 230 for n in ops.values())
     assert set(acts) == {"identity", "relu"} and all(255 <= n <= 345 for n in acts.values())
 
 

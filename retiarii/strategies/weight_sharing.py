@@ -58,13 +58,13 @@ class WeightSharing(OneShot):
     def __init__(self, strategy: Strategy, batches_per_model: int = 1,
                  eval_batches: int | None = 1, *, segments: int | None = None,
                  metric: str = "val_acc", seed: int = 0):
+        if getattr(strategy, "one_shot", False):
+            raise TypeError(f"WeightSharing wraps a multi-trial strategy; "
+                            f"{type(strategy).__name__} is already one-shot: run it directly")
         if not (callable(getattr(strategy, "ask", None)) and callable(getattr(strategy, "tell",
                                                                                 None))):
             raise TypeError(f"WeightSharing wraps a multi-trial strategy with ask/tell (e.g. "
                             f"Random(dedup=False)); got {type(strategy).__name__}")
-        if getattr(strategy, "one_shot", False):
-            raise TypeError(f"WeightSharing wraps a multi-trial strategy; "
-                            f"{type(strategy).__name__} is already one-shot: run it directly")
         check_positive("WeightSharing", batches_per_model=batches_per_model)
         if eval_batches is not None:
             check_positive("WeightSharing", eval_batches=eval_batches)
