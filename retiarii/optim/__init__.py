@@ -1,11 +1,14 @@
 """Cross-model optimization (docs/optimization.md): the logical plan, one pass per file, and
-the executable of a group of models, fused training of same-shape models."""
+the executable of a group of models, fused training of same-shape models, the weight-sharing
+super-graph."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
+from .supergraph import SuperGraph, SuperGraphError
+from .weight_keys import OpKey, weight_keys
 
 __all__ = [
            "FusedModel",
@@ -14,10 +17,13 @@ __all__ = [
            "GroupError",
            "GroupModule",
            "LogicalPlan",
+           "OpKey",
            "PassResult",
            "PlanError",
            "PlanModel",
            "Role",
+           "SuperGraph",
+           "SuperGraphError",
            "batch_independent",
            "batching",
            "build_group",
@@ -27,4 +33,5 @@ __all__ = [
            "fuse_models",
            "fusion_key",
            "unfuse",
+           "weight_keys",
 ]
