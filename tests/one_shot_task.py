@@ -38,6 +38,25 @@ class Net(nn.Module):
         return self.act(self.op(x))
 
 
+class BNNet(nn.Module):
+    """The same choice of ``op``, followed by a BatchNorm (whose statistics every path
+    shares): for the recalibration of BatchNorm statistics per path."""
+
+    def __init__(self):
+        super().__init__()
+        self.op = rt.LayerChoice({"linear": nn.Linear(DIM, DIM), "zero": Zero(),
+                                  "skip": nn.Identity()}, label="op")
+        self.bn = nn.BatchNorm1d(DIM)
+
+    def forward(self, x):
+        return self.bn(self.op(x))
+
+
+def make_bn_space() -> rt.ModelSpace:
+    torch.manual_seed(0)
+    return rt.ModelSpace(BNNet(), example_input=torch.randn(2, DIM))
+
+
 def make_space() -> rt.ModelSpace:
     torch.manual_seed(0)
     return rt.ModelSpace(Net(), example_input=torch.randn(2, DIM))

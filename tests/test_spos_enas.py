@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from one_shot_task import BEST, LinearTask, make_space, run
+from one_shot_task import BEST, LinearTask, make_bn_space, make_space, run
 from retiarii.strategies import ENAS, SPOS
 from retiarii.strategies.enas import _PolicySampler
 from retiarii.strategies.one_shot import SegmentContext
@@ -113,6 +113,16 @@ def test_resumed_search_equals_uninterrupted(make):
         [(m.sample, m.metrics) for m in full[-1].models]
 
 
+def test_exported_weights_are_the_inherited_ones():
+    s, space, trainer = _set_up(_spos(0, train_segments=1))
+    run(s, space, trainer)
+    net = space.build(s.selected())
+    net.load_state_dict(s.export_state(s.selected()))
+    path = s._shared.net(s.selected())
+    x = torch.randn(5, 8)
+    assert torch.equal(net(x), path(x))
+
+
 def test_load_state_checks_strategy_and_settings():
     s, _, _ = _set_up(_spos(0))
     state = s.state_dict()
@@ -162,6 +172,37 @@ def test_spos_search_never_evaluates_a_candidate_twice():
     results = run(s, space, trainer)
     samples = [tuple(sorted(m.sample.items())) for m in results[-1].models]
     assert len(samples) == len(set(samples)) == 6
+
+
+def test_recalibrated_evaluation_equals_a_by_hand_recalibration_and_leaves_the_state():
+    space, trainer = make_bn_space(), LinearTask()
+    s = _spos(0, train_segments=1)
+    s.setup(space, trainer, {}, torch.device("cpu"))
+    run(s, space, trainer, range(1))  # the shared BatchNorm saw a mixture of paths
+    shared = s._shared
+    sample = {"op": "linear"}
+    calibrate = trainer.train_dataloader({}, 5)[:3]
+    valid = trainer.val_dataloader({})
+    before = _roundtrip(shared.supergraph.state_dict())
+
+    got = shared.evaluate(sample, valid, calibrate)
+    _assert_bit_equal(shared.supergraph.state_dict(), before)  # evaluation changed nothing
+    plain = shared.evaluate(sample, valid)
+    assert plain["val_loss"] != got["val_loss"]  # the mixed statistics do differ
+
+    # reference: a standalone copy with the inherited weights, statistics recomputed by hand
+    net = shared.supergraph.export(sample)
+    bn = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm1d)]
+    assert len(bn) == 1
+    with torch.no_grad():
+        feats = torch.cat([net.op(x) for x, _ in calibrate])  # (3 * B, DIM) inputs of the BN
+        bn[0].running_mean.copy_(feats.mean(0))
+        bn[0].running_var.copy_(torch.stack([f.var(0) for f in
+                                             feats.split(len(calibrate[0][0]))]).mean(0))
+        net.eval()
+        xs, ys = zip(*valid)
+        want = torch.nn.functional.mse_loss(net(torch.cat(xs)), torch.cat(ys))
+    assert got["val_loss"] == pytest.approx(float(want), rel=1e-5)
 
 
 def test_enas_reinforce_update_by_hand():

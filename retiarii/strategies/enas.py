@@ -273,6 +273,13 @@ class ENAS(OneShot):
         model, _ = self._draw(None)
         return dict(model.sample)
 
+    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
+        """The weights ``sample`` inherits from the super-graph, as the ``state_dict`` of
+        ``space.build(sample)`` (what the engine exports with the selected model)."""
+        if self._shared is None:
+            raise RuntimeError("ENAS.export_state(): call setup(space, ...) first")
+        return self._shared.supergraph.export_state(sample)
+
     # -- state --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

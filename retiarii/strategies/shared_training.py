@@ -130,7 +130,9 @@ class SharedTraining:
         outer = ckpt.native_rng()
         try:
             ckpt.seed_rng(seed)
-            self.supergraph = SuperGraph(space, device=self.device)
+            # (the super-graph seeds each operator from (seed, its key): the same initial
+            # weights whatever order paths arrive in, so every rank starts alike)
+            self.supergraph = SuperGraph(space, device=self.device, seed=seed)
             # The pool grows as paths are asked for; the default path makes sure the optimizer
             # starts with parameters (torch refuses an empty list), the rest join via attach.
             self.supergraph.path(space.default_sample())

@@ -224,6 +224,13 @@ class SPOS(OneShot):
             raise RuntimeError("SPOS.selected(): call setup(space, ...) first")
         return self._space.default_sample()
 
+    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
+        """The weights ``sample`` inherits from the super-graph, as the ``state_dict`` of
+        ``space.build(sample)`` (what the engine exports with the selected model)."""
+        if self._shared is None:
+            raise RuntimeError("SPOS.export_state(): call setup(space, ...) first")
+        return self._shared.supergraph.export_state(sample)
+
     # -- state --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

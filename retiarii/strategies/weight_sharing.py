@@ -85,10 +85,17 @@ class WeightSharing(OneShot):
         self._latest: dict[str, tuple[dict, float]] = {}  # key -> (sample, latest value)
 
     def config(self) -> dict:
-        return {"batches_per_model": self.batches_per_model, "eval_batches": self.eval_batches,
-                "segments": self.segments, "metric": self.metric, "seed": self.seed,
-                "strategy": type(self.strategy).__name__,
-                "strategy_config": self.strategy.config()}
+        """The constructor's keyword arguments, as JSON: the inner strategy as the nested
+        ``{"class": ref, "config": ...}`` spec that the engine's workers rebuild it from (its
+        ``config()`` plus its ``seed``, which multi-trial configs leave to the saved state)."""
+        from ..refs import ref_of
+
+        inner = dict(self.strategy.config())
+        if "seed" not in inner and hasattr(self.strategy, "seed"):
+            inner["seed"] = self.strategy.seed
+        return {"strategy": {"class": ref_of(type(self.strategy)), "config": inner},
+                "batches_per_model": self.batches_per_model, "eval_batches": self.eval_batches,
+                "segments": self.segments, "metric": self.metric, "seed": self.seed}
 
     def setup(self, space: Any, trainer: Any, hparams: dict, device: torch.device) -> None:
         self._space = space
@@ -147,6 +154,13 @@ class WeightSharing(OneShot):
         if self._space is None:
             raise RuntimeError("WeightSharing.selected(): call setup(space, ...) first")
         return self._space.default_sample()
+
+    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
+        """The weights ``sample`` inherits from the super-graph, as the ``state_dict`` of
+        ``space.build(sample)`` (what the engine exports with the selected model)."""
+        if self._shared is None:
+            raise RuntimeError("WeightSharing.export_state(): call setup(space, ...) first")
+        return self._shared.supergraph.export_state(sample)
 
     def state_dict(self) -> dict:
         if self._shared is None:
