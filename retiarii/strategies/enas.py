@@ -13,7 +13,7 @@ from ..sampler import ReplaySampler, sample_key
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .rl import _Controller
 from .shared_training import (SharedTraining, check_positive, check_state, mean_over_ranks,
-                              ready, segment_rng, take)
+                              rank_rngs, ready, segment_rng, take)
 
 
 class _PolicySampler:
@@ -194,6 +194,8 @@ class ENAS(OneShot):
             models, rewards = self._update_controller(shared, ctx)
             if ctx.segment == self.segments - 1 and self.select_samples and not ctx.should_stop():
                 models += self._select(shared, ctx)
+        if ctx.rank != 0:  # every rank evaluated the same paths (rewards averaged)
+            models = []
         sign = Mode(self.mode).sign
         metrics.update({"controller_steps": len(rewards),
                         f"mean_{self.metric}": sum(rewards) / len(rewards) * sign
@@ -202,14 +204,15 @@ class ENAS(OneShot):
         return SegmentResult(metrics, models)
 
     def _train(self, shared: SharedTraining, ctx: SegmentContext) -> dict:
-        rng = segment_rng(self.seed, ctx.segment, ctx.rank, "train")
+        # each rank its own generator (seeded with the rank) and its own path; see own_path
+        rngs = rank_rngs(self.seed, ctx.segment, ctx.world, "train")
         losses: list[float] = []
         model = None
         for i, batch in enumerate(ctx.train_batches()):
             if ctx.should_stop():
                 break
             if i % self.batches_per_model == 0:
-                model, _ = self._draw(rng)
+                model = shared.own_path([self._draw(g)[0] for g in rngs], ctx)
             losses.append(shared.train(model, batch, ctx))
         shared.end_segment()
         return {"train_loss": sum(losses) / max(len(losses), 1), "batches": len(losses)}

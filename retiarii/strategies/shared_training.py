@@ -57,6 +57,12 @@ def segment_rng(seed: int, segment: int, rank: int, purpose: str) -> random.Rand
     return random.Random(f"{seed}:{segment}:{rank}:{purpose}")
 
 
+def rank_rngs(seed: int, segment: int, world: int, purpose: str) -> list[random.Random]:
+    """One generator per rank (:func:`segment_rng` of each rank). Every rank advances all of
+    them and draws every rank's path (see :meth:`SharedTraining.own_path`)."""
+    return [segment_rng(seed, segment, r, purpose) for r in range(world)]
+
+
 def take(batches: Iterable, n: int | None) -> list:
     """The first ``n`` items of ``batches`` (all of them for ``None``)."""
     return list(batches) if n is None else list(itertools.islice(batches, n))
@@ -163,6 +169,21 @@ class SharedTraining:
     def net(self, sample_or_model: Any) -> nn.Module:
         """The module of one path on the shared weights."""
         return self.supergraph.path(sample_or_model)
+
+    def own_path(self, models: list, ctx: Any) -> Any:
+        """``models[ctx.rank]``, after building every rank's path in rank order.
+
+        On several ranks each trains its own path, but :func:`~retiarii.optim.mixed_parallel.
+        average_used_gradients` needs the same parameters in the same order on every rank:
+        building all K paths everywhere grows every rank's super-graph alike (a new
+        operator's initial weights follow from its key, whichever rank asks first).
+        """
+        if len(models) != ctx.world:
+            raise ValueError(f"own_path: {len(models)} paths for {ctx.world} ranks")
+        if ctx.world > 1:
+            for model in models:
+                self.net(model)
+        return models[ctx.rank]
 
     def train(self, sample_or_model: Any, batch: Any, ctx: Any) -> float:
         """One optimizer step of one path on one batch; returns the loss.

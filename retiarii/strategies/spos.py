@@ -11,7 +11,7 @@ from ..enums import Mode
 from ..sampler import RandomSampler, index_of, sample_key
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .shared_training import (SharedTraining, check_positive, check_state, mean_over_ranks,
-                              ready, segment_rng, take)
+                              rank_rngs, ready, segment_rng, take)
 
 
 class _MutateSampler:
@@ -135,14 +135,16 @@ class SPOS(OneShot):
     # -- phase 1: uniform single-path training ---------------------------------------------
 
     def _train(self, shared: SharedTraining, ctx: SegmentContext) -> SegmentResult:
-        sampler = RandomSampler(segment_rng(self.seed, ctx.segment, ctx.rank, "train"))
+        # each rank its own generator (seeded with the rank) and its own path; see own_path
+        rngs = rank_rngs(self.seed, ctx.segment, ctx.world, "train")
         losses: list[float] = []
         model = None
         for i, batch in enumerate(ctx.train_batches()):
             if ctx.should_stop():
                 break
             if i % self.batches_per_model == 0:
-                model = self._space.sample(sampler)
+                model = shared.own_path([self._space.sample(RandomSampler(g)) for g in rngs],
+                                        ctx)
             losses.append(shared.train(model, batch, ctx))
         shared.end_segment()
         paths = -(-len(losses) // self.batches_per_model)
@@ -177,9 +179,10 @@ class SPOS(OneShot):
             if not population:  # every model of the space was evaluated
                 break
         best = self._best()
+        # every rank evaluated the same candidates (metrics averaged): rank 0 reports them
         return SegmentResult({"candidates": len(models),
                               f"best_{self.metric}": None if best is None else best[1]},
-                             models)
+                             models if ctx.rank == 0 else [])
 
     def _children(self, rng, parents: list[dict] | None, n: int) -> list[dict]:
         """Up to ``n`` new samples: random ones (no parents), else half mutations, half
