@@ -124,6 +124,23 @@ def test_segments_default_to_the_trainers_epochs():
     assert ws.num_segments() == 4
 
 
+def test_config_rebuilds_the_strategy_as_workers_do():
+    import json
+
+    from retiarii.refs import resolve_ref
+
+    ws = WeightSharing(RegularizedEvolution(population_size=4, sample_size=2, seed=7,
+                                            dedup=False), batches_per_model=2, segments=3)
+    config = json.loads(json.dumps(ws.config()))  # JSON, as the store keeps it
+    inner = config.pop("strategy")
+    again = WeightSharing(resolve_ref(inner["class"])(**inner["config"]), **config)
+    assert again.config() == ws.config()
+    assert isinstance(again.strategy, RegularizedEvolution) and again.strategy.seed == 7
+    _, space, _ = _set_up(again)
+    assert again.strategy.ask(space) == RegularizedEvolution(
+        population_size=4, sample_size=2, seed=7, dedup=False).ask(space)
+
+
 def test_bad_input_names_the_culprit():
     with pytest.raises(TypeError, match="ask/tell"):
         WeightSharing(object())
