@@ -3,6 +3,7 @@ batches on a super-graph and is told its validation metric with the inherited we
 paper's §5.1 "Super-Graph for Weight Sharing", with SPOS's one batch per model)."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ class WeightSharing(OneShot):
         ``config()`` plus its ``seed``, which multi-trial configs leave to the saved state)."""
         from ..refs import ref_of
 
-        inner = dict(self.strategy.config())
+        inner = _plain(self.strategy.config())
         if "seed" not in inner and hasattr(self.strategy, "seed"):
             inner["seed"] = self.strategy.seed
         return {"strategy": {"class": ref_of(type(self.strategy)), "config": inner},
@@ -167,7 +168,7 @@ class WeightSharing(OneShot):
             raise RuntimeError("WeightSharing.state_dict(): call setup(space, ...) first")
         return {"strategy": "WeightSharing", "config": self.config(),
                 "shared": self._shared.state_dict(),
-                "inner": self.strategy.state_dict(),
+                "inner": _plain(self.strategy.state_dict()),
                 "latest": [[s, v] for s, v in self._latest.values()],
                 "exhausted": self._exhausted}
 
@@ -180,3 +181,9 @@ class WeightSharing(OneShot):
         self.strategy.load_state_dict(state["inner"])
         self._latest = {sample_key(s): (dict(s), v) for s, v in state["latest"]}
         self._exhausted = bool(state["exhausted"])
+
+
+def _plain(state: dict) -> dict:
+    """A multi-trial strategy's JSON state as plain JSON types (its ``mode`` is a string enum):
+    the engine loads a unit with ``torch.load(weights_only=True)``, which rebuilds no enum."""
+    return json.loads(json.dumps(state))
