@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from one_shot_task import BEST, LinearTask, make_bn_space, make_space, run
-from retiarii.strategies import ENAS, SPOS
+from retiarii.strategies import ENAS, SPOS, Random, WeightSharing
 from retiarii.strategies.enas import _PolicySampler
 from retiarii.strategies.one_shot import SegmentContext
 from retiarii.strategies.shared_training import SharedTraining
@@ -271,3 +271,29 @@ def test_unknown_metric_and_segment_are_clear_errors():
         run(e, space, trainer, range(1))
     with pytest.raises(RuntimeError, match="call setup"):
         _enas(0).run_segment(SegmentContext(0, trainer, {}, torch.device("cpu")))
+
+
+# ---- on a GPU (pytest -m gpu) ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [
+    lambda: _spos(0),
+    lambda: _enas(0),
+    lambda: WeightSharing(Random(seed=0, dedup=False), segments=3, eval_batches=2),
+], ids=["SPOS", "ENAS", "WeightSharing"])
+def test_on_cuda_selects_the_best_and_its_state_loads(make, device="cuda"):
+    device = torch.device(device)
+    space, trainer = make_space(), LinearTask()
+    s = make()
+    s.setup(space, trainer, {}, device)
+    for seg in range(s.num_segments()):
+        s.run_segment(SegmentContext(seg, trainer, {}, device))
+    assert s.selected() == BEST
+    assert all(p.device.type == device.type for p in s._shared.supergraph.parameters())
+    fresh = make()
+    fresh.setup(space, trainer, {}, device)
+    fresh.load_state_dict(_roundtrip(s.state_dict()))
+    assert fresh.selected() == s.selected()
+    x = torch.randn(4, 8, device=device)
+    assert torch.equal(fresh._shared.net(BEST)(x), s._shared.net(BEST)(x))

@@ -43,6 +43,13 @@ class _ParamsOf(nn.Module):
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return iter(list(self._sg.parameters()))
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        # (a trainer that groups parameters by name, e.g. no weight decay on biases)
+        for key in self._sg.keys():
+            for name, p in self._sg.module(key).named_parameters():
+                yield f"{prefix}{key}.{name}", p
+
 
 def segment_rng(seed: int, segment: int, rank: int, purpose: str) -> random.Random:
     """A generator for one purpose of one segment on one rank: a pure function of its
@@ -69,8 +76,7 @@ def take(batches: Iterable, n: int | None) -> list:
 
 
 def check_positive(owner: str, **values: Any) -> None:
-    """Raises a ValueError naming the first argument that is not a positive int (None
-    allowed where the caller passes it as such)."""
+    """Raises a ValueError naming the first argument that is not a positive int."""
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
@@ -85,7 +91,8 @@ def mean_over_ranks(values: dict[str, float], ctx: Any) -> dict[str, float]:
     import torch.distributed as dist
 
     names = sorted(values)
-    t = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    # on the segment's device: NCCL reduces GPU tensors only (gloo takes either)
+    t = torch.tensor([values[n] for n in names], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, group=ctx.group)  # sum over ranks
     return {n: float(v) / ctx.world for n, v in zip(names, t.tolist())}
 
