@@ -11,6 +11,8 @@ model keeps a loss of the order of the target's variance. The trainer reports ``
 """
 from __future__ import annotations
 
+import io
+
 import torch
 from torch import nn
 
@@ -102,3 +104,20 @@ def run(strategy, space, trainer, segments: range | None = None, hparams=None):
     segments = segments if segments is not None else range(strategy.num_segments())
     return [strategy.run_segment(SegmentContext(seg, trainer, hparams, torch.device("cpu")))
             for seg in segments]
+
+
+def roundtrip(state):
+    """``state`` saved and loaded as the engine does with a unit (``weights_only=True``)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def assert_numbers(results):
+    """What the engine records: every metric a plain number (of a segment and of a model)."""
+    for result in results:
+        for metrics in [result.metrics, *(m.metrics for m in result.models)]:
+            bad = {k: v for k, v in metrics.items()
+                   if isinstance(v, bool) or not isinstance(v, (int, float))}
+            assert not bad, bad

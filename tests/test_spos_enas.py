@@ -4,13 +4,13 @@ REINFORCE with the right sign and baseline (ENAS, checked by hand)."""
 from __future__ import annotations
 
 import collections
-import io
 import itertools
 
 import pytest
 import torch
 
-from one_shot_task import BEST, LinearTask, make_bn_space, make_space, run
+from one_shot_task import (BEST, LinearTask, assert_numbers, make_bn_space, make_space,
+                           roundtrip, run)
 from retiarii.strategies import ENAS, SPOS, Random, WeightSharing
 from retiarii.strategies.enas import _PolicySampler
 from retiarii.strategies.one_shot import SegmentContext
@@ -70,13 +70,6 @@ def test_enas_best_of_samples_selects_by_validation():
 # ---- resume ----------------------------------------------------------------------------------
 
 
-def _roundtrip(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)  # what the engine does with a one-shot state
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)  # as the engine loads a unit
-
-
 def _assert_bit_equal(a, b, where="state"):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
@@ -102,13 +95,14 @@ def test_resumed_search_equals_uninterrupted(make):
 
     first, _, _ = _set_up(make())
     run(first, space, trainer, range(1))
-    state = _roundtrip(first.state_dict())
+    state = roundtrip(first.state_dict())
     resumed, _, _ = _set_up(make())
     resumed.load_state_dict(state)
     rest = run(resumed, space, trainer, range(1, resumed.num_segments()))
 
     _assert_bit_equal(whole.state_dict(), resumed.state_dict())
     assert resumed.selected() == whole.selected()
+    assert_numbers(full)
     assert [(m.sample, m.metrics) for m in rest[-1].models] == \
         [(m.sample, m.metrics) for m in full[-1].models]
 
@@ -183,7 +177,7 @@ def test_recalibrated_evaluation_equals_a_by_hand_recalibration_and_leaves_the_s
     sample = {"op": "linear"}
     calibrate = trainer.train_dataloader({}, 5)[:3]
     valid = trainer.val_dataloader({})
-    before = _roundtrip(shared.supergraph.state_dict())
+    before = roundtrip(shared.supergraph.state_dict())
 
     got = shared.evaluate(sample, valid, calibrate)
     _assert_bit_equal(shared.supergraph.state_dict(), before)  # evaluation changed nothing
@@ -293,7 +287,7 @@ def test_on_cuda_selects_the_best_and_its_state_loads(make, device="cuda"):
     assert all(p.device.type == device.type for p in s._shared.supergraph.parameters())
     fresh = make()
     fresh.setup(space, trainer, {}, device)
-    fresh.load_state_dict(_roundtrip(s.state_dict()))
+    fresh.load_state_dict(roundtrip(s.state_dict()))
     assert fresh.selected() == s.selected()
     x = torch.randn(4, 8, device=device)
     assert torch.equal(fresh._shared.net(BEST)(x), s._shared.net(BEST)(x))

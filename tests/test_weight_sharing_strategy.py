@@ -3,12 +3,10 @@ batches. It finds the clearly best model of a synthetic task, tells exactly what
 loop over the same models measures, resumes bit for bit, and ends when the strategy does."""
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
-from one_shot_task import BEST, LinearTask, make_space, run
+from one_shot_task import BEST, LinearTask, assert_numbers, make_space, roundtrip, run
 from retiarii.strategies import (SPOS, PolicyBasedRL, Random, RegularizedEvolution,
                                  WeightSharing)
 from retiarii.strategies.one_shot import SegmentContext
@@ -63,13 +61,6 @@ def test_told_values_equal_a_by_hand_loop_over_the_same_models():
             assert sum(losses) / 2 == model.metrics["train_loss"]
 
 
-def _roundtrip(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)  # as the engine loads a unit
-
-
 def test_resumed_search_equals_uninterrupted():
     def make():
         return WeightSharing(RegularizedEvolution(population_size=4, sample_size=2, seed=1,
@@ -80,7 +71,7 @@ def test_resumed_search_equals_uninterrupted():
     first, _, _ = _set_up(make())
     run(first, space, trainer, range(1))
     resumed, _, _ = _set_up(make())
-    resumed.load_state_dict(_roundtrip(first.state_dict()))
+    resumed.load_state_dict(roundtrip(first.state_dict()))
     rest = run(resumed, space, trainer, range(1, 2))
 
     a, b = whole.state_dict(), resumed.state_dict()
@@ -90,6 +81,7 @@ def test_resumed_search_equals_uninterrupted():
         assert x["key"] == y["key"]
         assert all(torch.equal(x["state"][k], y["state"][k]) for k in x["state"])
     assert resumed.selected() == whole.selected()
+    assert_numbers(full)
     assert [(m.sample, m.metrics) for m in rest[0].models] == \
         [(m.sample, m.metrics) for m in full[1].models]
 

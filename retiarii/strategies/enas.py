@@ -196,11 +196,10 @@ class ENAS(OneShot):
                 models += self._select(shared, ctx)
         if ctx.rank != 0:  # every rank evaluated the same paths (rewards averaged)
             models = []
-        sign = Mode(self.mode).sign
-        metrics.update({"controller_steps": len(rewards),
-                        f"mean_{self.metric}": sum(rewards) / len(rewards) * sign
-                        if rewards else None,
-                        "baseline": self._baseline})
+        metrics["controller_steps"] = len(rewards)
+        if rewards:  # (metrics are numbers only: none when a stop came first)
+            metrics[f"mean_{self.metric}"] = sum(rewards) / len(rewards) * Mode(self.mode).sign
+            metrics["baseline"] = self._baseline
         return SegmentResult(metrics, models)
 
     def _train(self, shared: SharedTraining, ctx: SegmentContext) -> dict:

@@ -179,10 +179,11 @@ class SPOS(OneShot):
             if not population:  # every model of the space was evaluated
                 break
         best = self._best()
+        metrics = {"candidates": len(models)}
+        if best is not None:  # (metrics are numbers only)
+            metrics[f"best_{self.metric}"] = best[1]
         # every rank evaluated the same candidates (metrics averaged): rank 0 reports them
-        return SegmentResult({"candidates": len(models),
-                              f"best_{self.metric}": None if best is None else best[1]},
-                             models if ctx.rank == 0 else [])
+        return SegmentResult(metrics, models if ctx.rank == 0 else [])
 
     def _children(self, rng, parents: list[dict] | None, n: int) -> list[dict]:
         """Up to ``n`` new samples: random ones (no parents), else half mutations, half
