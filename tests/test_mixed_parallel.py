@@ -132,28 +132,47 @@ def test_ranks_equal_one_process_averaging_over_users(world):
                            states[1]["layers.0.0.1.running_mean"])
 
 
-def _hand_rank(rank: int, world: int, group) -> list:
+def _hand_rank(rank: int, world: int, group, on_gpu: bool = False) -> list:
     """Four parameters whose gradients are set by hand (one float64):
     a: used by every rank (grads 1, 2, 3) -> 2; b: used by rank 1 only (grad 5) -> 5, not 5/3;
     c: used by none -> None; d: used by ranks 0 and 2 (grads 1 and 4) -> 2.5."""
-    a, b, c = (nn.Parameter(torch.zeros(2, 3)) for _ in range(3))
-    d = nn.Parameter(torch.zeros(4, dtype=torch.float64))
-    a.grad = torch.full((2, 3), float(rank + 1))
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else None
+    a, b, c = (nn.Parameter(torch.zeros(2, 3, device=device)) for _ in range(3))
+    d = nn.Parameter(torch.zeros(4, dtype=torch.float64, device=device))
+    a.grad = torch.full((2, 3), float(rank + 1), device=device)
     if rank == 1:
-        b.grad = torch.full((2, 3), 5.0)
+        b.grad = torch.full((2, 3), 5.0, device=device)
     if rank != 1:
-        d.grad = torch.full((4,), 1.0 if rank == 0 else 4.0, dtype=torch.float64)
+        d.grad = torch.full((4,), 1.0 if rank == 0 else 4.0, dtype=torch.float64, device=device)
     counts = average_used_gradients([a, b, c, d], group, bucket_elements=4)
-    return [counts.tolist()] + [None if p.grad is None else p.grad.clone() for p in (a, b, c, d)]
+    assert all(p.grad is None or p.grad.device == p.device for p in (a, b, c, d))
+    return [counts.tolist()] + [None if p.grad is None else p.grad.cpu() for p in (a, b, c, d)]
 
 
-def test_hand_computed_counts_and_unscaled_single_user():
-    for rank, (counts, a, b, c, d) in enumerate(spawn(_hand_rank, 3, timeout=60)):
+def check_hand_computed(results: list) -> None:
+    for rank, (counts, a, b, c, d) in enumerate(results):
         assert counts == [3, 1, 0, 2], rank
         assert torch.equal(a, torch.full((2, 3), 2.0)), rank
         assert torch.equal(b, torch.full((2, 3), 5.0)), rank  # the single user's, unscaled
         assert c is None, rank  # no rank used it: the optimizer skips it everywhere
         assert d.dtype == torch.float64 and torch.equal(d, torch.full((4,), 2.5, dtype=d.dtype))
+
+
+def test_hand_computed_counts_and_unscaled_single_user():
+    check_hand_computed(spawn(_hand_rank, 3, timeout=60))
+
+
+@pytest.mark.gpu
+def test_hand_computed_on_a_shared_gpu_through_gloo():
+    """Three ranks on the GPU(s) there are (sharing them), gradients on CUDA, gloo between."""
+    check_hand_computed(spawn(_hand_rank, 3, True, timeout=120))
+
+
+@pytest.mark.gpu
+def test_hand_computed_on_nccl():
+    if torch.cuda.device_count() < 3:  # the hand-worked case has three ranks
+        pytest.skip("NCCL needs a GPU per rank: the hand-worked case needs 3 GPUs")
+    check_hand_computed(spawn(_hand_rank, 3, True, backend="nccl", timeout=120))
 
 
 def _mismatched_rank(rank: int, world: int, group) -> None:
