@@ -158,6 +158,28 @@ def test_inline_spaces_share_repeat_blocks_and_value_candidates_of_one_shape():
     torch.testing.assert_close(deep(v), sg.export({"pick": 1, "depth": 3, "eps": 1e-3})(v))
 
 
+@pytest.mark.parametrize("name", ["spos", "nasbench201", "darts"])
+def test_model_spaces_paths_equal_their_exports(name):
+    """Paths of the literature's spaces (cells and layouts reused across samples, paths.py)
+    compute what the standalone model with the inherited weights computes."""
+    import importlib
+
+    space = importlib.import_module(f"model_spaces.{name}").small()
+    sg = SuperGraph(space)
+    x = torch.randn(2, *space.example_input.shape[1:], generator=torch.Generator().manual_seed(0))
+    models = [space.random_sample(seed) for seed in range(2)]
+    for model in models:
+        sg.path(model.sample)  # fill the pool and the caches first
+    for model in models:
+        net = sg.path(model).eval()
+        torch.testing.assert_close(net(x), sg.export(model.sample).eval()(x))
+    if name == "spos":  # block3's candidate: one key whatever the other blocks chose
+        a, b = (space.replay({**models[0].sample, "block1": c}) for c in ("choice_3", "choice_x"))
+        ka, kb = weight_keys(space, a), weight_keys(space, b)
+        shared = [attr for attr in ka if attr.startswith("layers.2.")]
+        assert shared and all(ka[attr].key == kb[attr].key for attr in shared)
+
+
 # ---- training equals a checkpoint-to-file baseline ------------------------------------------------
 
 
@@ -401,3 +423,41 @@ def test_an_op_whose_candidates_change_shape_unslicably_is_a_clear_error():
     space = rt.ModelSpace(Norms(), example_input=torch.zeros(1, 4))
     with pytest.raises(SuperGraphError, match=r"node 'norm'.*'dim'.*LayerNorm.*slicing"):
         SuperGraph(space).path({"dim": 4})
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode_runs(tmp_path, monkeypatch):
+    """benchmarks/supergraph.py --quick (tens of seconds on the shared 2-core CPU: slow)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "supergraph.py"
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("bench_supergraph", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = importlib.import_module("_out")
+    monkeypatch.setattr(out, "OUT", str(tmp_path))
+    rows = bench.main(["--quick"])
+    assert [r["batch"] for r in rows] == [32] and rows[0]["supergraph_models_per_s"] > 0
+    assert (tmp_path / "supergraph-cpu.csv").exists()
+
+
+@pytest.mark.gpu
+def test_paths_train_on_a_gpu_and_export_there():
+    device = torch.device("cuda")
+    space = rt.ModelSpace(Widths(), example_input=X[:1])
+    sg = SuperGraph(space, device=device)
+    opt = torch.optim.SGD([{"params": sg.parameters()}], lr=0.1, momentum=0.9)
+    sg.attach(opt)
+    x, y = X.to(device), Y.to(device)
+    for smp in ({"width": 4, "kernel": 3}, {"width": 8, "kernel": 5}, {"width": 6, "kernel": 3}):
+        _train_step(sg.path(smp).train(), opt, x, y)
+    assert all(p.device.type == "cuda" for p in sg.parameters())
+    net = sg.path({"width": 6, "kernel": 3}).eval()
+    exported = sg.export({"width": 6, "kernel": 3}).eval()
+    assert next(exported.parameters()).device.type == "cuda"
+    torch.testing.assert_close(net(x), exported(x))

@@ -49,6 +49,7 @@ from ..modspec import build_module
 from ..sampler import SampleError
 from ..shapes import has_lazy, propagate
 from ..space import Model
+from .paths import PathBuilder
 from .sliced import build_big, sliced
 from .weight_keys import OpKey, SuperGraphError, weight_keys
 
@@ -92,13 +93,13 @@ class SuperGraph:
         self.seed = seed
         self._pool: dict[str, _Entry] = {}
         self.cache_size = cache_size
-        # canonical sample -> model, and (structure, weight keys) -> path: both kept for the
-        # ``cache_size`` most recently used (a search samples without end; paths are cheap
-        # to rebuild, weights live in the pool)
+        # canonical sample -> model, and -> path: both kept for the ``cache_size`` most
+        # recently used (a search samples without end; weights live in the pool, and paths
+        # are quick to rebuild from the builder's cached cells and layouts, paths.py)
         self._models: OrderedDict[str, Model] = OrderedDict()
         self._paths: OrderedDict[str, nn.Module] = OrderedDict()
-        self._path_of: OrderedDict[str, str] = OrderedDict()  # canonical sample -> path key
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._builder = PathBuilder(self.device, cache_size=4 * cache_size)
 
     # ---- the pool ------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -220,8 +221,9 @@ class SuperGraph:
 
     def path(self, sample_or_model: dict | Model) -> nn.Module:
         """The module that runs this model's graph on the shared operators (same Parameter
-        objects), built once per structure; operators the pool lacks are added (and join
-        attached optimizers).
+        objects), cached per sample; operators the pool lacks are added (and join attached
+        optimizers). Its code is generated once per candidate and per layout
+        (:mod:`retiarii.optim.paths`).
 
         Raises:
             SuperGraphError: not a model of this space (see :meth:`model_of`), or an
@@ -229,20 +231,12 @@ class SuperGraph:
         """
         model = self.model_of(sample_or_model)
         canon = _canonical(model.sample)
-        key = self._path_of.get(canon)
-        net = self._paths.get(key) if key is not None else None
+        net = self._paths.get(canon)
         if net is None:
-            ops = weight_keys(self.space, model)
-            key = _canonical([model.structural_hash(), sorted((a, o.key)
-                                                               for a, o in ops.items())])
-            net = self._paths.get(key)
-            if net is None:
-                net = self._paths[key] = self._build_path(model, ops)
-        for cache, k, v in ((self._paths, key, net), (self._path_of, canon, key)):
-            cache[k] = v
-            cache.move_to_end(k)
-            while len(cache) > self.cache_size:
-                cache.popitem(last=False)
+            net = self._paths[canon] = self._build_path(model, weight_keys(self.space, model))
+        self._paths.move_to_end(canon)
+        while len(self._paths) > self.cache_size:
+            self._paths.popitem(last=False)
         return net
 
     def _build_path(self, model: Model, ops: dict[str, OpKey]) -> nn.Module:
@@ -252,8 +246,8 @@ class SuperGraph:
             else:
                 _check_same(self._pool[op.key].op, op)
 
-        def provide(node: Node):
-            op = ops.get(node.attr)
+        def provide(node: Node, attr: str):
+            op = ops.get(attr)
             if op is None:
                 return None
             pooled = self._pool[op.key].module
@@ -267,9 +261,7 @@ class SuperGraph:
                 return sliced(pooled, layer)
             return _rebind(layer, pooled, node)
 
-        with torch.random.fork_rng(devices=[]):
-            net = to_module(model.graph, "Path", provide=provide)
-        return net.to(self.device)
+        return self._builder.build(model, provide, {a: o.key for a, o in ops.items()})
 
     # ---- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:

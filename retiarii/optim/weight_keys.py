@@ -110,8 +110,10 @@ def _own_choices(history: list, index: int) -> list:
 
 def _origin(model: Model, records: list[int]) -> str:
     """Where a node's operator comes from: the base model, or the last edit (and the choices
-    of its mutator) before the ValueChoices were written in."""
-    records = [i for i in records if not _is_value_record(model.history[i])]
+    of its mutator) before the ValueChoices were written in or lazy sizes settled (those are
+    in the key's spec or template)."""
+    records = [i for i in records if not _is_value_record(model.history[i])
+               and model.history[i]["primitive"] != "materialize"]
     if not records:
         return f"base{model.base}"
     rec = model.history[records[-1]]
