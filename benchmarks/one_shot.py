@@ -119,6 +119,7 @@ def main(argv=None) -> None:
     for name, strategy in strategies.items():
         sample, seconds, models = one_shot(strategy, space, trainer, device)
         rows.append({"method": name, "search_s": seconds, "models": models, "sample": sample})
+        print(f"{name}: searched in {seconds:.1f} s", flush=True)
     budget = sum(r["search_s"] for r in rows) / len(rows)
     sample, seconds, models = multi_trial(space, trainer, device, budget, args.trial_epochs,
                                           seed)
@@ -130,7 +131,7 @@ def main(argv=None) -> None:
         row["sample"] = json.dumps(row["sample"], sort_keys=True)
         row["device"] = device.type
         print(f"{row['method']:<38} search {row['search_s']:7.1f} s  {row['models']:5d} models "
-              f" retrained {retrain} epochs: val_acc {row['retrained_val_acc']:.4f}")
+              f" retrained {retrain} epochs: val_acc {row['retrained_val_acc']:.4f}", flush=True)
     sys.path.insert(0, HERE)
     from _out import pyplot, write_csv
 
