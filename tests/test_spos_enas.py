@@ -291,3 +291,27 @@ def test_on_cuda_selects_the_best_and_its_state_loads(make, device="cuda"):
     assert fresh.selected() == s.selected()
     x = torch.randn(4, 8, device=device)
     assert torch.equal(fresh._shared.net(BEST)(x), s._shared.net(BEST)(x))
+
+
+@pytest.mark.slow
+def test_spos_on_the_shufflenet_block_space_selects_an_exportable_model():
+    from model_spaces import spos as spos_space
+    from retiarii.engine.trainer import ClassifierTrainer, load_dataset
+
+    x, y = (t[:96] for t in load_dataset("digits"))
+    trainer = ClassifierTrainer(dataset=(x, y), batch_size=16, val_fraction=0.25)
+    space = spos_space.small()
+    s = SPOS(train_segments=1, search_population=3, search_generations=2, search_parents=2,
+             calibrate_batches=2, eval_batches=1, seed=0)
+    s.setup(space, trainer, {}, torch.device("cpu"))
+    results = run(s, space, trainer)
+    assert_numbers(results)
+    assert len(results[-1].models) == 6  # 3 random, then 3 children
+    best = s.selected()
+    net = space.build(best)
+    net.load_state_dict(s.export_state(best))
+    net.eval()
+    path = s._shared.net(best)
+    path.eval()
+    xs = x[:8].float()
+    assert torch.allclose(net(xs), path(xs), atol=1e-6)
