@@ -76,6 +76,13 @@ def test_paths_share_the_parameters_of_shared_operators_only():
     # block2: 1; a conv and a BatchNorm each)
     assert len(sg) == 2 + 4 * 2
     assert len(sg.parameters()) == len({id(p) for p in sg.parameters()})
+    # names that mean one weight whatever order the pool grew in
+    other = SuperGraph(space)
+    other.path(sample("conv5", "conv5", "conv3"))
+    other.path(sample("conv3", "conv5", "pool"))
+    assert sorted(n for n, _ in other.named_parameters()) == \
+        sorted(n for n, _ in sg.named_parameters())
+    assert [id(p) for _, p in sg.named_parameters()] == [id(p) for p in sg.parameters()]
 
 
 def test_keys_hold_only_the_choice_that_made_the_operator():
@@ -178,6 +185,36 @@ def test_model_spaces_paths_equal_their_exports(name):
         ka, kb = weight_keys(space, a), weight_keys(space, b)
         shared = [attr for attr in ka if attr.startswith("layers.2.")]
         assert shared and all(ka[attr].key == kb[attr].key for attr in shared)
+
+
+class Tensors(nn.Module):
+    """Parameters read directly: a frozen scale and a trainable shift, around a choice."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 4), requires_grad=False)
+        self.shift = nn.Parameter(torch.zeros(4))
+        self.op = rt.LayerChoice({"lin": nn.Linear(4, 4), "tanh": nn.Tanh()}, label="op")
+
+    def forward(self, x):
+        return self.op(x * self.scale) + self.shift
+
+
+def test_parameters_read_directly_are_pooled_frozen_or_trainable():
+    space = rt.ModelSpace(Tensors(), example_input=torch.zeros(1, 4))
+    sg = SuperGraph(space)
+    a, b = sg.path({"op": "lin"}), sg.path({"op": "tanh"})
+    assert a.scale is b.scale and a.shift is b.shift
+    assert not a.scale.requires_grad and a.shift.requires_grad
+    torch.testing.assert_close(a.scale, torch.linspace(0.5, 2.0, 4), rtol=0, atol=0)
+    opt = torch.optim.SGD([{"params": sg.parameters()}], lr=0.5)
+    sg.attach(opt)
+    v = torch.randn(3, 4, generator=torch.Generator().manual_seed(4))
+    opt.zero_grad()
+    b(v).sum().backward()
+    opt.step()
+    torch.testing.assert_close(a.shift, torch.full((4,), -1.5))  # 3 rows, lr 0.5
+    torch.testing.assert_close(a(v), sg.export({"op": "lin"})(v))
 
 
 # ---- training equals a checkpoint-to-file baseline ------------------------------------------------

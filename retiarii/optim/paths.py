@@ -211,21 +211,28 @@ class PathBuilder:
 
     def _emit(self, graph: Graph, top: list[Node], regions: list, cells: list,
               provide: Provide) -> fx.GraphModule:
+        # Nodes are added in the model's order, each cell call where its region began: the
+        # topological order breaks ties by creation, so the layout keeps the model's order
+        # (in-place operations see what they saw in the model).
         g = Graph()
         mapping: dict[int, Node] = {}
-        for n in top:
-            mapping[n.uid] = g.add_node(n.name, n.op.copy())
+        first = {nodes[0].uid: i for i, (_, nodes) in enumerate(regions)}
         cell_of: dict[str, nn.Module] = {}
         calls = []
-        for (prefix, nodes), cell in zip(regions, cells):
-            sources = _sources(nodes)
-            op = Operation("subgraph", args=[{"__in__": i} for i in range(len(sources))],
-                           attr=prefix[:-1], graph=Graph())
-            node = g.add_node(g.unique_name(prefix[:-1]), op)
-            cell_of[prefix[:-1]] = cell
-            calls.append((node, sources))
-            for n in nodes:
-                mapping[n.uid] = node
+        top_uids = {n.uid for n in top}
+        for n in graph.nodes:
+            if n.uid in top_uids:
+                mapping[n.uid] = g.add_node(n.name, n.op.copy())
+            elif n.uid in first:
+                (prefix, nodes), cell = regions[first[n.uid]], cells[first[n.uid]]
+                sources = _sources(nodes)
+                op = Operation("subgraph", args=[{"__in__": i} for i in range(len(sources))],
+                               attr=prefix[:-1], graph=Graph())
+                node = g.add_node(g.unique_name(prefix[:-1]), op)
+                cell_of[prefix[:-1]] = cell
+                calls.append((node, sources))
+                for member in nodes:
+                    mapping[member.uid] = node
         for node, sources in calls:
             for i, src in enumerate(sources):
                 g.connect(mapping[src.uid], node, i)

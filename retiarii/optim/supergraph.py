@@ -122,12 +122,18 @@ class SuperGraph:
         from a checkpoint lines up. Empty until a path is built: build an optimizer on an
         empty pool as ``SGD([{"params": sg.parameters()}], lr=...)`` (torch refuses a bare
         empty list) and :meth:`attach` it."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``("{key}:{name}", parameter)`` in :meth:`parameters` order: names that mean the
+        same weight in every super-graph of the space, whatever order its pool grew in (e.g.
+        to line up ranks that sampled different models)."""
         out, seen = [], set()
-        for entry in self._pool.values():
-            for p in entry.module.parameters():
+        for key, entry in self._pool.items():
+            for name, p in entry.module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    out.append(p)
+                    out.append((f"{key}:{name}", p))
         return out
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
