@@ -4,11 +4,16 @@ paper §7.4, Fig. 17: 8.58x over SyncBN data parallelism on 8 GPUs, the same acc
 An SPOS-like super-net on the 8x8 digits: a stem, ``--layers`` choice blocks of four
 candidates (3x3 and 5x5 convolutions, 3x3 and 5x5 depthwise-separable ones, every one with
 BatchNorm, residual), global pooling and a linear head. K ranks (``--ranks``, gloo on the CPU)
-train it for ``--epochs`` epochs, four ways, from the same initial weights:
+train it for ``--epochs`` epochs, five ways, from the same initial weights (but one):
 
 - **mixed** (ours, :mod:`retiarii.optim.mixed_parallel`): per step each rank trains its own
   sampled path on its own batch of B (``--batch``), then :func:`average_used_gradients`;
   BatchNorm per rank. An epoch is N / (K B) steps.
+- **mixed_supergraph**: the same on retiarii's :class:`~retiarii.optim.supergraph.SuperGraph`
+  of the same super-net written as a model space (``SpaceNet``: a LayerChoice per block), each
+  rank building every rank's path; its initial weights are the super-graph's own (seeded per
+  operator), so its accuracy differs from mixed's by the initialization only. The DDP ways
+  below need one fixed module, the hand-written one.
 - **ddp_syncbn**: DDP (``find_unused_parameters=True``) of the whole super-net, every rank
   the SAME sampled path per step, the batch of B split over the ranks (B / K each), BatchNorm
   synchronized across ranks (``nn.SyncBatchNorm`` on NCCL; on gloo, where PyTorch has none,
@@ -18,8 +23,9 @@ train it for ``--epochs`` epochs, four ways, from the same initial weights:
   steps.
 
 Every way sees each training image once per epoch with the same SGD (momentum 0.9, learning
-rate ``--lr`` per batch of B). Time per epoch is measured on rank 0 between barriers, the first
-epoch (warm-up) left out. Then rank 0 evaluates ``--eval-paths`` sampled paths (the same for
+rate ``--lr`` per batch of B). Time per epoch is measured on rank 0 between barriers, and CPU
+time per epoch summed over the ranks' processes (less moved by other jobs on shared cores),
+the first epoch (warm-up) left out. Then rank 0 evaluates ``--eval-paths`` sampled paths (the same for
 every way) on the validation split with inherited weights, each after recomputing its
 BatchNorm statistics on training batches (as SPOS does), and reports their mean accuracy.
 Prints one line per way with its ratio (its time / mixed's time), writes
@@ -34,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -45,10 +52,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+import retiarii as rt
 from retiarii.engine.trainer import load_dataset
 from retiarii.optim.mixed_parallel import average_used_gradients, spawn
+from retiarii.optim.supergraph import SuperGraph
 
-WAYS = ["mixed", "ddp_syncbn", "ddp", "ddp_kbatch"]
+WAYS = ["mixed", "mixed_supergraph", "ddp_syncbn", "ddp", "ddp_kbatch"]
 CANDIDATES = 4
 
 
@@ -57,7 +66,8 @@ class Config:
     ranks: int = 2  # K: the paper's figure is 8 GPUs; 2 ranks fit the 2-core CPU
     batch: int = 32  # B per model and step (the paper: 256 per model, 32 per GPU for DP)
     lr: float = 0.05  # per batch of B; ddp_kbatch scales it by K, as its practice does
-    epochs: int = 4  # the first is warm-up, not timed
+    epochs: int = 10  # the first is warm-up, not timed; at 4 the fewer steps of mixed and
+    # ddp_kbatch (N / (K B) per epoch) still cost accuracy, at 10 mixed matches SyncBN DDP
     width: int = 32  # channels of every block
     layers: int = 4  # choice blocks: 4 ** layers paths
     eval_paths: int = 16  # sampled paths whose validation accuracy is averaged
@@ -97,6 +107,58 @@ class SuperNet(nn.Module):
         for block, choice in zip(self.blocks, path):
             x = x + block[choice](x)
         return self.head(x.mean((2, 3)))  # (B, C, 8, 8) -> (B, C) -> (B, 10)
+
+
+class _Residual(nn.Module):
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class SpaceNet(nn.Module):
+    """The same super-net as a retiarii model space (a LayerChoice per block), for
+    :class:`~retiarii.optim.supergraph.SuperGraph`: ``mixed_supergraph`` trains its paths."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.Sequential(*[rt.LayerChoice(
+            {f"op{k}": _Residual(_candidate(k, width, nn.BatchNorm2d)) for k in range(CANDIDATES)},
+            label=f"block{i}") for i in range(layers)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1, 8, 8) -> (B, 10)
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class _OnSuperGraph:
+    """``net(x, path)`` for the super-graph of :class:`SpaceNet`'s space: that path's module."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        space = rt.ModelSpace(SpaceNet(cfg.width, cfg.layers),
+                              example_input=torch.zeros(1, 1, 8, 8))
+        self.sg = SuperGraph(space, device=device, seed=cfg.seed)
+
+    def path(self, path: tuple[int, ...]) -> nn.Module:
+        return self.sg.path({f"block{i}": f"op{c}" for i, c in enumerate(path)})
+
+    def __call__(self, x: torch.Tensor, path: tuple[int, ...]) -> torch.Tensor:
+        return self.path(path)(x)
+
+
+class _OnePath(nn.Module):
+    """One path of :class:`SuperNet` as a module of its own (for evaluation)."""
+
+    def __init__(self, net: SuperNet, path: tuple[int, ...]):
+        super().__init__()
+        self.net, self.choice = net, path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x, self.choice)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -172,22 +234,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _evaluate(net: SuperNet, cfg: Config, xt, yt, xv, yv) -> float:
-    """Mean validation accuracy of ``cfg.eval_paths`` sampled paths with inherited weights,
-    each after recomputing its BatchNorm statistics on ``cfg.calib_batches`` batches."""
+def _evaluate(module_of, cfg: Config, xt, yt, xv, yv) -> float:
+    """Mean validation accuracy of ``cfg.eval_paths`` sampled paths with inherited weights
+    (``module_of(path)``: the path's module), each after recomputing its BatchNorm statistics
+    on ``cfg.calib_batches`` batches."""
     paths = _paths(cfg, -1, cfg.eval_paths)  # the same for every way
     accs = []
     with torch.no_grad():
         for path in paths:
+            net = module_of(path)
             for m in net.modules():
                 if isinstance(m, nn.BatchNorm2d):
                     m.reset_running_stats()
                     m.momentum = None  # a cumulative average over the calibration batches
             net.train()
             for i in range(cfg.calib_batches):
-                net(xt[i * 64:(i + 1) * 64], path)
+                net(xt[i * 64:(i + 1) * 64])
             net.eval()
-            accs.append((net(xv, path).argmax(1) == yv).float().mean().item())
+            accs.append((net(xv).argmax(1) == yv).float().mean().item())
     return sum(accs) / len(accs)
 
 
@@ -198,27 +262,36 @@ def train_rank(rank: int, world: int, group, cfg: Config, way: str) -> dict | No
     if way == "ddp_syncbn":
         bn = nn.SyncBatchNorm if cfg.backend == "nccl" else _GlooSyncBN
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and for every way
-    net = SuperNet(cfg.width, cfg.layers, bn).to(device)
     k, b = world, cfg.batch
     lr = cfg.lr * (k if way == "ddp_kbatch" else 1)
-    model = net if way == "mixed" else DistributedDataParallel(net, find_unused_parameters=True)
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    if way == "mixed":
+    mixed = way.startswith("mixed")
+    if way == "mixed_supergraph":  # initial weights: seeded per operator by the super-graph
+        net = model = _OnSuperGraph(cfg, device)
+        opt = torch.optim.SGD([{"params": net.sg.parameters()}], lr=lr, momentum=0.9)
+        net.sg.attach(opt)  # operators join it as paths add them
+    else:
+        net = SuperNet(cfg.width, cfg.layers, bn).to(device)
+        net.train()
+        model = net if mixed else DistributedDataParallel(net, find_unused_parameters=True)
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    if mixed:
         steps, rows = len(xt) // (k * b), b  # per step: K models, each its own batch of B
     elif way == "ddp_kbatch":
         steps, rows = len(xt) // (k * b), b  # per step: one model, a batch of K B
     else:
         steps, rows = len(xt) // b, b // k  # per step: one model, a batch of B split K ways
-    times = []
-    net.train()
+    times, cpu = [], []
     for epoch in range(cfg.epochs):
         perm = torch.randperm(len(xt), generator=torch.Generator().manual_seed(epoch)).to(device)
         paths = _paths(cfg, epoch, steps * k)
         _sync(device)
         dist.barrier(group)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for s in range(steps):
-            if way == "mixed":
+            if way == "mixed_supergraph":
+                for p in paths[s * k:(s + 1) * k]:  # every rank's path, on every rank: the
+                    net.path(p)  # pools grow alike (built once, cached, then reused)
+            if mixed:
                 path = paths[s * k + rank]  # rank r's own model ...
                 idx = perm[(s * k + rank) * b:(s * k + rank + 1) * b]  # ... and its own batch
             else:
@@ -226,19 +299,27 @@ def train_rank(rank: int, world: int, group, cfg: Config, way: str) -> dict | No
                 idx = perm[s * k * rows + rank * rows:s * k * rows + (rank + 1) * rows]
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(xt[idx], path), yt[idx]).backward()
-            if way == "mixed":
-                average_used_gradients(net.parameters(), group)
+            if mixed:
+                params = net.sg.parameters() if way == "mixed_supergraph" else net.parameters()
+                average_used_gradients(params, group)
             opt.step()
         _sync(device)
         dist.barrier(group)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    cpu_timed = cpu[1:] or cpu
+    mine = {"cpu_s_per_epoch": sum(cpu_timed) / len(cpu_timed)}
     if rank != 0:
-        return None
+        return mine
     timed = times[1:] or times
-    plain = SuperNet(cfg.width, cfg.layers).to(device)  # no SyncBN: rank 0 evaluates alone
-    plain.load_state_dict(net.state_dict())
-    return {"s_per_epoch": sum(timed) / len(timed), "steps_per_epoch": steps,
-            "val_acc": _evaluate(plain, cfg, xt, yt, xv, yv)}
+    if way == "mixed_supergraph":
+        module_of = net.path
+    else:
+        plain = SuperNet(cfg.width, cfg.layers).to(device)  # no SyncBN: rank 0 evaluates alone
+        plain.load_state_dict(net.state_dict())
+        module_of = functools.partial(_OnePath, plain)
+    return {**mine, "s_per_epoch": sum(timed) / len(timed), "steps_per_epoch": steps,
+            "val_acc": _evaluate(module_of, cfg, xt, yt, xv, yv)}
 
 
 # ---- the comparison ----------------------------------------------------------------------------
@@ -247,20 +328,26 @@ def train_rank(rank: int, world: int, group, cfg: Config, way: str) -> dict | No
 def run(cfg: Config) -> list[dict]:
     rows = []
     for way in WAYS:
-        out = spawn(train_rank, cfg.ranks, cfg, way, backend=cfg.backend, threads=_threads(cfg))[0]
+        ranks = spawn(train_rank, cfg.ranks, cfg, way, backend=cfg.backend, threads=_threads(cfg))
+        out = ranks[0]
+        # CPU time of every rank (its process: gloo's threads included), per epoch: less
+        # moved than wall time by other jobs on the cores
+        out["cpu_s_per_epoch"] = sum(r["cpu_s_per_epoch"] for r in ranks)
         rows.append({"way": way, "device": cfg.device, "backend": cfg.backend,
                      "ranks": cfg.ranks, "batch": cfg.batch, "epochs_timed": max(1, cfg.epochs - 1),
                      "width": cfg.width, "layers": cfg.layers, **out,
                      "load_avg_1min": round(os.getloadavg()[0], 2)})
-    base = rows[0]["s_per_epoch"]
+    base, cpu_base = rows[0]["s_per_epoch"], rows[0]["cpu_s_per_epoch"]
     for row in rows:
         row["time_vs_mixed"] = round(row["s_per_epoch"] / base, 3)
+        row["cpu_vs_mixed"] = round(row["cpu_s_per_epoch"] / cpu_base, 3)
         row["s_per_epoch"] = round(row["s_per_epoch"], 4)
+        row["cpu_s_per_epoch"] = round(row["cpu_s_per_epoch"], 4)
         row["val_acc"] = round(row["val_acc"], 4)
-        print(f"{cfg.device} K={cfg.ranks} {row['way']:10}: {row['s_per_epoch']:8.3f} s/epoch "
-              f"({row['steps_per_epoch']:3} steps), {row['time_vs_mixed']:5.2f}x mixed's time, "
-              f"val_acc {row['val_acc']:.4f} (mean of {cfg.eval_paths} paths); "
-              f"load {row['load_avg_1min']:.1f}", flush=True)
+        print(f"{cfg.device} K={cfg.ranks} {row['way']:16}: {row['s_per_epoch']:8.3f} s/epoch "
+              f"({row['steps_per_epoch']:3} steps), {row['time_vs_mixed']:5.2f}x mixed's time "
+              f"({row['cpu_vs_mixed']:5.2f}x its CPU time), val_acc {row['val_acc']:.4f} (mean "
+              f"of {cfg.eval_paths} paths); load {row['load_avg_1min']:.1f}", flush=True)
     return rows
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from retiarii.optim.mixed_parallel import (RankError, average_used_gradients,
+from retiarii.optim.mixed_parallel import (RankError, _Share, average_used_gradients,
                                            run_segment_on_ranks, spawn)
 from retiarii.strategies.one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 
@@ -212,11 +214,12 @@ def _exit_on_rank_2(rank: int, world: int, group) -> int:
 
 
 def _gone(pid: int) -> bool:
+    """The process exited (a zombie that nobody reaped yet counts: it runs nothing)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
         return True
-    return False
 
 
 def test_spawn_names_the_failing_rank_and_leaves_no_process(tmp_path):
@@ -245,6 +248,36 @@ def test_spawn_stops_every_rank_at_its_timeout(tmp_path):
     with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish within 3 s"):
         spawn(_sleep_on_rank_0, 2, str(tmp_path), timeout=3)
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert all(_gone(pid) for pid in pids), pids
+
+
+KILLED_PARENT = """
+import sys
+sys.path[:0] = {path!r}
+from retiarii.optim.mixed_parallel import spawn
+from test_mixed_parallel import _sleep_on_rank_0
+spawn(_sleep_on_rank_0, 2, {folder!r})
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter starts torch, a forkserver and two ranks: 10-40 s
+def test_ranks_exit_when_the_parent_is_killed(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = KILLED_PARENT.format(path=[here, os.path.dirname(here)], folder=str(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        files = [tmp_path / f"pid{r}" for r in range(2)]
+        deadline = time.monotonic() + 180
+        while not all(f.exists() and f.read_text() for f in files):
+            assert parent.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+        parent.wait()
+    pids = [int(f.read_text()) for f in files]
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert all(_gone(pid) for pid in pids), pids
 
 
@@ -359,3 +392,15 @@ def test_run_segment_on_ranks_resumes_and_equals_one_process():
     draws = [s.sample(world) for _ in range(2 * (7 // world))]
     assert [m.sample["path"] for m in first.models] == [list(p) for p in draws[2]]
     assert [m.sample["path"] for m in second.models] == [list(p) for p in draws[5]]
+
+
+@pytest.mark.parametrize("world, shares", [
+    (2, [[0, 2, 4], [1, 3, 5]]),  # batch 6 of 7 left out: rank 0 would wait for rank 1
+    (3, [[0, 3], [1, 4], [2, 5]]),
+    (1, [[0, 1, 2, 3, 4, 5, 6]]),
+])
+def test_each_rank_takes_every_kth_batch_and_as_many_as_the_others(world, shares):
+    for rank, want in enumerate(shares):
+        for data in (list(range(7)), iter(range(7))):  # a sized loader, a one-pass generator
+            share = _Share(data, rank, world)
+            assert len(share) == len(want) and list(share) == want and list(share) == want

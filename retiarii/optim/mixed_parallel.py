@@ -43,6 +43,7 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 import zlib
@@ -186,9 +187,20 @@ def _loopback_interface() -> str:
     return names[0] if names else "lo"
 
 
+def _exit_with(parent) -> None:
+    """Wait on the parent's end of a pipe; when it closes (the parent exited, even killed),
+    leave at once rather than hang in a collective."""
+    try:
+        parent.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
 def _rank_main(rank: int, world: int, port: int, backend: str, timeout: float, threads: int,
-               conn, work: bytes) -> None:
+               conn, parent, work: bytes) -> None:
     """The body of one spawned rank: join the group, run ``fn``, send back its result."""
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     # Gloo and NCCL open their own sockets besides the store's: keep them on the loopback too.
     loopback = _loopback_interface()
     os.environ["GLOO_SOCKET_IFNAME"] = loopback
@@ -219,6 +231,8 @@ def _context():
     imports torch and retiarii once and then forks each rank in milliseconds. A ``spawn``ed
     rank would import them again every time (seconds per rank, per segment). ``torch._dynamo``
     too: the first ``torch.optim`` optimizer of a process imports it (800 modules, 4-8 s)."""
+    if "forkserver" not in mp.get_all_start_methods():  # Windows
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", __name__])
     return ctx
@@ -236,14 +250,16 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     """Run ``fn(rank, world, group, *args)`` on ``world`` local processes forming a
     ``torch.distributed`` process group; their results in rank order.
 
-    The processes start with multiprocessing's ``spawn`` method (safe with CUDA and threads),
-    so ``fn`` and ``args`` must be picklable: ``fn`` a module-level function. The group meets
+    The processes come from multiprocessing's forkserver (safe with CUDA and threads, and
+    fast: it imports torch once), so ``fn`` and ``args`` must be picklable: ``fn`` a
+    module-level function; each rank unpickles its own copy of ``args``. The group meets
     through a TCP store that this process serves on 127.0.0.1 at a free port, and gloo and NCCL
     are told to use the loopback interface: nothing listens on any other address. With
     ``backend="nccl"`` rank r runs on ``cuda:{r % torch.cuda.device_count()}``. Results come
     back pickled (keep them small or on the CPU). When a rank raises or dies, the others are
     stopped at once and :class:`RankError` names the first failing rank with its traceback;
-    no process is left behind, whatever happens.
+    no process is left behind, whatever happens (ranks exit by themselves when this process
+    dies, even killed).
 
     Example::
 
@@ -294,13 +310,16 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     # that all ranks map, and ranks updating them in place (an optimizer's momentum loaded
     # from a state) would update each other's. Each rank gets its own copy.
     work = pickle.dumps((fn, args))
+    # The ranks hold the reading end only: it reads EOF when this process is gone. (Not
+    # daemonic processes: a rank may start its own, a DataLoader's workers.)
+    alive_r, alive_w = ctx.Pipe(duplex=False)
     procs, readers = [], []
     try:
         for rank in range(world):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, name=f"retiarii-rank-{rank}", daemon=True,
+            proc = ctx.Process(target=_rank_main, name=f"retiarii-rank-{rank}",
                                args=(rank, world, port, backend, group_timeout, threads, writer,
-                                     work))
+                                     alive_r, work))
             proc.start()
             writer.close()  # the child holds the only writing end: EOF when it dies
             procs.append(proc)
@@ -310,6 +329,8 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
         _stop(procs)
         for reader in readers:
             reader.close()
+        alive_r.close()
+        alive_w.close()
         del store
 
 
@@ -381,16 +402,16 @@ class _Share:
     with one more step than the others would wait for them in its all-reduce)."""
 
     def __init__(self, data: Iterable, rank: int, world: int):
-        self.data, self.rank, self.world = data, rank, world
+        # A DataLoader has a length; a generator is read once, here.
+        self.data = data if hasattr(data, "__len__") else list(data)
+        self.rank, self.world = rank, world
 
     def __iter__(self) -> Iterator:
-        data = self.data if hasattr(self.data, "__len__") else list(self.data)
-        stop = len(data) // self.world * self.world
-        return itertools.islice(iter(data), self.rank, stop, self.world)
+        stop = len(self.data) // self.world * self.world
+        return itertools.islice(iter(self.data), self.rank, stop, self.world)
 
     def __len__(self) -> int:
-        data = self.data if hasattr(self.data, "__len__") else list(self.data)
-        return len(data) // self.world
+        return len(self.data) // self.world
 
 
 def _to_cpu(value: Any) -> Any:
@@ -424,7 +445,8 @@ def run_segment_on_ranks(build: Callable[[], tuple[Any, Any]], state: dict | Non
     :class:`~retiarii.strategies.one_shot.SegmentContext`), loads ``state`` when given, sets
     ``ctx.rank``, ``ctx.world``, ``ctx.group`` and ``ctx.train`` to its share of the training
     batches (rank r takes batches r, r + K, ...; the last ``len % K`` are left out so that
-    every rank takes as many steps), and runs ``strategy.run_segment(ctx)``. The strategy
+    every rank takes as many steps; the batches must come in the same order on every rank, as
+    the trainers' loaders seeded by the segment do), and runs ``strategy.run_segment(ctx)``. The strategy
     trains its rank's own sampled model on each batch and calls :func:`average_used_gradients`
     when ``ctx.world > 1``; it must draw the same samples on every rank (the same RNG state)
     and take the one of its rank, so the ranks' states stay equal and rank 0's is the state of
