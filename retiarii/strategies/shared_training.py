@@ -46,9 +46,8 @@ class _ParamsOf(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         # (a trainer that groups parameters by name, e.g. no weight decay on biases)
-        for key in self._sg.keys():
-            for name, p in self._sg.module(key).named_parameters():
-                yield f"{prefix}{key}.{name}", p
+        for name, p in self._sg.named_parameters():
+            yield f"{prefix}{name}", p
 
 
 def segment_rng(seed: int, segment: int, rank: int, purpose: str) -> random.Random:
