@@ -33,8 +33,9 @@ _BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 class _ParamsOf(nn.Module):
-    """What ``trainer.configure_optimizers(model, hparams)`` is given: an object whose
-    ``parameters()`` are the super-graph's (the trainer only ever asks for those)."""
+    """What ``trainer.configure_optimizers(model, hparams)`` is given: a module whose
+    ``parameters()`` and ``named_parameters()`` are the super-graph's (a trainer builds its
+    optimizer from those; it never runs this module)."""
 
     def __init__(self, supergraph: Any):
         super().__init__()
