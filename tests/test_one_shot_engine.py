@@ -1,0 +1,371 @@
+"""The engine hosts one-shot searches: jobs per segment, units, the store, resume, the CLI.
+
+The reference for every run is the strategy driven by hand in this process, without an engine
+(``setup`` once, then ``run_segment`` for each segment): the engine rebuilds the strategy in a
+worker for every segment from the last unit, so equality (bit for bit on CPU) shows that a
+unit holds everything the next segment reads. A driver killed at any of its writes, or
+between segments, and resumed, and a worker killed in the middle of a segment, give that same
+search: the same models recorded once each, the same final weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import retiarii as rt
+from engine_helpers import InProcessExecutor
+from one_shot_helpers import PerArchitecture, space, trainer
+from one_shot_helpers import strategy as file_strategy
+from retiarii.cli import main
+from retiarii.engine import LocalExecutor, checkpoint
+from retiarii.engine.one_shot import OneShotRun
+from retiarii.engine.segments import SegmentTable
+from retiarii.engine.store import Store
+from retiarii.strategies.one_shot import SegmentContext
+
+EPOCHS, PER_SEGMENT = 3, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _by_hand(**kwargs) -> tuple[list, list, dict, dict]:
+    """The search without an engine: (models per segment, strategy metrics per segment,
+    selected sample, the selected architecture's weights)."""
+    strategy = PerArchitecture(epochs=EPOCHS, models_per_segment=PER_SEGMENT, **kwargs)
+    checkpoint.seed_rng(0)  # the experiment's seed, as the worker seeds it
+    strategy.setup(space, trainer, {}, torch.device("cpu"))
+    models, metrics = [], []
+    for segment in range(strategy.num_segments()):
+        result = strategy.run_segment(SegmentContext(segment, trainer, {}, torch.device("cpu")))
+        models += [(segment + 1, m.sample, m.metrics) for m in result.models]
+        metrics.append(result.metrics)
+    selected = strategy.selected()
+    return models, metrics, selected, strategy.export_state(selected)
+
+
+REFERENCE = None
+
+
+def _reference():
+    global REFERENCE
+    if REFERENCE is None:
+        REFERENCE = _by_hand()
+    return REFERENCE
+
+
+def _experiment(path, executor=None, **kwargs) -> rt.Experiment:
+    strategy = PerArchitecture(epochs=EPOCHS, models_per_segment=PER_SEGMENT, **kwargs)
+    return rt.Experiment(space, strategy, trainer, store=str(path), workers=1, seed=0,
+                         executor=executor if executor is not None else InProcessExecutor())
+
+
+@pytest.fixture(scope="module")
+def local():
+    """One worker process with one thread, as the reference runs (a matmul's float rounding
+    depends on the threads that share it)."""
+    with LocalExecutor(1, [], threads_per_worker=1) as executor:
+        yield executor
+
+
+def _outcome(path) -> dict:
+    """What a search recorded, in a form two runs are compared by."""
+    with Store(path) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        table = SegmentTable(store)
+        rows = table.rows()
+        result = table.result()
+        weights = None
+        if rows and result is not None:
+            unit = checkpoint.load(store.checkpoint_file(rows[-1]["unit"]))
+            weights = unit["export"]["weights"]
+        return {"models": [(m["segment"], m["sample"], m["metrics"]) for m in table.evaluated()],
+                "segments": [(r["segment"], r["metrics"], r["selected"]) for r in rows],
+                "result": None if result is None else result["sample"], "weights": weights,
+                "status": store.get_experiment()["status"]}
+
+
+def _assert_equals_reference(got: dict, where: str = "") -> None:
+    models, metrics, selected, weights = _reference()
+    assert got["models"] == models, where  # once each, in order, same metrics bit for bit
+    assert [m for _, m, _ in got["segments"]] == metrics, where
+    assert got["result"] == selected and got["status"] == "done", where
+    assert got["weights"].keys() == weights.keys(), where
+    for name, value in weights.items():
+        assert torch.equal(got["weights"][name], value), (where, name)
+
+
+# ---- a search through Experiment, local worker processes, the CLI's export --------------------
+
+
+def test_one_shot_search_on_local_workers_records_models_and_exports(tmp_path, capsys, local):
+    path = tmp_path / "run.db"
+    summary = _experiment(path, executor=local).run()
+    got = _outcome(path)
+    _assert_equals_reference(got)
+    assert len(got["models"]) == EPOCHS * PER_SEGMENT
+    assert summary["one_shot"]["segment"] == EPOCHS and summary["one_shot"]["models"] == 6
+    values = [v for _, _, m in got["models"] for v in m.values()]
+    assert summary["best"][0]["value"] == max(values)
+    # only the last unit is kept: the earlier ones were deleted once the next was recorded
+    units = sorted(os.listdir(tmp_path / "run.checkpoints" / "e1-one-shot"))
+    assert units == ["step-000003"]
+    out = tmp_path / "export"
+    assert main(["export", str(path), "--out", str(out)]) == 0
+    assert "weights inherited from the super-network" in capsys.readouterr().out
+    (py,) = [f for f in os.listdir(out) if f.endswith(".py")]
+    namespace: dict = {}
+    exec(compile(open(out / py).read(), py, "exec"), namespace)
+    model = namespace["Model" + py[len("model_"):-3]]()
+    model.load_state_dict(torch.load(out / py.replace(".py", ".pt")))
+    reference = space.build(_reference()[2])
+    reference.load_state_dict(_reference()[3])
+    x = torch.randn(5, 1, 8, 8)
+    assert torch.equal(model(x), reference(x))  # the exported net is the selected one
+    assert json.load(open(out / py.replace(".py", ".json")))["sample"] == _reference()[2]
+    assert main(["status", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "segment 3 of 3, 6 models evaluated" in text
+    assert f"selected architecture, result (model 7): {json.dumps(_reference()[2])}" in text
+
+
+def test_worker_killed_mid_segment_reruns_it_from_the_last_unit(tmp_path, local):
+    path = tmp_path / "run.db"
+    marker = tmp_path / "died"
+    exp = _experiment(path, executor=local, die_in_segment=1, die_marker=str(marker))
+    exp.run()
+    assert marker.exists()  # the worker did die in segment 2, and the search went on
+    got = _outcome(path)
+    # the config differs in the die_* arguments only, which change nothing the search reads
+    _assert_equals_reference(got, "worker killed in segment 2")
+
+
+# ---- a driver killed at every write, and between segments -------------------------------------
+
+
+class Died(BaseException):
+    """The driver is dead (BaseException: nothing in the engine may catch it)."""
+
+
+# Every point where a driver can die: the store's writes, each write inside the commit of a
+# segment (one model row at a time: inside the transaction), and the submission of a segment.
+POINTS = [(Store, "add_experiment"), (Store, "set_experiment_status"), (Store, "flush"),
+          (SegmentTable, "commit"), (SegmentTable, "_insert_model"),
+          (SegmentTable, "record_result"), (SegmentTable, "clear_error"),
+          (OneShotRun, "_submit")]
+
+
+class _Killer:
+    def __init__(self, die_at: int | None):
+        self.die_at, self.count, self.dead = die_at, 0, False
+        self.names: list[str] = []  # the points passed, in order
+
+    def wrap(self, cls, name):
+        original = getattr(cls, name)
+        killer = self
+
+        def point(self, *args, **kwargs):
+            if killer.dead:
+                raise Died(f"{name} after death")
+            if name == "flush" and not self._buffer:
+                return original(self, *args, **kwargs)
+            killer.count += 1
+            killer.names.append(f"{cls.__name__}.{name}")
+            if killer.count == killer.die_at:
+                killer.dead = True
+                raise Died(f"killed at point {killer.count} ({cls.__name__}.{name})")
+            return original(self, *args, **kwargs)
+
+        return point
+
+
+def _run_dying(path, die_at, monkeypatch) -> tuple[bool, list[str]]:
+    killer = _Killer(die_at)
+    with monkeypatch.context() as m:
+        for cls, name in POINTS:
+            m.setattr(cls, name, killer.wrap(cls, name))
+        exp = _experiment(path)
+        try:
+            exp.run()
+            died = False
+        except Died:
+            died = True
+        finally:
+            if exp.store is not None and exp.store.db is not None:
+                exp.store.db.conn.close()  # what was not committed is lost, as in a dead process
+                exp.store.db = None
+            if exp._lock is not None:
+                exp._lock.release()
+    return died, killer.names
+
+
+def _kill_and_resume(tmp_path, monkeypatch, pick) -> None:
+    died, names = _run_dying(tmp_path / "count.db", None, monkeypatch)
+    assert not died
+    _assert_equals_reference(_outcome(tmp_path / "count.db"))
+    # the points are really counted: 3 submissions, 3 commits, 6 models inside them
+    assert [names.count(f"SegmentTable.{n}") for n in ("commit", "_insert_model")] == [3, 6]
+    assert names.count("OneShotRun._submit") == 3
+    total = len(names)
+    for n in pick(names):
+        path = tmp_path / f"kill-{n}.db"
+        died, _ = _run_dying(path, n, monkeypatch)
+        assert died, f"no death at point {n}"
+        with Store(path) as store:
+            started = bool(store.experiments())
+        exp = _experiment(path)
+        exp.resume() if started else exp.run()
+        _assert_equals_reference(_outcome(path), f"driver killed at point {n} of {total} "
+                                                 f"({names[n - 1]})")
+
+
+def test_driver_killed_at_every_point_then_resumed_equals_uninterrupted(tmp_path, monkeypatch):
+    # Among them: between segments (at a submission), in the commit window (a segment's unit
+    # written, its commit not begun) and inside a commit's transaction (at a model's row).
+    _kill_and_resume(tmp_path, monkeypatch, lambda names: range(1, len(names) + 1))
+
+
+# ---- failures and refused options ----------------------------------------------------------
+
+
+def test_a_space_the_strategy_refuses_fails_the_experiment_with_its_reason(tmp_path, capsys):
+    path = tmp_path / "bad.db"
+    with pytest.raises(rt.ExperimentError, match="cannot search the choice 'act'"):
+        _experiment(path, refuse="act").run()
+    with Store(path) as store:
+        store.use_experiment(1)
+        assert store.get_experiment()["status"] == "failed"
+        error = SegmentTable(store).error()
+    assert error.startswith("ValueError: PerArchitecture cannot search the choice 'act'")
+    assert main(["status", str(path)]) == 0
+    assert "failed: ValueError: PerArchitecture cannot search" in capsys.readouterr().out
+    assert main(["export", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert "has not selected its architecture yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("scheduler", rt.strategies.ASHA(metric="val_acc", mode="max", max_t=2), "scheduler="),
+    ("max_models", 10, "max_models=10 does not apply"),
+    ("optimize", True, "optimize=True does not apply"),
+    ("fuse", "auto", "fuse='auto' does not apply"),
+    ("batching", True, "batching=True does not apply"),
+    ("model_retries", 2, "model_retries=2 does not apply"),
+])
+def test_options_a_one_shot_search_cannot_honour_are_refused(tmp_path, option, value, match):
+    with pytest.raises(rt.ExperimentError, match=match):
+        rt.Experiment(space, PerArchitecture(), trainer, store=str(tmp_path / "x.db"),
+                      **{option: value})
+
+
+def test_a_searched_trainer_setting_and_the_simulator_are_refused(tmp_path):
+    searched = rt.Trainer(dataset="digits", lr=rt.ValueChoice([0.1, 0.01], label="lr"))
+    with pytest.raises(rt.ExperimentError, match=r"searches \['lr'\].*fixed values"):
+        rt.Experiment(space, PerArchitecture(), searched, store=str(tmp_path / "x.db"))
+    with pytest.raises(rt.ExperimentError, match="SimulatedExecutor"):
+        rt.Experiment(space, PerArchitecture(), trainer, store=str(tmp_path / "x.db"),
+                      executor=rt.engine.SimulatedExecutor(1, curve=lambda spec, step: {}))
+    exp = _experiment(tmp_path / "y.db")
+    with pytest.raises(rt.ExperimentError, match="max_models=3 does not apply"):
+        exp.run(max_models=3)
+
+
+def test_weight_sharing_wraps_multi_trial_strategies_only(tmp_path, monkeypatch):
+    with pytest.raises(rt.ExperimentError, match="already a one-shot strategy"):
+        rt.Experiment(space, PerArchitecture(), trainer, store=str(tmp_path / "x.db"),
+                      weight_sharing=True)
+    with pytest.raises(rt.ExperimentError, match="weight_sharing='yes': give True or False"):
+        rt.Experiment(space, rt.strategies.Random(seed=0), trainer,
+                      store=str(tmp_path / "x.db"), weight_sharing="yes")
+    monkeypatch.delattr(rt.strategies, "WeightSharing", raising=False)
+    with pytest.raises(rt.ExperimentError, match="needs retiarii.strategies.WeightSharing"):
+        rt.Experiment(space, rt.strategies.Random(seed=0), trainer,
+                      store=str(tmp_path / "x.db"), weight_sharing=True)
+
+
+class Unrebuildable(PerArchitecture):
+    """Takes a setting its config() leaves out: a worker could not rebuild it."""
+
+    def __init__(self, width: list):
+        super().__init__()
+        self._width = width
+
+
+def test_a_strategy_its_config_cannot_rebuild_is_refused_before_any_work(tmp_path):
+    with pytest.raises(rt.ExperimentError, match="cannot be rebuilt from its class and config"):
+        rt.Experiment(space, Unrebuildable([1]), trainer, store=str(tmp_path / "x.db"))
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_resume_of_a_finished_search_changes_nothing_and_max_time_stops_between_segments(
+        tmp_path):
+    path = tmp_path / "run.db"
+    assert _experiment(path).run(max_time=0)["one_shot"]["segment"] == 0
+    with Store(path) as store:
+        store.use_experiment(1)
+        assert store.get_experiment()["status"] == "stopped"
+    _experiment(path).resume()
+    before = _outcome(path)
+    _assert_equals_reference(before)
+    _experiment(path).resume()
+    assert _outcome(path)["models"] == before["models"]
+    with pytest.raises(rt.ExperimentError, match="differs from the stored one"):
+        _experiment(path, batches=3).resume()
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "one_shot_helpers.py")
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """`retiarii run` trains in this process (the local executor is tested above)."""
+    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor",
+                        lambda *args, **kwargs: InProcessExecutor())
+
+
+def test_cli_runs_status_resumes_and_exports_a_one_shot_search(tmp_path, capsys, in_process):
+    db = str(tmp_path / "cli.db")
+    # the file's `strategy` is one-shot: a model budget does not apply to it
+    assert main(["run", HELPERS, "--store", db, "--max-models", "5"]) == 2
+    assert "--max-models applies to multi-trial searches" in capsys.readouterr().err
+    assert main(["run", HELPERS, "--store", db, "--scheduler", "asha"]) == 2
+    assert "a one-shot search trains one super-network" in capsys.readouterr().err
+    assert main(["run", HELPERS, "--store", db]) == 0
+    out = capsys.readouterr()
+    assert "segment 3/3, 6 models evaluated" in out.err  # the progress line per segment
+    # the file's strategy has the reference's settings
+    assert file_strategy.config() == PerArchitecture(epochs=EPOCHS,
+                                                     models_per_segment=PER_SEGMENT).config()
+    assert f"selected architecture: {json.dumps(_reference()[2])}" in out.out
+    assert main(["status", db, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["status"] == "done" and status["one_shot"]["models"] == 6
+    assert status["one_shot"]["selected"] == _reference()[2]
+    assert main(["resume", db]) == 0  # a finished search: nothing runs again
+    capsys.readouterr()
+    _assert_equals_reference(_outcome(db))
+    assert main(["export", db, "--out", str(tmp_path / "out")]) == 0
+    assert os.path.exists(tmp_path / "out" / "model_7.pt")
+
+
+def test_cli_one_shot_strategy_names(tmp_path, capsys, in_process):
+    db = str(tmp_path / "spos.db")
+    code = main(["run", HELPERS, "--strategy", "spos", "--epochs", "2", "--store", db])
+    if hasattr(rt.strategies, "SPOS"):
+        assert code == 0, capsys.readouterr().err
+        assert main(["status", db, "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["strategy"] == "SPOS" and status["one_shot"]["segment"] == 2
+        assert status["one_shot"]["models"] > 0
+    else:
+        assert code == 2
+        assert "--strategy spos needs retiarii.strategies.SPOS" in capsys.readouterr().err
