@@ -19,6 +19,8 @@ from typing import Any
 ONE_SHOT = {"darts": "DARTS", "gumbel": "GumbelDARTS", "proxyless": "ProxylessNAS",
             "spos": "SPOS", "enas": "ENAS"}
 
+_SEGMENTS = ("epochs", "train_segments", "segments")
+
 __all__ = ["ONE_SHOT", "one_shot_strategy", "is_one_shot", "print_status", "print_result",
            "export", "progress_line"]
 
@@ -34,10 +36,13 @@ def one_shot_strategy(name: str, epochs: int | None, seed: int, error: type[Exce
                     f"installation lacks: upgrade retiarii")
     params = inspect.signature(cls).parameters
     kwargs: dict[str, Any] = {}
-    if "epochs" in params:
-        kwargs["epochs"] = 5 if epochs is None else epochs
+    # what each strategy calls its number of segments (an epoch of the super-network each)
+    segments = next((p for p in _SEGMENTS if p in params), None)
+    if segments is not None:
+        kwargs[segments] = 5 if epochs is None else epochs
     elif epochs is not None:
-        raise error(f"--epochs: {ONE_SHOT[name]} takes no epochs; leave --epochs out")
+        raise error(f"--epochs: {ONE_SHOT[name]} takes no number of segments; leave --epochs "
+                    f"out")
     if "seed" in params:
         kwargs["seed"] = seed
     return cls(**kwargs)

@@ -369,3 +369,15 @@ def test_cli_one_shot_strategy_names(tmp_path, capsys, in_process):
     else:
         assert code == 2
         assert "--strategy spos needs retiarii.strategies.SPOS" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_one_shot_search_on_ray_ships_units_and_equals_the_reference(tmp_path):
+    ray = pytest.importorskip("ray", reason="Ray is not installed")
+    from retiarii.engine.executors.ray import RayExecutor
+
+    # shared_storage=False: each unit travels as bytes to the driver's run folder and back
+    with RayExecutor(num_workers=1, num_cpus=1, shared_storage=False) as executor:
+        _experiment(tmp_path / "ray.db", executor=executor).run()
+    assert not ray.is_initialized()
+    _assert_equals_reference(_outcome(tmp_path / "ray.db"), "on Ray")
