@@ -207,10 +207,14 @@ class _ValueChoiceMutator(_Inline):
                   for label, values in self.labels.items() if label in used}
         for node in tagged:
             op = node.op.copy()
+            # the op with its choices still in: every candidate of the node, which weight
+            # sharing reads (retiarii/optim/weight_keys.py: one module for all widths)
+            template = {"args": op.args, "kwargs": op.kwargs, "spec": op.spec}
             op.args, op.kwargs = _substitute(op.args, chosen), _substitute(op.kwargs, chosen)
             op.spec = _substitute(op.spec, chosen)
             self.graph.set_op(node, op)  # keeps the module path: tied modules stay tied
-            self._record("replace", node=node.uid, name=node.name, op=op.describe())
+            self._record("replace", node=node.uid, name=node.name, op=op.describe(),
+                         template=template)
 
 
 def _labels_in(data: Any) -> set[str]:

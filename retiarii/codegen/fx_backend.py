@@ -14,7 +14,7 @@ import builtins
 import inspect
 import keyword
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch.fx as fx
 from torch import nn
@@ -91,8 +91,16 @@ class _PyNames:
 # ---- to_module -----------------------------------------------------------------------------
 
 
-def to_module(graph: Graph, class_name: str = "GeneratedModel") -> fx.GraphModule:
-    """Emit a runnable ``fx.GraphModule`` with fresh weights; see the module docstring."""
+def to_module(graph: Graph, class_name: str = "GeneratedModel",
+              provide: Callable[[Node], Any] | None = None) -> fx.GraphModule:
+    """Emit a runnable ``fx.GraphModule`` with fresh weights; see the module docstring.
+
+    Args:
+        provide: called with each module, cell (subgraph) and parameter node the module
+            installs; what it returns (an ``nn.Module``, or a tensor for a parameter node) is
+            installed instead of a fresh one, None builds a fresh one. The super-graph
+            (:mod:`retiarii.optim.supergraph`) installs its shared modules this way.
+    """
     root = nn.Module()
     owners = _owner_paths(graph)
     nodes = graph.nodes
@@ -101,17 +109,22 @@ def to_module(graph: Graph, class_name: str = "GeneratedModel") -> fx.GraphModul
     # A parameter's owner is the module path it lives in ("" for the root).
     for node in sorted(nodes, key=lambda n: rank(n.attr if n.kind != "param"
                                                  else n.attr.rpartition(".")[0])):
+        given = provide(node) if provide is not None and node.attr not in installed \
+            and node.kind in ("module", "subgraph", "param") else None
         if node.kind == "module" and node.attr not in installed:
-            _install(root, node.attr, build_module(node.op.spec))
+            _install(root, node.attr, given if given is not None else build_module(node.op.spec))
             installed.add(node.attr)
-        elif node.kind == "subgraph":
-            _install(root, node.attr, to_module(node.op.graph, "Cell"))
+        elif node.kind == "subgraph" and (given is not None or provide is None
+                                          or node.attr not in installed):
+            _install(root, node.attr, given if given is not None
+                     else to_module(node.op.graph, "Cell"))
+            installed.add(node.attr)
         elif node.kind == "param" and not _owned_by_module(node.attr, owners) \
                 and node.attr not in installed:
             installed.add(node.attr)
             spec = node.op.spec
-            value = init_tensor(spec)
-            if not spec["buffer"]:
+            value = given if given is not None else init_tensor(spec)
+            if not spec["buffer"] and given is None:
                 value = nn.Parameter(value, requires_grad=spec.get("requires_grad", True))
             _install(root, node.attr, value, buffer=spec["buffer"],
                      persistent=spec.get("persistent", True))

@@ -1,11 +1,15 @@
 """Cross-model optimization (docs/optimization.md): the logical plan, one pass per file, and
-the executable of a group of models, fused training of same-shape models."""
+the executable of a group of models, fused training of same-shape models, the weight-sharing
+super-graph; mixed parallelism of weight-sharing training (docs/weight_sharing.md)."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
+from .mixed_parallel import RankError, average_used_gradients, run_segment_on_ranks, spawn
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
+from .supergraph import SuperGraph, SuperGraphError
+from .weight_keys import OpKey, weight_keys
 
 __all__ = [
            "FusedModel",
@@ -14,10 +18,15 @@ __all__ = [
            "GroupError",
            "GroupModule",
            "LogicalPlan",
+           "OpKey",
            "PassResult",
            "PlanError",
            "PlanModel",
+           "RankError",
            "Role",
+           "SuperGraph",
+           "SuperGraphError",
+           "average_used_gradients",
            "batch_independent",
            "batching",
            "build_group",
@@ -26,5 +35,8 @@ __all__ = [
            "fusable_groups",
            "fuse_models",
            "fusion_key",
+           "run_segment_on_ranks",
+           "spawn",
            "unfuse",
+           "weight_keys",
 ]
