@@ -37,10 +37,11 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _by_hand(**kwargs) -> tuple[list, list, dict, dict]:
+def _by_hand(strategy=None) -> tuple[list, list, dict, dict]:
     """The search without an engine: (models per segment, strategy metrics per segment,
     selected sample, the selected architecture's weights)."""
-    strategy = PerArchitecture(epochs=EPOCHS, models_per_segment=PER_SEGMENT, **kwargs)
+    if strategy is None:
+        strategy = PerArchitecture(epochs=EPOCHS, models_per_segment=PER_SEGMENT)
     checkpoint.seed_rng(0)  # the experiment's seed, as the worker seeds it
     strategy.setup(space, trainer, {}, torch.device("cpu"))
     models, metrics = [], []
@@ -93,8 +94,8 @@ def _outcome(path) -> dict:
                 "status": store.get_experiment()["status"]}
 
 
-def _assert_equals_reference(got: dict, where: str = "") -> None:
-    models, metrics, selected, weights = _reference()
+def _assert_equals_reference(got: dict, where: str = "", reference=None) -> None:
+    models, metrics, selected, weights = reference or _reference()
     assert got["models"] == models, where  # once each, in order, same metrics bit for bit
     assert [m for _, m, _ in got["segments"]] == metrics, where
     assert got["result"] == selected and got["status"] == "done", where
@@ -290,6 +291,19 @@ def test_weight_sharing_wraps_multi_trial_strategies_only(tmp_path, monkeypatch)
                       store=str(tmp_path / "x.db"), weight_sharing=True)
 
 
+def test_weight_sharing_runs_a_multi_trial_strategy_as_a_one_shot_search(tmp_path):
+    two = rt.Trainer(dataset="digits", epochs=2, batch_size=128)  # two segments
+    exp = rt.Experiment(space, rt.strategies.Random(seed=3, dedup=False), two,
+                        store=str(tmp_path / "ws.db"), seed=0, executor=InProcessExecutor(),
+                        weight_sharing=True)
+    assert isinstance(exp.strategy, rt.strategies.WeightSharing)
+    exp.run()
+    by_hand = rt.strategies.WeightSharing(rt.strategies.Random(seed=3, dedup=False), segments=2)
+    reference = _by_hand(by_hand)
+    assert len(reference[0]) > 2  # models were evaluated in each segment
+    _assert_equals_reference(_outcome(tmp_path / "ws.db"), "weight_sharing=True", reference)
+
+
 class Unrebuildable(PerArchitecture):
     """Takes a setting its config() leaves out: a worker could not rebuild it."""
 
@@ -362,10 +376,14 @@ def test_cli_one_shot_strategy_names(tmp_path, capsys, in_process):
     code = main(["run", HELPERS, "--strategy", "spos", "--epochs", "2", "--store", db])
     if hasattr(rt.strategies, "SPOS"):
         assert code == 0, capsys.readouterr().err
+        capsys.readouterr()
         assert main(["status", db, "--json"]) == 0
         status = json.loads(capsys.readouterr().out)
-        assert status["strategy"] == "SPOS" and status["one_shot"]["segment"] == 2
-        assert status["one_shot"]["models"] > 0
+        search = status["one_shot"]
+        # --epochs 2: two training segments, then SPOS's evolutionary search segment
+        assert status["strategy"] == "SPOS" and search["segment"] == search["segments"] == 3
+        assert status["status"] == "done" and search["models"] > 0
+        assert search["selected"] in ({"act": "relu"}, {"act": "tanh"})
     else:
         assert code == 2
         assert "--strategy spos needs retiarii.strategies.SPOS" in capsys.readouterr().err

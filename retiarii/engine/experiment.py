@@ -270,7 +270,8 @@ class Experiment:
         if not isinstance(weight_sharing, bool):
             raise ExperimentError(f"weight_sharing={weight_sharing!r}: give True or False")
         if weight_sharing:
-            self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, ExperimentError)
+            self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, trainer,
+                                                                 ExperimentError)
         self.one_shot = isinstance(strategy, OneShot)
         if self.one_shot:
             one_shot.check_options(strategy, ExperimentError, scheduler=scheduler,

@@ -45,9 +45,10 @@ __all__ = ["OneShotRun", "check_options", "wrap_weight_sharing", "one_shot_spec"
 _log = logging.getLogger("retiarii.engine")
 
 
-def wrap_weight_sharing(strategy: Any, error: type[Exception]) -> Any:
+def wrap_weight_sharing(strategy: Any, trainer: Any, error: type[Exception]) -> Any:
     """``strategy`` (multi-trial) wrapped by :class:`retiarii.strategies.WeightSharing`, which
-    trains the models it proposes on one super-network's shared weights."""
+    trains the models it proposes on one super-network's shared weights, for the trainer's
+    epochs (one segment each)."""
     if isinstance(strategy, OneShot):
         raise error(f"weight_sharing=True wraps a multi-trial strategy, but "
                     f"{type(strategy).__name__} is already a one-shot strategy: drop "
@@ -58,7 +59,7 @@ def wrap_weight_sharing(strategy: Any, error: type[Exception]) -> Any:
         raise error(f"weight_sharing=True needs retiarii.strategies.WeightSharing, which "
                     f"this installation lacks ({err}): upgrade retiarii, or run the strategy "
                     f"multi-trial (weight_sharing=False)") from None
-    return WeightSharing(strategy)
+    return WeightSharing(strategy, segments=int(trainer.num_epochs({})))
 
 
 def check_options(strategy: Any, error: type[Exception], **given: Any) -> None:

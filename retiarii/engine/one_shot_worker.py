@@ -23,6 +23,7 @@ kind (:func:`~.worker.classify_error`) when anything raised, and nothing written
 """
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -126,8 +127,31 @@ def _open(task, context) -> tuple[OneShot, Any, dict, torch.device]:
     return strategy, trainer, hparams, device
 
 
+def _plain(obj: Any) -> Any:
+    """``obj`` with every str, int and float subclass (a ``Mode``, an ``IntEnum``) made the
+    plain type: ``torch.load(weights_only=True)`` cannot rebuild their classes, and a state
+    that the store keeps as JSON reads them back as plain values anyway. Containers holding
+    none are returned as they are (a module's state dict keeps its ``_metadata``)."""
+    if type(obj) in (dict, collections.OrderedDict):
+        items = {k: _plain(v) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        out = type(obj)(items)
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
+    if type(obj) in (list, tuple):
+        items = [_plain(v) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    for plain in (str, int, float):
+        if isinstance(obj, plain) and type(obj) is not plain and type(obj) is not bool:
+            return plain.__new__(plain, obj)
+    return obj
+
+
 def _unit(strategy: OneShot, segment: int, last: bool) -> dict:
-    unit = {"segment": segment, "strategy": strategy.state_dict(), "rng": checkpoint.capture_rng()}
+    unit = {"segment": segment, "strategy": _plain(strategy.state_dict()),
+            "rng": checkpoint.capture_rng()}
     if last:
         selected = strategy.selected()
         export = {"sample": selected}
