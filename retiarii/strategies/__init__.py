@@ -20,3 +20,6 @@ from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .spos import SPOS
 from .enas import ENAS
 from .weight_sharing import WeightSharing
+from .darts import DARTS
+from .snas import GumbelDARTS
+from .proxyless import ProxylessNAS
