@@ -118,3 +118,15 @@ class MLP(nn.Module):
 space = rt.ModelSpace(MLP(), example_input=torch.zeros(2, 1, 8, 8))  # 2 architectures
 trainer = rt.Trainer(dataset="digits", epochs=1, batch_size=128)
 strategy = PerArchitecture(epochs=3)  # what `retiarii run one_shot_helpers.py` searches with
+
+
+
+class Wide(MLP):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 32), nn.Linear(32, 10)
+
+
+# Two base models (the choice labelled "base" picks one): a structural choice that no
+# continuous relaxation mixes, which DARTS refuses in its setup.
+two_bases = rt.ModelSpace([MLP(), Wide()], example_input=torch.zeros(2, 1, 8, 8))

@@ -252,6 +252,21 @@ def test_a_space_the_strategy_refuses_fails_the_experiment_with_its_reason(tmp_p
     assert "has not selected its architecture yet" in capsys.readouterr().err
 
 
+def test_darts_on_a_space_it_cannot_relax_fails_with_its_own_error(tmp_path):
+    from one_shot_helpers import two_bases
+
+    path = tmp_path / "darts.db"
+    with pytest.raises(rt.ExperimentError, match="failed in segment 1: RelaxError: the space "
+                                                 "has 2 base models"):
+        rt.Experiment(two_bases, rt.strategies.DARTS(epochs=2), trainer, store=str(path),
+                      executor=InProcessExecutor()).run()
+    with Store(path) as store:
+        store.use_experiment(1)
+        assert store.get_experiment()["status"] == "failed"
+        assert "use a one-shot strategy that samples whole" in SegmentTable(store).error()
+        assert SegmentTable(store).rows() == []  # no segment ran, no model recorded
+
+
 @pytest.mark.parametrize("option, value, match", [
     ("scheduler", rt.strategies.ASHA(metric="val_acc", mode="max", max_t=2), "scheduler="),
     ("max_models", 10, "max_models=10 does not apply"),
