@@ -135,6 +135,10 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                        "segments decide how many models it evaluates: leave it out")
     if not one_shot and max_models is None:
         max_models = 30
+    ranks = flags.get("ranks") or 1
+    if ranks > 1 and not one_shot:
+        raise CliError(f"--ranks {ranks} runs each segment of a one-shot search on several "
+                       f"ranks: give a one-shot --strategy (spos, enas) or --weight-sharing")
     if one_shot and flags["scheduler"] != "none":
         raise CliError(f"--scheduler {flags['scheduler']}: a one-shot search trains one "
                        f"super-network, no trial to stop early; leave --scheduler out")
@@ -155,7 +159,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       batch_models=flags.get("batch_models") or 8,
                       fuse=_OPTIMIZE[flags.get("fuse") or "off"],
                       progress=_Progress(max_models),
-                      weight_sharing=bool(flags.get("weight_sharing")),
+                      weight_sharing=bool(flags.get("weight_sharing")), ranks=ranks,
                       origin={"cli": {"space": recorded_space, **flags}})
 
 
@@ -214,11 +218,12 @@ def cmd_run(args) -> int:
     _positive(args.max_models, "--max-models")
     _positive(args.epochs, "--epochs")
     _positive(args.batch_models, "--batch-models")
+    _positive(args.ranks, "--ranks")
     flags = {"strategy": args.strategy, "seed": args.seed, "max_models": args.max_models,
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
-             "weight_sharing": args.weight_sharing}
+             "weight_sharing": args.weight_sharing, "ranks": args.ranks}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -510,6 +515,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--weight-sharing", action="store_true",
                      help="train the models a multi-trial strategy proposes on one "
                           "super-network's shared weights (a one-shot search)")
+    run.add_argument("--ranks", type=int, default=1,
+                     help="one-shot searches: run each segment on K local ranks with mixed "
+                          "parallelism, each rank training its own sampled model (default 1)")
     run.add_argument("--max-models", type=int, default=None,
                      help="models to train (default 30; not for one-shot searches)")
     run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")

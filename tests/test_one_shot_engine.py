@@ -188,12 +188,12 @@ class _Killer:
         return point
 
 
-def _run_dying(path, die_at, monkeypatch) -> tuple[bool, list[str]]:
+def _run_dying(path, die_at, monkeypatch, make=None, points=POINTS) -> tuple[bool, list[str]]:
     killer = _Killer(die_at)
     with monkeypatch.context() as m:
-        for cls, name in POINTS:
+        for cls, name in points:
             m.setattr(cls, name, killer.wrap(cls, name))
-        exp = _experiment(path)
+        exp = (make or _experiment)(path)
         try:
             exp.run()
             died = False
@@ -317,6 +317,43 @@ def test_weight_sharing_runs_a_multi_trial_strategy_as_a_one_shot_search(tmp_pat
     reference = _by_hand(by_hand)
     assert len(reference[0]) > 2  # models were evaluated in each segment
     _assert_equals_reference(_outcome(tmp_path / "ws.db"), "weight_sharing=True", reference)
+
+
+def _spos_on_ranks(path) -> rt.Experiment:
+    spos = rt.strategies.SPOS(train_segments=2, search_population=2, search_generations=1,
+                              seed=1)
+    return rt.Experiment(space, spos, trainer, store=str(path), seed=0,
+                         executor=InProcessExecutor(), ranks=2)
+
+
+@pytest.mark.slow  # rank processes (forkserver, torch.distributed): ~25 s on 2 busy cores
+def test_segments_on_two_ranks_resume_as_uninterrupted(tmp_path, monkeypatch):
+    _spos_on_ranks(tmp_path / "a.db").run()
+    expected = _outcome(tmp_path / "a.db")
+    assert expected["status"] == "done" and len(expected["segments"]) == 3
+    assert expected["models"]  # the search segment evaluated models on the trained weights
+    # dies at the second submission: between segments 1 and 2
+    died, _ = _run_dying(tmp_path / "b.db", 2, monkeypatch, _spos_on_ranks,
+                         [(OneShotRun, "_submit")])
+    assert died
+    _spos_on_ranks(tmp_path / "b.db").resume()
+    got = _outcome(tmp_path / "b.db")
+    assert got["models"] == expected["models"] and got["segments"] == expected["segments"]
+    assert got["result"] == expected["result"]
+    for name, value in expected["weights"].items():
+        assert torch.equal(got["weights"][name], value), name
+    with pytest.raises(rt.ExperimentError, match="differs from the stored one"):
+        rt.Experiment(space, rt.strategies.SPOS(train_segments=2, search_population=2,
+                                                search_generations=1, seed=1), trainer,
+                      store=str(tmp_path / "b.db"), seed=0, executor=InProcessExecutor()).resume()
+
+
+def test_ranks_apply_to_one_shot_searches_only(tmp_path):
+    with pytest.raises(rt.ExperimentError, match="ranks=2 runs a one-shot segment"):
+        rt.Experiment(space, rt.strategies.Random(seed=0), trainer,
+                      store=str(tmp_path / "x.db"), ranks=2)
+    with pytest.raises(rt.ExperimentError, match="ranks=0: give a number of ranks >= 1"):
+        rt.Experiment(space, PerArchitecture(), trainer, store=str(tmp_path / "x.db"), ranks=0)
 
 
 class Unrebuildable(PerArchitecture):

@@ -222,6 +222,10 @@ class Experiment:
         weight_sharing: wrap the multi-trial ``strategy`` in
             :class:`retiarii.strategies.WeightSharing`: the models it proposes train on one
             super-network's shared weights, as a one-shot search (docs/weight_sharing.md).
+        ranks: one-shot searches only: each segment runs on this many local ranks with mixed
+            parallelism (:mod:`retiarii.optim.mixed_parallel`: each rank trains its own sampled
+            model on its share of the batches; a GPU per rank when there are enough, else
+            gloo). The strategy must support it (SPOS, ENAS, WeightSharing).
 
     A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
     ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
@@ -236,7 +240,7 @@ class Experiment:
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False,
-                 batching: bool = False, weight_sharing: bool = False):
+                 batching: bool = False, weight_sharing: bool = False, ranks: int = 1):
         if optimize not in ("auto", True, False):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
         if fuse not in ("auto", True, False):
@@ -273,6 +277,13 @@ class Experiment:
             self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, trainer,
                                                                  ExperimentError)
         self.one_shot = isinstance(strategy, OneShot)
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ExperimentError(f"ranks={ranks!r}: give a number of ranks >= 1")
+        if ranks > 1 and not self.one_shot:
+            raise ExperimentError(f"ranks={ranks} runs a one-shot segment on several ranks; "
+                                  f"{type(strategy).__name__} is multi-trial: use workers= to "
+                                  f"train its models in parallel, or weight_sharing=True")
+        self.ranks = ranks
         if self.one_shot:
             one_shot.check_options(strategy, ExperimentError, scheduler=scheduler,
                                    optimize=optimize, fuse=fuse, batching=batching,
@@ -290,10 +301,13 @@ class Experiment:
     def config(self) -> dict:
         """What a resume must match (budgets may change between runs)."""
         if self.one_shot:
-            return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
-                    "strategy": one_shot.one_shot_spec(self.strategy),
-                    "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
-                    "mode": self.mode}
+            config = {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
+                      "strategy": one_shot.one_shot_spec(self.strategy),
+                      "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
+                      "mode": self.mode}
+            if self.ranks > 1:  # other ranks, other samples per step: another search
+                config["ranks"] = self.ranks
+            return config
         return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
                              "config": self.strategy.config(),
@@ -448,8 +462,18 @@ class Experiment:
         if executor is None or executor == "local":
             from .executors.local import LocalExecutor
 
-            # a one-shot search runs one segment at a time: one worker does it all
-            return LocalExecutor(1 if self.one_shot else self.workers, self.devices)
+            if not self.one_shot:
+                return LocalExecutor(self.workers, self.devices)
+            # a one-shot search runs one segment at a time: one worker does it all, seeing a
+            # GPU per rank when there are enough (its ranks then use NCCL)
+            devices = self.devices
+            if self.ranks > 1:
+                from .executors.local import visible_gpus
+
+                gpus = [str(d) for d in (devices if devices is not None else visible_gpus())]
+                if len(gpus) >= self.ranks:
+                    devices = [",".join(gpus[:self.ranks])]
+            return LocalExecutor(1, devices)
         if executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
             from .executors.ray import RayExecutor
 

@@ -125,6 +125,8 @@ class OneShotRun:
         self.spec = {"space": exp.space_ref, "trainer": exp.trainer_spec, "hparams": {},
                      "seed": exp.seed, "strategy": strategy_spec(exp.strategy),
                      "segments": self.segments}
+        if exp.ranks > 1:
+            self.spec["ranks"] = exp.ranks
         frozen = exp.space.frozen_fingerprint()
         if frozen is not None:
             self.spec["frozen"] = frozen

@@ -36,7 +36,8 @@ from .executors.base import (
     Event, Job, JobFailed, JobFinished, SegmentDone, TrialCheckpointed,
 )
 
-__all__ = ["strategy_spec", "build_strategy", "open_segment", "finish_segment", "UnitError"]
+__all__ = ["strategy_spec", "build_strategy", "open_segment", "finish_segment",
+           "run_ranked_segment", "UnitError"]
 
 
 class UnitError(checkpoint.CheckpointError):
@@ -96,12 +97,11 @@ def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _open(task, context) -> tuple[OneShot, Any, dict, torch.device]:
-    """The strategy of ``task``, set up and at the start of segment ``task.start_step``."""
-    spec = task.spec
+def _setup(spec: dict, context) -> tuple[OneShot, Any, dict, torch.device]:
+    """The strategy of ``spec``, built and set up (from the spec's seed) as every segment's."""
     for key in ("space", "trainer", "strategy"):
         if key not in spec:
-            raise KeyError(f"one-shot task {task.trial_id}: its spec lacks {key!r} (see "
+            raise KeyError(f"a one-shot task's spec lacks {key!r} (see "
                            f"retiarii.engine.one_shot_worker)")
     space, trainer = context.space(spec["space"]), context.trainer(spec["trainer"])
     if "frozen" in spec:
@@ -113,6 +113,12 @@ def _open(task, context) -> tuple[OneShot, Any, dict, torch.device]:
     device = _device()
     checkpoint.seed_rng(int(spec.get("seed") or 0))  # the shared weights' initial values
     strategy.setup(space, trainer, hparams, device)
+    return strategy, trainer, hparams, device
+
+
+def _open(task, context) -> tuple[OneShot, Any, dict, torch.device]:
+    """The strategy of ``task``, set up and at the start of segment ``task.start_step``."""
+    strategy, trainer, hparams, device = _setup(task.spec, context)
     if task.checkpoint_in is not None:
         unit = checkpoint.load(task.checkpoint_in, map_location=device)
         if not isinstance(unit, dict) or unit.get("segment") != task.start_step:
@@ -149,9 +155,8 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _unit(strategy: OneShot, segment: int, last: bool) -> dict:
-    unit = {"segment": segment, "strategy": _plain(strategy.state_dict()),
-            "rng": checkpoint.capture_rng()}
+def _unit(strategy: OneShot, segment: int, last: bool, rng: dict) -> dict:
+    unit = {"segment": segment, "strategy": _plain(strategy.state_dict()), "rng": rng}
     if last:
         selected = strategy.selected()
         export = {"sample": selected}
@@ -160,6 +165,40 @@ def _unit(strategy: OneShot, segment: int, last: bool) -> dict:
                                  strategy.export_state(selected).items()}
         unit["export"] = export
     return unit
+
+
+def _rank_build(spec: dict, segment: int, rng: dict | None,
+                new_context: Any) -> tuple[OneShot, SegmentContext]:
+    """One rank's strategy and context for a segment on several ranks: built as every segment
+    builds it, with the RNG states of the unit (the state itself is loaded by
+    :func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks`)."""
+    strategy, trainer, hparams, device = _setup(spec, new_context())
+    if rng is not None:
+        checkpoint.restore_rng(rng)
+    return strategy, SegmentContext(segment, trainer, hparams, device)
+
+
+def _on_ranks(task, context, ranks: int) -> tuple[OneShot, SegmentResult, dict]:
+    """Run the segment of ``task`` on ``ranks`` ranks (mixed parallelism): the strategy here
+    (set up and loaded with rank 0's new state), the segment's result, and the RNG states the
+    unit keeps (those the ranks started from: each segment's ranks start from its unit)."""
+    import functools
+
+    from ..optim.mixed_parallel import run_segment_on_ranks
+
+    strategy, *_ = _open(task, context)  # set up, and the unit loaded (checked) if any
+    state = None if task.checkpoint_in is None else strategy.state_dict()
+    rng = checkpoint.capture_rng()  # where every rank starts
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "nccl" if gpus >= ranks else "gloo"  # NCCL needs a GPU per rank
+    # the ranks build their own strategy with a context like this process's (its class
+    # travels pickled by reference)
+    result, new_state = run_segment_on_ranks(
+        functools.partial(_rank_build, task.spec, task.start_step, rng, type(context)), state,
+        ranks, backend=backend)
+    strategy, *_ = _setup(task.spec, context)
+    strategy.load_state_dict(new_state)
+    return strategy, result, rng
 
 
 def open_segment(task, context) -> tuple[OneShot, SegmentContext]:
@@ -173,10 +212,24 @@ def finish_segment(job: Job, strategy: OneShot, ctx: SegmentContext,
                    started: float) -> list[Event]:
     """Run the segment, write its unit, and return the events that report it (raises what
     the strategy or the disk raised; nothing is written then)."""
-    task = job.tasks[0]
     result = strategy.run_segment(ctx)
     if ctx.should_stop():  # the segment may have stopped early: it is not done
         return [JobFailed(job.job_id, None, "cancelled")]
+    return _report(job, strategy, result, started, checkpoint.capture_rng())
+
+
+def run_ranked_segment(job: Job, context, started: float) -> list[Event]:
+    """:func:`finish_segment` for a task whose spec asks for ``ranks`` > 1: the segment runs
+    on that many ranks (:mod:`retiarii.optim.mixed_parallel`), each rank training its own
+    sampled model on its share of the batches."""
+    task = job.tasks[0]
+    strategy, result, rng = _on_ranks(task, context, int(task.spec["ranks"]))
+    return _report(job, strategy, result, started, rng)
+
+
+def _report(job: Job, strategy: OneShot, result: Any, started: float, rng: dict) -> list[Event]:
+    """Write the unit after the segment and return the events that report it."""
+    task = job.tasks[0]
     name = type(strategy).__name__
     models, metrics = _models(result, strategy), _numbers(result.metrics, name)
     segment = task.stop_step
@@ -184,7 +237,7 @@ def finish_segment(job: Job, strategy: OneShot, ctx: SegmentContext,
     if not isinstance(selected, dict):
         raise TypeError(f"{name}.selected() returned {selected!r}, not a sample dict")
     last = segment >= int(task.spec.get("segments") or segment)
-    checkpoint.save(task.checkpoint_out, _unit(strategy, segment, last))
+    checkpoint.save(task.checkpoint_out, _unit(strategy, segment, last, rng))
     return [SegmentDone(job.job_id, task.trial_id, segment, metrics, models, dict(selected),
                         time.perf_counter() - started),
             TrialCheckpointed(job.job_id, task.trial_id, segment, task.checkpoint_out),

@@ -245,10 +245,20 @@ def _run_one_shot(job: Job, emit: Callable[[Event], None], worker: str, context:
                   cancelled: Callable[[], bool]) -> None:
     """One segment of a one-shot search (:mod:`.one_shot_worker`): ``JobStarted``, then its
     ``SegmentDone``, ``TrialCheckpointed`` and ``JobFinished``, or one ``JobFailed``."""
-    from .one_shot_worker import UnitError, finish_segment, open_segment
+    from .one_shot_worker import UnitError, finish_segment, open_segment, run_ranked_segment
 
     emit(JobStarted(job.job_id, worker))
     task, started = job.tasks[0], time.perf_counter()
+    if int(task.spec.get("ranks") or 1) > 1:  # mixed parallelism: the ranks build their own
+        try:
+            events = run_ranked_segment(job, context, started)
+        except Exception as err:  # noqa: BLE001 (a rank's failure names the rank)
+            kind = FailureKind.CHECKPOINT if isinstance(err, UnitError) else classify_error(err)
+            emit(JobFailed(job.job_id, task.trial_id, describe_error(err), kind=kind))
+            return
+        for event in events:
+            emit(event)
+        return
     try:
         strategy, ctx = open_segment(task, context)
     except Exception as err:  # noqa: BLE001 (bad spec, a space the strategy refuses, bad unit)
