@@ -446,6 +446,12 @@ def cmd_plot(args) -> int:
     if os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a folder; give the PNG file to write")
     store = _open(args.db)
+    from .cli_one_shot import is_one_shot, plot
+
+    if is_one_shot(store.get_experiment()["config"]):
+        plot(store, args.db, args.out, plt, CliError)
+        print(f"wrote {args.out}")
+        return 0
     metric, mode = _metric(store)
     better = max if mode == "max" else min
     finals = [f for f in store.final_values(metric) if f[2] is not None]

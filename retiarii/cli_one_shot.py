@@ -22,7 +22,7 @@ ONE_SHOT = {"darts": "DARTS", "gumbel": "GumbelDARTS", "proxyless": "ProxylessNA
 _SEGMENTS = ("epochs", "train_segments", "segments")
 
 __all__ = ["ONE_SHOT", "one_shot_strategy", "is_one_shot", "print_status", "print_result",
-           "export", "progress_line"]
+           "export", "plot", "progress_line"]
 
 
 def one_shot_strategy(name: str, epochs: int | None, seed: int, error: type[Exception]) -> Any:
@@ -159,3 +159,38 @@ def export(store, db: str, out: str, error: type[Exception], check_attributes) -
     if weights is None and note.startswith("; its unit"):
         print(f"warning: {name}: exported without weights{note}", file=sys.stderr)
     return 0
+
+
+def plot(store, db: str, out: str, plt, error: type[Exception]) -> None:
+    """``retiarii plot`` of a one-shot search: each evaluated model's value on the shared
+    weights with the best so far, and the strategy's own metrics per segment."""
+    from .engine.segments import SegmentTable
+
+    table = SegmentTable(store)
+    config = store.get_experiment()["config"]
+    metric, mode = config.get("metric", "val_acc"), config.get("mode", "max")
+    values = [(i + 1, m["value"]) for i, m in enumerate(table.evaluated())
+              if m["value"] is not None]
+    rows = table.rows()
+    if not values and not rows:
+        raise error(f"{db}: the one-shot search has recorded no segment yet: nothing to plot")
+    better = max if mode == "max" else min
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    best, ys = None, []
+    for _, value in values:
+        best = value if best is None else better(best, value)
+        ys.append(best)
+    axes[0].scatter([i for i, _ in values], [v for _, v in values], s=8, alpha=0.5,
+                    label="evaluated")
+    axes[0].plot([i for i, _ in values], ys, drawstyle="steps-post", label="best so far")
+    axes[0].set(xlabel="models evaluated", ylabel=f"{metric} (shared weights)",
+                title="models of the one-shot search")
+    axes[0].legend()
+    for name in sorted({k for r in rows for k in r["metrics"]}):
+        points = [(r["segment"], r["metrics"][name]) for r in rows if name in r["metrics"]]
+        axes[1].plot([p for p, _ in points], [v for _, v in points], marker=".", label=name)
+    axes[1].set(xlabel="segment", title="the strategy's metrics per segment")
+    if rows and rows[0]["metrics"]:
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)

@@ -421,6 +421,8 @@ def test_cli_runs_status_resumes_and_exports_a_one_shot_search(tmp_path, capsys,
     _assert_equals_reference(_outcome(db))
     assert main(["export", db, "--out", str(tmp_path / "out")]) == 0
     assert os.path.exists(tmp_path / "out" / "model_7.pt")
+    assert main(["plot", db, "--out", str(tmp_path / "plot.png")]) == 0
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cli_one_shot_strategy_names(tmp_path, capsys, in_process):
