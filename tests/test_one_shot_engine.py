@@ -453,3 +453,16 @@ def test_one_shot_search_on_ray_ships_units_and_equals_the_reference(tmp_path):
         _experiment(tmp_path / "ray.db", executor=executor).run()
     assert not ray.is_initialized()
     _assert_equals_reference(_outcome(tmp_path / "ray.db"), "on Ray")
+
+
+@pytest.mark.slow  # a worker process and three searches: ~15 s on 2 busy cores
+def test_the_benchmark_runs_quick():
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks", "one_shot_engine.py")
+    out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cpu 2 segments: by hand" in out.stdout and "one_shot_engine-quick.csv" in out.stdout
