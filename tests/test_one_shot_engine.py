@@ -37,20 +37,21 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _by_hand(strategy=None) -> tuple[list, list, dict, dict]:
+def _by_hand(strategy=None, device=torch.device("cpu")) -> tuple[list, list, dict, dict]:
     """The search without an engine: (models per segment, strategy metrics per segment,
     selected sample, the selected architecture's weights)."""
     if strategy is None:
         strategy = PerArchitecture(epochs=EPOCHS, models_per_segment=PER_SEGMENT)
     checkpoint.seed_rng(0)  # the experiment's seed, as the worker seeds it
-    strategy.setup(space, trainer, {}, torch.device("cpu"))
+    strategy.setup(space, trainer, {}, device)
     models, metrics = [], []
     for segment in range(strategy.num_segments()):
-        result = strategy.run_segment(SegmentContext(segment, trainer, {}, torch.device("cpu")))
+        result = strategy.run_segment(SegmentContext(segment, trainer, {}, device))
         models += [(segment + 1, m.sample, m.metrics) for m in result.models]
         metrics.append(result.metrics)
     selected = strategy.selected()
-    return models, metrics, selected, strategy.export_state(selected)
+    weights = {k: v.detach().cpu() for k, v in strategy.export_state(selected).items()}
+    return models, metrics, selected, weights
 
 
 REFERENCE = None
@@ -466,3 +467,20 @@ def test_the_benchmark_runs_quick():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cpu 2 segments: by hand" in out.stdout and "one_shot_engine-quick.csv" in out.stdout
+
+
+@pytest.mark.gpu
+def test_a_one_shot_search_on_the_gpu_equals_the_by_hand_search_on_the_gpu(tmp_path):
+    """The worker sets the strategy up on its GPU, units go to disk from there and load back
+    onto it; the search is the by-hand one on the same GPU (float tolerance: GPU kernels)."""
+    assert torch.cuda.is_available()
+    models, metrics, selected, weights = _by_hand(device=torch.device("cuda"))
+    _experiment(tmp_path / "gpu.db").run()  # the in-process worker sees the GPU
+    got = _outcome(tmp_path / "gpu.db")
+    assert [(s, m) for s, m, _ in got["models"]] == [(s, m) for s, m, _ in models]
+    for (_, _, a), (_, _, b) in zip(got["models"], models):
+        assert a["val_acc"] == pytest.approx(b["val_acc"], abs=1e-3)
+    assert got["result"] == selected and got["status"] == "done"
+    for name, value in weights.items():
+        assert got["weights"][name].device.type == "cpu"
+        assert torch.allclose(got["weights"][name], value, atol=1e-5), name
