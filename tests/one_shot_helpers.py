@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -31,13 +32,17 @@ class PerArchitecture(OneShot):
         refuse: a choice label this strategy refuses (a "bad space" for it): ``setup`` raises.
         die_in_segment, die_marker: SIGKILL the worker as segment ``die_in_segment`` starts,
             once (the file ``die_marker`` remembers it happened, so the retry runs).
+        sleep_s: seconds each segment waits before it trains (a window to kill the driver
+            in); changes nothing it computes.
     """
 
     def __init__(self, epochs: int = 3, models_per_segment: int = 2, batches: int = 2,
-                 seed: int = 0, refuse: str = "", die_in_segment: int = -1, die_marker: str = ""):
+                 seed: int = 0, refuse: str = "", die_in_segment: int = -1, die_marker: str = "",
+                 sleep_s: float = 0.0):
         self.epochs, self.models_per_segment, self.batches = epochs, models_per_segment, batches
         self.seed, self.refuse = seed, refuse
         self.die_in_segment, self.die_marker = die_in_segment, die_marker
+        self.sleep_s = sleep_s
 
     def setup(self, space, trainer, hparams, device) -> None:
         models = list(space.enumerate())
@@ -59,6 +64,7 @@ class PerArchitecture(OneShot):
         if ctx.segment == self.die_in_segment and not os.path.exists(self.die_marker):
             open(self.die_marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.sleep_s)
         picks = torch.randint(len(self._samples), (self.models_per_segment,),
                               generator=self._gen).tolist()
         train = [(x.to(self._device), y.to(self._device))
