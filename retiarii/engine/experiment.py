@@ -39,10 +39,13 @@ from ..refs import SCRIPT_MODULES, EncodeError, load_file_module, ref_of, resolv
 from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
 from ..strategies.base import SpaceExhausted, UnknownSample
+from ..strategies.one_shot import OneShot
 from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir, CheckpointPathError
 from .lock import StoreLock, StoreLocked
+from . import one_shot
 from .plans import PlanTable
+from .segments import SegmentTable
 from .store import Store
 from .trainer import Trainer
 from .trials import Trial, TrialRunner, TrialState
@@ -216,6 +219,18 @@ class Experiment:
             different values (an adapter before a frozen layer; docs/optimization.md,
             "batching"). Off by default: on a CPU it pays only for small batches
             (benchmarks/README.md); exact on CPU either way.
+        weight_sharing: wrap the multi-trial ``strategy`` in
+            :class:`retiarii.strategies.WeightSharing`: the models it proposes train on one
+            super-network's shared weights, as a one-shot search (docs/weight_sharing.md).
+        ranks: one-shot searches only: each segment runs on this many local ranks with mixed
+            parallelism (:mod:`retiarii.optim.mixed_parallel`: each rank trains its own sampled
+            model on its share of the batches; a GPU per rank when there are enough, else
+            gloo). The strategy must support it (SPOS, ENAS, WeightSharing).
+
+    A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
+    ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
+    multi-trial searches use (scheduler, max_models, optimize=True, fuse, batching,
+    model_retries) are refused with it.
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -225,7 +240,7 @@ class Experiment:
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False,
-                 batching: bool = False):
+                 batching: bool = False, weight_sharing: bool = False, ranks: int = 1):
         if optimize not in ("auto", True, False):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
         if fuse not in ("auto", True, False):
@@ -256,6 +271,24 @@ class Experiment:
         if isinstance(executor, str) and executor not in ("local", "ray"):
             raise ExperimentError(f"executor={executor!r}: give 'local', 'ray' or an Executor")
         self.executor, self.progress, self.origin = executor, progress, origin
+        if not isinstance(weight_sharing, bool):
+            raise ExperimentError(f"weight_sharing={weight_sharing!r}: give True or False")
+        if weight_sharing:
+            self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, trainer,
+                                                                 ExperimentError)
+        self.one_shot = isinstance(strategy, OneShot)
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ExperimentError(f"ranks={ranks!r}: give a number of ranks >= 1")
+        if ranks > 1 and not self.one_shot:
+            raise ExperimentError(f"ranks={ranks} runs a one-shot segment on several ranks; "
+                                  f"{type(strategy).__name__} is multi-trial: use workers= to "
+                                  f"train its models in parallel, or weight_sharing=True")
+        self.ranks = ranks
+        if self.one_shot:
+            one_shot.check_options(strategy, ExperimentError, scheduler=scheduler,
+                                   optimize=optimize, fuse=fuse, batching=batching,
+                                   max_models=max_models, model_retries=model_retries,
+                                   trainer_hparams=hp, executor=executor)
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
         self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends
@@ -267,9 +300,18 @@ class Experiment:
     # ---- public ---------------------------------------------------------------------------
     def config(self) -> dict:
         """What a resume must match (budgets may change between runs)."""
+        if self.one_shot:
+            config = {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
+                      "strategy": one_shot.one_shot_spec(self.strategy),
+                      "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
+                      "mode": self.mode}
+            if self.ranks > 1:  # other ranks, other samples per step: another search
+                config["ranks"] = self.ranks
+            return config
         return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
-                             "config": self.strategy.config(), "seed": self.strategy.seed},
+                             "config": self.strategy.config(),
+                             "seed": getattr(self.strategy, "seed", None)},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
                 "mode": self.mode, "dedup": self.dedup}
@@ -316,6 +358,10 @@ class Experiment:
 
     # ---- the loop -----------------------------------------------------------------------------
     def _budgets(self, max_models, max_time):
+        if self.one_shot and max_models is not None:
+            raise ExperimentError(f"max_models={max_models!r} does not apply to the one-shot "
+                                  f"strategy {type(self.strategy).__name__}: its segments decide "
+                                  f"how many models it evaluates; leave max_models out")
         self.max_models = max_models if max_models is not None else self.max_models
         self.max_time = max_time if max_time is not None else self.max_time
 
@@ -363,15 +409,9 @@ class Experiment:
                 if row["status"] == ModelStatus.TRAINING:  # its trial resumes below
                     self._keys[row["id"]] = key
         self._count = len(models)
-        executor = self.executor
-        if executor is None or executor == "local":
-            from .executors.local import LocalExecutor
-
-            executor = LocalExecutor(self.workers, self.devices)
-        elif executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
-            from .executors.ray import RayExecutor
-
-            executor = RayExecutor(self.workers)
+        executor = self._executor()
+        if self.one_shot:
+            return self._one_shot_loop(executor, resume)
         epochs = getattr(self.trainer, "epochs", None)
         source = None if self.scheduler.spawns_trials else self._next_trial
         kwargs = dict(max_failures=self.max_failures, model_retries=self.model_retries,
@@ -415,6 +455,56 @@ class Experiment:
             if executor is not self.executor:  # made here (None or "ray"): ours to close
                 executor.close()
             store.flush()
+        return self.summary()
+
+    def _executor(self):
+        executor = self.executor
+        if executor is None or executor == "local":
+            from .executors.local import LocalExecutor
+
+            if not self.one_shot:
+                return LocalExecutor(self.workers, self.devices)
+            # a one-shot search runs one segment at a time: one worker does it all, seeing a
+            # GPU per rank when there are enough (its ranks then use NCCL)
+            devices = self.devices
+            if self.ranks > 1:
+                from .executors.local import visible_gpus
+
+                gpus = [str(d) for d in (devices if devices is not None else visible_gpus())]
+                if len(gpus) >= self.ranks:
+                    devices = [",".join(gpus[:self.ranks])]
+            return LocalExecutor(1, devices)
+        if executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
+            from .executors.ray import RayExecutor
+
+            return RayExecutor(1 if self.one_shot else self.workers)
+        return executor
+
+    def _one_shot_loop(self, executor, resume: bool) -> dict:
+        """Host the one-shot strategy (:class:`~.one_shot.OneShotRun`) to its end."""
+        started = time.monotonic()
+        self._deadline = None if self.max_time is None else started + self.max_time
+        self.store.set_experiment_status("running")
+        try:
+            if resume:
+                self.folder.remove_temporaries()  # half-written by workers killed with us
+            status, why = one_shot.OneShotRun(self, executor).run(self._deadline)
+            if status == "environment":
+                self.store.set_experiment_status("stopped")
+                raise EnvironmentFailure(
+                    f"{self.path}: stopped, {why}. Nothing is lost: fix the cause, then resume "
+                    f"(retiarii resume {self.path}, or Experiment.resume())")
+            if status == "failed":  # the store already says failed, and why
+                raise ExperimentError(f"{self.path}: {why} (recorded: retiarii status "
+                                      f"{self.path})")
+            self.store.set_experiment_status(status)
+        except KeyboardInterrupt:
+            self.store.set_experiment_status("interrupted")
+            raise
+        finally:
+            if executor is not self.executor:  # made here (None or "ray"): ours to close
+                executor.close()
+            self.store.flush()
         return self.summary()
 
     def _rebind(self, runner: TrialRunner) -> None:
@@ -638,6 +728,12 @@ class Experiment:
         return self._summary(self.store)
 
     def _summary(self, store: Store) -> dict:
+        if self.one_shot:
+            table = SegmentTable(store)
+            search = table.summary(self.strategy.num_segments(), self.mode)
+            return {"store": self.path, "models": search["models"], "trials": {},
+                    "best": search["best"], "running": 0, "max_models": None,
+                    "one_shot": search}
         counts = store.counts_by_state()
         best = store.best_models(self.metric, self.mode, 5, finished=True)
         runner = getattr(self, "runner", None)

@@ -13,7 +13,9 @@ A worker never receives a pickled model. A :class:`TrialTask` carries a JSON ``s
 
 :func:`run_job` trains the tasks of a job side by side in this process, one epoch of each in
 turn, every task with its own model, optimizer, RNG streams and metrics, and reports events
-through ``emit``. It is the same code whichever executor hosts it. When ``job.meta["group"]``
+through ``emit``. It is the same code whichever executor hosts it. A job whose
+``meta["one_shot"]`` is true is a segment of a one-shot search, run by
+:func:`~.one_shot_worker.run_segment_job` instead. When ``job.meta["group"]``
 is true, the tasks that can share one data pipeline (same space, trainer, data key and start)
 train as one group instead (:mod:`.grouped`): one loader pass feeds every model, the shared
 frozen part runs once, and every event, metric and checkpoint is what training alone gives.
@@ -174,6 +176,10 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
     """
     context = context or WorkerContext()
     emit = _guarded(emit)
+    if job.meta.get("one_shot"):  # a segment of a one-shot search (engine/one_shot.py)
+        _run_one_shot(job, emit, worker, context, cancelled)
+        _release_cuda_cache()
+        return
     emit(JobStarted(job.job_id, worker))
     failures: dict[str, str] = {}
     kinds: dict[str, FailureKind] = {}
@@ -233,6 +239,41 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
         emit(JobFailed(job.job_id, None,
                        "\n".join(f"trial {t}: {e}" for t, e in failures.items()),
                        kind=combined_kind(kinds.values()), failures=every))
+
+
+def _run_one_shot(job: Job, emit: Callable[[Event], None], worker: str, context: WorkerContext,
+                  cancelled: Callable[[], bool]) -> None:
+    """One segment of a one-shot search (:mod:`.one_shot_worker`): ``JobStarted``, then its
+    ``SegmentDone``, ``TrialCheckpointed`` and ``JobFinished``, or one ``JobFailed``."""
+    from .one_shot_worker import UnitError, finish_segment, open_segment, run_ranked_segment
+
+    emit(JobStarted(job.job_id, worker))
+    task, started = job.tasks[0], time.perf_counter()
+    if int(task.spec.get("ranks") or 1) > 1:  # mixed parallelism: the ranks build their own
+        try:
+            events = run_ranked_segment(job, context, started)
+        except Exception as err:  # noqa: BLE001 (a rank's failure names the rank)
+            kind = FailureKind.CHECKPOINT if isinstance(err, UnitError) else classify_error(err)
+            emit(JobFailed(job.job_id, task.trial_id, describe_error(err), kind=kind))
+            return
+        for event in events:
+            emit(event)
+        return
+    try:
+        strategy, ctx = open_segment(task, context)
+    except Exception as err:  # noqa: BLE001 (bad spec, a space the strategy refuses, bad unit)
+        kind = FailureKind.CHECKPOINT if isinstance(err, UnitError) else \
+            classify_error(err, loading=task.checkpoint_in is not None)
+        emit(JobFailed(job.job_id, task.trial_id, describe_error(err), kind=kind))
+        return
+    ctx.should_stop = cancelled
+    try:
+        events = finish_segment(job, strategy, ctx, started)
+    except Exception as err:  # noqa: BLE001 (the strategy's or the disk's fault)
+        emit(JobFailed(job.job_id, task.trial_id, describe_error(err), kind=classify_error(err)))
+        return
+    for event in events:
+        emit(event)
 
 
 class _Alone:
