@@ -43,7 +43,7 @@ from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
 from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
 
-__all__ = ["GroupCandidate", "group_tasks", "plan_group", "TrainingGroup"]
+__all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,7 @@ class TrainingGroup:
         self._loads: list[float] = []  # seconds waiting for each batch
         self._alone_s: dict[str, float] = {}
         self.setup_s = 0.0  # planning and building it, as the worker measured
+        self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
 
     def report(self) -> dict:
         """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
@@ -213,7 +214,7 @@ class TrainingGroup:
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
                 "compute_s": self._compute_s,
-                "setup_s": self.setup_s, "alone_s": dict(self._alone_s)}
+                "setup_s": self.setup_s, "alone_s": dict(self._alone_s), **self.extra}
 
     @property
     def trials(self) -> tuple[str, ...]:
@@ -296,20 +297,8 @@ class TrainingGroup:
         outer = ckpt.native_rng()
         try:
             for trial in sorted(self._to_profile & set(self.runs)):
-                run = self.runs[trial]
                 try:
-                    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> copies
-                    times = []
-                    for _ in range(4):  # the first warms caches and allocators up
-                        _sync(run.device)
-                        t0 = time.perf_counter()
-                        loss = self.trainer.training_step(model, batch, run.hparams)
-                        opt.zero_grad(set_to_none=True)
-                        loss.backward()
-                        opt.step()
-                        _sync(run.device)
-                        times.append(time.perf_counter() - t0)
-                    self._alone_s[trial] = sum(times[1:]) / len(times[1:])
+                    self._alone_s[trial] = step_seconds(self.trainer, self.runs[trial], batch)
                 except Exception:  # noqa: BLE001 (unprofiled; never fails the trial)
                     pass
                 finally:
@@ -414,6 +403,32 @@ class TrainingGroup:
         """What ``TrialRun.train_epoch`` does after its batches, before validation."""
         with run._own_rng():
             return run.end_training(total, count)
+
+
+def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 3) -> float:
+    """Seconds of one training step of ``run``'s model alone on ``batch`` (forward, loss,
+    backward, optimizer step), on a copy of its model and optimizer: a warm-up step (caches,
+    allocators), then the least of ``repeats`` (the machine's other work only adds). The
+    caller restores the RNG streams (dropout draws from them).
+
+    Args:
+        trainer: its ``training_step`` computes the loss.
+        run: a :class:`TrialRun` (or anything with ``model``, ``optimizer``, ``hparams``,
+            ``device``).
+        batch: on the run's device.
+    """
+    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> the copies
+    times = []
+    for _ in range(1 + repeats):
+        _sync(run.device)
+        t0 = time.perf_counter()
+        loss = trainer.training_step(model, batch, run.hparams)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        _sync(run.device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
 
 
 def plan_group(models: Mapping[str, Any], data_key: str,
