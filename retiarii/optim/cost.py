@@ -212,7 +212,8 @@ def choose_layout(speedups: Mapping[Layout, float | None], reverted: Iterable[La
         rest.remove(Layout.CSE)
         measured.insert(0, Layout.CSE)
     order = tuple(measured + rest)
-    shown = {lay: known.get(lay) for lay in Layout if lay in known or lay in speedups}
+    given = {Layout(k): v for k, v in speedups.items()}
+    shown = {lay: known.get(lay, given.get(lay)) for lay in Layout if lay in known or lay in given}
     return LayoutChoice(order, shown, describe(order[0], shown, gone))
 
 
