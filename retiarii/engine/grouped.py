@@ -405,7 +405,7 @@ class TrainingGroup:
             return run.end_training(total, count)
 
 
-def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 3) -> float:
+def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
     """Seconds of one training step of ``run``'s model alone on ``batch`` (forward, loss,
     backward, optimizer step), on a copy of its model and optimizer: a warm-up step (caches,
     allocators), then the least of ``repeats`` (the machine's other work only adds). The

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..optim import batching as batching_pass
+from ..optim import fusion_key
 from ..optim.cost import Layout, choose_layout, probe_speedups
 from . import checkpoint as ckpt
 from .fused import FusedGroup, fusable_sets
@@ -145,10 +146,12 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
         batch, load = first
         measured: dict[str, float] = {}
         for t in ids:
-            if alone_s.get(t) is None:
+            if alone_s.get(t) is None and t not in measured:
                 copied = _Copy(runs[t])
                 measured[t] = step_seconds(trainer, copied, batch)
                 del copied
+                # one architecture, one step time: its twins are not measured again
+                measured.update(_twins(t, ids, models, measured[t], alone_s))
         alone = {t: alone_s.get(t, measured.get(t)) for t in ids}
         steps: dict[Layout, float] = {}
         for layout in candidates:
@@ -169,7 +172,17 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
         ckpt.set_native_rng(outer)
 
 
-def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 3) -> float:
+def _twins(trial: str, ids: list[str], models: Mapping, seconds: float,
+           known: Mapping[str, float]) -> dict[str, float]:
+    """``seconds`` for every other trial of ``ids`` with ``trial``'s architecture (an equal
+    :func:`~retiarii.optim.fusion_key`: the same operations and shapes, so the same step
+    time alone) whose time is not ``known``."""
+    key = fusion_key(models[trial])
+    return {t: seconds for t in ids if t != trial and known.get(t) is None
+            and fusion_key(models[t]) == key}
+
+
+def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 2) -> float:
     """One batch of a group (every trial's forward, loss, backward and optimizer step): a
     warm-up step, then the least of ``repeats`` (the machine's other work only adds)."""
     sums = {t: [torch.zeros((), device=r.device), 0] for t, r in group.runs.items()}
@@ -232,6 +245,12 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
         choice.update(order=[x.value for x in order], speedups={})
     if fuse is True:  # forced: fused whatever was measured; the rest as ranked
         order = [Layout.FUSED] + [x for x in order if x is not Layout.FUSED]
+    if profile:  # a trial whose twin's step time alone is known is not profiled again
+        known = {**(meta.get("alone_s") or {}), **measured}
+        for t in [t for t in ids if t in known]:
+            measured.update({k: v for k, v in _twins(t, ids, models, known[t], known).items()
+                             if k in profile})
+        profile = [t for t in profile if t not in measured]
     usable = [x for x in order if x is Layout.SEPARATE or x in merged
               or (x is Layout.FUSED and fusable)]
     layout = usable[0] if usable else merged[0]
