@@ -259,3 +259,19 @@ def test_a_given_choice_is_applied_without_measuring(tmp_path, monkeypatch):
     units = next(e for e in events if isinstance(e, JobProfiled)).units
     assert [u["layout"] for u in units] == ["separate"] * 4 and not any(u["merged"] for u in units)
     assert g._same(g._results(events), g._alone([f._task(t, tmp_path, tag="s-") for t in "adeb"]))
+
+
+@pytest.mark.slow
+def test_the_auto_benchmark_runs_quick():
+    """``benchmarks/auto.py --quick`` (about two minutes on a loaded 2-core CPU: slow)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "auto.py"), "--quick",
+                          "--workload", "mlp"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "auto / best" in out.stdout and "metrics vs separate" in out.stdout
