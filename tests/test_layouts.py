@@ -275,3 +275,28 @@ def test_the_auto_benchmark_runs_quick():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "auto / best" in out.stdout and "metrics vs separate" in out.stdout
+
+
+def test_one_alone_profile_per_architecture(tmp_path, monkeypatch):
+    """Three trials of one architecture and one of another: two alone profiles, and every
+    trial gets its architecture's time; a later job told the times per architecture (as the
+    runner tells it) profiles none."""
+    import test_grouped_jobs as g
+    from retiarii.engine import grouped
+    from retiarii.engine.executors.base import Job
+
+    calls = []
+    real = grouped.step_seconds
+    monkeypatch.setattr(grouped, "step_seconds", lambda trainer, run, batch: (
+        calls.append(run), real(trainer, run, batch))[1])
+    tasks = [f._task(t, tmp_path) for t in "adeb"]
+    events = g._run(Job("p", tasks, meta={"group": True, "profile": list("adeb")}))
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert len(calls) == 2 and set(unit["alone_s"]) == set("adeb")
+    assert unit["alone_s"]["a"] == unit["alone_s"]["d"] == unit["alone_s"]["e"]
+    assert len(unit["alone_by_arch"]) == 2
+    calls.clear()
+    again = [f._task(t, tmp_path, tag="2-") for t in "adeb"]
+    meta = {"group": True, "profile": list("adeb"), "alone_by_arch": {"cpu": unit["alone_by_arch"]}}
+    unit, = next(e for e in g._run(Job("q", again, meta=meta)) if isinstance(e, JobProfiled)).units
+    assert not calls and set(unit["alone_s"]) == set("adeb")

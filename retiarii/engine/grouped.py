@@ -200,6 +200,8 @@ class TrainingGroup:
         self._alone_s: dict[str, float] = {}
         self.setup_s = 0.0  # planning and building it, as the worker measured
         self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
+        self.twins: dict[str, list[str]] = {}  # profiled trial -> others of its architecture
+        self.arch: dict[str, str] = {}  # trial -> its architecture (fusion_key), when known
 
     def report(self) -> dict:
         """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
@@ -211,10 +213,15 @@ class TrainingGroup:
         # at the median wait of the others, so N models apart are not charged it N times.
         loads = self._loads
         typical = sorted(loads[1:])[len(loads[1:]) // 2] if len(loads) > 1 else sum(loads)
+        alone = dict(self._alone_s)
+        for trial, others in self.twins.items():  # one architecture, one step time alone
+            if trial in alone:
+                alone.update({t: alone[trial] for t in others if t not in alone})
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
-                "compute_s": self._compute_s,
-                "setup_s": self.setup_s, "alone_s": dict(self._alone_s), **self.extra}
+                "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
+                "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
+                **self.extra}
 
     @property
     def trials(self) -> tuple[str, ...]:

@@ -65,6 +65,9 @@ class GroupedJobs:
                      if t.trial_id in self.alone_s}
             if known:
                 meta["alone_s"] = known
+            if self.alone_arch:  # step times alone per architecture: not measured again
+                meta["alone_by_arch"] = {d: dict(list(a.items())[-512:])
+                                         for d, a in self.alone_arch.items()}
         key = self.group_key(self.trials[tasks[0].trial_id]) if self.group_key else None
         chosen = self.layouts.get(key_id(key)) if key is not None else None
         if chosen:
@@ -181,6 +184,9 @@ class GroupedJobs:
 
         for unit in job.units:
             self.alone_s.update(unit.get("alone_s") or {})
+            if unit.get("choice") and unit.get("alone_by_arch"):
+                self.alone_arch.setdefault(unit["choice"]["device"], {}).update(
+                    unit["alone_by_arch"])
         units = [dict(u) for u in job.units]
         merged = [u for u in units if u.get("merged")]
         speedups = [merged_speedup(u, self.alone_s) for u in merged]

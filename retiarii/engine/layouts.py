@@ -182,9 +182,11 @@ def _twins(trial: str, ids: list[str], models: Mapping, seconds: float,
             and fusion_key(models[t]) == key}
 
 
-def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 2) -> float:
+def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1) -> float:
     """One batch of a group (every trial's forward, loss, backward and optimizer step): a
-    warm-up step, then the least of ``repeats`` (the machine's other work only adds)."""
+    warm-up step, then the least of ``repeats`` (the machine's other work only adds; one by
+    default: each costs a step of every model, and a segment measured slower reverts a
+    choice a noisy step got wrong)."""
     sums = {t: [torch.zeros((), device=r.device), 0] for t, r in group.runs.items()}
     device = next(iter(group.runs.values())).device
     times = []
@@ -208,7 +210,8 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     for or the probe chooses (see the module docstring).
 
     Args:
-        meta: the job's meta (``fuse``, ``batching``, ``unfused``, ``layouts``, ``alone_s``).
+        meta: the job's meta (``fuse``, ``batching``, ``unfused``, ``layouts``, ``alone_s``,
+            ``alone_by_arch``: device -> architecture (``fusion_key``) -> step time alone).
         ids, models, runs: the group's trials, their models (IR) and runs.
         trainer, data_key: what they share.
         profile: trials whose alone step time to measure (None: measure nothing).
@@ -224,19 +227,25 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
         merged = [Layout.CSE, Layout.BATCHING]
     given = (meta.get("layouts") or {}).get(device)
     choice: dict[str, Any] = {"device": device, "probed": False}
-    measured: dict[str, float] = {}
+    # One architecture, one step time alone: a trial whose architecture was measured (in
+    # this job or an earlier one on this kind of device) is not measured again.
+    arch = {t: fusion_key(models[t]) for t in ids}
+    by_arch = dict(((meta.get("alone_by_arch") or {}).get(device)) or {})
+    known = dict(meta.get("alone_s") or {})
+    by_arch.update({arch[t]: known[t] for t in ids if t in known})
+    measured = {t: by_arch[arch[t]] for t in ids if known.get(t) is None and arch[t] in by_arch}
     if given is not None:
         order = [Layout(x) for x in given["order"]]
         choice.update(order=given["order"], speedups=given.get("speedups") or {})
     elif profile is not None and (len(merged) > 1 or (fuse == "auto" and fusable)):
         candidates = [Layout.SEPARATE, *merged] + ([Layout.FUSED] if fuse == "auto" and fusable else [])
-        known = dict(meta.get("alone_s") or {})
         start = time.perf_counter()
-        result = probe(ids, models, runs, trainer, data_key, candidates, fusable, known)
-        speedups, measured = result if result is not None else ({}, {})
+        result = probe(ids, models, runs, trainer, data_key, candidates, fusable,
+                       {**known, **measured})
+        speedups, probed = result if result is not None else ({}, {})
+        measured.update(probed)
         ranked = choose_layout(speedups)
         order = list(ranked.order)
-        profile = [t for t in profile if t not in measured]
         choice.update(order=[x.value for x in order], probed=True,
                       probe_s=time.perf_counter() - start,
                       speedups={k.value: v for k, v in ranked.speedups.items()})
@@ -245,12 +254,16 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
         choice.update(order=[x.value for x in order], speedups={})
     if fuse is True:  # forced: fused whatever was measured; the rest as ranked
         order = [Layout.FUSED] + [x for x in order if x is not Layout.FUSED]
-    if profile:  # a trial whose twin's step time alone is known is not profiled again
-        known = {**(meta.get("alone_s") or {}), **measured}
-        for t in [t for t in ids if t in known]:
-            measured.update({k: v for k, v in _twins(t, ids, models, known[t], known).items()
-                             if k in profile})
-        profile = [t for t in profile if t not in measured]
+    twins: dict[str, list[str]] = {}
+    if profile:  # one trial per architecture is profiled; its twins get its time
+        reps: dict[str, str] = {}
+        for t in profile:
+            if t in measured:
+                continue
+            rep = reps.setdefault(arch[t], t)
+            if rep != t:
+                twins.setdefault(rep, []).append(t)
+        profile = list(reps.values())
     usable = [x for x in order if x is Layout.SEPARATE or x in merged
               or (x is Layout.FUSED and fusable)]
     layout = usable[0] if usable else merged[0]
@@ -259,11 +272,13 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     units: list = []
     for group in groups:
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
+        group.twins, group.arch = twins, arch
         group.extra = {"layout": Layout.FUSED.value if isinstance(group, FusedGroup) else
                        (rest if layout is Layout.FUSED else layout).value, "choice": choice}
         units.append(group)
     for trial, why in lone.items():
+        mine = {trial: measured[trial]} if trial in measured else {}
         units.append(alone(trial, why, {"layout": Layout.SEPARATE.value, "choice": choice,
-                                        "alone_s": {trial: measured[trial]} if trial in measured
-                                        else {}}))
+                                        "alone_s": mine, "alone_by_arch": {
+                                            arch[t]: v for t, v in mine.items()}}))
     return units

@@ -209,6 +209,7 @@ class TrialRunner(GroupedJobs):
         self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
         self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
         self.layouts: dict[str, dict[str, dict]] = {}  # group key -> device -> layout choice
+        self.alone_arch: dict[str, dict[str, float]] = {}  # device -> architecture -> step time
 
     # ---- public API -----------------------------------------------------------------------
 
