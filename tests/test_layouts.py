@@ -300,3 +300,26 @@ def test_one_alone_profile_per_architecture(tmp_path, monkeypatch):
     meta = {"group": True, "profile": list("adeb"), "alone_by_arch": {"cpu": unit["alone_by_arch"]}}
     unit, = next(e for e in g._run(Job("q", again, meta=meta)) if isinstance(e, JobProfiled)).units
     assert not calls and set(unit["alone_s"]) == set("adeb")
+
+
+def test_fuse_and_batching_follow_optimize_unless_given():
+    from exp_space import space
+
+    def exp(**kw):
+        return rt.Experiment(space, rt.strategies.Random(), rt.Trainer(dataset="digits"), **kw)
+
+    assert (exp().fuse, exp().batching) == ("auto", "auto")
+    assert (exp(optimize=True).fuse, exp(optimize=True).batching) == (False, False)
+    assert (exp(fuse=True, batching=False).fuse, exp(batching=True).batching) == (True, True)
+    with pytest.raises(rt.ExperimentError, match="batching=2"):
+        exp(batching=2)
+
+
+def test_status_prints_the_layout_of_each_group_key():
+    from retiarii.cli import _optimization_line
+
+    text = _optimization_line({"jobs": {"merged": 3}, "merged_trials": 8,
+                               "layouts": ["cpu: fused 2.40x (cse 1.30x)",
+                                           "cpu: separate: cse 1.02x, fused 0.64x"]})
+    assert "\n  layout cpu: fused 2.40x (cse 1.30x)" in text
+    assert "\n  layout cpu: separate: cse 1.02x, fused 0.64x" in text

@@ -147,9 +147,7 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
         measured: dict[str, float] = {}
         for t in ids:
             if alone_s.get(t) is None and t not in measured:
-                copied = _Copy(runs[t])
-                measured[t] = step_seconds(trainer, copied, batch)
-                del copied
+                measured[t] = step_seconds(trainer, runs[t], batch)  # on copies of its own
                 # one architecture, one step time: its twins are not measured again
                 measured.update(_twins(t, ids, models, measured[t], alone_s))
         alone = {t: alone_s.get(t, measured.get(t)) for t in ids}
@@ -167,6 +165,8 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
                 pass
             finally:
                 ckpt.set_native_rng(outer)
+                del copies  # one layout's copies at a time (device memory)
+                groups = []
         return probe_speedups(alone, steps, load), measured
     finally:
         ckpt.set_native_rng(outer)
