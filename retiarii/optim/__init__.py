@@ -2,6 +2,7 @@
 the executable of a group of models, fused training of same-shape models."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
+from .cost import Layout, LayoutChoice, choose_layout
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
@@ -13,6 +14,8 @@ __all__ = [
            "FusionError",
            "GroupError",
            "GroupModule",
+           "Layout",
+           "LayoutChoice",
            "LogicalPlan",
            "PassResult",
            "PlanError",
@@ -22,6 +25,7 @@ __all__ = [
            "batching",
            "build_group",
            "build_plan",
+           "choose_layout",
            "cse",
            "fusable_groups",
            "fuse_models",
