@@ -157,7 +157,9 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
                       optimize=optimize,
                       batch_models=flags.get("batch_models") or 8,
-                      fuse=_OPTIMIZE[flags.get("fuse") or "off"],
+                      # left out (None): "auto" under --optimize auto, else off
+                      fuse=_OPTIMIZE[flags["fuse"]] if flags.get("fuse") else None,
+                      batching=_OPTIMIZE[flags["batching"]] if flags.get("batching") else None,
                       progress=_Progress(max_models),
                       weight_sharing=bool(flags.get("weight_sharing")), ranks=ranks,
                       origin={"cli": {"space": recorded_space, **flags}})
@@ -223,7 +225,8 @@ def cmd_run(args) -> int:
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
-             "weight_sharing": args.weight_sharing, "ranks": args.ranks}
+             "weight_sharing": args.weight_sharing, "ranks": args.ranks,
+             "batching": args.batching}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -352,6 +355,8 @@ def _optimization_line(plans: dict) -> str:
         text += f"; fusion reverted for {plans['unfused_after_revert']}"
     if plans.get("alone_after_revert_or_failure"):
         text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
+    for line in plans.get("layouts", []):
+        text += f"\n  layout {line}"
     for why in plans.get("why_not_merged", []):
         text += f"\n  apart: {why}"
     return text
@@ -543,10 +548,16 @@ def parser() -> argparse.ArgumentParser:
                           "or never (off): see docs/optimization.md")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
-    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default="off",
+    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default=None,
                      help="with --optimize: models of one architecture in a job train as one "
-                          "fused model, kept when measured faster (auto), always (on), or never "
-                          "(off, the default: results bit for bit): see docs/optimization.md")
+                          "fused model when measured faster (auto: the default under --optimize "
+                          "auto), always (on), or never (off: results bit for bit; the default "
+                          "under --optimize on): see docs/optimization.md")
+    run.add_argument("--batching", choices=tuple(_OPTIMIZE), default=None,
+                     help="with --optimize: frozen layers fed other values by each model run once "
+                          "on their inputs concatenated, when measured faster (auto: the default "
+                          "under --optimize auto), always (on), or never (off; the default under "
+                          "--optimize on): see docs/optimization.md")
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")

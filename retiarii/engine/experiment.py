@@ -210,15 +210,19 @@ class Experiment:
             batches of 50; 8 keeps a job's memory modest).
         fuse: whether the trials of a grouped job with one architecture (the same choices,
             other hyper-parameters or seeds) train as one fused model (docs/optimization.md,
-            "Fused training of same-shape models"). ``False`` (default): never, so a search's
-            results are those of training alone bit for bit on CPU. ``"auto"``: fused units
-            are measured, and fusion is reverted for trials measured slower fused than
-            grouped unfused. ``True``: fused whenever possible. Only with ``optimize``;
-            fused results equal training alone within float rounding (1e-6 relative on CPU).
+            "Fused training of same-shape models"). ``"auto"`` (the default under
+            ``optimize="auto"``): when measured faster than the other layouts (the first job
+            of a group key and device measures them; "Choosing a layout"), reverted when a
+            segment measures it slower. ``True``: fused whenever possible. ``False`` (the
+            default under ``optimize=True``): never, so a search's results are those of
+            training alone bit for bit on CPU; fused results equal training alone within
+            float rounding (1e-6 relative on CPU).
         batching: grouped jobs also batch frozen per-example layers that the models feed with
             different values (an adapter before a frozen layer; docs/optimization.md,
-            "batching"). Off by default: on a CPU it pays only for small batches
-            (benchmarks/README.md); exact on CPU either way.
+            "batching"). ``"auto"`` (the default under ``optimize="auto"``): when measured
+            faster than CSE alone (on a CPU it pays only for small batches:
+            benchmarks/README.md); ``True``: always; ``False`` (the default under
+            ``optimize=True``): never. Exact on CPU either way.
         weight_sharing: wrap the multi-trial ``strategy`` in
             :class:`retiarii.strategies.WeightSharing`: the models it proposes train on one
             super-network's shared weights, as a one-shot search (docs/weight_sharing.md).
@@ -239,16 +243,21 @@ class Experiment:
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
-                 optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False,
-                 batching: bool = False, weight_sharing: bool = False, ranks: int = 1):
+                 optimize: bool | str = "auto", batch_models: int = 8,
+                 fuse: bool | str | None = None, batching: bool | str | None = None,
+                 weight_sharing: bool = False, ranks: int = 1):
         if optimize not in ("auto", True, False):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
-        if fuse not in ("auto", True, False):
-            raise ExperimentError(f"fuse={fuse!r}: give 'auto', True or False")
-        self.fuse = fuse
-        if not isinstance(batching, bool):
-            raise ExperimentError(f"batching={batching!r}: give True or False")
-        self.batching = batching
+        for name, value in (("fuse", fuse), ("batching", batching)):
+            if value not in ("auto", True, False, None) or isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                raise ExperimentError(f"{name}={value!r}: give 'auto', True or False (or leave "
+                                      f"it out: 'auto' under optimize='auto', else False)")
+        # Left out: chosen by measurement when the search measures (optimize="auto"), off when
+        # it groups by keys alone (optimize=True: nothing measured, results bit for bit).
+        default = "auto" if optimize == "auto" else False
+        self.fuse = default if fuse is None else fuse
+        self.batching = default if batching is None else batching
         if not isinstance(batch_models, int) or batch_models < 1:
             raise ExperimentError(f"batch_models={batch_models!r}: give a number of trials >= 1")
         self.optimize, self.batch_models = optimize, batch_models
@@ -434,6 +443,7 @@ class Experiment:
                 plans = PlanTable(store)  # groups reverted or failed before stay apart
                 runner.alone, runner.alone_s = plans.alone_trials(), plans.alone_profiles()
                 runner.unfused = plans.unfused_trials()
+                runner.layouts = plans.layout_decisions()  # measured before: not again
                 self._rebind(runner)
                 self.runner = runner
                 self._finish_half_ended(runner)

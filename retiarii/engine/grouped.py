@@ -43,7 +43,7 @@ from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
 from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
 
-__all__ = ["GroupCandidate", "group_tasks", "plan_group", "TrainingGroup"]
+__all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,9 @@ class TrainingGroup:
         self._loads: list[float] = []  # seconds waiting for each batch
         self._alone_s: dict[str, float] = {}
         self.setup_s = 0.0  # planning and building it, as the worker measured
+        self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
+        self.twins: dict[str, list[str]] = {}  # profiled trial -> others of its architecture
+        self.arch: dict[str, str] = {}  # trial -> its architecture (fusion_key), when known
 
     def report(self) -> dict:
         """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
@@ -210,10 +213,15 @@ class TrainingGroup:
         # at the median wait of the others, so N models apart are not charged it N times.
         loads = self._loads
         typical = sorted(loads[1:])[len(loads[1:]) // 2] if len(loads) > 1 else sum(loads)
+        alone = dict(self._alone_s)
+        for trial, others in self.twins.items():  # one architecture, one step time alone
+            if trial in alone:
+                alone.update({t: alone[trial] for t in others if t not in alone})
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
-                "compute_s": self._compute_s,
-                "setup_s": self.setup_s, "alone_s": dict(self._alone_s)}
+                "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
+                "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
+                **self.extra}
 
     @property
     def trials(self) -> tuple[str, ...]:
@@ -296,20 +304,8 @@ class TrainingGroup:
         outer = ckpt.native_rng()
         try:
             for trial in sorted(self._to_profile & set(self.runs)):
-                run = self.runs[trial]
                 try:
-                    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> copies
-                    times = []
-                    for _ in range(4):  # the first warms caches and allocators up
-                        _sync(run.device)
-                        t0 = time.perf_counter()
-                        loss = self.trainer.training_step(model, batch, run.hparams)
-                        opt.zero_grad(set_to_none=True)
-                        loss.backward()
-                        opt.step()
-                        _sync(run.device)
-                        times.append(time.perf_counter() - t0)
-                    self._alone_s[trial] = sum(times[1:]) / len(times[1:])
+                    self._alone_s[trial] = step_seconds(self.trainer, self.runs[trial], batch)
                 except Exception:  # noqa: BLE001 (unprofiled; never fails the trial)
                     pass
                 finally:
@@ -414,6 +410,32 @@ class TrainingGroup:
         """What ``TrialRun.train_epoch`` does after its batches, before validation."""
         with run._own_rng():
             return run.end_training(total, count)
+
+
+def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
+    """Seconds of one training step of ``run``'s model alone on ``batch`` (forward, loss,
+    backward, optimizer step), on a copy of its model and optimizer: a warm-up step (caches,
+    allocators), then the least of ``repeats`` (the machine's other work only adds). The
+    caller restores the RNG streams (dropout draws from them).
+
+    Args:
+        trainer: its ``training_step`` computes the loss.
+        run: a :class:`TrialRun` (or anything with ``model``, ``optimizer``, ``hparams``,
+            ``device``).
+        batch: on the run's device.
+    """
+    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> the copies
+    times = []
+    for _ in range(1 + repeats):
+        _sync(run.device)
+        t0 = time.perf_counter()
+        loss = trainer.training_step(model, batch, run.hparams)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        _sync(run.device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
 
 
 def plan_group(models: Mapping[str, Any], data_key: str,

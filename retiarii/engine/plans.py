@@ -7,7 +7,9 @@ models apart: they train alone from then on), ``failed`` (its failed trials retr
 ``not merged`` (the worker could not plan them together, and why), with the measured
 speed-up and the worker's measurements (each unit's report in ``units``: a fused unit has
 ``"fused": true``, its ``fused_speedup`` over grouped unfused and, when measured slower,
-``"fusion_reverted": true``; the row's reason then says so). ``retiarii status`` summarises it
+``"fusion_reverted": true``; the row's reason then says so; each unit's ``"layout"`` says how
+it trained and ``"decision"`` the layout choice in force for its group key and device, with the
+measured speed-ups: docs/optimization.md, "Choosing a layout"). ``retiarii status`` summarises it
 (:func:`plan_summary`); a resumed experiment reads back which trials must stay alone and the
 profiles already measured (:func:`alone_trials`, :func:`alone_profiles`).
 
@@ -69,6 +71,19 @@ class PlanTable:
         return {t for row in self.rows() for unit in row["units"] if unit.get("fusion_reverted")
                 for t in unit["trials"]}
 
+    def layout_decisions(self) -> dict[str, dict[str, dict]]:
+        """Group key -> device -> the layout choice in force (the last one a unit's
+        ``"decision"`` records: ``order``, measured ``speedups``, ``reverted``, ``reason``):
+        a resumed search applies them without measuring again."""
+        out: dict[str, dict[str, dict]] = {}
+        for row in self.rows():
+            for unit in row["units"]:
+                decision = unit.get("decision")
+                if decision:
+                    kept = {k: v for k, v in decision.items() if k != "group_key"}
+                    out.setdefault(decision["group_key"], {})[unit["choice"]["device"]] = kept
+        return out
+
     def alone_profiles(self) -> dict[str, float]:
         """Trial -> its separate step time, as profiled in a grouped job."""
         out: dict[str, float] = {}
@@ -96,6 +111,10 @@ class PlanTable:
             out["speedup"] = {"median": round(statistics.median(speedups), 3),
                               "min": round(min(speedups), 3), "max": round(max(speedups), 3),
                               "measured_jobs": len(speedups)}
+        layouts = self.layout_decisions()
+        if layouts:  # "cpu: fused 2.40x (cse 1.30x)" per group key and device
+            out["layouts"] = [f"{device}: {c['reason']}" for key in sorted(layouts)
+                              for device, c in sorted(layouts[key].items())]
         reasons = sorted({row["reason"] for row in rows
                           if row["status"] != "merged" and row["reason"]})
         if reasons:

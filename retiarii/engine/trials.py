@@ -151,11 +151,13 @@ class TrialRunner(GroupedJobs):
             ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
         batching: grouped jobs also run the batching pass (``meta["batching"]``): a frozen
             per-example layer the models feed with other values runs once on their
-            concatenated inputs (docs/optimization.md).
+            concatenated inputs (docs/optimization.md). ``"auto"``: when measured faster.
         fuse: whether a grouped job may train its same-architecture trials fused
-            (``meta["fuse"]``; docs/optimization.md): ``"auto"`` measures each fused unit and
-            reverts fusion for trials measured slower fused than grouped unfused (they are
-            sent ``meta["unfused"]`` from then on); True fuses without measuring; False never.
+            (``meta["fuse"]``; docs/optimization.md): ``"auto"`` when measured faster (the
+            first job of a group key and device measures the layouts; a fused unit measured
+            slower over its segment is reverted: its trials are sent ``meta["unfused"]``);
+            True fuses without measuring; False never. The choices are kept per group key
+            and device in :attr:`layouts` (``grouping.py``).
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
@@ -206,6 +208,8 @@ class TrialRunner(GroupedJobs):
         self.fuse, self.batching = fuse, batching
         self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
         self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
+        self.layouts: dict[str, dict[str, dict]] = {}  # group key -> device -> layout choice
+        self.alone_arch: dict[str, dict[str, float]] = {}  # device -> architecture -> step time
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -558,17 +562,7 @@ class TrialRunner(GroupedJobs):
             self._flights[task.trial_id] = _Flight(task.trial_id, task, job_id, mark=now)
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
         if grouped:
-            meta["group"] = True
-            if self.batching:
-                meta["batching"] = True
-            if self.fuse:
-                meta["fuse"] = self.fuse
-                unfused = sorted(t.trial_id for t in tasks if t.trial_id in self.unfused)
-                if unfused:
-                    meta["unfused"] = unfused
-            if self.profile or self.fuse == "auto":  # measure the group, and each member
-                meta["profile"] = [t.trial_id for t in tasks  # never profiled alone
-                                   if t.trial_id not in self.alone_s]
+            meta.update(self._group_meta(tasks))
         attempt = max(self.trials[t.trial_id].attempts for t in tasks)
         self.executor.submit(Job(job_id, tasks, attempt=attempt, meta=meta))
 

@@ -22,6 +22,7 @@ frozen part runs once, and every event, metric and checkpoint is what training a
 When ``job.meta["fuse"]`` is also "auto" or True, the tasks of such a group whose models have
 one architecture train as one fused model (:mod:`.fused`), except those in
 ``job.meta["unfused"]``: the same events and checkpoints, values within float rounding.
+Which layout a group trains in (separate, CSE, batching, fused) is :mod:`.layouts`' choice.
 
 Events of one job, in order: ``JobStarted``; ``TrialResult`` after every step of every task;
 ``TrialCheckpointed`` when a task reaches its ``stop_step`` (and has a ``checkpoint_out``); then
@@ -281,11 +282,12 @@ class _Alone:
     :class:`~.grouped.TrainingGroup` (``trials``, ``train_epoch``, ``drop``; ``report`` when
     a grouped job trains it alone, saying why)."""
 
-    def __init__(self, task: TrialTask, run: Any, why: str | None = None):
+    def __init__(self, task: TrialTask, run: Any, why: str | None = None, extra: dict | None = None):
         self.task, self.run = task, run
         self.trials: tuple[str, ...] = (task.trial_id,)
-        if why is not None:
-            self.report = lambda: {"trials": [task.trial_id], "merged": False, "reason": why}
+        if why is not None:  # extra: the layout and its choice (layouts.py)
+            self.report = lambda: {"trials": [task.trial_id], "merged": False, "reason": why,
+                                   **(extra or {})}
 
     def train_epoch(self) -> dict[str, Any]:
         if self.run.step >= self.task.stop_step:  # nothing to train: only the checkpoint
@@ -310,7 +312,8 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
     :class:`~.grouped.TrainingGroup` (planning that fails falls back to training alone)."""
     if not job.meta.get("group"):
         return [_Alone(task, runs[task.trial_id]) for task in tasks]
-    from .grouped import GroupCandidate, TrainingGroup, group_tasks, plan_group
+    from .grouped import GroupCandidate, TrainingGroup, group_tasks
+    from .layouts import group_units
 
     by_id = {task.trial_id: task for task in tasks}
     keys = {}
@@ -339,27 +342,15 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             grouped = []
             space = context.space(by_id[ids[0]].spec["space"])
             models = {t: space.replay(by_id[t].spec["sample"]) for t in ids}
-            grouped = _fused_units(job, models, runs, profile)
-            fused = {t for g in grouped for t in g.trials}
-            rest = [t for t in ids if t not in fused]
-            if len(rest) == 1:
-                grouped.append(_Alone(by_id[rest[0]], runs[rest[0]], "the others of its group "
-                                      "train fused (another architecture)"))
-                rest = []
-            plan = plan_group({t: models[t] for t in rest}, keys[ids[0]],
-                              {t: runs[t].hparams for t in rest},
-                              batch_ops=bool(job.meta.get("batching"))) if rest else None
-            for group in plan.groups() if plan is not None else ():
-                if len(group) == 1:
-                    grouped.append(_Alone(by_id[group[0]], runs[group[0]],
-                                          "the plan gives it no input in common with the others"))
-                else:
-                    grouped.append(TrainingGroup(plan.restrict(group), runs, runs[ids[0]].trainer,
-                                                 profile=profile))
-            # what merging cost before the first batch (planning, building the group module):
-            # paid on top of building each model, which training alone pays too
-            setup = time.perf_counter() - start
+            grouped = group_units(
+                job.meta, list(ids), models, runs, runs[ids[0]].trainer, keys[ids[0]], profile,
+                lambda t, why, extra: _Alone(by_id[t], runs[t], why, extra))
             merged = [g for g in grouped if isinstance(g, TrainingGroup)]
+            # what merging cost before the first batch (planning, building the group module):
+            # paid on top of building each model, which training alone pays too. Not measuring
+            # the layouts: that is paid once per group key and device, not once per job.
+            probe_s = merged[0].extra["choice"].get("probe_s", 0.0) if merged else 0.0
+            setup = max(0.0, time.perf_counter() - start - probe_s)
             for g in merged:
                 g.setup_s = setup / len(merged)
         except Exception as err:  # noqa: BLE001 (cannot plan or build them together: alone)
@@ -368,25 +359,6 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             why = f"planning or building the group failed: {type(err).__name__}: {err}"[:500]
             grouped = [_Alone(by_id[t], runs[t], why) for t in ids]
         units.extend(grouped)
-    return units
-
-
-def _fused_units(job: Job, models: dict, runs: dict, profile: Any) -> list:
-    """The :class:`~.fused.FusedGroup` s of one candidate group, when ``job.meta["fuse"]``
-    ("auto" or True) allows: its trials of one architecture (:func:`~.fused.fusable_sets`),
-    except those in ``job.meta["unfused"]`` (fusion reverted for them). A set whose modules or
-    optimizers do not fuse (``FusionError``) is left to the CSE-grouped path."""
-    from .fused import FusedGroup, fusable_sets
-
-    if job.meta.get("fuse", False) not in ("auto", True):
-        return []
-    units = []
-    for ids in fusable_sets(models, job.meta.get("unfused") or ()):
-        first = runs[ids[0]]
-        try:
-            units.append(FusedGroup({t: runs[t] for t in ids}, first.trainer, profile=profile))
-        except Exception:  # noqa: BLE001 (not fusable: these train CSE-grouped instead)
-            continue
     return units
 
 

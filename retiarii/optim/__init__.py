@@ -4,6 +4,7 @@ super-graph, the continuous relaxation of a space that differentiable one-shot s
 search (relax.py), and mixed parallelism of weight-sharing training (docs/weight_sharing.md)."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
+from .cost import Layout, LayoutChoice, choose_layout
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
@@ -20,6 +21,8 @@ __all__ = [
            "FusionError",
            "GroupError",
            "GroupModule",
+           "Layout",
+           "LayoutChoice",
            "LogicalPlan",
            "OpKey",
            "PassResult",
@@ -36,6 +39,7 @@ __all__ = [
            "batching",
            "build_group",
            "build_plan",
+           "choose_layout",
            "cse",
            "fusable_groups",
            "fuse_models",
