@@ -202,7 +202,9 @@ class Experiment:
             ``Trainer.data_key``) train as one job: one data pipeline, their common frozen
             layers once; each group is measured and reverted when slower than its models
             apart. ``True``: the same, never reverted for speed. ``False``: every model
-            trains alone (the baseline). Results are the same either way (bit for bit on CPU).
+            trains alone (the baseline). ``"pack"``: jobs packed as with True, but each model
+            of a job trains alone in it (the paper's packing without merging; a baseline).
+            Results are the same either way (bit for bit on CPU).
         batch_models: the most trials one job trains when optimizing (the paper plans in
             batches of 50; 8 keeps a job's memory modest).
         fuse: whether the trials of a grouped job with one architecture (the same choices,
@@ -216,6 +218,12 @@ class Experiment:
             different values (an adapter before a frozen layer; docs/optimization.md,
             "batching"). Off by default: on a CPU it pays only for small batches
             (benchmarks/README.md); exact on CPU either way.
+        packing: how the trials of a batch are split over the free workers
+            (docs/optimization.md, "Packing onto devices"): by their profiles (True: models
+            of similar iteration time together, every worker about equally busy, no job
+            over its worker's memory; the profile is estimated from each model's IR when it
+            is proposed, then scaled by what workers measure), or as evenly as they go
+            (False). ``"auto"`` (default) is True whenever ``optimize`` is on.
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -225,9 +233,12 @@ class Experiment:
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False,
-                 batching: bool = False):
-        if optimize not in ("auto", True, False):
-            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
+                 batching: bool = False, packing: bool | str = "auto"):
+        if optimize not in ("auto", True, False, "pack"):
+            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
+        if packing not in ("auto", True, False):
+            raise ExperimentError(f"packing={packing!r}: give 'auto', True or False")
+        self.packing = bool(optimize) if packing == "auto" else packing
         if fuse not in ("auto", True, False):
             raise ExperimentError(f"fuse={fuse!r}: give 'auto', True or False")
         self.fuse = fuse
@@ -382,7 +393,9 @@ class Experiment:
         if self.optimize:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
                           profile=self.optimize == "auto", on_group=self._on_group,
-                          fuse=self.fuse, batching=self.batching)
+                          fuse=self.fuse, batching=self.batching, packing=self.packing,
+                          merge=self.optimize != "pack", slot_memory=getattr(
+                              executor, "slot_memory", lambda: float("inf"))())
         self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
@@ -528,11 +541,31 @@ class Experiment:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
+            if self.optimize and self.packing:
+                config["profile"] = self._estimate(model)
             frozen = self.space.frozen_fingerprint()
             if frozen is not None:  # the worker checks its frozen values are the driver's
                 config["frozen"] = frozen
             return config
         return None
+
+    def _estimate(self, model) -> dict | None:
+        """The packing profile of a proposed model, estimated from its IR (shapes checked),
+        at the trainer's batch size (engine/placing.py); None when it cannot be estimated."""
+        from ..optim.profile import estimate_profile
+
+        hparams = model.hparams or {}
+        value = getattr(self.trainer, "value", None)
+        try:
+            batch = int(hparams.get("batch_size") or (value("batch_size", hparams) if value else 1))
+            example = self.space.example_input
+            example = example[0] if isinstance(example, (tuple, list)) else example
+            units, memory = estimate_profile(model.graph, batch, example_batch=int(
+                example.shape[0]) if getattr(example, "ndim", 0) else 1)
+        except Exception as err:  # noqa: BLE001 (no estimate: its batch is split evenly)
+            _log.debug("no packing profile for %s: %s", model.sample, err)
+            return None
+        return {"units": round(units, 3), "memory": memory}
 
     def _spawn_config(self, spawn, parent: Trial | None) -> dict:
         """A scheduler's spawn (PBT) as a worker spec: a child keeps its parent's model and

@@ -87,6 +87,12 @@ def _schema_v4(db: sqlite_utils.Database) -> None:
     db["plans"].create_index(["experiment_id", "status"])
 
 
+def _schema_v5(db: sqlite_utils.Database) -> None:
+    """``plans.packing``: the packing decision of a job (its device, models, the predicted
+    time per iteration and the placement's balance; engine/placing.py), JSON or NULL."""
+    db["plans"].add_column("packing", str)
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4]
-SCHEMA_VERSION = 4
+MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5]
+SCHEMA_VERSION = 5
