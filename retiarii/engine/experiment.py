@@ -224,6 +224,13 @@ class Experiment:
             over its worker's memory; the profile is estimated from each model's IR when it
             is proposed, then scaled by what workers measure), or as evenly as they go
             (False). ``"auto"`` (default) is True whenever ``optimize`` is on.
+        dedicated: modules that get a device of their own (docs/optimization.md, "Dedicated
+            devices"): names as in the model (``fnmatch`` patterns: ``"encoder"``,
+            ``"backbone.*"``) or class names (``"TransformerEncoder"``). A grouped job whose
+            shared frozen part holds one computes that part on its own device one batch ahead
+            of the models: another GPU, a side stream of the only one, or on a CPU-only
+            machine a process (``dedicated_device``: ``"process"``, ``"thread"``,
+            ``"cuda:N"`` to choose). Results are unchanged (bit for bit on CPU).
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -233,12 +240,24 @@ class Experiment:
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False,
-                 batching: bool = False, packing: bool | str = "auto"):
+                 batching: bool = False, packing: bool | str = "auto",
+                 dedicated: list[str] | None = None, dedicated_device: str | None = None):
         if optimize not in ("auto", True, False, "pack"):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
         if packing not in ("auto", True, False):
             raise ExperimentError(f"packing={packing!r}: give 'auto', True or False")
         self.packing = bool(optimize) if packing == "auto" else packing
+        if dedicated is not None and (isinstance(dedicated, str) or not all(
+                isinstance(p, str) and p for p in dedicated)):
+            raise ExperimentError(f"dedicated={dedicated!r}: give a list of module names or "
+                                  f"class names, e.g. ['encoder']")
+        if dedicated_device not in (None, "process", "thread") and not str(
+                dedicated_device).startswith("cuda"):
+            raise ExperimentError(f"dedicated_device={dedicated_device!r}: give 'process', "
+                                  f"'thread' or 'cuda:N' (None: chosen per worker)")
+        self.dedicated = {"dedicated": list(dedicated)} if dedicated else {}
+        if dedicated and dedicated_device:
+            self.dedicated["dedicated_device"] = dedicated_device
         if fuse not in ("auto", True, False):
             raise ExperimentError(f"fuse={fuse!r}: give 'auto', True or False")
         self.fuse = fuse
@@ -394,7 +413,8 @@ class Experiment:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
                           profile=self.optimize == "auto", on_group=self._on_group,
                           fuse=self.fuse, batching=self.batching, packing=self.packing,
-                          merge=self.optimize != "pack", slot_memory=getattr(
+                          merge=self.optimize != "pack", dedicated=self.dedicated,
+                          slot_memory=getattr(
                               executor, "slot_memory", lambda: float("inf"))())
         self.runner = None
         started = time.monotonic()

@@ -155,6 +155,8 @@ class TrialRunner(PackedJobs, GroupedJobs):
             concatenated inputs (docs/optimization.md).
         packing, slot_memory, merge: how a batch is split over free slots (:mod:`~.placing`);
             ``merge=False``: a job of several trials trains each alone (no ``meta["group"]``).
+        dedicated: added to a grouped job's meta (``{"dedicated": patterns,
+            "dedicated_device": ...}``: engine/dedicated.py).
         fuse: whether a grouped job may train its same-architecture trials fused
             (``meta["fuse"]``; docs/optimization.md): ``"auto"`` measures each fused unit and
             reverts fusion for trials measured slower fused than grouped unfused (they are
@@ -173,7 +175,8 @@ class TrialRunner(PackedJobs, GroupedJobs):
                  batch_models: int = 1, group_key: Callable[[Trial], Hashable | None] | None = None,
                  profile: bool = False, on_group: Callable[[dict], None] | None = None,
                  fuse: bool | str = False, batching: bool = False, packing: bool = False,
-                 merge: bool = True, slot_memory: float = float("inf")):
+                 merge: bool = True, slot_memory: float = float("inf"),
+                 dedicated: dict | None = None):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         if batch_models < 1:
@@ -210,7 +213,7 @@ class TrialRunner(PackedJobs, GroupedJobs):
         self.fuse, self.batching = fuse, batching
         self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
         self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
-        self.merge = merge
+        self.merge, self.dedicated = merge, dict(dedicated or {})
         self._init_packing(packing, slot_memory)
 
     # ---- public API -----------------------------------------------------------------------
@@ -562,7 +565,7 @@ class TrialRunner(PackedJobs, GroupedJobs):
             self._flights[task.trial_id] = _Flight(task.trial_id, task, job_id, mark=now)
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
         if grouped and self.merge:
-            meta["group"] = True
+            meta.update({"group": True, **self.dedicated})
             if self.batching:
                 meta["batching"] = True
             if self.fuse:

@@ -313,8 +313,8 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
                     grouped.append(_Alone(by_id[group[0]], runs[group[0]],
                                           "the plan gives it no input in common with the others"))
                 else:
-                    grouped.append(TrainingGroup(plan.restrict(group), runs, runs[ids[0]].trainer,
-                                                 profile=profile))
+                    grouped.append(_training_group(job, plan.restrict(group), runs,
+                                                   runs[ids[0]].trainer, profile))
             # what merging cost before the first batch (planning, building the group module):
             # paid on top of building each model, which training alone pays too
             setup = time.perf_counter() - start
@@ -328,6 +328,23 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             grouped = [_Alone(by_id[t], runs[t], why) for t in ids]
         units.extend(grouped)
     return units
+
+
+def _training_group(job: Job, plan: Any, runs: dict, trainer: Any, profile: Any) -> Any:
+    """A :class:`~.grouped.TrainingGroup`, or with ``job.meta["dedicated"]`` (patterns naming
+    modules) a :class:`~.dedicated.DedicatedGroup`: its shared cell, when it holds such a
+    module, on a dedicated device (``meta["dedicated_device"]``, default: another GPU, a side
+    stream of the only one, or a process on a CPU-only machine)."""
+    from .grouped import TrainingGroup
+
+    patterns = job.meta.get("dedicated")
+    if not patterns:
+        return TrainingGroup(plan, runs, trainer, profile=profile)
+    from .dedicated import DedicatedGroup, default_device
+
+    first = next(iter(runs.values()))
+    device = job.meta.get("dedicated_device") or default_device(first.device)
+    return DedicatedGroup(plan, runs, trainer, profile=profile, patterns=patterns, device=device)
 
 
 def _fused_units(job: Job, models: dict, runs: dict, profile: Any) -> list:
