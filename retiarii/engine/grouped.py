@@ -113,9 +113,9 @@ class _Forward:
                                     "one forward per batch (run this trainer ungrouped)")
             self.inputs = inputs
             common = self.ahead(inputs) if self.ahead is not None else None
+            extra = {} if common is None else {"common": common}  # computed ahead: dedicated.py
             self.outs = self.group(*inputs, rng={t: (lambda t=t: self._stream(t))
-                                                 for t in self.runs}, errors=self.errors,
-                                   common=common)
+                                                 for t in self.runs}, errors=self.errors, **extra)
         elif len(inputs) != len(self.inputs) or any(a is not b for a, b in zip(inputs, self.inputs)):
             raise TrainingError(f"trial {trial}: training_step called the model with other "
                                 "inputs than the group's other trials on the same batch")
