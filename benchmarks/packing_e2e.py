@@ -9,7 +9,9 @@ on local worker processes (on a CPU-only machine each worker slot is a device):
 - ``pack``: ``optimize="pack"``: up to ``--batch-models`` models per job, placed per worker by
   their profiles (``packing=True``), each trained alone in its job (packing without merging);
 - ``ours``: ``optimize=True, packing=True``: the same packs, each merged (one data pipeline,
-  the plan's passes; grouped jobs).
+  the plan's passes; grouped jobs);
+- ``even`` (only when asked, ``--modes ... even``): merged, but each batch split over the
+  workers as evenly as it goes, without profiles (``packing=False``): what packing adds.
 
 ``--data tensors`` feeds the digits from memory (``rt.Trainer(dataset="digits")``);
 ``dataloader`` and ``dali`` write them once as JPEG files (``benchmarks/out/digits-jpeg-*``) and
@@ -52,7 +54,8 @@ _IMAGE = int(os.environ.get("PACKING_E2E_IMAGE", "0"))  # 0: the 8x8 digits tens
 SPACE = small(in_channels=3, image_size=_IMAGE) if _IMAGE else small()
 MODES = {"exclusive": dict(optimize=False, batch_models=1),
          "pack": dict(optimize="pack", packing=True),
-         "ours": dict(optimize=True, packing=True)}
+         "ours": dict(optimize=True, packing=True),
+         "even": dict(optimize=True, packing=False)}  # merged, batches split evenly (no profiles)
 
 
 def _digits_folder(size: int) -> str:
@@ -129,7 +132,7 @@ def main() -> None:
     p.add_argument("--crop", type=int, default=16, help="side of the crop the models see")
     p.add_argument("--loader-workers", type=int, default=1,
                    help="DataLoader workers (DALI threads) of each pipeline")
-    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["exclusive", "pack", "ours"])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--rtol", type=float, default=None,
                    help="relative tolerance of val_loss between modes (default: exact on the "
