@@ -91,6 +91,17 @@ def test_a_trial_failing_mid_epoch_rebuilds_the_dedicated_group_and_the_others_a
         assert g._same_checkpoint(a.checkpoint_out, b.checkpoint_out), a.trial_id
 
 
+def test_every_trial_failing_mid_epoch_ends_the_job_at_once(tmp_path):
+    """Nothing waits on what was computed ahead once no trial is left."""
+    g.DieTrainer.calls.clear()
+    tasks = [g._task(t, tmp_path, trainer=g._ref("DIE"), tag="x-",
+                     hparams={"die_at": 4, "tag": f"all-{t}"}) for t in "ab"]
+    events = g._run(Job("x", tasks, meta={"group": True, "dedicated": ["conv"],
+                                          "dedicated_device": "thread"}))
+    end = events[-1]
+    assert isinstance(end, JobFailed) and "boom" in end.error and end.trial_id is None
+
+
 def test_a_group_whose_shared_cell_holds_no_dedicated_module_trains_as_before(tmp_path):
     tasks = [g._task(t, tmp_path, tag="n-") for t in "ab"]
     units = _units(Job("n", tasks, meta={"group": True, "dedicated": ["encoder"]}), tasks,

@@ -211,6 +211,8 @@ class DedicatedGroup(TrainingGroup):
         super().drop(trials)
         if not self.runs and self._worker is not None:
             self._worker.close()
+            self._worker = None
+            self._pending.clear()  # nothing will read what was computed ahead
 
     def _feed(self, batches: Iterator) -> Iterator:
         """Yield the epoch's batches, keeping the next one's shared part submitted to the
