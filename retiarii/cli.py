@@ -151,11 +151,11 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
 
         # connects on first use, disconnects at exit (RayExecutor.close runs at exit)
         executor = RayExecutor(flags["workers"], address=flags["address"])
-    optimize = _OPTIMIZE[flags.get("optimize") or "auto"]
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
-                      optimize=optimize,
+                      optimize={**_OPTIMIZE, "pack": "pack"}[flags.get("optimize") or "auto"],
+                      packing=_OPTIMIZE[flags.get("packing") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
                       # left out (None): "auto" under --optimize auto, else off
                       fuse=_OPTIMIZE[flags["fuse"]] if flags.get("fuse") else None,
@@ -226,7 +226,7 @@ def cmd_run(args) -> int:
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
-             "batching": args.batching}
+             "batching": args.batching, "packing": args.packing}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -357,6 +357,12 @@ def _optimization_line(plans: dict) -> str:
         text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
     for line in plans.get("layouts", []):
         text += f"\n  layout {line}"
+    packing = plans.get("packing")
+    if packing:
+        text += (f"\n  packing: {packing['packs']} packs, {packing['models_per_pack']} models per "
+                 f"pack (median), slowest slot {packing['balance']}x the mean (median)")
+        if packing.get("unmerged_packs"):
+            text += f"; {packing['unmerged_packs']} packed without merging"
     for why in plans.get("why_not_merged", []):
         text += f"\n  apart: {why}"
     return text
@@ -542,10 +548,15 @@ def parser() -> argparse.ArgumentParser:
                      help="early stopping: none, asha or median (default none)")
     run.add_argument("--executor", choices=("local", "ray"), default="local",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")
-    run.add_argument("--optimize", choices=tuple(_OPTIMIZE), default="auto",
+    run.add_argument("--optimize", choices=(*_OPTIMIZE, "pack"), default="auto",
                      help="cross-model optimization: models reading the same batches train as "
                           "one job, kept when measured faster (auto, the default), always (on), "
-                          "or never (off): see docs/optimization.md")
+                          "or never (off); pack: packed into jobs but each trained alone (a "
+                          "baseline): see docs/optimization.md")
+    run.add_argument("--packing", choices=tuple(_OPTIMIZE), default="auto",
+                     help="with --optimize: split each batch of models over the workers by "
+                          "their profiles (similar ones together, workers equally busy, within "
+                          "memory): on, off (as evenly as they go), auto (on when optimizing)")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
     run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default=None,

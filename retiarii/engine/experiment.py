@@ -205,7 +205,9 @@ class Experiment:
             ``Trainer.data_key``) train as one job: one data pipeline, their common frozen
             layers once; each group is measured and reverted when slower than its models
             apart. ``True``: the same, never reverted for speed. ``False``: every model
-            trains alone (the baseline). Results are the same either way (bit for bit on CPU).
+            trains alone (the baseline). ``"pack"``: jobs packed as with True, but each model
+            of a job trains alone in it (the paper's packing without merging; a baseline).
+            Results are the same either way (bit for bit on CPU).
         batch_models: the most trials one job trains when optimizing (the paper plans in
             batches of 50; 8 keeps a job's memory modest).
         fuse: whether the trials of a grouped job with one architecture (the same choices,
@@ -223,6 +225,19 @@ class Experiment:
             faster than CSE alone (on a CPU it pays only for small batches:
             benchmarks/README.md); ``True``: always; ``False`` (the default under
             ``optimize=True``): never. Exact on CPU either way.
+        packing: how the trials of a batch are split over the free workers
+            (docs/optimization.md, "Packing onto devices"): by their profiles (True: models
+            of similar iteration time together, every worker about equally busy, no job
+            over its worker's memory; the profile is estimated from each model's IR when it
+            is proposed, then scaled by what workers measure), or as evenly as they go
+            (False). ``"auto"`` (default) is True whenever ``optimize`` is on.
+        dedicated: modules that get a device of their own (docs/optimization.md, "Dedicated
+            devices"): names as in the model (``fnmatch`` patterns: ``"encoder"``,
+            ``"backbone.*"``) or class names (``"TransformerEncoder"``). A grouped job whose
+            shared frozen part holds one computes that part on its own device one batch ahead
+            of the models: another GPU, a side stream of the only one, or on a CPU-only
+            machine a process (``dedicated_device``: ``"process"``, ``"thread"``,
+            ``"cuda:N"`` to choose). Results are unchanged (bit for bit on CPU).
         weight_sharing: wrap the multi-trial ``strategy`` in
             :class:`retiarii.strategies.WeightSharing`: the models it proposes train on one
             super-network's shared weights, as a one-shot search (docs/weight_sharing.md).
@@ -245,9 +260,24 @@ class Experiment:
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str = "auto", batch_models: int = 8,
                  fuse: bool | str | None = None, batching: bool | str | None = None,
-                 weight_sharing: bool = False, ranks: int = 1):
-        if optimize not in ("auto", True, False):
-            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
+                 weight_sharing: bool = False, ranks: int = 1, packing: bool | str = "auto",
+                 dedicated: list[str] | None = None, dedicated_device: str | None = None):
+        if optimize not in ("auto", True, False, "pack"):
+            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
+        if packing not in ("auto", True, False):
+            raise ExperimentError(f"packing={packing!r}: give 'auto', True or False")
+        self.packing = bool(optimize) if packing == "auto" else packing
+        if dedicated is not None and (isinstance(dedicated, str) or not all(
+                isinstance(p, str) and p for p in dedicated)):
+            raise ExperimentError(f"dedicated={dedicated!r}: give a list of module names or "
+                                  f"class names, e.g. ['encoder']")
+        if dedicated_device not in (None, "process", "thread") and not str(
+                dedicated_device).startswith("cuda"):
+            raise ExperimentError(f"dedicated_device={dedicated_device!r}: give 'process', "
+                                  f"'thread' or 'cuda:N' (None: chosen per worker)")
+        self.dedicated = {"dedicated": list(dedicated)} if dedicated else {}
+        if dedicated and dedicated_device:
+            self.dedicated["dedicated_device"] = dedicated_device
         for name, value in (("fuse", fuse), ("batching", batching)):
             if value not in ("auto", True, False, None) or isinstance(value, (int, float)) \
                     and not isinstance(value, bool):
@@ -431,7 +461,10 @@ class Experiment:
         if self.optimize:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
                           profile=self.optimize == "auto", on_group=self._on_group,
-                          fuse=self.fuse, batching=self.batching)
+                          fuse=self.fuse, batching=self.batching, packing=self.packing,
+                          merge=self.optimize != "pack", dedicated=self.dedicated,
+                          slot_memory=getattr(
+                              executor, "slot_memory", lambda: float("inf"))())
         self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
@@ -628,11 +661,31 @@ class Experiment:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
+            if self.optimize and self.packing:
+                config["profile"] = self._estimate(model)
             frozen = self.space.frozen_fingerprint()
             if frozen is not None:  # the worker checks its frozen values are the driver's
                 config["frozen"] = frozen
             return config
         return None
+
+    def _estimate(self, model) -> dict | None:
+        """The packing profile of a proposed model, estimated from its IR (shapes checked),
+        at the trainer's batch size (engine/placing.py); None when it cannot be estimated."""
+        from ..optim.profile import estimate_profile
+
+        hparams = model.hparams or {}
+        value = getattr(self.trainer, "value", None)
+        try:
+            batch = int(hparams.get("batch_size") or (value("batch_size", hparams) if value else 1))
+            example = self.space.example_input
+            example = example[0] if isinstance(example, (tuple, list)) else example
+            units, memory = estimate_profile(model.graph, batch, example_batch=int(
+                example.shape[0]) if getattr(example, "ndim", 0) else 1)
+        except Exception as err:  # noqa: BLE001 (no estimate: its batch is split evenly)
+            _log.debug("no packing profile for %s: %s", model.sample, err)
+            return None
+        return {"units": round(units, 3), "memory": memory}
 
     def _spawn_config(self, spawn, parent: Trial | None) -> dict:
         """A scheduler's spawn (PBT) as a worker spec: a child keeps its parent's model and

@@ -31,7 +31,7 @@ import contextlib
 import copy
 import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -82,8 +82,10 @@ def group_tasks(candidates: Iterable[GroupCandidate]) -> list[tuple[str, ...]]:
 class _Forward:
     """One batch's group forward, run on the first proxy call and read by every proxy."""
 
-    def __init__(self, group: nn.Module, runs: Mapping[str, TrialRun], batch: Any):
+    def __init__(self, group: nn.Module, runs: Mapping[str, TrialRun], batch: Any,
+                 ahead: Any = None):
         self.group, self.runs = group, runs
+        self.ahead = ahead  # inputs -> the shared part's outputs computed ahead, or None
         self.batch_tensors = {id(t) for t in _tensors(batch)}
         self.active: str | None = None  # the trial whose training_step runs now
         self.inputs: tuple | None = None
@@ -110,8 +112,10 @@ class _Forward:
                                     "tensors that are not the batch's; a grouped job shares "
                                     "one forward per batch (run this trainer ungrouped)")
             self.inputs = inputs
+            common = self.ahead(inputs) if self.ahead is not None else None
+            extra = {} if common is None else {"common": common}  # computed ahead: dedicated.py
             self.outs = self.group(*inputs, rng={t: (lambda t=t: self._stream(t))
-                                                 for t in self.runs}, errors=self.errors)
+                                                 for t in self.runs}, errors=self.errors, **extra)
         elif len(inputs) != len(self.inputs) or any(a is not b for a, b in zip(inputs, self.inputs)):
             raise TrainingError(f"trial {trial}: training_step called the model with other "
                                 "inputs than the group's other trials on the same batch")
@@ -256,7 +260,7 @@ class TrainingGroup:
         batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
         if first.batch:  # resuming mid-epoch: every run is at the same position
             batches = itertools.islice(iter(batches), first.batch, None)
-        batches = iter(batches)
+        batches = self._feed(iter(batches))
         sync = _sync if self._measure else (lambda device: None)
         while True:
             sync(first.device)
@@ -295,6 +299,15 @@ class TrainingGroup:
                 run.epoch, run.batch = run.epoch + 1, 0
         self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
         return outcome
+
+    def _feed(self, batches: Iterator) -> Iterator:
+        """The epoch's batches as the loop reads them (a subclass reads ahead:
+        :class:`~.dedicated.DedicatedGroup`)."""
+        return batches
+
+    def _ahead(self, batch: Any) -> Any:
+        """For one batch: ``inputs -> the shared part's outputs`` computed ahead, or None."""
+        return None
 
     def _profile(self, batch: Any) -> None:
         """Each trial to profile, trained alone for a few steps on ``batch``: a copy of its
@@ -351,7 +364,7 @@ class TrainingGroup:
 
     def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
         """One batch for every trial; the trials that failed in it."""
-        forward = _Forward(self._group, self.runs, batch)
+        forward = _Forward(self._group, self.runs, batch, self._ahead(batch))
         losses: dict[str, torch.Tensor] = {}
         failed: dict[str, Exception] = {}
         for trial, run in self.runs.items():

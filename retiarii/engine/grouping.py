@@ -215,6 +215,8 @@ class GroupedJobs:
                 and event.error != "cancelled"):
             status = "failed"
             reason = (event.error.strip().splitlines() or [""])[0][:500]
+        elif not self.merge:  # packed without merging (engine/placing.py): nothing to judge
+            status, reason = "packed", "packed without merging: each model trained alone"
         elif not merged and job.units:
             status, reason = "not merged", "; ".join(
                 sorted({u.get("reason", "") for u in job.units}))[:500]
@@ -234,9 +236,10 @@ class GroupedJobs:
         return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
                 "reason": reason, "speedup": min(known) if known else None,
                 "seconds": seconds, "units": units, "errors": errors,
-                "alone": [], "unfused": unfused,
-                "passes": ["cse"] + (["batching"] if any(u.get("layout") == "batching" or (
-                    self.batching is True and "layout" not in u) for u in merged) else [])
+                "alone": [], "unfused": unfused, "packing": job.extra.get("packing"),
+                "passes": [] if not self.merge else ["cse"] + (["batching"] if any(
+                    u.get("layout") == "batching" or (self.batching is True and "layout" not in u)
+                    for u in merged) else [])
                 + (["fusion"] if any(u.get("fused") for u in merged) else [])}
 
     def _retry_alone(self, trial: Trial, error: str) -> None:

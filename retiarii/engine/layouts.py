@@ -90,7 +90,8 @@ def _first_batch(trainer: Any, run: Any) -> tuple[Any, float] | None:
 
 def _units_of(layout: Layout, ids: list[str], models: Mapping, runs: Mapping, trainer: Any,
               data_key: str, fusable: list[tuple[str, ...]], rest: Layout,
-              profile: Any) -> tuple[list[TrainingGroup], dict[str, str]]:
+              profile: Any, make_group: Callable = TrainingGroup
+              ) -> tuple[list[TrainingGroup], dict[str, str]]:
     """The groups of ``layout`` over ``ids`` and the trials it leaves alone (-> why).
     ``rest``: the layout of the trials that do not fuse under ``FUSED``."""
     groups: list[TrainingGroup] = []
@@ -119,7 +120,7 @@ def _units_of(layout: Layout, ids: list[str], models: Mapping, runs: Mapping, tr
         if len(members) == 1:
             lone[members[0]] = "the plan gives it no input in common with the others"
         else:
-            groups.append(TrainingGroup(plan.restrict(members), runs, trainer, profile=profile))
+            groups.append(make_group(plan.restrict(members), runs, trainer, profile))
     return groups, lone
 
 
@@ -205,7 +206,8 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1) -> f
 
 def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, trainer: Any,
                 data_key: str, profile: list[str] | None,
-                alone: Callable[[str, str, dict], Any]) -> list:
+                alone: Callable[[str, str, dict], Any],
+                make_group: Callable = TrainingGroup) -> list:
     """The units of one candidate group (two or more trials) in the layout ``meta`` asks
     for or the probe chooses (see the module docstring).
 
@@ -216,6 +218,8 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
         trainer, data_key: what they share.
         profile: trials whose alone step time to measure (None: measure nothing).
         alone: ``alone(trial, why, extra)`` -> the worker's unit training one trial alone.
+        make_group: ``make_group(plan, runs, trainer, profile)`` -> the unit training a merged
+            group (a :class:`TrainingGroup`, or the worker's dedicated-device group).
     """
     fuse, batch = meta.get("fuse", False), meta.get("batching", False)
     device = device_label(runs[ids[0]].device)
@@ -268,7 +272,8 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
               or (x is Layout.FUSED and fusable)]
     layout = usable[0] if usable else merged[0]
     rest = next((x for x in usable if x is not Layout.FUSED), merged[0])
-    groups, lone = _units_of(layout, ids, models, runs, trainer, data_key, fusable, rest, profile)
+    groups, lone = _units_of(layout, ids, models, runs, trainer, data_key, fusable, rest, profile,
+                             make_group)
     units: list = []
     for group in groups:
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})

@@ -104,6 +104,12 @@ def _schema_v5(db: sqlite_utils.Database) -> None:
     db["experiments"].add_column("result_model", int)
 
 
+def _schema_v6(db: sqlite_utils.Database) -> None:
+    """``plans.packing``: the packing decision of a job (its device, models, the predicted
+    time per iteration and the placement's balance; engine/placing.py), JSON or NULL."""
+    db["plans"].add_column("packing", str)
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5]
-SCHEMA_VERSION = 5
+MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6]
+SCHEMA_VERSION = 6

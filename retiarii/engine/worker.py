@@ -344,7 +344,9 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             models = {t: space.replay(by_id[t].spec["sample"]) for t in ids}
             grouped = group_units(
                 job.meta, list(ids), models, runs, runs[ids[0]].trainer, keys[ids[0]], profile,
-                lambda t, why, extra: _Alone(by_id[t], runs[t], why, extra))
+                lambda t, why, extra: _Alone(by_id[t], runs[t], why, extra),
+                make_group=lambda plan, rs, trainer, prof: _training_group(
+                    job, plan, rs, trainer, prof))
             merged = [g for g in grouped if isinstance(g, TrainingGroup)]
             # what merging cost before the first batch (planning, building the group module):
             # paid on top of building each model, which training alone pays too. Not measuring
@@ -360,6 +362,23 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             grouped = [_Alone(by_id[t], runs[t], why) for t in ids]
         units.extend(grouped)
     return units
+
+
+def _training_group(job: Job, plan: Any, runs: dict, trainer: Any, profile: Any) -> Any:
+    """A :class:`~.grouped.TrainingGroup`, or with ``job.meta["dedicated"]`` (patterns naming
+    modules) a :class:`~.dedicated.DedicatedGroup`: its shared cell, when it holds such a
+    module, on a dedicated device (``meta["dedicated_device"]``, default: another GPU, a side
+    stream of the only one, or a process on a CPU-only machine)."""
+    from .grouped import TrainingGroup
+
+    patterns = job.meta.get("dedicated")
+    if not patterns:
+        return TrainingGroup(plan, runs, trainer, profile=profile)
+    from .dedicated import DedicatedGroup, default_device
+
+    first = next(iter(runs.values()))
+    device = job.meta.get("dedicated_device") or default_device(first.device)
+    return DedicatedGroup(plan, runs, trainer, profile=profile, patterns=patterns, device=device)
 
 
 class _EmitError(ConnectionError):

@@ -174,6 +174,11 @@ class Executor(abc.ABC):
 
         return time.monotonic()
 
+    def slot_memory(self) -> float:
+        """Bytes each slot lends to the models of its jobs (packing places within it;
+        engine/placing.py); ``inf`` when the executor cannot tell."""
+        return float("inf")
+
     def close(self) -> None:
         """Release workers. Idempotent."""
 
