@@ -416,9 +416,10 @@ def test_version_2_files_lose_the_unused_pinned_column(tmp_path, monkeypatch):
                          "VALUES ('t1', 1, 't1/step-1', 1, 0), ('t1', 2, 't1/step-2', 0, 0)")
             s.db.conn.commit()
     with Store(path) as s:
-        assert s.schema_version == SCHEMA_VERSION == 5
+        assert s.schema_version == SCHEMA_VERSION == 6
         assert "pinned" not in s.db["checkpoints"].columns_dict
         assert s.db["plans"].count == 0  # version 4: the plans table, empty in an old run
+        assert "packing" in s.db["plans"].columns_dict  # version 6: plans.packing
         assert [c["name"] for c in s.checkpoints("t1")] == ["t1/step-1", "t1/step-2"]
         s.checkpoint("t1", 3, "t1/step-3")
         assert s.last_checkpoint("t1")["name"] == "t1/step-3"
@@ -624,6 +625,6 @@ def test_the_docs_examples_run(tmp_path):
         assert result.exit_code == 0, (argv, result.output)
         assert result.output.strip() not in ("", "[]"), argv  # each example finds something
         commands += 1
-    assert commands == 10  # every example of docs/store.md, the plans one included
+    assert commands == 11  # every example of docs/store.md, the plans one included
     python = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     exec(python.replace("runs/exp.db", path), {})
