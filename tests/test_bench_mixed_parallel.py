@@ -61,7 +61,7 @@ def test_gloo_syncbn_is_batchnorm_over_every_rank_batch():
         assert close(r["mean"], bn.running_mean) and close(r["var"], bn.running_var)
 
 
-@pytest.mark.slow  # four spawned runs: ~10 s on a quiet machine, ~40 s at load 10
+@pytest.mark.slow  # five spawned runs: ~10 s on a quiet machine, ~40 s at load 10
 def test_quick_mode_compares_the_five_ways():
     rows = {r["way"]: r for r in bench.main(["--quick"])}
     assert list(rows) == bench.WAYS
