@@ -147,7 +147,7 @@ def _reduce_bucket(params: list, dtype: torch.dtype, device: torch.device, group
     for g, p in zip(grads, params):
         if p.grad is not None:
             g.copy_(p.grad.reshape(-1))
-    # A count up to the world size is exact in any float dtype.
+    # A count up to the world size is exact in a float dtype (in bfloat16 up to 256 ranks).
     flat[sum(sizes):].copy_(torch.tensor([p.grad is not None for p in params], dtype=dtype))
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     used = flat[sum(sizes):].round().to(torch.int64).cpu().tolist()
@@ -162,10 +162,11 @@ def _reduce_bucket(params: list, dtype: torch.dtype, device: torch.device, group
 
 
 def _check_same_parameters(params: list, group: Any) -> None:
-    """Every rank passes the same parameters (count, sizes, shapes in order), or a clear error
-    on every rank: different lists would make the flat all-reduces disagree in size (a hang or
-    a crash in the backend) or, worse, add up unrelated gradients. One small collective."""
-    shapes = [tuple(p.shape) for p in params]
+    """Every rank passes the same parameters (count, sizes, shapes and dtypes in order), or a
+    clear error on every rank: different lists would make the flat all-reduces disagree in size
+    (a hang or a crash in the backend) or, worse, add up unrelated gradients. One small
+    collective."""
+    shapes = [(tuple(p.shape), str(p.dtype)) for p in params]
     mine = torch.tensor([len(params), sum(p.numel() for p in params),
                          zlib.crc32(repr(shapes).encode())], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
@@ -177,7 +178,7 @@ def _check_same_parameters(params: list, group: Any) -> None:
         seen = ", ".join(f"rank {r}: {n} parameters, {e} elements" for r, (n, e, _) in
                          enumerate(every))
         raise ValueError(f"average_used_gradients got different parameters on different ranks "
-                         f"({seen}; or the same sizes in other shapes or order): pass the same "
+                         f"({seen}; or the same sizes in other shapes, dtypes or order): pass the same "
                          "parameters in the same order everywhere; a SuperGraph that grows as "
                          "paths are built must build every rank's path on every rank, in the "
                          "same order")
