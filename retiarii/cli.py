@@ -20,7 +20,9 @@ import os
 import sys
 from typing import Any
 
-STRATEGIES = ("random", "grid", "evolution", "rl", "tpe", "predictor")
+from .cli_one_shot import ONE_SHOT
+
+STRATEGIES = ("random", "grid", "evolution", "rl", "tpe", "predictor", *ONE_SHOT)
 SCHEDULERS = ("none", "asha", "median")
 
 
@@ -31,8 +33,13 @@ class CliError(Exception):
 # ---- building an experiment from flags (run) or from the store (resume) -------------------------
 
 
-def _strategy(name: str, seed: int):
+def _strategy(name: str, seed: int, epochs: int | None = None):
     from . import strategies as s
+
+    if name in ONE_SHOT:
+        from .cli_one_shot import one_shot_strategy
+
+        return one_shot_strategy(name, epochs, seed, CliError)
 
     factories = {"random": lambda: s.Random(seed=seed), "grid": lambda: s.GridSearch(seed=seed),
                  "evolution": lambda: s.RegularizedEvolution(population_size=16, sample_size=4,
@@ -106,19 +113,35 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
                        f"rt.ModelSpace(...)` at the top level of the file")
     trainer = getattr(module, "trainer", None)
-    if trainer is not None and flags.get("epochs") is not None:
+    one_shot_flag = flags["strategy"] in ONE_SHOT
+    if trainer is not None and flags.get("epochs") is not None and not one_shot_flag:
         raise CliError(f"--epochs applies to the default trainer, but {space_arg} defines its "
                        f"own `trainer`: set its epochs there, or leave --epochs out")
     if trainer is None:
-        epochs = flags.get("epochs")
+        # a one-shot strategy's --epochs are its segments; its trainer gives the batches
+        epochs = None if one_shot_flag else flags.get("epochs")
         trainer = ClassifierTrainer(dataset="digits", epochs=5 if epochs is None else epochs)
     strategy = getattr(module, "strategy", None)
     if isinstance(strategy, str):
         raise CliError(f"{space_arg} sets `strategy = {strategy!r}`, a string: assign a strategy "
                        f"object (e.g. rt.strategies.Random(seed=0)), or drop it and pass "
                        f"--strategy {strategy}")
-    strategy = _strategy(flags["strategy"], flags["seed"]) if flags["strategy"] else \
-        strategy or _strategy("evolution", flags["seed"])
+    strategy = _strategy(flags["strategy"], flags["seed"], flags.get("epochs")) \
+        if flags["strategy"] else strategy or _strategy("evolution", flags["seed"])
+    one_shot = getattr(strategy, "one_shot", False) or bool(flags.get("weight_sharing"))
+    max_models = flags["max_models"]
+    if one_shot and max_models is not None:
+        raise CliError("--max-models applies to multi-trial searches; a one-shot search's "
+                       "segments decide how many models it evaluates: leave it out")
+    if not one_shot and max_models is None:
+        max_models = 30
+    ranks = flags.get("ranks") or 1
+    if ranks > 1 and not one_shot:
+        raise CliError(f"--ranks {ranks} runs each segment of a one-shot search on several "
+                       f"ranks: give a one-shot --strategy (spos, enas) or --weight-sharing")
+    if one_shot and flags["scheduler"] != "none":
+        raise CliError(f"--scheduler {flags['scheduler']}: a one-shot search trains one "
+                       f"super-network, no trial to stop early; leave --scheduler out")
     scheduler = _scheduler(flags["scheduler"], trainer.epochs, "val_acc")
     executor = flags.get("executor") or "local"  # stores from before --executor: local
     if flags.get("address"):
@@ -129,12 +152,16 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         # connects on first use, disconnects at exit (RayExecutor.close runs at exit)
         executor = RayExecutor(flags["workers"], address=flags["address"])
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
-                      workers=flags["workers"], max_models=flags["max_models"],
+                      workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
-                      optimize=_OPTIMIZE[flags.get("optimize") or "auto"],
+                      optimize={**_OPTIMIZE, "pack": "pack"}[flags.get("optimize") or "auto"],
+                      packing=_OPTIMIZE[flags.get("packing") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
-                      fuse=_OPTIMIZE[flags.get("fuse") or "off"],
-                      progress=_Progress(flags["max_models"]),
+                      # left out (None): "auto" under --optimize auto, else off
+                      fuse=_OPTIMIZE[flags["fuse"]] if flags.get("fuse") else None,
+                      batching=_OPTIMIZE[flags["batching"]] if flags.get("batching") else None,
+                      progress=_Progress(max_models),
+                      weight_sharing=bool(flags.get("weight_sharing")), ranks=ranks,
                       origin={"cli": {"space": recorded_space, **flags}})
 
 
@@ -149,6 +176,11 @@ class _Progress:
         self.tty = sys.stderr.isatty()
 
     def __call__(self, summary: dict) -> None:
+        if "one_shot" in summary:
+            from .cli_one_shot import progress_line
+
+            print(progress_line(summary), file=sys.stderr, flush=True)
+            return
         done = sum(v for k, v in summary["trials"].items() if k in ("TERMINATED", "ERRORED"))
         total = self.total or max(done, 1)
         width = 30
@@ -188,14 +220,17 @@ def cmd_run(args) -> int:
     _positive(args.max_models, "--max-models")
     _positive(args.epochs, "--epochs")
     _positive(args.batch_models, "--batch-models")
+    _positive(args.ranks, "--ranks")
     flags = {"strategy": args.strategy, "seed": args.seed, "max_models": args.max_models,
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
-             "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse}
+             "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
+             "weight_sharing": args.weight_sharing, "ranks": args.ranks,
+             "batching": args.batching, "packing": args.packing}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
-    print(_best_table(summary["best"]))
+    _print_best(summary)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
 
@@ -224,8 +259,17 @@ def cmd_resume(args) -> int:
     exp = _build(space, cli, recorded_space=recorded)
     summary = exp.resume()
     print(file=sys.stderr)
-    print(_best_table(summary["best"]))
+    _print_best(summary)
     return 0
+
+
+def _print_best(summary: dict) -> None:
+    if "one_shot" in summary:
+        from .cli_one_shot import print_result
+
+        print_result(summary, _table)
+    else:
+        print(_best_table(summary["best"]))
 
 
 def _open(db: str):
@@ -255,8 +299,13 @@ def _metric(store) -> tuple[str, str]:
 
 
 def cmd_status(args) -> int:
+    from .cli_one_shot import is_one_shot, print_status
+
     store = _open(args.db)
     exp = store.get_experiment()
+    if is_one_shot(exp["config"]):
+        print_status(store, args.db, args.json, _table)
+        return 0
     metric, mode = _metric(store)
     errored = [t for t in store.trials() if t["state"] == "ERRORED"]
     out = {"store": args.db, "experiment": exp["id"], "status": exp["status"],
@@ -306,6 +355,14 @@ def _optimization_line(plans: dict) -> str:
         text += f"; fusion reverted for {plans['unfused_after_revert']}"
     if plans.get("alone_after_revert_or_failure"):
         text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
+    for line in plans.get("layouts", []):
+        text += f"\n  layout {line}"
+    packing = plans.get("packing")
+    if packing:
+        text += (f"\n  packing: {packing['packs']} packs, {packing['models_per_pack']} models per "
+                 f"pack (median), slowest slot {packing['balance']}x the mean (median)")
+        if packing.get("unmerged_packs"):
+            text += f"; {packing['unmerged_packs']} packed without merging"
     for why in plans.get("why_not_merged", []):
         text += f"\n  apart: {why}"
     return text
@@ -331,6 +388,10 @@ def cmd_export(args) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a file; give a folder (created if missing)")
     store = _open(args.db)
+    from .cli_one_shot import export, is_one_shot
+
+    if is_one_shot(store.get_experiment()["config"]):
+        return export(store, args.db, args.out, CliError, _check_attributes)
     metric, mode = _metric(store)
     # A store is code: its graphs may name only torch, operator, math and the space's own code.
     rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
@@ -396,6 +457,12 @@ def cmd_plot(args) -> int:
     if os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a folder; give the PNG file to write")
     store = _open(args.db)
+    from .cli_one_shot import is_one_shot, plot
+
+    if is_one_shot(store.get_experiment()["config"]):
+        plot(store, args.db, args.out, plt, CliError)
+        print(f"wrote {args.out}")
+        return 0
     metric, mode = _metric(store)
     better = max if mode == "max" else min
     finals = [f for f in store.final_values(metric) if f[2] is not None]
@@ -459,28 +526,49 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="search a space: `demo` or a .py file defining `space`")
     run.add_argument("space", help="'demo' or a Python file with a module-level `space`")
     run.add_argument("--strategy", choices=STRATEGIES, default=None,
-                     help="exploration strategy (default: the file's `strategy`, else evolution)")
-    run.add_argument("--max-models", type=int, default=30, help="models to train (default 30)")
+                     help="exploration strategy (default: the file's `strategy`, else "
+                          "evolution); darts, gumbel, proxyless, spos and enas are one-shot "
+                          "(docs/weight_sharing.md)")
+    run.add_argument("--weight-sharing", action="store_true",
+                     help="train the models a multi-trial strategy proposes on one "
+                          "super-network's shared weights (a one-shot search)")
+    run.add_argument("--ranks", type=int, default=1,
+                     help="one-shot searches: run each segment on K local ranks with mixed "
+                          "parallelism, each rank training its own sampled model (default 1)")
+    run.add_argument("--max-models", type=int, default=None,
+                     help="models to train (default 30; not for one-shot searches)")
     run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     run.add_argument("--store", default="runs/demo.db", help="SQLite file (default runs/demo.db)")
     run.add_argument("--seed", type=int, default=0, help="seed of the search and of the trials")
     run.add_argument("--epochs", type=int, default=None,
                      help="epochs per model for the default trainer (default 5); an error "
-                          "when the space file defines its own `trainer`")
+                          "when the space file defines its own `trainer`; for a one-shot "
+                          "--strategy, its segments (default 5)")
     run.add_argument("--scheduler", choices=SCHEDULERS, default="none",
                      help="early stopping: none, asha or median (default none)")
     run.add_argument("--executor", choices=("local", "ray"), default="local",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")
-    run.add_argument("--optimize", choices=tuple(_OPTIMIZE), default="auto",
+    run.add_argument("--optimize", choices=(*_OPTIMIZE, "pack"), default="auto",
                      help="cross-model optimization: models reading the same batches train as "
                           "one job, kept when measured faster (auto, the default), always (on), "
-                          "or never (off): see docs/optimization.md")
+                          "or never (off); pack: packed into jobs but each trained alone (a "
+                          "baseline): see docs/optimization.md")
+    run.add_argument("--packing", choices=tuple(_OPTIMIZE), default="auto",
+                     help="with --optimize: split each batch of models over the workers by "
+                          "their profiles (similar ones together, workers equally busy, within "
+                          "memory): on, off (as evenly as they go), auto (on when optimizing)")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
-    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default="off",
+    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default=None,
                      help="with --optimize: models of one architecture in a job train as one "
-                          "fused model, kept when measured faster (auto), always (on), or never "
-                          "(off, the default: results bit for bit): see docs/optimization.md")
+                          "fused model when measured faster (auto: the default under --optimize "
+                          "auto), always (on), or never (off: results bit for bit; the default "
+                          "under --optimize on): see docs/optimization.md")
+    run.add_argument("--batching", choices=tuple(_OPTIMIZE), default=None,
+                     help="with --optimize: frozen layers fed other values by each model run once "
+                          "on their inputs concatenated, when measured faster (auto: the default "
+                          "under --optimize auto), always (on), or never (off; the default under "
+                          "--optimize on): see docs/optimization.md")
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")

@@ -35,3 +35,30 @@ space = rt.ModelSpace(MLP(), example_input=EXAMPLE)                 # 4 models (
 failing_space = rt.ModelSpace(MLP(failing=True), example_input=EXAMPLE)  # 6 models (x 3 lrs)
 trainer = rt.Trainer(dataset="digits", epochs=2, batch_size=128,
                      lr=rt.ValueChoice([0.01, 0.03, 0.1], label="lr"))
+
+
+# One architecture each (no mutator): a search over the trainer's learning rate alone, what
+# fusion serves (tests/test_layouts.py).
+class FixedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class FixedCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                                 nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 16, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+mlp_space = rt.ModelSpace(FixedMLP(), example_input=EXAMPLE)
+cnn_space = rt.ModelSpace(FixedCNN(), example_input=EXAMPLE)
+lr_trainer = rt.Trainer(dataset="digits", epochs=2, batch_size=256,
+                        lr=rt.ValueChoice([0.01, 0.02, 0.03, 0.05], label="lr"))

@@ -176,7 +176,9 @@ def test_fuse_off_and_unfused_trials_group_as_before(tmp_path):
 
 def test_fused_report_is_measured(tmp_path):
     tasks = [_task(t, tmp_path) for t in "ade"]
-    events = _g._run(_job(tasks, fuse="auto", profile=["a", "d", "e"]))
+    # the layout chosen already (no probe: its timing would decide between fused and apart)
+    chosen = {"cpu": {"order": ["fused", "cse", "separate"]}}
+    events = _g._run(_job(tasks, fuse="auto", profile=["a", "d", "e"], layouts=chosen))
     from retiarii.engine.executors.base import JobProfiled
 
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
@@ -241,7 +243,17 @@ class _SaysFusedSlower:
         return JobProfiled(event.job_id, tuple(units))
 
 
-def test_fusion_measured_slower_is_reverted(tmp_path):
+@pytest.fixture
+def fused_chosen(monkeypatch):
+    """The first job's measurement of the layouts (timing-free): fused 2x, CSE 1.5x."""
+    from retiarii.engine import layouts
+    from retiarii.optim.cost import Layout
+
+    monkeypatch.setattr(layouts, "probe", lambda *a, **k: (
+        {Layout.FUSED: 2.0, Layout.CSE: 1.5}, {}))
+
+
+def test_fusion_measured_slower_is_reverted(tmp_path, fused_chosen):
     import test_optimize as o
     from retiarii.engine.plans import PlanTable
     from retiarii.engine.store import Store
@@ -272,7 +284,7 @@ def test_fusion_measured_slower_is_reverted(tmp_path):
         assert PlanTable(store).unfused_trials() == gone
 
 
-def test_fusion_measured_faster_is_kept(tmp_path):
+def test_fusion_measured_faster_is_kept(tmp_path, fused_chosen):
     import test_optimize as o
 
     class Executor(o.Recording):

@@ -1,8 +1,10 @@
 """Cross-model optimization in the engine: the runner packs trials that read the same batches
 into grouped jobs, plans them again at every segment, reverts groups measured slower than
 their models apart, reruns the models of a failed group alone, and records every group in the
-plans table. The reference throughout: the same search with ``optimize=False``. Fusion is off
-here (``fuse=False``): these results are bit for bit; fused searches are in test_fused_jobs.py."""
+plans table. The reference throughout: the same search with ``optimize=False``. Fusion and
+batching are off here (``fuse=False, batching=False``: no layout to choose, so the measured
+revert is all that decides); fused searches are in test_fused_jobs.py, chosen layouts in
+test_layouts.py."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +41,7 @@ def _run(tmp_path, name, executor=None, **kwargs):
     db = tmp_path / f"{name}.db"
     exp = rt.Experiment(space, rt.strategies.Random(seed=0), kwargs.pop("trainer", TRAINER),
                         store=str(db), executor=executor or Recording(), seed=0,
-                        **{"max_models": 6, "fuse": False, **kwargs})
+                        **{"max_models": 6, "fuse": False, "batching": False, **kwargs})
     exp.run()
     return db, exp
 
@@ -305,7 +307,8 @@ def test_a_group_measured_slower_is_reverted_and_stays_apart_after_a_resume(tmp_
 
     def exp():
         return rt.Experiment(space, rt.strategies.Random(seed=0), TRAINER, store=str(db),
-                             executor=ex, seed=0, max_models=4, optimize="auto", fuse=False)
+                             executor=ex, seed=0, max_models=4, optimize="auto", fuse=False,
+                             batching=False)
 
     with pytest.raises(KeyboardInterrupt):
         exp().run()

@@ -39,10 +39,13 @@ from ..refs import SCRIPT_MODULES, EncodeError, load_file_module, ref_of, resolv
 from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
 from ..strategies.base import SpaceExhausted, UnknownSample
+from ..strategies.one_shot import OneShot
 from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir, CheckpointPathError
 from .lock import StoreLock, StoreLocked
+from . import one_shot
 from .plans import PlanTable
+from .segments import SegmentTable
 from .store import Store
 from .trainer import Trainer
 from .trials import Trial, TrialRunner, TrialState
@@ -202,20 +205,51 @@ class Experiment:
             ``Trainer.data_key``) train as one job: one data pipeline, their common frozen
             layers once; each group is measured and reverted when slower than its models
             apart. ``True``: the same, never reverted for speed. ``False``: every model
-            trains alone (the baseline). Results are the same either way (bit for bit on CPU).
+            trains alone (the baseline). ``"pack"``: jobs packed as with True, but each model
+            of a job trains alone in it (the paper's packing without merging; a baseline).
+            Results are the same either way (bit for bit on CPU).
         batch_models: the most trials one job trains when optimizing (the paper plans in
             batches of 50; 8 keeps a job's memory modest).
         fuse: whether the trials of a grouped job with one architecture (the same choices,
             other hyper-parameters or seeds) train as one fused model (docs/optimization.md,
-            "Fused training of same-shape models"). ``False`` (default): never, so a search's
-            results are those of training alone bit for bit on CPU. ``"auto"``: fused units
-            are measured, and fusion is reverted for trials measured slower fused than
-            grouped unfused. ``True``: fused whenever possible. Only with ``optimize``;
-            fused results equal training alone within float rounding (1e-6 relative on CPU).
+            "Fused training of same-shape models"). ``"auto"`` (the default under
+            ``optimize="auto"``): when measured faster than the other layouts (the first job
+            of a group key and device measures them; "Choosing a layout"), reverted when a
+            segment measures it slower. ``True``: fused whenever possible. ``False`` (the
+            default under ``optimize=True``): never, so a search's results are those of
+            training alone bit for bit on CPU; fused results equal training alone within
+            float rounding (1e-6 relative on CPU).
         batching: grouped jobs also batch frozen per-example layers that the models feed with
             different values (an adapter before a frozen layer; docs/optimization.md,
-            "batching"). Off by default: on a CPU it pays only for small batches
-            (benchmarks/README.md); exact on CPU either way.
+            "batching"). ``"auto"`` (the default under ``optimize="auto"``): when measured
+            faster than CSE alone (on a CPU it pays only for small batches:
+            benchmarks/README.md); ``True``: always; ``False`` (the default under
+            ``optimize=True``): never. Exact on CPU either way.
+        packing: how the trials of a batch are split over the free workers
+            (docs/optimization.md, "Packing onto devices"): by their profiles (True: models
+            of similar iteration time together, every worker about equally busy, no job
+            over its worker's memory; the profile is estimated from each model's IR when it
+            is proposed, then scaled by what workers measure), or as evenly as they go
+            (False). ``"auto"`` (default) is True whenever ``optimize`` is on.
+        dedicated: modules that get a device of their own (docs/optimization.md, "Dedicated
+            devices"): names as in the model (``fnmatch`` patterns: ``"encoder"``,
+            ``"backbone.*"``) or class names (``"TransformerEncoder"``). A grouped job whose
+            shared frozen part holds one computes that part on its own device one batch ahead
+            of the models: another GPU, a side stream of the only one, or on a CPU-only
+            machine a process (``dedicated_device``: ``"process"``, ``"thread"``,
+            ``"cuda:N"`` to choose). Results are unchanged (bit for bit on CPU).
+        weight_sharing: wrap the multi-trial ``strategy`` in
+            :class:`retiarii.strategies.WeightSharing`: the models it proposes train on one
+            super-network's shared weights, as a one-shot search (docs/weight_sharing.md).
+        ranks: one-shot searches only: each segment runs on this many local ranks with mixed
+            parallelism (:mod:`retiarii.optim.mixed_parallel`: each rank trains its own sampled
+            model on its share of the batches; a GPU per rank when there are enough, else
+            gloo). The strategy must support it (SPOS, ENAS, WeightSharing).
+
+    A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
+    ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
+    multi-trial searches use (scheduler, max_models, optimize=True, fuse, batching,
+    model_retries) are refused with it.
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -224,16 +258,36 @@ class Experiment:
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
-                 optimize: bool | str = "auto", batch_models: int = 8, fuse: bool | str = False,
-                 batching: bool = False):
-        if optimize not in ("auto", True, False):
-            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True or False")
-        if fuse not in ("auto", True, False):
-            raise ExperimentError(f"fuse={fuse!r}: give 'auto', True or False")
-        self.fuse = fuse
-        if not isinstance(batching, bool):
-            raise ExperimentError(f"batching={batching!r}: give True or False")
-        self.batching = batching
+                 optimize: bool | str = "auto", batch_models: int = 8,
+                 fuse: bool | str | None = None, batching: bool | str | None = None,
+                 weight_sharing: bool = False, ranks: int = 1, packing: bool | str = "auto",
+                 dedicated: list[str] | None = None, dedicated_device: str | None = None):
+        if optimize not in ("auto", True, False, "pack"):
+            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
+        if packing not in ("auto", True, False):
+            raise ExperimentError(f"packing={packing!r}: give 'auto', True or False")
+        self.packing = bool(optimize) if packing == "auto" else packing
+        if dedicated is not None and (isinstance(dedicated, str) or not all(
+                isinstance(p, str) and p for p in dedicated)):
+            raise ExperimentError(f"dedicated={dedicated!r}: give a list of module names or "
+                                  f"class names, e.g. ['encoder']")
+        if dedicated_device not in (None, "process", "thread") and not str(
+                dedicated_device).startswith("cuda"):
+            raise ExperimentError(f"dedicated_device={dedicated_device!r}: give 'process', "
+                                  f"'thread' or 'cuda:N' (None: chosen per worker)")
+        self.dedicated = {"dedicated": list(dedicated)} if dedicated else {}
+        if dedicated and dedicated_device:
+            self.dedicated["dedicated_device"] = dedicated_device
+        for name, value in (("fuse", fuse), ("batching", batching)):
+            if value not in ("auto", True, False, None) or isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                raise ExperimentError(f"{name}={value!r}: give 'auto', True or False (or leave "
+                                      f"it out: 'auto' under optimize='auto', else False)")
+        # Left out: chosen by measurement when the search measures (optimize="auto"), off when
+        # it groups by keys alone (optimize=True: nothing measured, results bit for bit).
+        default = "auto" if optimize == "auto" else False
+        self.fuse = default if fuse is None else fuse
+        self.batching = default if batching is None else batching
         if not isinstance(batch_models, int) or batch_models < 1:
             raise ExperimentError(f"batch_models={batch_models!r}: give a number of trials >= 1")
         self.optimize, self.batch_models = optimize, batch_models
@@ -256,6 +310,24 @@ class Experiment:
         if isinstance(executor, str) and executor not in ("local", "ray"):
             raise ExperimentError(f"executor={executor!r}: give 'local', 'ray' or an Executor")
         self.executor, self.progress, self.origin = executor, progress, origin
+        if not isinstance(weight_sharing, bool):
+            raise ExperimentError(f"weight_sharing={weight_sharing!r}: give True or False")
+        if weight_sharing:
+            self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, trainer,
+                                                                 ExperimentError)
+        self.one_shot = isinstance(strategy, OneShot)
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ExperimentError(f"ranks={ranks!r}: give a number of ranks >= 1")
+        if ranks > 1 and not self.one_shot:
+            raise ExperimentError(f"ranks={ranks} runs a one-shot segment on several ranks; "
+                                  f"{type(strategy).__name__} is multi-trial: use workers= to "
+                                  f"train its models in parallel, or weight_sharing=True")
+        self.ranks = ranks
+        if self.one_shot:
+            one_shot.check_options(strategy, ExperimentError, scheduler=scheduler,
+                                   optimize=optimize, fuse=fuse, batching=batching,
+                                   max_models=max_models, model_retries=model_retries,
+                                   trainer_hparams=hp, executor=executor)
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
         self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends
@@ -267,9 +339,18 @@ class Experiment:
     # ---- public ---------------------------------------------------------------------------
     def config(self) -> dict:
         """What a resume must match (budgets may change between runs)."""
+        if self.one_shot:
+            config = {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
+                      "strategy": one_shot.one_shot_spec(self.strategy),
+                      "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
+                      "mode": self.mode}
+            if self.ranks > 1:  # other ranks, other samples per step: another search
+                config["ranks"] = self.ranks
+            return config
         return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
-                             "config": self.strategy.config(), "seed": self.strategy.seed},
+                             "config": self.strategy.config(),
+                             "seed": getattr(self.strategy, "seed", None)},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
                 "mode": self.mode, "dedup": self.dedup}
@@ -316,6 +397,10 @@ class Experiment:
 
     # ---- the loop -----------------------------------------------------------------------------
     def _budgets(self, max_models, max_time):
+        if self.one_shot and max_models is not None:
+            raise ExperimentError(f"max_models={max_models!r} does not apply to the one-shot "
+                                  f"strategy {type(self.strategy).__name__}: its segments decide "
+                                  f"how many models it evaluates; leave max_models out")
         self.max_models = max_models if max_models is not None else self.max_models
         self.max_time = max_time if max_time is not None else self.max_time
 
@@ -363,15 +448,9 @@ class Experiment:
                 if row["status"] == ModelStatus.TRAINING:  # its trial resumes below
                     self._keys[row["id"]] = key
         self._count = len(models)
-        executor = self.executor
-        if executor is None or executor == "local":
-            from .executors.local import LocalExecutor
-
-            executor = LocalExecutor(self.workers, self.devices)
-        elif executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
-            from .executors.ray import RayExecutor
-
-            executor = RayExecutor(self.workers)
+        executor = self._executor()
+        if self.one_shot:
+            return self._one_shot_loop(executor, resume)
         epochs = getattr(self.trainer, "epochs", None)
         source = None if self.scheduler.spawns_trials else self._next_trial
         kwargs = dict(max_failures=self.max_failures, model_retries=self.model_retries,
@@ -382,7 +461,10 @@ class Experiment:
         if self.optimize:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
                           profile=self.optimize == "auto", on_group=self._on_group,
-                          fuse=self.fuse, batching=self.batching)
+                          fuse=self.fuse, batching=self.batching, packing=self.packing,
+                          merge=self.optimize != "pack", dedicated=self.dedicated,
+                          slot_memory=getattr(
+                              executor, "slot_memory", lambda: float("inf"))())
         self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
@@ -394,6 +476,7 @@ class Experiment:
                 plans = PlanTable(store)  # groups reverted or failed before stay apart
                 runner.alone, runner.alone_s = plans.alone_trials(), plans.alone_profiles()
                 runner.unfused = plans.unfused_trials()
+                runner.layouts = plans.layout_decisions()  # measured before: not again
                 self._rebind(runner)
                 self.runner = runner
                 self._finish_half_ended(runner)
@@ -415,6 +498,56 @@ class Experiment:
             if executor is not self.executor:  # made here (None or "ray"): ours to close
                 executor.close()
             store.flush()
+        return self.summary()
+
+    def _executor(self):
+        executor = self.executor
+        if executor is None or executor == "local":
+            from .executors.local import LocalExecutor
+
+            if not self.one_shot:
+                return LocalExecutor(self.workers, self.devices)
+            # a one-shot search runs one segment at a time: one worker does it all, seeing a
+            # GPU per rank when there are enough (its ranks then use NCCL)
+            devices = self.devices
+            if self.ranks > 1:
+                from .executors.local import visible_gpus
+
+                gpus = [str(d) for d in (devices if devices is not None else visible_gpus())]
+                if len(gpus) >= self.ranks:
+                    devices = [",".join(gpus[:self.ranks])]
+            return LocalExecutor(1, devices)
+        if executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
+            from .executors.ray import RayExecutor
+
+            return RayExecutor(1 if self.one_shot else self.workers)
+        return executor
+
+    def _one_shot_loop(self, executor, resume: bool) -> dict:
+        """Host the one-shot strategy (:class:`~.one_shot.OneShotRun`) to its end."""
+        started = time.monotonic()
+        self._deadline = None if self.max_time is None else started + self.max_time
+        self.store.set_experiment_status("running")
+        try:
+            if resume:
+                self.folder.remove_temporaries()  # half-written by workers killed with us
+            status, why = one_shot.OneShotRun(self, executor).run(self._deadline)
+            if status == "environment":
+                self.store.set_experiment_status("stopped")
+                raise EnvironmentFailure(
+                    f"{self.path}: stopped, {why}. Nothing is lost: fix the cause, then resume "
+                    f"(retiarii resume {self.path}, or Experiment.resume())")
+            if status == "failed":  # the store already says failed, and why
+                raise ExperimentError(f"{self.path}: {why} (recorded: retiarii status "
+                                      f"{self.path})")
+            self.store.set_experiment_status(status)
+        except KeyboardInterrupt:
+            self.store.set_experiment_status("interrupted")
+            raise
+        finally:
+            if executor is not self.executor:  # made here (None or "ray"): ours to close
+                executor.close()
+            self.store.flush()
         return self.summary()
 
     def _rebind(self, runner: TrialRunner) -> None:
@@ -528,11 +661,31 @@ class Experiment:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
+            if self.optimize and self.packing:
+                config["profile"] = self._estimate(model)
             frozen = self.space.frozen_fingerprint()
             if frozen is not None:  # the worker checks its frozen values are the driver's
                 config["frozen"] = frozen
             return config
         return None
+
+    def _estimate(self, model) -> dict | None:
+        """The packing profile of a proposed model, estimated from its IR (shapes checked),
+        at the trainer's batch size (engine/placing.py); None when it cannot be estimated."""
+        from ..optim.profile import estimate_profile
+
+        hparams = model.hparams or {}
+        value = getattr(self.trainer, "value", None)
+        try:
+            batch = int(hparams.get("batch_size") or (value("batch_size", hparams) if value else 1))
+            example = self.space.example_input
+            example = example[0] if isinstance(example, (tuple, list)) else example
+            units, memory = estimate_profile(model.graph, batch, example_batch=int(
+                example.shape[0]) if getattr(example, "ndim", 0) else 1)
+        except Exception as err:  # noqa: BLE001 (no estimate: its batch is split evenly)
+            _log.debug("no packing profile for %s: %s", model.sample, err)
+            return None
+        return {"units": round(units, 3), "memory": memory}
 
     def _spawn_config(self, spawn, parent: Trial | None) -> dict:
         """A scheduler's spawn (PBT) as a worker spec: a child keeps its parent's model and
@@ -638,6 +791,12 @@ class Experiment:
         return self._summary(self.store)
 
     def _summary(self, store: Store) -> dict:
+        if self.one_shot:
+            table = SegmentTable(store)
+            search = table.summary(self.strategy.num_segments(), self.mode)
+            return {"store": self.path, "models": search["models"], "trials": {},
+                    "best": search["best"], "running": 0, "max_models": None,
+                    "one_shot": search}
         counts = store.counts_by_state()
         best = store.best_models(self.metric, self.mode, 5, finished=True)
         runner = getattr(self, "runner", None)

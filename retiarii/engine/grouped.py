@@ -31,7 +31,7 @@ import contextlib
 import copy
 import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -43,7 +43,7 @@ from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
 from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
 
-__all__ = ["GroupCandidate", "group_tasks", "plan_group", "TrainingGroup"]
+__all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,10 @@ def group_tasks(candidates: Iterable[GroupCandidate]) -> list[tuple[str, ...]]:
 class _Forward:
     """One batch's group forward, run on the first proxy call and read by every proxy."""
 
-    def __init__(self, group: nn.Module, runs: Mapping[str, TrialRun], batch: Any):
+    def __init__(self, group: nn.Module, runs: Mapping[str, TrialRun], batch: Any,
+                 ahead: Any = None):
         self.group, self.runs = group, runs
+        self.ahead = ahead  # inputs -> the shared part's outputs computed ahead, or None
         self.batch_tensors = {id(t) for t in _tensors(batch)}
         self.active: str | None = None  # the trial whose training_step runs now
         self.inputs: tuple | None = None
@@ -110,8 +112,10 @@ class _Forward:
                                     "tensors that are not the batch's; a grouped job shares "
                                     "one forward per batch (run this trainer ungrouped)")
             self.inputs = inputs
+            common = self.ahead(inputs) if self.ahead is not None else None
+            extra = {} if common is None else {"common": common}  # computed ahead: dedicated.py
             self.outs = self.group(*inputs, rng={t: (lambda t=t: self._stream(t))
-                                                 for t in self.runs}, errors=self.errors)
+                                                 for t in self.runs}, errors=self.errors, **extra)
         elif len(inputs) != len(self.inputs) or any(a is not b for a, b in zip(inputs, self.inputs)):
             raise TrainingError(f"trial {trial}: training_step called the model with other "
                                 "inputs than the group's other trials on the same batch")
@@ -199,6 +203,9 @@ class TrainingGroup:
         self._loads: list[float] = []  # seconds waiting for each batch
         self._alone_s: dict[str, float] = {}
         self.setup_s = 0.0  # planning and building it, as the worker measured
+        self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
+        self.twins: dict[str, list[str]] = {}  # profiled trial -> others of its architecture
+        self.arch: dict[str, str] = {}  # trial -> its architecture (fusion_key), when known
 
     def report(self) -> dict:
         """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
@@ -210,10 +217,15 @@ class TrainingGroup:
         # at the median wait of the others, so N models apart are not charged it N times.
         loads = self._loads
         typical = sorted(loads[1:])[len(loads[1:]) // 2] if len(loads) > 1 else sum(loads)
+        alone = dict(self._alone_s)
+        for trial, others in self.twins.items():  # one architecture, one step time alone
+            if trial in alone:
+                alone.update({t: alone[trial] for t in others if t not in alone})
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
-                "compute_s": self._compute_s,
-                "setup_s": self.setup_s, "alone_s": dict(self._alone_s)}
+                "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
+                "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
+                **self.extra}
 
     @property
     def trials(self) -> tuple[str, ...]:
@@ -248,7 +260,7 @@ class TrainingGroup:
         batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
         if first.batch:  # resuming mid-epoch: every run is at the same position
             batches = itertools.islice(iter(batches), first.batch, None)
-        batches = iter(batches)
+        batches = self._feed(iter(batches))
         sync = _sync if self._measure else (lambda device: None)
         while True:
             sync(first.device)
@@ -288,6 +300,15 @@ class TrainingGroup:
         self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
         return outcome
 
+    def _feed(self, batches: Iterator) -> Iterator:
+        """The epoch's batches as the loop reads them (a subclass reads ahead:
+        :class:`~.dedicated.DedicatedGroup`)."""
+        return batches
+
+    def _ahead(self, batch: Any) -> Any:
+        """For one batch: ``inputs -> the shared part's outputs`` computed ahead, or None."""
+        return None
+
     def _profile(self, batch: Any) -> None:
         """Each trial to profile, trained alone for a few steps on ``batch``: a copy of its
         model and optimizer, under saved RNG states (the trial's own streams never move), so
@@ -296,20 +317,8 @@ class TrainingGroup:
         outer = ckpt.native_rng()
         try:
             for trial in sorted(self._to_profile & set(self.runs)):
-                run = self.runs[trial]
                 try:
-                    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> copies
-                    times = []
-                    for _ in range(4):  # the first warms caches and allocators up
-                        _sync(run.device)
-                        t0 = time.perf_counter()
-                        loss = self.trainer.training_step(model, batch, run.hparams)
-                        opt.zero_grad(set_to_none=True)
-                        loss.backward()
-                        opt.step()
-                        _sync(run.device)
-                        times.append(time.perf_counter() - t0)
-                    self._alone_s[trial] = sum(times[1:]) / len(times[1:])
+                    self._alone_s[trial] = step_seconds(self.trainer, self.runs[trial], batch)
                 except Exception:  # noqa: BLE001 (unprofiled; never fails the trial)
                     pass
                 finally:
@@ -355,7 +364,7 @@ class TrainingGroup:
 
     def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
         """One batch for every trial; the trials that failed in it."""
-        forward = _Forward(self._group, self.runs, batch)
+        forward = _Forward(self._group, self.runs, batch, self._ahead(batch))
         losses: dict[str, torch.Tensor] = {}
         failed: dict[str, Exception] = {}
         for trial, run in self.runs.items():
@@ -414,6 +423,32 @@ class TrainingGroup:
         """What ``TrialRun.train_epoch`` does after its batches, before validation."""
         with run._own_rng():
             return run.end_training(total, count)
+
+
+def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
+    """Seconds of one training step of ``run``'s model alone on ``batch`` (forward, loss,
+    backward, optimizer step), on a copy of its model and optimizer: a warm-up step (caches,
+    allocators), then the least of ``repeats`` (the machine's other work only adds). The
+    caller restores the RNG streams (dropout draws from them).
+
+    Args:
+        trainer: its ``training_step`` computes the loss.
+        run: a :class:`TrialRun` (or anything with ``model``, ``optimizer``, ``hparams``,
+            ``device``).
+        batch: on the run's device.
+    """
+    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> the copies
+    times = []
+    for _ in range(1 + repeats):
+        _sync(run.device)
+        t0 = time.perf_counter()
+        loss = trainer.training_step(model, batch, run.hparams)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        _sync(run.device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
 
 
 def plan_group(models: Mapping[str, Any], data_key: str,

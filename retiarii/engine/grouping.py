@@ -6,8 +6,12 @@ job (:meth:`~GroupedJobs._key`: the experiment's group key and the starting step
 waiting or new trials join a batch (:meth:`~GroupedJobs._companions`), and what happens when a
 grouped job ends (:meth:`~GroupedJobs._end_group`: the finished trials continue together, the
 others rerun alone or fail by their own error, the group is kept, reverted or recorded as
-failed in the plans record). It is a mixin of :class:`~.trials.TrialRunner`, whose state it
-reads (``trials``, ``alone``, ``alone_s``, ``unfused``, ``batch_models``, ``group_key``, ...)
+failed in the plans record), and the layout chosen per group key and device
+(:meth:`~GroupedJobs._group_meta` sends it with each job; :meth:`~GroupedJobs._choose`
+keeps what a job measured, and reverts a layout measured slower over a segment).
+It is a mixin of :class:`~.trials.TrialRunner`, whose state it
+reads (``trials``, ``alone``, ``alone_s``, ``unfused``, ``layouts``, ``batch_models``,
+``group_key``, ...)
 and whose lifecycle methods it calls (``_move``, ``_fail``, ``_feed``, ``_continue``); it adds
 no state of its own. Its ``job`` arguments are the runner's ``_JobFlight`` records and its
 ``flights`` the runner's ``_Flight`` s (typed ``Any`` here: importing them back from
@@ -15,9 +19,12 @@ no state of its own. Its ``job`` arguments are the runner's ``_JobFlight`` recor
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Hashable
 
-from .executors.base import FailureKind, JobFailed
+from ..optim.cost import Layout, choose_layout
+from .executors.base import FailureKind, JobFailed, TrialTask
 from .trial import Trial, TrialState
 
 __all__ = ["GroupedJobs"]
@@ -32,7 +39,74 @@ class GroupedJobs:
         if self.batch_models < 2 or self.group_key is None or trial.trial_id in self.alone:
             return None
         key = self.group_key(trial)
-        return None if key is None else (key, trial.resume_point()[0])
+        if key is None:
+            return None
+        chosen = self.layouts.get(key_id(key))
+        if chosen and all(c["order"][0] == Layout.SEPARATE.value for c in chosen.values()):
+            return None  # measured faster apart on every device: each model its own job
+        return (key, trial.resume_point()[0])
+
+    def _group_meta(self, tasks: list[TrialTask]) -> dict[str, Any]:
+        """What a grouped job of ``tasks`` is told: batching and fusion settings, the trials
+        whose fusion was reverted, whom to profile, and the layouts already chosen for their
+        group key (``meta["layouts"]``: device -> choice; the worker measures the others)."""
+        meta: dict[str, Any] = {"group": True}
+        if self.batching:
+            meta["batching"] = self.batching
+        if self.fuse:
+            meta["fuse"] = self.fuse
+            unfused = sorted(t.trial_id for t in tasks if t.trial_id in self.unfused)
+            if unfused:
+                meta["unfused"] = unfused
+        if self.profile or "auto" in (self.fuse, self.batching):  # measure the group
+            meta["profile"] = [t.trial_id for t in tasks  # and each member never profiled
+                               if t.trial_id not in self.alone_s]
+            known = {t.trial_id: self.alone_s[t.trial_id] for t in tasks
+                     if t.trial_id in self.alone_s}
+            if known:
+                meta["alone_s"] = known
+            if self.alone_arch:  # step times alone per architecture: not measured again
+                meta["alone_by_arch"] = {d: dict(list(a.items())[-512:])
+                                         for d, a in self.alone_arch.items()}
+        key = self.group_key(self.trials[tasks[0].trial_id]) if self.group_key else None
+        chosen = self.layouts.get(key_id(key)) if key is not None else None
+        if chosen:
+            meta["layouts"] = {device: {"order": c["order"], "speedups": c["speedups"]}
+                               for device, c in chosen.items()}
+        return meta
+
+    def _choose(self, key: str, units: list[dict]) -> None:
+        """Keep the layout choices of a job's units for group key ``key``: a choice the
+        worker measured replaces the one held for its device (the layouts reverted stay
+        reverted), and a layout measured slower over the segment (``"slower": True``) is
+        reverted; each unit's ``"decision"`` is then the choice now in force. A job that
+        measured nothing and reverted nothing leaves the key undecided (a later job, with
+        other trials, may have a choice to measure)."""
+        for unit in units:
+            choice = unit.get("choice")
+            if not choice:
+                continue
+            device = choice["device"]
+            held = self.layouts.get(key, {}).get(device)
+            if choice.get("probed"):
+                speedups = dict(choice.get("speedups") or {})
+            elif held is not None:
+                speedups = dict(held["speedups"])
+            elif unit.get("slower"):
+                speedups = {}
+            else:
+                continue
+            reverted = set(held["reverted"]) if held else set()
+            if unit.get("slower") and unit.get("layout"):
+                reverted.add(unit["layout"])
+            ranked = choose_layout({Layout(k): v for k, v in speedups.items()}, reverted)
+            self.layouts.setdefault(key, {})[device] = {
+                "order": [x.value for x in ranked.order], "speedups": speedups,
+                "reverted": sorted(reverted), "reason": ranked.reason}
+        for unit in units:
+            decided = self.layouts.get(key, {}).get((unit.get("choice") or {}).get("device"))
+            if decided is not None:
+                unit["decision"] = {"group_key": key, **decided}
 
     def _companions(self, batch: list[Trial], limit: int | None = None) -> list[Trial]:
         """Trials to train with ``batch`` (same key), until there are ``limit`` in all
@@ -110,6 +184,9 @@ class GroupedJobs:
 
         for unit in job.units:
             self.alone_s.update(unit.get("alone_s") or {})
+            if unit.get("choice") and unit.get("alone_by_arch"):
+                self.alone_arch.setdefault(unit["choice"]["device"], {}).update(
+                    unit["alone_by_arch"])
         units = [dict(u) for u in job.units]
         merged = [u for u in units if u.get("merged")]
         speedups = [merged_speedup(u, self.alone_s) for u in merged]
@@ -123,6 +200,13 @@ class GroupedJobs:
                     unit["fusion_reverted"] = True
                     unfused.extend(unit["trials"])
         judged = [s for u, s in zip(merged, speedups) if not u.get("fusion_reverted")]
+        if self.profile or "auto" in (self.fuse, self.batching):
+            for unit, s in zip(merged, speedups):  # the layout measured slower is reverted
+                unit["slower"] = bool(unit.get("fusion_reverted")) or (
+                    self.profile and slower_than_apart(s))
+        key = self.group_key(self.trials[job.trials[0]]) if self.group_key else None
+        if key is not None:
+            self._choose(key_id(key), units)
         known = [s for s in speedups if s is not None]
         errors = {t: f"{kind.value} error: {err}" for t, kind, err in
                   getattr(event, "failures", ())}
@@ -131,6 +215,8 @@ class GroupedJobs:
                 and event.error != "cancelled"):
             status = "failed"
             reason = (event.error.strip().splitlines() or [""])[0][:500]
+        elif not self.merge:  # packed without merging (engine/placing.py): nothing to judge
+            status, reason = "packed", "packed without merging: each model trained alone"
         elif not merged and job.units:
             status, reason = "not merged", "; ".join(
                 sorted({u.get("reason", "") for u in job.units}))[:500]
@@ -139,6 +225,9 @@ class GroupedJobs:
             worst = min(s for s in judged if s is not None)
             reason = (f"measured {worst:.2f}x of training its models apart: they train "
                       f"alone from now on")
+        if status == "not merged" and all(u.get("layout") == Layout.SEPARATE.value
+                                          and u.get("decision") for u in units):
+            reason = f"layout: {units[0]['decision']['reason']}"[:500]
         if unfused and status == "merged":
             worst = min(u["fused_speedup"] for u in merged if u.get("fusion_reverted"))
             reason = (f"fusion reverted: measured {worst:.2f}x of training its models grouped "
@@ -147,8 +236,10 @@ class GroupedJobs:
         return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
                 "reason": reason, "speedup": min(known) if known else None,
                 "seconds": seconds, "units": units, "errors": errors,
-                "alone": [], "unfused": unfused,
-                "passes": ["cse"] + (["batching"] if self.batching else [])
+                "alone": [], "unfused": unfused, "packing": job.extra.get("packing"),
+                "passes": [] if not self.merge else ["cse"] + (["batching"] if any(
+                    u.get("layout") == "batching" or (self.batching is True and "layout" not in u)
+                    for u in merged) else [])
                 + (["fusion"] if any(u.get("fused") for u in merged) else [])}
 
     def _retry_alone(self, trial: Trial, error: str) -> None:
@@ -159,3 +250,10 @@ class GroupedJobs:
         self._move(trial, TrialState.ERRORED, f"group error: {first}")
         step, _ = trial.resume_point()
         self._move(trial, TrialState.PENDING, f"retry {trial.attempts} alone from step {step}")
+
+
+def key_id(key: Hashable) -> str:
+    """A group key as the plans table names it: a short hash of its JSON (stable across
+    processes and resumes: the experiment's keys are JSON strings)."""
+    text = json.dumps(key, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]

@@ -7,7 +7,11 @@ models apart: they train alone from then on), ``failed`` (its failed trials retr
 ``not merged`` (the worker could not plan them together, and why), with the measured
 speed-up and the worker's measurements (each unit's report in ``units``: a fused unit has
 ``"fused": true``, its ``fused_speedup`` over grouped unfused and, when measured slower,
-``"fusion_reverted": true``; the row's reason then says so). ``retiarii status`` summarises it
+``"fusion_reverted": true``; the row's reason then says so; each unit's ``"layout"`` says how
+it trained and ``"decision"`` the layout choice in force for its group key and device, with the
+measured speed-ups: docs/optimization.md, "Choosing a layout"), and with packing the job's
+packing decision (``packing``: its device slot, models, predicted time per iteration, the
+placement's balance; status ``packed`` for a job packed without merging). ``retiarii status`` summarises it
 (:func:`plan_summary`); a resumed experiment reads back which trials must stay alone and the
 profiles already measured (:func:`alone_trials`, :func:`alone_profiles`).
 
@@ -44,7 +48,9 @@ class PlanTable:
             "status": record["status"], "reason": record.get("reason") or "",
             "alone": json.dumps(list(record.get("alone") or [])),
             "speedup": record.get("speedup"), "seconds": record.get("seconds"),
-            "units": json.dumps(record.get("units") or []), "time": time.time()})
+            "units": json.dumps(record.get("units") or []),
+            "packing": json.dumps(record["packing"]) if record.get("packing") else None,
+            "time": time.time()})
 
     def rows(self) -> list[dict]:
         """Every row of the current experiment, oldest first, JSON columns decoded."""
@@ -55,7 +61,8 @@ class PlanTable:
             out.append({**row, "trials": json.loads(row["trials"]),
                         "alone": json.loads(row["alone"] or "[]"),
                         "passes": json.loads(row["passes"] or "[]"),
-                        "units": json.loads(row["units"] or "[]")})
+                        "units": json.loads(row["units"] or "[]"),
+                        "packing": json.loads(row.get("packing") or "null")})
         return out
 
     def alone_trials(self) -> set[str]:
@@ -68,6 +75,19 @@ class PlanTable:
         ``"fusion_reverted"``): they train unfused for the rest of the search."""
         return {t for row in self.rows() for unit in row["units"] if unit.get("fusion_reverted")
                 for t in unit["trials"]}
+
+    def layout_decisions(self) -> dict[str, dict[str, dict]]:
+        """Group key -> device -> the layout choice in force (the last one a unit's
+        ``"decision"`` records: ``order``, measured ``speedups``, ``reverted``, ``reason``):
+        a resumed search applies them without measuring again."""
+        out: dict[str, dict[str, dict]] = {}
+        for row in self.rows():
+            for unit in row["units"]:
+                decision = unit.get("decision")
+                if decision:
+                    kept = {k: v for k, v in decision.items() if k != "group_key"}
+                    out.setdefault(decision["group_key"], {})[unit["choice"]["device"]] = kept
+        return out
 
     def alone_profiles(self) -> dict[str, float]:
         """Trial -> its separate step time, as profiled in a grouped job."""
@@ -92,10 +112,22 @@ class PlanTable:
                "fused_trials": len({t for row in merged for u in row["units"] if u.get("fused")
                                     for t in u["trials"]}),
                "unfused_after_revert": len(self.unfused_trials())}
+        packed = [row["packing"] for row in rows if row.get("packing")]
+        if packed:  # the packing decisions (engine/placing.py) and how busy they kept slots
+            balances = [p["balance"] for p in packed if p.get("balance") is not None]
+            out["packing"] = {"packs": len(packed),
+                              "models_per_pack": round(statistics.median(
+                                  p["models"] for p in packed), 1),
+                              "balance": round(statistics.median(balances), 3) if balances else None,
+                              "unmerged_packs": by_status.get("packed", 0)}
         if speedups:
             out["speedup"] = {"median": round(statistics.median(speedups), 3),
                               "min": round(min(speedups), 3), "max": round(max(speedups), 3),
                               "measured_jobs": len(speedups)}
+        layouts = self.layout_decisions()
+        if layouts:  # "cpu: fused 2.40x (cse 1.30x)" per group key and device
+            out["layouts"] = [f"{device}: {c['reason']}" for key in sorted(layouts)
+                              for device, c in sorted(layouts[key].items())]
         reasons = sorted({row["reason"] for row in rows
                           if row["status"] != "merged" and row["reason"]})
         if reasons:

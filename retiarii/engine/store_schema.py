@@ -87,6 +87,29 @@ def _schema_v4(db: sqlite_utils.Database) -> None:
     db["plans"].create_index(["experiment_id", "status"])
 
 
+def _schema_v5(db: sqlite_utils.Database) -> None:
+    """One-shot searches (engine/one_shot.py): ``segments``, one row per segment done (its
+    unit, the strategy's metrics, the architecture selected then), committed with the models
+    the segment evaluated (``models.segment``, ``models.metrics``); ``experiments.error`` (why
+    a search failed) and ``experiments.result_model`` (the architecture a one-shot search
+    selected)."""
+    db["segments"].create(
+        {"experiment_id": int, "segment": int, "unit": str, "metrics": str, "selected": str,
+         "models": int, "seconds": float, "time": float},
+        pk=("experiment_id", "segment"), not_null=["unit"],
+        foreign_keys=[("experiment_id", "experiments", "id")])
+    db["models"].add_column("segment", int)
+    db["models"].add_column("metrics", str)
+    db["experiments"].add_column("error", str)
+    db["experiments"].add_column("result_model", int)
+
+
+def _schema_v6(db: sqlite_utils.Database) -> None:
+    """``plans.packing``: the packing decision of a job (its device, models, the predicted
+    time per iteration and the placement's balance; engine/placing.py), JSON or NULL."""
+    db["plans"].add_column("packing", str)
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4]
-SCHEMA_VERSION = 4
+MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6]
+SCHEMA_VERSION = 6

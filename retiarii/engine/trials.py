@@ -35,6 +35,7 @@ from .executors.base import (
     TrialResult, TrialTask,
 )
 from .grouping import GroupedJobs
+from .placing import PackedJobs
 from .journal import Journal, MemoryJournal
 from .trial import ALLOWED, IllegalTransition, Trial, TrialState
 
@@ -95,7 +96,7 @@ class _JobFlight:
     extra: dict = field(default_factory=dict)
 
 
-class TrialRunner(GroupedJobs):
+class TrialRunner(PackedJobs, GroupedJobs):
     """Drive trials on an executor under a scheduler until no work is left or a budget is hit.
 
     Example:
@@ -151,11 +152,17 @@ class TrialRunner(GroupedJobs):
             ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
         batching: grouped jobs also run the batching pass (``meta["batching"]``): a frozen
             per-example layer the models feed with other values runs once on their
-            concatenated inputs (docs/optimization.md).
+            concatenated inputs (docs/optimization.md). ``"auto"``: when measured faster.
+        packing, slot_memory, merge: how a batch is split over free slots (:mod:`~.placing`);
+            ``merge=False``: a job of several trials trains each alone (no ``meta["group"]``).
+        dedicated: added to a grouped job's meta (``{"dedicated": patterns,
+            "dedicated_device": ...}``: engine/dedicated.py).
         fuse: whether a grouped job may train its same-architecture trials fused
-            (``meta["fuse"]``; docs/optimization.md): ``"auto"`` measures each fused unit and
-            reverts fusion for trials measured slower fused than grouped unfused (they are
-            sent ``meta["unfused"]`` from then on); True fuses without measuring; False never.
+            (``meta["fuse"]``; docs/optimization.md): ``"auto"`` when measured faster (the
+            first job of a group key and device measures the layouts; a fused unit measured
+            slower over its segment is reverted: its trials are sent ``meta["unfused"]``);
+            True fuses without measuring; False never. The choices are kept per group key
+            and device in :attr:`layouts` (``grouping.py``).
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
@@ -169,7 +176,9 @@ class TrialRunner(GroupedJobs):
                  spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None,
                  batch_models: int = 1, group_key: Callable[[Trial], Hashable | None] | None = None,
                  profile: bool = False, on_group: Callable[[dict], None] | None = None,
-                 fuse: bool | str = False, batching: bool = False):
+                 fuse: bool | str = False, batching: bool = False, packing: bool = False,
+                 merge: bool = True, slot_memory: float = float("inf"),
+                 dedicated: dict | None = None):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         if batch_models < 1:
@@ -206,6 +215,10 @@ class TrialRunner(GroupedJobs):
         self.fuse, self.batching = fuse, batching
         self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
         self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
+        self.layouts: dict[str, dict[str, dict]] = {}  # group key -> device -> layout choice
+        self.alone_arch: dict[str, dict[str, float]] = {}  # device -> architecture -> step time
+        self.merge, self.dedicated = merge, dict(dedicated or {})
+        self._init_packing(packing, slot_memory)
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -433,7 +446,7 @@ class TrialRunner(GroupedJobs):
     def _fill(self) -> None:
         """Give every free slot a job: the scheduler's pick (else a spawned or new trial),
         with the trials that can train in one job with it (:meth:`_companions`). Slots come
-        first: trials that can group are spread over the free slots, as evenly as they go,
+        first: trials that can group are spread over the free slots (:meth:`_packs`),
         before any job takes more than one (``batch_models`` each at most)."""
         while (len(self._inflight) < self.executor.num_slots and not self.budget_hit()
                and self.stop_reason is None):
@@ -446,11 +459,9 @@ class TrialRunner(GroupedJobs):
                 continue
             free = self.executor.num_slots - len(self._inflight)
             batch = [trial, *self._companions([trial], free * self.batch_models)]
-            jobs = min(free, len(batch))
-            for i in range(jobs):  # the first (len % jobs) jobs one trial larger
-                size, extra = divmod(len(batch), jobs)
-                start = i * size + min(i, extra)
-                self._launch(batch[start:start + size + (i < extra)])
+            for pack in self._packs(batch, free):  # placing.py: evenly, or packed by profiles
+                self._launch(pack)
+                self._note_packing(pack[0])
 
     def _next_trial(self, key: Hashable | None = None, taken: frozenset = frozenset(),
                     new: bool = True) -> Trial | None:
@@ -557,18 +568,8 @@ class TrialRunner(GroupedJobs):
         for task in tasks:
             self._flights[task.trial_id] = _Flight(task.trial_id, task, job_id, mark=now)
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
-        if grouped:
-            meta["group"] = True
-            if self.batching:
-                meta["batching"] = True
-            if self.fuse:
-                meta["fuse"] = self.fuse
-                unfused = sorted(t.trial_id for t in tasks if t.trial_id in self.unfused)
-                if unfused:
-                    meta["unfused"] = unfused
-            if self.profile or self.fuse == "auto":  # measure the group, and each member
-                meta["profile"] = [t.trial_id for t in tasks  # never profiled alone
-                                   if t.trial_id not in self.alone_s]
+        if grouped and self.merge:
+            meta.update({**self._group_meta(tasks), **self.dedicated})
         attempt = max(self.trials[t.trial_id].attempts for t in tasks)
         self.executor.submit(Job(job_id, tasks, attempt=attempt, meta=meta))
 

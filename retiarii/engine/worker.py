@@ -13,13 +13,16 @@ A worker never receives a pickled model. A :class:`TrialTask` carries a JSON ``s
 
 :func:`run_job` trains the tasks of a job side by side in this process, one epoch of each in
 turn, every task with its own model, optimizer, RNG streams and metrics, and reports events
-through ``emit``. It is the same code whichever executor hosts it. When ``job.meta["group"]``
+through ``emit``. It is the same code whichever executor hosts it. A job whose
+``meta["one_shot"]`` is true is a segment of a one-shot search, run by
+:func:`~.one_shot_worker.run_segment_job` instead. When ``job.meta["group"]``
 is true, the tasks that can share one data pipeline (same space, trainer, data key and start)
 train as one group instead (:mod:`.grouped`): one loader pass feeds every model, the shared
 frozen part runs once, and every event, metric and checkpoint is what training alone gives.
 When ``job.meta["fuse"]`` is also "auto" or True, the tasks of such a group whose models have
 one architecture train as one fused model (:mod:`.fused`), except those in
 ``job.meta["unfused"]``: the same events and checkpoints, values within float rounding.
+Which layout a group trains in (separate, CSE, batching, fused) is :mod:`.layouts`' choice.
 
 Events of one job, in order: ``JobStarted``; ``TrialResult`` after every step of every task;
 ``TrialCheckpointed`` when a task reaches its ``stop_step`` (and has a ``checkpoint_out``); then
@@ -174,6 +177,10 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
     """
     context = context or WorkerContext()
     emit = _guarded(emit)
+    if job.meta.get("one_shot"):  # a segment of a one-shot search (engine/one_shot.py)
+        _run_one_shot(job, emit, worker, context, cancelled)
+        _release_cuda_cache()
+        return
     emit(JobStarted(job.job_id, worker))
     failures: dict[str, str] = {}
     kinds: dict[str, FailureKind] = {}
@@ -235,16 +242,52 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
                        kind=combined_kind(kinds.values()), failures=every))
 
 
+def _run_one_shot(job: Job, emit: Callable[[Event], None], worker: str, context: WorkerContext,
+                  cancelled: Callable[[], bool]) -> None:
+    """One segment of a one-shot search (:mod:`.one_shot_worker`): ``JobStarted``, then its
+    ``SegmentDone``, ``TrialCheckpointed`` and ``JobFinished``, or one ``JobFailed``."""
+    from .one_shot_worker import UnitError, finish_segment, open_segment, run_ranked_segment
+
+    emit(JobStarted(job.job_id, worker))
+    task, started = job.tasks[0], time.perf_counter()
+    if int(task.spec.get("ranks") or 1) > 1:  # mixed parallelism: the ranks build their own
+        try:
+            events = run_ranked_segment(job, context, started)
+        except Exception as err:  # noqa: BLE001 (a rank's failure names the rank)
+            kind = FailureKind.CHECKPOINT if isinstance(err, UnitError) else classify_error(err)
+            emit(JobFailed(job.job_id, task.trial_id, describe_error(err), kind=kind))
+            return
+        for event in events:
+            emit(event)
+        return
+    try:
+        strategy, ctx = open_segment(task, context)
+    except Exception as err:  # noqa: BLE001 (bad spec, a space the strategy refuses, bad unit)
+        kind = FailureKind.CHECKPOINT if isinstance(err, UnitError) else \
+            classify_error(err, loading=task.checkpoint_in is not None)
+        emit(JobFailed(job.job_id, task.trial_id, describe_error(err), kind=kind))
+        return
+    ctx.should_stop = cancelled
+    try:
+        events = finish_segment(job, strategy, ctx, started)
+    except Exception as err:  # noqa: BLE001 (the strategy's or the disk's fault)
+        emit(JobFailed(job.job_id, task.trial_id, describe_error(err), kind=classify_error(err)))
+        return
+    for event in events:
+        emit(event)
+
+
 class _Alone:
     """One task trained by its :class:`TrialRun` alone, in the interface of a
     :class:`~.grouped.TrainingGroup` (``trials``, ``train_epoch``, ``drop``; ``report`` when
     a grouped job trains it alone, saying why)."""
 
-    def __init__(self, task: TrialTask, run: Any, why: str | None = None):
+    def __init__(self, task: TrialTask, run: Any, why: str | None = None, extra: dict | None = None):
         self.task, self.run = task, run
         self.trials: tuple[str, ...] = (task.trial_id,)
-        if why is not None:
-            self.report = lambda: {"trials": [task.trial_id], "merged": False, "reason": why}
+        if why is not None:  # extra: the layout and its choice (layouts.py)
+            self.report = lambda: {"trials": [task.trial_id], "merged": False, "reason": why,
+                                   **(extra or {})}
 
     def train_epoch(self) -> dict[str, Any]:
         if self.run.step >= self.task.stop_step:  # nothing to train: only the checkpoint
@@ -269,7 +312,8 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
     :class:`~.grouped.TrainingGroup` (planning that fails falls back to training alone)."""
     if not job.meta.get("group"):
         return [_Alone(task, runs[task.trial_id]) for task in tasks]
-    from .grouped import GroupCandidate, TrainingGroup, group_tasks, plan_group
+    from .grouped import GroupCandidate, TrainingGroup, group_tasks
+    from .layouts import group_units
 
     by_id = {task.trial_id: task for task in tasks}
     keys = {}
@@ -298,27 +342,17 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             grouped = []
             space = context.space(by_id[ids[0]].spec["space"])
             models = {t: space.replay(by_id[t].spec["sample"]) for t in ids}
-            grouped = _fused_units(job, models, runs, profile)
-            fused = {t for g in grouped for t in g.trials}
-            rest = [t for t in ids if t not in fused]
-            if len(rest) == 1:
-                grouped.append(_Alone(by_id[rest[0]], runs[rest[0]], "the others of its group "
-                                      "train fused (another architecture)"))
-                rest = []
-            plan = plan_group({t: models[t] for t in rest}, keys[ids[0]],
-                              {t: runs[t].hparams for t in rest},
-                              batch_ops=bool(job.meta.get("batching"))) if rest else None
-            for group in plan.groups() if plan is not None else ():
-                if len(group) == 1:
-                    grouped.append(_Alone(by_id[group[0]], runs[group[0]],
-                                          "the plan gives it no input in common with the others"))
-                else:
-                    grouped.append(TrainingGroup(plan.restrict(group), runs, runs[ids[0]].trainer,
-                                                 profile=profile))
-            # what merging cost before the first batch (planning, building the group module):
-            # paid on top of building each model, which training alone pays too
-            setup = time.perf_counter() - start
+            grouped = group_units(
+                job.meta, list(ids), models, runs, runs[ids[0]].trainer, keys[ids[0]], profile,
+                lambda t, why, extra: _Alone(by_id[t], runs[t], why, extra),
+                make_group=lambda plan, rs, trainer, prof: _training_group(
+                    job, plan, rs, trainer, prof))
             merged = [g for g in grouped if isinstance(g, TrainingGroup)]
+            # what merging cost before the first batch (planning, building the group module):
+            # paid on top of building each model, which training alone pays too. Not measuring
+            # the layouts: that is paid once per group key and device, not once per job.
+            probe_s = merged[0].extra["choice"].get("probe_s", 0.0) if merged else 0.0
+            setup = max(0.0, time.perf_counter() - start - probe_s)
             for g in merged:
                 g.setup_s = setup / len(merged)
         except Exception as err:  # noqa: BLE001 (cannot plan or build them together: alone)
@@ -330,23 +364,21 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
     return units
 
 
-def _fused_units(job: Job, models: dict, runs: dict, profile: Any) -> list:
-    """The :class:`~.fused.FusedGroup` s of one candidate group, when ``job.meta["fuse"]``
-    ("auto" or True) allows: its trials of one architecture (:func:`~.fused.fusable_sets`),
-    except those in ``job.meta["unfused"]`` (fusion reverted for them). A set whose modules or
-    optimizers do not fuse (``FusionError``) is left to the CSE-grouped path."""
-    from .fused import FusedGroup, fusable_sets
+def _training_group(job: Job, plan: Any, runs: dict, trainer: Any, profile: Any) -> Any:
+    """A :class:`~.grouped.TrainingGroup`, or with ``job.meta["dedicated"]`` (patterns naming
+    modules) a :class:`~.dedicated.DedicatedGroup`: its shared cell, when it holds such a
+    module, on a dedicated device (``meta["dedicated_device"]``, default: another GPU, a side
+    stream of the only one, or a process on a CPU-only machine)."""
+    from .grouped import TrainingGroup
 
-    if job.meta.get("fuse", False) not in ("auto", True):
-        return []
-    units = []
-    for ids in fusable_sets(models, job.meta.get("unfused") or ()):
-        first = runs[ids[0]]
-        try:
-            units.append(FusedGroup({t: runs[t] for t in ids}, first.trainer, profile=profile))
-        except Exception:  # noqa: BLE001 (not fusable: these train CSE-grouped instead)
-            continue
-    return units
+    patterns = job.meta.get("dedicated")
+    if not patterns:
+        return TrainingGroup(plan, runs, trainer, profile=profile)
+    from .dedicated import DedicatedGroup, default_device
+
+    first = next(iter(runs.values()))
+    device = job.meta.get("dedicated_device") or default_device(first.device)
+    return DedicatedGroup(plan, runs, trainer, profile=profile, patterns=patterns, device=device)
 
 
 class _EmitError(ConnectionError):

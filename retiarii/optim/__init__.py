@@ -1,28 +1,43 @@
 """Cross-model optimization (docs/optimization.md): the logical plan, one pass per file, and
-the executable of a group of models, fused training of same-shape models, the weight-sharing
-super-graph; mixed parallelism of weight-sharing training (docs/weight_sharing.md)."""
+the executable of a group of models, fused training of same-shape models, packing models
+onto devices, the weight-sharing super-graph, the continuous relaxation of a space that
+differentiable one-shot strategies search (relax.py), and mixed parallelism of
+weight-sharing training (docs/weight_sharing.md)."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
+from .cost import Layout, LayoutChoice, choose_layout
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
 from .mixed_parallel import RankError, average_used_gradients, run_segment_on_ranks, spawn
+from .packing import Device, ModelProfile, PackingConfig, PackingError, Placement, pack
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
 from .supergraph import SuperGraph, SuperGraphError
 from .weight_keys import OpKey, weight_keys
+from .relax import Relaxation
+from .relax_space import RelaxError, read_space
 
 __all__ = [
+           "Device",
            "FusedModel",
            "FusedOptimizer",
            "FusionError",
            "GroupError",
            "GroupModule",
+           "Layout",
+           "LayoutChoice",
            "LogicalPlan",
            "OpKey",
+           "ModelProfile",
+           "PackingConfig",
+           "PackingError",
            "PassResult",
+           "Placement",
            "PlanError",
            "PlanModel",
            "RankError",
+           "RelaxError",
+           "Relaxation",
            "Role",
            "SuperGraph",
            "SuperGraphError",
@@ -31,12 +46,15 @@ __all__ = [
            "batching",
            "build_group",
            "build_plan",
+           "choose_layout",
            "cse",
            "fusable_groups",
            "fuse_models",
            "fusion_key",
            "run_segment_on_ranks",
            "spawn",
+           "read_space",
+           "pack",
            "unfuse",
            "weight_keys",
 ]

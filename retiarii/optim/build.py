@@ -91,7 +91,8 @@ class GroupModule(nn.Module):
 
     def forward(self, *inputs: Any,
                 rng: Mapping[str, Callable[[], ContextManager]] | None = None,
-                errors: dict[str, Exception] | None = None) -> dict[str, Any]:
+                errors: dict[str, Exception] | None = None,
+                common: tuple | None = None) -> dict[str, Any]:
         """Every model's output for one batch, ``{trial id: output}``.
 
         Args:
@@ -102,9 +103,13 @@ class GroupModule(nn.Module):
             errors: when given, a part that raises is recorded here (``errors[trial]``) and
                 left out of the result, and the other parts still run: one model's error
                 fails that model alone (the worker's grouped jobs). None: the error propagates.
+            common: what ``self.shared(*inputs)`` returns, computed elsewhere (a dedicated
+                device, one batch ahead: engine/dedicated.py); None computes it here.
         """
-        with torch.no_grad():  # frozen and weightless only: nothing here trains
-            common = dict(zip(self._frontier, self.shared(*inputs)))
+        if common is None:
+            with torch.no_grad():  # frozen and weightless only: nothing here trains
+                common = self.shared(*inputs)
+        common = dict(zip(self._frontier, common))
         env: dict[str, dict[str, Any]] = {t: {} for t in self.trials}  # trial -> key -> value
         outs: dict[str, Any] = {}
         failed: set[str] = set()

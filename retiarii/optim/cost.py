@@ -43,9 +43,12 @@ Example::
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
-__all__ = ["fused_speedup", "fusion_slower", "merged_speedup", "slower_than_apart"]
+__all__ = ["Layout", "LayoutChoice", "choose_layout", "describe", "fused_speedup", "fusion_slower",
+           "merged_speedup", "probe_speedups", "slower_than_apart"]
 
 
 def _measured(unit: Mapping, alone_s: Mapping[str, float]) -> tuple[list[str], int] | None:
@@ -131,3 +134,132 @@ def slower_than_apart(speedup: float | None, margin: float = MARGIN) -> bool:
         (True, False, False)
     """
     return speedup is not None and speedup < margin
+
+
+# ---- choosing a layout per group key and device ---------------------------------------------
+
+
+class Layout(str, enum.Enum):
+    """How the trials of one candidate group train (docs/optimization.md, "Choosing a layout").
+
+    ``SEPARATE``: each model alone; ``CSE``: one grouped job, the shared frozen part once;
+    ``BATCHING``: the same plus the batching pass; ``FUSED``: same-architecture trials fused,
+    the others of the group in the best of the other layouts. Listed simplest first: on a tie
+    the simpler (and, for ``FUSED``, the bit-exact) layout is kept.
+    """
+
+    SEPARATE = "separate"
+    CSE = "cse"
+    BATCHING = "batching"
+    FUSED = "fused"
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """What :func:`choose_layout` decided: the layouts in the order to try them (best first;
+    a job applies the first one that applies to it: ``FUSED`` needs two trials of one
+    architecture), each one's speed-up over ``SEPARATE`` (None: not measured) and why."""
+
+    order: tuple[Layout, ...]
+    speedups: Mapping[Layout, float | None]
+    reason: str
+
+    @property
+    def layout(self) -> Layout:
+        return self.order[0]
+
+
+def choose_layout(speedups: Mapping[Layout, float | None], reverted: Iterable[Layout] = (),
+                  margin: float = MARGIN) -> LayoutChoice:
+    """Rank the layouts of a group by measured speed-up over training its models apart.
+
+    A merged layout must beat ``SEPARATE`` by ``margin`` (what a per-batch measurement leaves
+    out: validation through the group, each trial's bookkeeping); one merged layout replaces
+    another only when strictly faster; ties keep the simpler one (the order of
+    :class:`Layout`). A layout not measured (None or missing) ranks after every measured one
+    in :class:`Layout` order, except that with nothing measured ``CSE`` comes first (an unknown
+    group is kept merged, as :func:`slower_than_apart` keeps it). ``reverted`` layouts (measured
+    slower over a whole segment) are never chosen again; ``SEPARATE`` always remains.
+
+    Example::
+
+        >>> choose_layout({Layout.CSE: 1.3, Layout.FUSED: 2.4}).layout.value
+        'fused'
+        >>> choose_layout({Layout.CSE: 1.3, Layout.FUSED: 0.64}).order[:2]
+        (<Layout.CSE: 'cse'>, <Layout.SEPARATE: 'separate'>)
+        >>> choose_layout({Layout.CSE: 1.05}).layout.value   # within the margin: apart
+        'separate'
+
+    Args:
+        speedups: layout -> its measured speed-up over ``SEPARATE`` (per batch, with the
+            loader: apart pays one per model); ``SEPARATE`` is 1 by definition.
+        reverted: layouts measured slower than apart over a segment.
+        margin: see above (:data:`MARGIN` by default).
+    """
+    gone = {Layout(r) for r in reverted} - {Layout.SEPARATE}
+    known = {Layout(k): float(v) for k, v in speedups.items()
+             if v is not None and Layout(k) not in gone}
+    known[Layout.SEPARATE] = 1.0
+
+    def rank(layout: Layout) -> float:
+        # a merged layout counts only what it is measured above the margin over apart
+        s = known[layout]
+        return s if layout is Layout.SEPARATE or s >= margin else 0.0
+
+    measured = sorted(known, key=lambda lay: (-rank(lay), list(Layout).index(lay)))
+    rest = [lay for lay in Layout if lay not in known and lay not in gone]
+    if len(known) == 1 and Layout.CSE in rest:  # nothing measured: merged, as before
+        rest.remove(Layout.CSE)
+        measured.insert(0, Layout.CSE)
+    order = tuple(measured + rest)
+    given = {Layout(k): v for k, v in speedups.items()}
+    shown = {lay: known.get(lay, given.get(lay)) for lay in Layout if lay in known or lay in given}
+    return LayoutChoice(order, shown, describe(order[0], shown, gone))
+
+
+def describe(layout: Layout | str, speedups: Mapping, reverted: Iterable = ()) -> str:
+    """One line for the plans table and ``retiarii status``: the layout kept and its measured
+    speed-up over apart, and the others measured (``"fused 2.40x (cse 1.30x)"``,
+    ``"separate: cse 1.02x, fused 0.64x"``), fastest first; a reverted one reads ``reverted``.
+
+    Example::
+
+        >>> describe("separate", {"fused": 0.64, "cse": 1.02, "separate": 1.0})
+        'separate: cse 1.02x, fused 0.64x'
+    """
+    layout = Layout(layout)
+    gone = {Layout(r) for r in reverted}
+    values = {Layout(k): v for k, v in speedups.items()}
+    others = [f"{lay.value} {values[lay]:.2f}x" + (" reverted" if lay in gone else "")
+              for lay in sorted(values, key=lambda lay: -(values[lay] or 0.0))
+              if lay is not layout and lay is not Layout.SEPARATE and values[lay] is not None]
+    others += [f"{lay.value} reverted" for lay in gone if values.get(lay) is None]
+    if layout is Layout.SEPARATE:
+        return "separate" + (": " + ", ".join(others) if others else "")
+    mine = values.get(layout)
+    head = layout.value + (f" {mine:.2f}x" if mine is not None else " (not measured)")
+    return head + (f" ({', '.join(others)})" if others else "")
+
+
+def probe_speedups(alone_s: Mapping[str, float], steps_s: Mapping[Layout, float],
+                   load_s: float) -> dict[Layout, float]:
+    """Each measured layout's speed-up over ``SEPARATE`` from one batch's measurements: apart,
+    each model pays its own loader and its own step; merged, one loader and the layout's step
+    for every model of the group::
+
+        speedup[L] = (sum(alone_s) + N * load_s) / (steps_s[L] + load_s)
+
+    Example::
+
+        >>> {k.value: round(v, 3) for k, v in probe_speedups(
+        ...     {"a": 0.2, "b": 0.2}, {Layout.FUSED: 0.1}, 0.1).items()}   # (0.4 + 0.2) / 0.2
+        {'fused': 3.0}
+
+    Args:
+        alone_s: trial -> its step time alone (every trial of the group).
+        steps_s: layout -> seconds of one step of every trial of the group in it.
+        load_s: seconds the loader takes for one batch.
+    """
+    apart = sum(float(s) for s in alone_s.values()) + len(alone_s) * load_s
+    return {Layout(k): apart / (float(v) + load_s) for k, v in steps_s.items()
+            if float(v) + load_s > 0.0}

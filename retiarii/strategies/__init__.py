@@ -16,3 +16,10 @@ from .rl import PolicyBasedRL
 from .tpe import TPE
 from .predictor import Predictor
 from .progressive import Progressive
+from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
+from .darts import DARTS
+from .snas import GumbelDARTS
+from .proxyless import ProxylessNAS
+from .spos import SPOS
+from .enas import ENAS
+from .weight_sharing import WeightSharing

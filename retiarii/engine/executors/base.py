@@ -114,6 +114,21 @@ class JobProfiled:
     units: tuple[dict, ...]
 
 
+@dataclass(frozen=True)
+class SegmentDone:
+    """A one-shot segment's outcome (:mod:`retiarii.engine.one_shot`), emitted before its
+    unit's ``TrialCheckpointed``: the strategy's metrics, the models it evaluated (each
+    ``{"sample": {...}, "metrics": {...}}``, in order) and the architecture it selects now."""
+
+    job_id: str
+    trial_id: str
+    segment: int  # segments completed, 1-based
+    metrics: dict
+    models: tuple[dict, ...]
+    selected: dict
+    seconds: float = 0.0  # the segment's wall time in the worker
+
+
 def pick_slot(idle: list, job: Job):
     """The slot of ``idle`` (each with a ``name``; least recently used first) that ``job``
     goes to: the one ``job.meta["worker"]`` names (the runner's hint to continue a trial
@@ -132,7 +147,8 @@ def combined_kind(kinds) -> FailureKind:
     return FailureKind.MODEL
 
 
-Event = JobStarted | TrialResult | TrialCheckpointed | JobProfiled | JobFinished | JobFailed
+Event = (JobStarted | TrialResult | TrialCheckpointed | JobProfiled | SegmentDone | JobFinished
+         | JobFailed)
 
 
 class Executor(abc.ABC):
@@ -157,6 +173,11 @@ class Executor(abc.ABC):
         import time
 
         return time.monotonic()
+
+    def slot_memory(self) -> float:
+        """Bytes each slot lends to the models of its jobs (packing places within it;
+        engine/placing.py); ``inf`` when the executor cannot tell."""
+        return float("inf")
 
     def close(self) -> None:
         """Release workers. Idempotent."""

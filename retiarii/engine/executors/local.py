@@ -303,6 +303,26 @@ class LocalExecutor(Executor):
                 lambda: self._closed or self._broken is not None or all(s.ready for s in self._slots),
                 timeout)
 
+    def slot_memory(self) -> float:
+        """Bytes each slot lends to models: a GPU slot its GPU's memory shared by the slots
+        on that GPU; a CPU slot the machine's memory shared by every slot (a CPU-only
+        machine's devices are its worker slots)."""
+        if self.devices:
+            import torch
+
+            if torch.cuda.is_available():
+                visible = visible_gpus()
+                sizes = []
+                for slot in self._slots:
+                    sharing = sum(1 for s in self._slots if s.device == slot.device)
+                    index = visible.index(slot.device) if slot.device in visible else 0
+                    sizes.append(torch.cuda.get_device_properties(index).total_memory / sharing)
+                return min(sizes)
+        pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else -1
+        if pages <= 0:
+            return float("inf")
+        return pages * os.sysconf("SC_PAGE_SIZE") / self.num_slots
+
     def worker_pids(self) -> dict[str, int | None]:
         """The process id of every slot's current worker (for tests and diagnostics)."""
         with self._lock:

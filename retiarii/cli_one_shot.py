@@ -1,0 +1,196 @@
+"""What the ``retiarii`` command does differently for one-shot (weight-sharing) searches.
+
+``retiarii run SPACE --strategy darts|gumbel|proxyless|spos|enas`` (or a space file whose
+``strategy`` is one-shot, or ``--weight-sharing`` with a multi-trial strategy) runs a search
+segment by segment (:mod:`retiarii.engine.one_shot`). ``status`` then shows the search
+(segment k of n, models evaluated, the best so far, the selected architecture, the error of a
+failed search) and ``export`` writes the selected architecture, with the weights it inherits
+from the super-network when the strategy offers them. :mod:`retiarii.cli` calls these.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from typing import Any
+
+# --strategy NAME -> the class of retiarii.strategies that runs it
+ONE_SHOT = {"darts": "DARTS", "gumbel": "GumbelDARTS", "proxyless": "ProxylessNAS",
+            "spos": "SPOS", "enas": "ENAS"}
+
+_SEGMENTS = ("epochs", "train_segments", "segments")
+
+__all__ = ["ONE_SHOT", "one_shot_strategy", "is_one_shot", "print_status", "print_result",
+           "export", "plot", "progress_line"]
+
+
+def one_shot_strategy(name: str, epochs: int | None, seed: int, error: type[Exception]) -> Any:
+    """The one-shot strategy ``--strategy name`` names, with the run's epochs (its segments)
+    and seed when its constructor takes them."""
+    from . import strategies
+
+    cls = getattr(strategies, ONE_SHOT[name], None)
+    if cls is None:
+        raise error(f"--strategy {name} needs retiarii.strategies.{ONE_SHOT[name]}, which this "
+                    f"installation lacks: upgrade retiarii")
+    params = inspect.signature(cls).parameters
+    kwargs: dict[str, Any] = {}
+    # what each strategy calls its number of segments (an epoch of the super-network each)
+    segments = next((p for p in _SEGMENTS if p in params), None)
+    if segments is not None:
+        kwargs[segments] = 5 if epochs is None else epochs
+    elif epochs is not None:
+        raise error(f"--epochs: {ONE_SHOT[name]} takes no number of segments; leave --epochs "
+                    f"out")
+    if "seed" in params:
+        kwargs["seed"] = seed
+    return cls(**kwargs)
+
+
+def is_one_shot(config: dict) -> bool:
+    """Whether an experiment's stored config is a one-shot search's."""
+    return bool((config.get("strategy") or {}).get("one_shot"))
+
+
+def progress_line(summary: dict) -> str:
+    """The CLI's progress line after a segment."""
+    search = summary["one_shot"]
+    best = f"{search['best'][0]['value']:.4f}" if search["best"] else "-"
+    return (f"segment {search['segment']}/{search['segments']}, {search['models']} models "
+            f"evaluated, best {best}, selected {json.dumps(search['selected'])[:80]}")
+
+
+def _best_rows(best: list[dict]) -> list[list]:
+    return [[i + 1, b["model_id"], b["segment"], f"{b['value']:.4f}", json.dumps(b["sample"])[:90]]
+            for i, b in enumerate(best)]
+
+
+def print_result(summary: dict, table) -> None:
+    """What ``retiarii run`` / ``resume`` print at the end of a one-shot search."""
+    search = summary["one_shot"]
+    if search["best"]:
+        print(table(_best_rows(search["best"]), ["rank", "model", "segment", "value", "sample"]))
+    print(f"\nselected architecture: {json.dumps(search['selected'])}")
+
+
+def _summary(store) -> dict:
+    from .engine.segments import SegmentTable
+
+    config = store.get_experiment()["config"]
+    return SegmentTable(store).summary(config["strategy"].get("segments"),
+                                       config.get("mode", "max"), 10)
+
+
+def print_status(store, db: str, as_json: bool, table) -> None:
+    """``retiarii status`` of a one-shot search."""
+    exp = store.get_experiment()
+    metric = exp["config"].get("metric", "val_acc")
+    search = _summary(store)
+    name = exp["config"]["strategy"]["class"].rsplit(":", 1)[-1]
+    if as_json:
+        print(json.dumps({"store": db, "experiment": exp["id"], "status": exp["status"],
+                          "seed": exp["seed"], "strategy": name, "one_shot": search}, indent=2))
+        return
+    print(f"{db}: experiment {exp['id']} ({exp['status']}), one-shot search with {name}: "
+          f"segment {search['segment']} of {search['segments']}, {search['models']} models "
+          f"evaluated")
+    if search["metrics"]:
+        print("last segment: " + ", ".join(f"{k} {v:.4g}" for k, v in search["metrics"].items()))
+    print(f"\nbest evaluated by {metric} (on the shared weights):")
+    print(table(_best_rows(search["best"]), ["rank", "model", "segment", "value", "sample"])
+          if search["best"] else "(none yet)")
+    what = "result (model %s)" % search["result_model"] if search["result_model"] else "so far"
+    print(f"\nselected architecture, {what}: {json.dumps(search['selected'])}")
+    if search["error"]:
+        lines = search["error"].strip().splitlines() or ["(no reason recorded)"]
+        print(f"\nfailed: {lines[0]}")
+
+
+def export(store, db: str, out: str, error: type[Exception], check_attributes) -> int:
+    """``retiarii export`` of a one-shot search: the selected architecture as a standalone
+    ``.py``, its ``.json``, and a ``.pt`` of the weights it inherits from the super-network
+    when the strategy's last unit holds them (``export_state``). ``check_attributes(graph,
+    rule)`` refuses a stored graph's attribute reads that reach dunders, as for any export."""
+    import torch
+
+    from .engine.checkpoint import CheckpointError
+    from .engine.checkpoint import load as load_checkpoint
+    from .engine.segments import SegmentTable
+    from .graph import Graph
+    from .refs import RefError, TrustedRefs, only_trusted
+
+    table = SegmentTable(store)
+    result = table.result()
+    if result is None:
+        search = _summary(store)
+        raise error(f"{db}: the one-shot search has not selected its architecture yet (segment "
+                    f"{search['segment']} of {search['segments']}): resume it to the end "
+                    f"(retiarii resume {db})")
+    rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
+    name = f"model_{result['id']}"
+    try:
+        with only_trusted(rule):
+            graph = Graph.from_data(result["graph"])
+            check_attributes(graph, rule)
+            source = graph.to_source(f"Model{result['id']}")
+    except RefError as e:
+        raise error(f"model {result['id']} of {db}: {e}") from None
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name + ".py"), "w") as f:
+        f.write(source)
+    files, note = f"{name}.py", ""
+    unit = table.last()["unit"]
+    try:
+        weights = load_checkpoint(store.checkpoint_file(unit)).get("export", {}).get("weights")
+    except (CheckpointError, OSError) as err:
+        weights, note = None, f"; its unit {unit} cannot be read ({err})"
+    if weights is not None:
+        torch.save(weights, os.path.join(out, name + ".pt"))
+        files += f", {name}.pt (weights inherited from the super-network)"
+    elif not note:
+        note = "; the strategy offers no inherited weights (export_state): train it from scratch"
+    metric = store.get_experiment()["config"].get("metric", "val_acc")
+    with open(os.path.join(out, name + ".json"), "w") as f:
+        json.dump({"selected": True, metric: result["value"], "sample": result["sample"],
+                   "hash": result["hash"]}, f, indent=2)
+    print(f"selected architecture: {files}" + (f"  (architecture alone{note})" if weights is None
+                                                 else ""))
+    if weights is None and note.startswith("; its unit"):
+        print(f"warning: {name}: exported without weights{note}", file=sys.stderr)
+    return 0
+
+
+def plot(store, db: str, out: str, plt, error: type[Exception]) -> None:
+    """``retiarii plot`` of a one-shot search: each evaluated model's value on the shared
+    weights with the best so far, and the strategy's own metrics per segment."""
+    from .engine.segments import SegmentTable
+
+    table = SegmentTable(store)
+    config = store.get_experiment()["config"]
+    metric, mode = config.get("metric", "val_acc"), config.get("mode", "max")
+    values = [(i + 1, m["value"]) for i, m in enumerate(table.evaluated())
+              if m["value"] is not None]
+    rows = table.rows()
+    if not values and not rows:
+        raise error(f"{db}: the one-shot search has recorded no segment yet: nothing to plot")
+    better = max if mode == "max" else min
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    best, ys = None, []
+    for _, value in values:
+        best = value if best is None else better(best, value)
+        ys.append(best)
+    axes[0].scatter([i for i, _ in values], [v for _, v in values], s=8, alpha=0.5,
+                    label="evaluated")
+    axes[0].plot([i for i, _ in values], ys, drawstyle="steps-post", label="best so far")
+    axes[0].set(xlabel="models evaluated", ylabel=f"{metric} (shared weights)",
+                title="models of the one-shot search")
+    axes[0].legend()
+    for name in sorted({k for r in rows for k in r["metrics"]}):
+        points = [(r["segment"], r["metrics"][name]) for r in rows if name in r["metrics"]]
+        axes[1].plot([p for p, _ in points], [v for _, v in points], marker=".", label=name)
+    axes[1].set(xlabel="segment", title="the strategy's metrics per segment")
+    if rows and rows[0]["metrics"]:
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)

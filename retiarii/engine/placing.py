@@ -1,0 +1,113 @@
+"""How the :class:`~.trials.TrialRunner` splits a batch of trials over its free slots
+(packing models onto devices: docs/optimization.md, "Packing onto devices").
+
+:class:`PackedJobs` is a mixin of :class:`~.trials.TrialRunner` with one entry point,
+:meth:`~PackedJobs._packs`: the trials that may train together (one group key) and the number
+of free slots in, the jobs to launch out. Without packing (``packing=False``), as before: the
+trials spread over the slots as evenly as they go. With packing, each trial's profile (its
+iteration time and memory; :mod:`retiarii.optim.profile`) goes to
+:func:`retiarii.optim.packing.pack` over one :class:`~retiarii.optim.packing.Device` per free
+slot, lending the executor's ``slot_memory()``: similar models together, every slot about
+equally busy, no slot over its memory.
+
+Profiles: the experiment estimates each trial's from its IR when it proposes it
+(``config["profile"] = {"units": ..., "memory": ...}``: no model is built in the driver);
+a trial whose grouped job measured its separate step time (``alone_s``) uses that, and the
+estimates of the others are scaled to seconds by the median measured/estimated ratio, so
+measured and estimated trials compare. A trial without a profile makes the batch fall back
+to the even split.
+
+It reads the runner's ``batch_models``, ``alone_s`` and ``_inflight`` / ``_flights``; its
+own state is set by :meth:`~PackedJobs._init_packing`.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from ..optim.packing import Device, ModelProfile, PackingConfig, pack
+from .trial import Trial
+
+__all__ = ["PackedJobs", "even_split"]
+
+
+def even_split(batch: list[Trial], slots: int) -> list[list[Trial]]:
+    """``batch`` over ``slots`` jobs as evenly as it goes, in order (the first
+    ``len % jobs`` jobs one trial larger)."""
+    jobs = max(1, min(slots, len(batch)))
+    size, extra = divmod(len(batch), jobs)
+    out, start = [], 0
+    for i in range(jobs):
+        end = start + size + (i < extra)
+        out.append(batch[start:end])
+        start = end
+    return out
+
+
+class PackedJobs:
+    """The packing half of :class:`~.trials.TrialRunner` (see the module docstring)."""
+
+    def _init_packing(self, packing: bool, slot_memory: float) -> None:
+        """The runner's constructor calls this: ``packing`` on or off, the bytes each slot
+        lends to models."""
+        self.packing, self.slot_memory = packing, slot_memory
+        self.placements: list[dict] = []  # every placement made, in order
+        self._notes: dict[str, dict] = {}  # first trial of a pack -> its decision, until launched
+        self._units: dict[str, float] = {}  # trial -> its estimate, in units
+        self._scale: float | None = None  # seconds per unit, from the trials measured so far
+
+    def _packs(self, batch: list[Trial], slots: int) -> list[list[Trial]]:
+        """The jobs that train ``batch`` (one group key) on ``slots`` free slots."""
+        if not self.packing or len(batch) < 2:
+            return even_split(batch, slots)
+        profiles = self._profiles(batch)
+        if profiles is None:
+            return even_split(batch, slots)
+        devices = [Device(f"slot-{i}", self.slot_memory) for i in range(max(1, slots))]
+        placement = pack(profiles, devices,
+                         PackingConfig(max_models=self.batch_models, oversize="alone"))
+        record = placement.record()
+        self.placements.append(record)
+        by_id = {t.trial_id: t for t in batch}
+        out = []
+        for device, packs in placement.packs.items():
+            for members in packs:
+                out.append([by_id[t] for t in members])
+                self._notes[members[0]] = {
+                    "device": device, "models": len(members),
+                    "predicted_iter_s": round(placement.pack_time(members), 6),
+                    "balance": record["balance"],
+                    "source": "measured" if self._scale is not None else "estimated (units)"}
+        return out
+
+    def _note_packing(self, first: Trial) -> None:
+        """After launching a pack led by ``first``: keep its packing decision on its job
+        (``_JobFlight.extra["packing"]``), for the plans table."""
+        note = self._notes.pop(first.trial_id, None)
+        flight = self._flights.get(first.trial_id)
+        if note is not None and flight is not None and flight.job_id in self._inflight:
+            self._inflight[flight.job_id].extra["packing"] = note
+
+    def _profiles(self, batch: list[Trial]) -> list[ModelProfile] | None:
+        """Every trial's profile in seconds (measured, or estimated and scaled by what was
+        measured), or in estimate units for all when nothing is measured yet; None when a
+        trial has no estimate."""
+        memory: dict[str, float] = {}
+        for trial in batch:
+            estimate: Any = trial.config.get("profile")
+            if not isinstance(estimate, dict) or not estimate.get("units"):
+                return None
+            self._units[trial.trial_id] = float(estimate["units"])
+            memory[trial.trial_id] = float(estimate.get("memory") or 0)
+        ratios = [s / self._units[t] for t, s in self.alone_s.items()
+                  if t in self._units and s and s > 0]
+        self._scale = statistics.median(ratios) if ratios else None
+        out = []
+        for trial in batch:
+            t = trial.trial_id
+            if self._scale is None:
+                iter_s = self._units[t]
+            else:
+                iter_s = self.alone_s.get(t) or self._units[t] * self._scale
+            out.append(ModelProfile(t, iter_s, int(memory[t])))
+        return out

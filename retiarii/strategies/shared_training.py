@@ -1,0 +1,320 @@
+"""Training and evaluating sampled paths of a super-graph: what SPOS, ENAS and
+:class:`~retiarii.strategies.WeightSharing` have in common.
+
+:class:`SharedTraining` owns a :class:`~retiarii.optim.supergraph.SuperGraph` and the optimizer
+the trainer configures over its parameters. ``train(sample, batch, ctx)`` runs one batch of one
+path (the loss from ``trainer.training_step``; on several ranks each shared weight's gradient is
+averaged over the ranks that used it before the step); ``evaluate(sample, batches)`` averages
+``trainer.validation_step`` over batches with the inherited weights, optionally after
+recalibrating the path's BatchNorm statistics (as SPOS does: statistics accumulated over the
+mixture of paths fit no single path). The strategy's own RNG streams (python, numpy, torch)
+are swapped in while it runs (:meth:`SharedTraining.own_rng`), so dropout and sampling in a
+segment follow from the saved state only and a resumed search continues bit for bit.
+
+Example (any space the super-graph takes, any trainer)::
+
+    st = SharedTraining(space, trainer, {}, torch.device("cpu"), seed=0)
+    with st.own_rng():
+        loss = st.train(sample, next(iter(trainer.train_dataloader({}, 0))), ctx)
+        metrics = st.evaluate(sample, trainer.val_dataloader({}))
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import random
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+class _ParamsOf(nn.Module):
+    """What ``trainer.configure_optimizers(model, hparams)`` is given: a module whose
+    ``parameters()`` and ``named_parameters()`` are the super-graph's (a trainer builds its
+    optimizer from those; it never runs this module)."""
+
+    def __init__(self, supergraph: Any):
+        super().__init__()
+        self._sg = supergraph
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(list(self._sg.parameters()))
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        # (a trainer that groups parameters by name, e.g. no weight decay on biases)
+        for name, p in self._sg.named_parameters():
+            yield f"{prefix}{name}", p
+
+
+def segment_rng(seed: int, segment: int, rank: int, purpose: str) -> random.Random:
+    """A generator for one purpose of one segment on one rank: a pure function of its
+    arguments, so a resumed segment draws what an uninterrupted one draws and each rank of a
+    mixed-parallel job samples its own paths.
+
+    Example:
+        >>> segment_rng(0, 1, 0, "train").random() == segment_rng(0, 1, 0, "train").random()
+        True
+    """
+    # str seeds hash with sha512 in Python 3: stable across processes and platforms.
+    return random.Random(f"{seed}:{segment}:{rank}:{purpose}")
+
+
+def rank_rngs(seed: int, segment: int, world: int, purpose: str) -> list[random.Random]:
+    """One generator per rank (:func:`segment_rng` of each rank). Every rank advances all of
+    them and draws every rank's path (see :meth:`SharedTraining.own_path`)."""
+    return [segment_rng(seed, segment, r, purpose) for r in range(world)]
+
+
+def take(batches: Iterable, n: int | None) -> list:
+    """The first ``n`` items of ``batches`` (all of them for ``None``)."""
+    return list(batches) if n is None else list(itertools.islice(batches, n))
+
+
+def check_positive(owner: str, **values: Any) -> None:
+    """Raises a ValueError naming the first argument that is not a positive int."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
+def mean_over_ranks(values: dict[str, float], ctx: Any) -> dict[str, float]:
+    """``values`` averaged over the ranks of ``ctx`` (itself on one process): on several ranks
+    each evaluates on its own share of the validation data, and every rank must rank the
+    candidates alike so that their searches stay identical."""
+    if ctx.world <= 1 or not values:
+        return values
+    import torch.distributed as dist
+
+    names = sorted(values)
+    # on the segment's device: NCCL reduces GPU tensors only (gloo takes either)
+    t = torch.tensor([values[n] for n in names], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, group=ctx.group)  # sum over ranks
+    return {n: float(v) / ctx.world for n, v in zip(names, t.tolist())}
+
+
+def ready(strategy: Any, shared: "SharedTraining | None", ctx: Any) -> "SharedTraining":
+    """``shared`` once ``setup`` built it and ``ctx.segment`` is one of the strategy's."""
+    name = type(strategy).__name__
+    if shared is None:
+        raise RuntimeError(f"{name}.run_segment(): call setup(space, trainer, hparams, device) "
+                           f"first")
+    if not 0 <= ctx.segment < strategy.num_segments():
+        raise ValueError(f"{name}: segment {ctx.segment} is out of range; this search has "
+                         f"segments 0..{strategy.num_segments() - 1}")
+    return shared
+
+
+def check_state(name: str, state: Any, config: dict) -> None:
+    """Raises a ValueError unless ``state`` was saved by strategy ``name`` with ``config``."""
+    if not isinstance(state, dict) or state.get("strategy") != name:
+        saved = state.get("strategy") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{name}.load_state_dict: the state was saved by {saved!r}; restore "
+                         f"it into that strategy")
+    if state["config"] != config:
+        raise ValueError(f"{name}.load_state_dict: the state was saved with {state['config']} "
+                         f"but this strategy has {config}; construct it with the saved "
+                         f"settings")
+
+
+class SharedTraining:
+    """A super-graph, its optimizer and LR scheduler, and the strategy's RNG streams.
+
+    Args:
+        space: the model space (a :class:`~retiarii.ModelSpace`).
+        trainer: gives ``configure_optimizers``, ``training_step`` and ``validation_step``.
+        hparams: handed to every trainer call.
+        device: where the shared weights live.
+        seed: seeds the initial weights and the RNG streams of training (dropout).
+    """
+
+    def __init__(self, space: Any, trainer: Any, hparams: dict, device: torch.device,
+                 seed: int):
+        from ..engine import checkpoint as ckpt
+        from ..engine.trial_run import _parse_optimizers
+        from ..optim.supergraph import SuperGraph
+
+        self.space, self.trainer, self.hparams = space, trainer, dict(hparams)
+        self.device = torch.device(device)
+        outer = ckpt.native_rng()
+        try:
+            ckpt.seed_rng(seed)
+            # (the super-graph seeds each operator from (seed, its key): the same initial
+            # weights whatever order paths arrive in, so every rank starts alike)
+            self.supergraph = SuperGraph(space, device=self.device, seed=seed)
+            # The pool grows as paths are asked for; the default path makes sure the optimizer
+            # starts with parameters (torch refuses an empty list), the rest join via attach.
+            self.supergraph.path(space.default_sample())
+            out = trainer.configure_optimizers(_ParamsOf(self.supergraph), self.hparams)
+            self.optimizer, self.scheduler, self.interval = _parse_optimizers(out)
+            self.supergraph.attach(self.optimizer)
+            self._rng = ckpt.native_rng()
+        finally:
+            ckpt.set_native_rng(outer)
+
+    # -- RNG streams --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def own_rng(self):
+        """Swaps the strategy's python, numpy and torch streams in for the block."""
+        from ..engine import checkpoint as ckpt
+
+        outer = ckpt.native_rng()
+        ckpt.set_native_rng(self._rng)
+        try:
+            yield
+        finally:
+            self._rng = ckpt.native_rng()
+            ckpt.set_native_rng(outer)
+
+    # -- training and evaluation ----------------------------------------------------------------
+
+    def net(self, sample_or_model: Any) -> nn.Module:
+        """The module of one path on the shared weights."""
+        return self.supergraph.path(sample_or_model)
+
+    def own_path(self, models: list, ctx: Any) -> Any:
+        """``models[ctx.rank]``, after building every rank's path in rank order.
+
+        On several ranks each trains its own path, but :func:`~retiarii.optim.mixed_parallel.
+        average_used_gradients` needs the same parameters in the same order on every rank:
+        building all K paths everywhere grows every rank's super-graph alike (a new
+        operator's initial weights follow from its key, whichever rank asks first).
+        """
+        if len(models) != ctx.world:
+            raise ValueError(f"own_path: {len(models)} paths for {ctx.world} ranks")
+        if ctx.world > 1:
+            for model in models:
+                self.net(model)
+        return models[ctx.rank]
+
+    def train(self, sample_or_model: Any, batch: Any, ctx: Any) -> float:
+        """One optimizer step of one path on one batch; returns the loss.
+
+        Raises:
+            FloatingPointError: the loss is not finite (naming the path).
+        """
+        from ..engine.trial_run import _to_device
+
+        net = self.net(sample_or_model)
+        net.train()
+        loss = self.trainer.training_step(net, _to_device(batch, self.device), self.hparams)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"the loss of path {_sample_of(sample_or_model)} is {value}; lower the "
+                f"learning rate or check the trainer's training_step")
+        self.optimizer.zero_grad(set_to_none=True)
+        if loss.requires_grad:  # (a path of frozen and parameter-free ops has nothing to train)
+            loss.backward()
+        if ctx.world > 1:
+            # Each rank trained its own path: a shared weight's gradient is the mean over the
+            # ranks that used it (mask and count), not over all ranks as DDP would divide.
+            # Every rank calls it, even one whose path had nothing to train: it is collective.
+            from ..optim.mixed_parallel import average_used_gradients
+
+            average_used_gradients(list(self.supergraph.parameters()), ctx.group)
+        self.optimizer.step()
+        if self.scheduler is not None and self.interval == "step":
+            self.scheduler.step()
+        return value
+
+    def end_segment(self) -> None:
+        """Steps an epoch-wise LR scheduler (a segment is an epoch)."""
+        if self.scheduler is not None and self.interval == "epoch":
+            self.scheduler.step()
+
+    def evaluate(self, sample_or_model: Any, batches: Iterable,
+                 calibrate: Iterable | None = None) -> dict[str, float]:
+        """``validation_step`` metrics of a path averaged over ``batches`` (weighted by batch
+        size), with the inherited weights and no training.
+
+        Args:
+            calibrate: train batches to recompute the path's BatchNorm statistics on first
+                (forward passes in train mode, no gradient); the super-graph's own statistics
+                are put back afterwards, so evaluating never changes the shared state.
+        """
+        from ..engine.trial_run import _batch_size, _to_device
+
+        net = self.net(sample_or_model)
+        saved = _bn_state(net) if calibrate is not None else None
+        try:
+            if calibrate is not None:
+                self._recalibrate(net, calibrate)
+            net.eval()
+            sums: dict[str, float] = {}
+            count = 0
+            with torch.no_grad():
+                for batch in batches:
+                    batch = _to_device(batch, self.device)
+                    n = _batch_size(batch)
+                    for name, value in self.trainer.validation_step(net, batch).items():
+                        sums[name] = sums.get(name, 0.0) + float(value) * n
+                    count += n
+            if count == 0:
+                raise ValueError("evaluating a path got no validation batches; check the "
+                                 "trainer's val_dataloader (and eval_batches)")
+            return {name: total / count for name, total in sums.items()}
+        finally:
+            if saved is not None:
+                _load_bn_state(net, saved)
+
+    def _recalibrate(self, net: nn.Module, batches: Iterable) -> None:
+        from ..engine.trial_run import _to_device
+
+        bns = [m for m in net.modules() if isinstance(m, _BN) and m.track_running_stats]
+        if not bns:
+            return
+        momenta = [m.momentum for m in bns]
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the calibration batches
+        net.train()
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    # The trainer's own forward (its loss) is the one way to feed any batch
+                    # format to the net; the loss itself is dropped.
+                    self.trainer.training_step(net, _to_device(batch, self.device), self.hparams)
+        finally:
+            for m, momentum in zip(bns, momenta):
+                m.momentum = momentum
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        from ..engine import checkpoint as ckpt
+
+        return {
+            "supergraph": self.supergraph.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": ckpt.portable_rng(self._rng),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        from ..engine import checkpoint as ckpt
+
+        self.supergraph.load_state_dict(state["supergraph"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["lr_scheduler"] is not None:
+            self.scheduler.load_state_dict(state["lr_scheduler"])
+        self._rng = ckpt.native_from_portable(state["rng"])
+
+
+def _sample_of(sample_or_model: Any) -> dict:
+    return dict(getattr(sample_or_model, "sample", sample_or_model))
+
+
+def _bn_state(net: nn.Module) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
+    return [(m, {k: v.clone() for k, v in m.state_dict().items()})
+            for m in net.modules() if isinstance(m, _BN) and m.track_running_stats]
+
+
+def _load_bn_state(net: nn.Module, saved: list) -> None:
+    for m, state in saved:
+        m.load_state_dict(state)

@@ -1,0 +1,325 @@
+"""Choosing a layout per group key and device (issue #13 item 3): the decision on hand-made
+measurements (``cost.choose_layout``), and in a search under ``optimize="auto"``: the first
+job of a group key measures the layouts (its measurement injected here, so the choice does not
+depend on this machine's timing), later jobs and a resumed search apply the choice without
+measuring again, a layout measured slower over a segment is reverted, and the results are
+those of training each model alone (fused: within the tolerance of tests/test_fused_jobs.py,
+``rel=1e-4`` on every metric; unfused: bit for bit)."""
+from __future__ import annotations
+
+import pytest
+
+import retiarii as rt
+from engine_helpers import InProcessExecutor
+from exp_space import cnn_space, lr_trainer, mlp_space
+from retiarii.engine import layouts
+from retiarii.engine.executors.base import JobFailed, JobFinished, JobProfiled, JobStarted
+from retiarii.engine.plans import PlanTable
+from retiarii.engine.store import Store
+from retiarii.optim.cost import Layout, choose_layout, describe, probe_speedups
+
+import test_fused_jobs as f
+import test_optimize as o
+
+S, C, B, F = Layout.SEPARATE, Layout.CSE, Layout.BATCHING, Layout.FUSED
+
+
+# ---- the decision (hand-made measurements) --------------------------------------------------
+
+
+def test_the_fastest_layout_over_the_margin_is_chosen():
+    assert choose_layout({C: 1.3, F: 2.4}).order == (F, C, S, B)  # B unmeasured: last
+    assert choose_layout({C: 1.3, B: 1.5, F: 0.64}).order == (B, C, S, F)
+    assert choose_layout({C: 0.9, F: 0.64}).order == (S, C, F, B)  # not faster: as measured
+    # a merged layout must beat apart by the margin (1.1): 1.05 is apart, 1.1 is kept
+    assert choose_layout({C: 1.05}).layout is S and choose_layout({C: 1.1}).layout is C
+    assert choose_layout({F: 1.05, C: 1.02}).layout is S
+    assert choose_layout({C: 1.05}, margin=1.0).layout is C
+
+
+def test_ties_keep_the_simpler_layout():
+    assert choose_layout({C: 1.5, B: 1.5}).layout is C  # batching pays concatenations
+    assert choose_layout({C: 2.0, F: 2.0}).layout is C  # CSE is bit for bit, fusion rounds
+    assert choose_layout({C: 1.5, B: 1.5, F: 1.5}).order[:3] == (C, B, F)
+    assert choose_layout({C: 1.1, F: 1.1}, margin=1.1).layout is C
+
+
+def test_missing_measurements_and_reverted_layouts():
+    # nothing measured: merged, as an unmeasured group always was
+    assert choose_layout({}).order == (C, S, B, F)
+    assert choose_layout({C: None, F: None}).order == (C, S, B, F)
+    # measured layouts first, the others after in the Layout order
+    assert choose_layout({F: 2.0}).order == (F, S, C, B)
+    assert choose_layout({F: None, B: 1.4}).order == (B, S, C, F)
+    # a layout reverted over a segment is never chosen again; separate always remains
+    assert choose_layout({C: 1.3, F: 2.4}, reverted=[F]).order == (C, S, B)
+    assert choose_layout({}, reverted=[C]).order == (S, B, F)
+    assert choose_layout({C: 1.3}, reverted=[C, B, F, S]).order == (S,)
+
+
+def test_what_the_plans_table_and_status_show():
+    choice = choose_layout({C: 1.3, F: 2.4})
+    assert choice.reason == "fused 2.40x (cse 1.30x)"
+    assert choose_layout({C: 1.02, F: 0.64}).reason == "separate: cse 1.02x, fused 0.64x"
+    assert choose_layout({C: 1.3, F: 2.4}, reverted=[F]).reason == "cse 1.30x (fused 2.40x reverted)"
+    assert describe("cse", {"cse": 1.3, "fused": 2.4}, ["fused"]) == \
+        "cse 1.30x (fused 2.40x reverted)"
+    assert describe("cse", {}) == "cse (not measured)"
+
+
+def test_probe_speedups_by_hand():
+    # apart: 0.2 + 0.3 + 2 * 0.1 = 0.7; merged: the layout's step + one load
+    got = probe_speedups({"a": 0.2, "b": 0.3}, {C: 0.4, F: 0.1}, 0.1)
+    assert got == {C: pytest.approx(0.7 / 0.5), F: pytest.approx(0.7 / 0.2)}
+    assert probe_speedups({"a": 0.1}, {C: 0.0}, 0.0) == {}  # nothing measured: no ratio
+
+
+# ---- in a search ----------------------------------------------------------------------------
+
+
+class Measured(o.Recording):
+    """Reports each merged unit's segment at ``speedup`` of its models apart (and, fused, of
+    them grouped unfused), keeping what the worker said of its layout; interrupts the driver
+    when a job starts after ``stop_after`` ended."""
+
+    def __init__(self, speedup=2.0, stop_after=None):
+        super().__init__()
+        self.speedup, self.stop_after, self.done = speedup, stop_after, 0
+
+    def next_event(self, timeout=None):
+        event = super().next_event(timeout)
+        if isinstance(event, JobProfiled):
+            units = []
+            for unit in event.units:
+                if unit.get("merged"):
+                    n = len(unit["trials"])
+                    unit = {**unit, "batches": 1, "load_s": 0.0, "setup_s": 0.0,
+                            "compute_s": 0.1 * n / self.speedup,
+                            "alone_s": {t: 0.1 for t in unit["trials"]}}
+                units.append(unit)
+            return JobProfiled(event.job_id, tuple(units))
+        if isinstance(event, (JobFinished, JobFailed)):
+            self.done += 1
+        if isinstance(event, JobStarted) and self.stop_after is not None \
+                and self.done >= self.stop_after:
+            raise KeyboardInterrupt
+        return event
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """Replaces the worker's measurement of the layouts by ``probes.speedups``; counts calls."""
+
+    class Probes:
+        speedups: dict = {}
+        calls = 0
+
+    def fake(ids, models, runs, trainer, data_key, candidates, fusable, alone_s):
+        Probes.calls += 1
+        return {k: v for k, v in Probes.speedups.items() if k in candidates}, {}
+
+    monkeypatch.setattr(layouts, "probe", fake)
+    return Probes
+
+
+def _search(tmp_path, name, space, executor, **kw):
+    db = tmp_path / f"{name}.db"
+    exp = rt.Experiment(space, rt.strategies.Random(seed=0), lr_trainer, store=str(db),
+                        executor=executor, seed=0, max_models=4, **kw)
+    return db, exp
+
+
+def _units(db):
+    return [u for r in o._plans(db) for u in r["units"]]
+
+
+def test_a_search_of_same_architecture_mlps_ends_up_fused(tmp_path, probes):
+    probes.speedups = {F: 2.4, C: 1.2}  # as measured on a CPU (benchmarks/README.md)
+    off_db, off = _search(tmp_path, "off", mlp_space, InProcessExecutor(), optimize=False)
+    off.run()
+    ex = Measured(2.4)
+    db, exp = _search(tmp_path, "auto", mlp_space, ex)  # optimize="auto": fuse="auto"
+    exp.run()
+    grouped = [j for j in ex.submitted if j.meta.get("group")]
+    assert grouped and all(j.meta["fuse"] == "auto" for j in grouped)
+    assert probes.calls == 1  # the first job measured; the others were told
+    assert "layouts" not in grouped[0].meta
+    assert all(j.meta["layouts"]["cpu"]["order"][0] == "fused" for j in grouped[1:])
+    units = [u for u in _units(db) if u.get("merged")]
+    assert units and all(u["fused"] and u["layout"] == "fused" for u in units)
+    assert all(u["decision"]["reason"] == "fused 2.40x (cse 1.20x)" for u in units)
+    summary = exp.summary()["optimization"]
+    assert summary["layouts"] == ["cpu: fused 2.40x (cse 1.20x)"]
+    f._curves_close(o._curves(db), o._curves(off_db))  # fused: within rel 1e-4
+
+
+def test_small_cnns_measured_slower_fused_do_not_fuse(tmp_path, probes):
+    probes.speedups = {F: 0.64, C: 1.3}
+    off_db, off = _search(tmp_path, "off", cnn_space, InProcessExecutor(), optimize=False)
+    off.run()
+    ex = Measured(1.3)
+    db, exp = _search(tmp_path, "auto", cnn_space, ex)
+    exp.run()
+    units = _units(db)
+    assert units and not any(u.get("fused") for u in units)
+    assert all(u["layout"] == "cse" and u["decision"]["order"][0] == "cse" for u in units)
+    assert exp.summary()["optimization"]["layouts"] == ["cpu: cse 1.30x (fused 0.64x)"]
+    assert o._curves(db) == o._curves(off_db)  # CSE-grouped: bit for bit
+
+
+def test_measured_faster_apart_trains_them_apart(tmp_path, probes):
+    probes.speedups = {F: 0.64, C: 1.02}
+    ex = Measured()
+    db, exp = _search(tmp_path, "apart", cnn_space, ex)
+    exp.run()
+    rows = o._plans(db)
+    assert [r["status"] for r in rows] == ["not merged"]  # the first job, then jobs of one
+    assert rows[0]["reason"] == "layout: separate: cse 1.02x, fused 0.64x"
+    assert all(len(j.tasks) == 1 for j in ex.submitted[1:])
+    assert exp.summary()["optimization"]["layouts"] == ["cpu: separate: cse 1.02x, fused 0.64x"]
+
+
+def test_a_layout_measured_slower_over_a_segment_is_reverted(tmp_path, probes):
+    probes.speedups = {F: 2.4, C: 1.3}
+    ex = Measured(0.5)  # the fused segment: 0.5x of apart (and of grouped unfused)
+    db, exp = _search(tmp_path, "rev", mlp_space, ex)
+    exp.run()
+    first = _units(db)[0]
+    assert first["layout"] == "fused" and first["decision"]["reverted"] == ["fused"]
+    assert first["decision"]["order"][0] == "cse"
+    later = [j for j in ex.submitted[1:] if j.meta.get("group")]
+    assert all(j.meta["layouts"]["cpu"]["order"][0] == "cse" for j in later)
+    assert probes.calls == 1
+
+
+def test_a_resumed_search_reuses_the_choices_without_measuring(tmp_path, probes):
+    probes.speedups = {F: 2.4, C: 1.2}
+    ex = Measured(2.4, stop_after=1)
+
+    def exp():
+        return _search(tmp_path, "resume", mlp_space, ex)
+
+    db, first = exp()
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    assert probes.calls == 1
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        (key, devices), = PlanTable(store).layout_decisions().items()
+    assert devices["cpu"]["order"][0] == "fused"
+    ex.submitted.clear()
+    ex.stop_after, ex.done = None, 0
+    _, again = exp()
+    again.resume()
+    grouped = [j for j in ex.submitted if j.meta.get("group")]
+    assert grouped and all(j.meta["layouts"]["cpu"]["order"][0] == "fused" for j in grouped)
+    assert probes.calls == 1  # not measured again
+    assert all(u.get("fused") for u in _units(db) if u.get("merged"))
+
+
+# ---- in the worker --------------------------------------------------------------------------
+
+
+def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, monkeypatch):
+    """A real measurement (copies of three same-architecture trials and one other, dropout in
+    their streams): every candidate gets a speed-up, and with CSE applied whatever it measured,
+    every metric and checkpoint equals a job that measured nothing, bit for bit."""
+    import test_grouped_jobs as g
+    from retiarii.engine.executors.base import Job
+
+    real = layouts.choose_layout
+    monkeypatch.setattr(layouts, "choose_layout", lambda speedups: real(
+        {**speedups, C: 99.0}))  # CSE, whatever was measured
+    probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
+    meta = {"group": True, "fuse": "auto", "batching": "auto", "profile": list("adeb")}
+    events = g._run(Job("p", probed, meta=meta))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    plain = [f._task(t, tmp_path, tag="c-") for t in "adeb"]
+    reference = g._run(Job("c", plain, meta={"group": True}))
+    assert g._same(g._results(events), g._results(reference))
+    for a, b in zip(probed, plain):
+        assert g._same_checkpoint(a.checkpoint_out, b.checkpoint_out), a.trial_id
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit["layout"] == "cse" and unit["choice"]["probed"] and unit["choice"]["device"] == "cpu"
+    measured = unit["choice"]["speedups"]
+    assert set(measured) >= {"separate", "fused"} and all(v > 0 for v in measured.values())
+    assert set(unit["alone_s"]) == set("adeb")  # measured by the probe, not again
+
+
+def test_a_given_choice_is_applied_without_measuring(tmp_path, monkeypatch):
+    import test_grouped_jobs as g
+    from retiarii.engine.executors.base import Job
+
+    monkeypatch.setattr(layouts, "probe", lambda *a: pytest.fail("measured again"))
+    tasks = [f._task(t, tmp_path) for t in "adeb"]
+    chosen = {"cpu": {"order": ["separate", "cse", "fused"], "speedups": {"fused": 0.6}}}
+    events = g._run(Job("s", tasks, meta={"group": True, "fuse": "auto", "profile": [],
+                                          "layouts": chosen}))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    units = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert [u["layout"] for u in units] == ["separate"] * 4 and not any(u["merged"] for u in units)
+    assert g._same(g._results(events), g._alone([f._task(t, tmp_path, tag="s-") for t in "adeb"]))
+
+
+@pytest.mark.slow
+def test_the_auto_benchmark_runs_quick():
+    """``benchmarks/auto.py --quick`` (about two minutes on a loaded 2-core CPU: slow)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "auto.py"), "--quick",
+                          "--workload", "mlp"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "auto / best" in out.stdout and "metrics vs separate" in out.stdout
+
+
+def test_one_alone_profile_per_architecture(tmp_path, monkeypatch):
+    """Three trials of one architecture and one of another: two alone profiles, and every
+    trial gets its architecture's time; a later job told the times per architecture (as the
+    runner tells it) profiles none."""
+    import test_grouped_jobs as g
+    from retiarii.engine import grouped
+    from retiarii.engine.executors.base import Job
+
+    calls = []
+    real = grouped.step_seconds
+    monkeypatch.setattr(grouped, "step_seconds", lambda trainer, run, batch: (
+        calls.append(run), real(trainer, run, batch))[1])
+    tasks = [f._task(t, tmp_path) for t in "adeb"]
+    events = g._run(Job("p", tasks, meta={"group": True, "profile": list("adeb")}))
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert len(calls) == 2 and set(unit["alone_s"]) == set("adeb")
+    assert unit["alone_s"]["a"] == unit["alone_s"]["d"] == unit["alone_s"]["e"]
+    assert len(unit["alone_by_arch"]) == 2
+    calls.clear()
+    again = [f._task(t, tmp_path, tag="2-") for t in "adeb"]
+    meta = {"group": True, "profile": list("adeb"), "alone_by_arch": {"cpu": unit["alone_by_arch"]}}
+    unit, = next(e for e in g._run(Job("q", again, meta=meta)) if isinstance(e, JobProfiled)).units
+    assert not calls and set(unit["alone_s"]) == set("adeb")
+
+
+def test_fuse_and_batching_follow_optimize_unless_given():
+    from exp_space import space
+
+    def exp(**kw):
+        return rt.Experiment(space, rt.strategies.Random(), rt.Trainer(dataset="digits"), **kw)
+
+    assert (exp().fuse, exp().batching) == ("auto", "auto")
+    assert (exp(optimize=True).fuse, exp(optimize=True).batching) == (False, False)
+    assert (exp(fuse=True, batching=False).fuse, exp(batching=True).batching) == (True, True)
+    with pytest.raises(rt.ExperimentError, match="batching=2"):
+        exp(batching=2)
+
+
+def test_status_prints_the_layout_of_each_group_key():
+    from retiarii.cli import _optimization_line
+
+    text = _optimization_line({"jobs": {"merged": 3}, "merged_trials": 8,
+                               "layouts": ["cpu: fused 2.40x (cse 1.30x)",
+                                           "cpu: separate: cse 1.02x, fused 0.64x"]})
+    assert "\n  layout cpu: fused 2.40x (cse 1.30x)" in text
+    assert "\n  layout cpu: separate: cse 1.02x, fused 0.64x" in text
