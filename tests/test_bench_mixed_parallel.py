@@ -61,7 +61,7 @@ def test_gloo_syncbn_is_batchnorm_over_every_rank_batch():
         assert close(r["mean"], bn.running_mean) and close(r["var"], bn.running_var)
 
 
-@pytest.mark.slow  # four spawned runs: ~10 s on a quiet machine, ~40 s at load 10
+@pytest.mark.slow  # five spawned runs: ~10 s on a quiet machine, ~40 s at load 10
 def test_quick_mode_compares_the_five_ways():
     rows = {r["way"]: r for r in bench.main(["--quick"])}
     assert list(rows) == bench.WAYS
@@ -71,3 +71,12 @@ def test_quick_mode_compares_the_five_ways():
     steps = {way: r["steps_per_epoch"] for way, r in rows.items()}
     assert steps["mixed"] == steps["mixed_supergraph"] == steps["ddp_kbatch"]
     assert steps["ddp_syncbn"] == steps["ddp"] == 2 * steps["mixed"]
+
+
+@pytest.mark.gpu
+def test_quick_mode_on_the_gpu():
+    """What the lead runs on a lent GPU: two ranks share one GPU through gloo (NCCL when
+    there is a GPU per rank); every way runs and reports."""
+    rows = {r["way"]: r for r in bench.main(["--quick", "--device", "cuda"])}
+    assert list(rows) == bench.WAYS
+    assert all(r["device"] == "cuda" and r["s_per_epoch"] > 0 for r in rows.values())

@@ -4,8 +4,8 @@ each rank a *different* sampled model on *different* data, shared weights kept e
 Data parallelism (DDP) trains one model on K shards of a batch and divides the summed gradient
 by K. Here the K ranks train K different paths of one super-graph, so a shared weight is used
 by some ranks only: its gradient is the average over **the ranks that used it** in this step
-(mask and count), not the sum over K (a weight used by one rank of three would get a third of
-its gradient). A weight no rank used keeps ``grad = None`` on every rank, so the optimizer
+(mask and count), not the sum divided by K (a weight used by one rank of three would get a
+third of its gradient). A weight no rank used keeps ``grad = None`` on every rank, so the optimizer
 skips it everywhere and the ranks' weights and optimizer states stay identical. BatchNorm
 running statistics stay per rank: each rank normalizes its own model's batch, so no SyncBN
 (its synchronization in every BN layer is what makes data parallelism slow, paper §7.4).
@@ -57,7 +57,7 @@ __all__ = ["RankError", "average_used_gradients", "run_segment_on_ranks", "spawn
 
 # 25 MiB of float32 per all-reduce, as DDP's default bucket: large enough that the per-call
 # latency does not dominate, small enough that a huge super-graph does not need one more copy
-# of all its gradients at once.
+# of all its gradients at once (one bucket's buffer exists at a time).
 BUCKET_ELEMENTS = 25 * 2 ** 20 // 4
 
 # How long a process group waits in a collective when spawn() is given no timeout: DDP's own
@@ -82,8 +82,9 @@ def average_used_gradients(params: Iterable[torch.nn.Parameter], group: Any = No
     parameter is *used* on a rank when its ``grad`` is not None, so clear gradients with
     ``zero_grad(set_to_none=True)`` (PyTorch's default) before each step. Afterwards, on every
     rank, a parameter used by ``c > 0`` ranks holds the sum of their gradients divided by ``c``
-    and one used by none holds ``grad = None``. The gradients and use counts travel in one
-    flattened all-reduce per dtype and device, cut into buckets of ``bucket_elements``.
+    and one used by none holds ``grad = None``. The gradients and use flags travel flattened,
+    one all-reduce per bucket of at most ``bucket_elements`` gradient elements (of one dtype and
+    device; a larger parameter is a bucket of its own), not one per parameter.
 
     Example::
 
@@ -118,40 +119,54 @@ def average_used_gradients(params: Iterable[torch.nn.Parameter], group: Any = No
         kinds[(p.device, p.dtype)].append(i)
     for (device, dtype), members in sorted(kinds.items(), key=lambda kv: (str(kv[0][0]),
                                                                           str(kv[0][1]))):
-        sizes = [params[i].numel() for i in members]
-        # (sum of sizes,) gradients, then (len(members),) use flags: one buffer, so one
-        # collective carries both; a count up to the world size is exact in any float dtype.
-        flat = torch.zeros(sum(sizes) + len(members), dtype=dtype, device=device)
-        grads = flat[:sum(sizes)].split(sizes)
-        used = flat[sum(sizes):]
-        for j, i in enumerate(members):
-            g = params[i].grad
-            if g is not None:
-                grads[j].copy_(g.reshape(-1))
-                used[j] = 1
-        for start in range(0, flat.numel(), bucket_elements):
-            dist.all_reduce(flat[start:start + bucket_elements], op=dist.ReduceOp.SUM, group=group)
-        used = used.round().to(torch.int64).cpu()
-        for j, i in enumerate(members):
-            c = int(used[j])
-            counts[i] = c
-            p = params[i]
-            if c == 0:
-                p.grad = None
-            else:
-                g = grads[j].view_as(p).div_(c)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+        for bucket in _buckets(members, [params[i].numel() for i in members], bucket_elements):
+            _reduce_bucket([params[i] for i in bucket], dtype, device, group, counts, bucket)
     return counts
 
 
+def _buckets(members: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive members, at most ``limit`` elements per bucket (a larger one alone)."""
+    out: list[list[int]] = []
+    total = limit
+    for i, n in zip(members, sizes):
+        if total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
+def _reduce_bucket(params: list, dtype: torch.dtype, device: torch.device, group: Any,
+                   counts: torch.Tensor, index: list[int]) -> None:
+    """One all-reduce for ``params`` (one dtype and device): their gradients, then one use
+    flag each, in one buffer; each sum divided by its count, or None where no rank used it."""
+    sizes = [p.numel() for p in params]
+    flat = torch.zeros(sum(sizes) + len(params), dtype=dtype, device=device)
+    grads = flat[:sum(sizes)].split(sizes)  # views: (numel,) per parameter
+    for g, p in zip(grads, params):
+        if p.grad is not None:
+            g.copy_(p.grad.reshape(-1))
+    # A count up to the world size is exact in a float dtype (in bfloat16 up to 256 ranks).
+    flat[sum(sizes):].copy_(torch.tensor([p.grad is not None for p in params], dtype=dtype))
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    used = flat[sum(sizes):].round().to(torch.int64).cpu().tolist()
+    for g, p, c, i in zip(grads, params, used, index):
+        counts[i] = c
+        if c == 0:
+            p.grad = None
+        elif p.grad is None:
+            p.grad = g.view_as(p).div(c)
+        else:
+            p.grad.copy_(g.view_as(p)).div_(c)
+
+
 def _check_same_parameters(params: list, group: Any) -> None:
-    """Every rank passes the same parameters (count, sizes, shapes in order), or a clear error
-    on every rank: different lists would make the flat all-reduces disagree in size (a hang or
-    a crash in the backend) or, worse, add up unrelated gradients. One small collective."""
-    shapes = [tuple(p.shape) for p in params]
+    """Every rank passes the same parameters (count, sizes, shapes and dtypes in order), or a
+    clear error on every rank: different lists would make the flat all-reduces disagree in size
+    (a hang or a crash in the backend) or, worse, add up unrelated gradients. One small
+    collective."""
+    shapes = [(tuple(p.shape), str(p.dtype)) for p in params]
     mine = torch.tensor([len(params), sum(p.numel() for p in params),
                          zlib.crc32(repr(shapes).encode())], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
@@ -163,7 +178,7 @@ def _check_same_parameters(params: list, group: Any) -> None:
         seen = ", ".join(f"rank {r}: {n} parameters, {e} elements" for r, (n, e, _) in
                          enumerate(every))
         raise ValueError(f"average_used_gradients got different parameters on different ranks "
-                         f"({seen}; or the same sizes in other shapes or order): pass the same "
+                         f"({seen}; or the same sizes in other shapes, dtypes or order): pass the same "
                          "parameters in the same order everywhere; a SuperGraph that grows as "
                          "paths are built must build every rank's path on every rank, in the "
                          "same order")
