@@ -69,7 +69,7 @@ def check_options(strategy: Any, error: type[Exception], **given: Any) -> None:
     refused = {
         "scheduler": (given.get("scheduler") is not None,
                       "a one-shot search trains one super-network: no trial to stop early"),
-        "optimize": (given.get("optimize") is True,
+        "optimize": (given.get("optimize") in (True, "pack"),
                      "cross-model optimization merges separate trials; a one-shot search "
                      "shares weights already"),
         "fuse": (given.get("fuse") not in (False, None), "fusion merges separate trials"),
