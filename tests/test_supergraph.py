@@ -180,7 +180,12 @@ def test_model_spaces_paths_equal_their_exports(name):
     for model in models:
         net = sg.path(model).eval()
         torch.testing.assert_close(net(x), sg.export(model.sample).eval()(x))
-    if name == "spos":  # block3's candidate: one key whatever the other blocks chose
+    if name == "spos":
+        # one layout for all, one cell per (block, candidate) met: no code generated twice
+        assert len(sg._builder._layouts) == 1
+        assert len(sg._builder._cells) == len({(label, m.sample[label]) for m in models
+                                               for label in m.sample})
+        # block3's candidate: one key whatever the other blocks chose
         a, b = (space.replay({**models[0].sample, "block1": c}) for c in ("choice_3", "choice_x"))
         ka, kb = weight_keys(space, a), weight_keys(space, b)
         shared = [attr for attr in ka if attr.startswith("layers.2.")]

@@ -203,8 +203,9 @@ class PathBuilder:
 
     def _cell(self, prefix: str, nodes: list[Node], provide: Provide,
               keys: dict[str, str]) -> nn.Module:
-        content = [_node_code(n, lambda s: s.name, with_spec=True) for n in nodes] + [
-            keys.get(n.attr) for n in nodes]
+        inputs = {src.uid: f"in{i}" for i, src in enumerate(_sources(nodes))}
+        content = [_node_code(n, lambda s: inputs.get(s.uid, s.name), with_spec=True)
+                   for n in nodes] + [keys.get(n.attr) for n in nodes]
         key = _hash([prefix, content])
         cell = self._cells.get(key)
         if cell is None:
