@@ -17,8 +17,9 @@ same for every model. So :class:`PathBuilder` emits
 and a path is a new instance of the layout's class with the pool's operators and the cells
 installed: no code generation at all once the candidates and the layout were seen. The
 forward is the generated code of the layout plus one call per cell (its own generated code):
-no interpretation per step. A region that does not have exactly one output, or whose
-module paths do not sit under the spliced node's, stays inline in the layout.
+no interpretation per step. A region that does not have exactly one output, is fed by a node
+computed after it begins, or whose module paths do not sit under the spliced node's, stays
+inline in the layout.
 
 Example::
 
@@ -66,16 +67,22 @@ def _regions(model: Model) -> list[tuple[str, list[Node]]]:
         return []
     graph = model.graph
     members: dict[int, list[Node]] = {i: [] for i in range(len(found))}
+    position: dict[int, int] = {}
     for node in graph.nodes:
+        position[node.uid] = len(position)
         i = owner.get(node.uid)
         if i is not None:
             members[i].append(node)
     out = []
     for i, (prefix, _) in enumerate(found):
         nodes = members[i]
+        if not nodes:
+            continue
         uids = {n.uid for n in nodes}
         exits = [n for n in nodes if any(u.uid not in uids for u in n.users)]
-        if len(exits) != 1 or any(n.kind in ("input", "output") for n in nodes) or any(
+        # every source before the region: one call cannot need what it feeds (no cycle)
+        late = any(position[s.uid] > position[nodes[0].uid] for s in _sources(nodes))
+        if len(exits) != 1 or late or any(n.kind in ("input", "output") for n in nodes) or any(
                 not n.attr.startswith(prefix) for n in nodes
                 if n.kind in ("module", "param", "subgraph")):
             continue
@@ -196,8 +203,9 @@ class PathBuilder:
 
     def _cell(self, prefix: str, nodes: list[Node], provide: Provide,
               keys: dict[str, str]) -> nn.Module:
-        content = [_node_code(n, lambda s: s.name, with_spec=True) for n in nodes] + [
-            keys.get(n.attr) for n in nodes]
+        inputs = {src.uid: f"in{i}" for i, src in enumerate(_sources(nodes))}
+        content = [_node_code(n, lambda s: inputs.get(s.uid, s.name), with_spec=True)
+                   for n in nodes] + [keys.get(n.attr) for n in nodes]
         key = _hash([prefix, content])
         cell = self._cells.get(key)
         if cell is None:

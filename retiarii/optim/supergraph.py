@@ -282,9 +282,10 @@ class SuperGraph:
 
     def load_state_dict(self, state: dict) -> None:
         """Load what :meth:`state_dict` returned, into this (fresh or used) super-graph of the
-        same space: operators it has are overwritten in place (their Parameter objects stay,
-        so paths and attached optimizers keep working), the others are rebuilt from their
-        recipes, in the saved order.
+        same space, its ``seed`` included (operators added later start as they would have):
+        operators it has are overwritten in place (their Parameter objects stay, so paths and
+        attached optimizers keep working), the others are rebuilt from their recipes, in the
+        saved order.
 
         Raises:
             SuperGraphError: not a super-graph state, or an operator saved under a key this
@@ -294,6 +295,7 @@ class SuperGraph:
             raise SuperGraphError(f"not a SuperGraph state (format {_FORMAT}): got "
                                   f"{type(state).__name__} with format "
                                   f"{state.get('format') if isinstance(state, dict) else None}")
+        self.seed = state["seed"]  # operators added after a resume start as they would have
         for item in state["entries"]:
             op = OpKey(item["key"], item["attr"], item["name"], item["kind"], item["mode"],
                        item["recipe"], item["frozen"])
