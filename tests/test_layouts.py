@@ -230,6 +230,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     real = layouts.choose_layout
     monkeypatch.setattr(layouts, "choose_layout", lambda speedups: real(
         {**speedups, C: 99.0}))  # CSE, whatever was measured
+    monkeypatch.setattr(layouts, "ABORT", float("inf"))  # every layout timed, however slow
     probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
     meta = {"group": True, "fuse": "auto", "batching": "auto", "profile": list("adeb")}
     events = g._run(Job("p", probed, meta=meta))
@@ -323,3 +324,16 @@ def test_status_prints_the_layout_of_each_group_key():
                                            "cpu: separate: cse 1.02x, fused 0.64x"]})
     assert "\n  layout cpu: fused 2.40x (cse 1.30x)" in text
     assert "\n  layout cpu: separate: cse 1.02x, fused 0.64x" in text
+
+
+def test_a_layout_whose_warm_up_is_far_too_slow_is_not_timed(tmp_path, monkeypatch):
+    import test_grouped_jobs as g
+    from retiarii.engine.executors.base import Job
+
+    monkeypatch.setattr(layouts, "ABORT", 0.0)  # every warm-up is "far too slow"
+    tasks = [f._task(t, tmp_path) for t in "adeb"]
+    events = g._run(Job("p", tasks, meta={"group": True, "fuse": "auto", "profile": list("adeb")}))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    # nothing merged was measured: merged with CSE, as an unmeasured group always was
+    assert unit["choice"]["speedups"] == {"separate": 1.0} and unit["layout"] == "cse"

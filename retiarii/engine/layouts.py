@@ -43,7 +43,7 @@ from .fused import FusedGroup, fusable_sets
 from .grouped import TrainingGroup, plan_group, step_seconds
 from .trial_run import _to_device
 
-__all__ = ["device_label", "group_units", "probe"]
+__all__ = ["ABORT", "device_label", "group_units", "probe"]
 
 _END = object()
 _MERGED = (Layout.CSE, Layout.BATCHING)  # the layouts of the trials that do not fuse
@@ -148,11 +148,12 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
         measured: dict[str, float] = {}
         for t in ids:
             if alone_s.get(t) is None and t not in measured:
-                measured[t] = step_seconds(trainer, runs[t], batch)  # on copies of its own
+                measured[t] = step_seconds(trainer, runs[t], batch, repeats=1)  # on copies
                 # one architecture, one step time: its twins are not measured again
                 measured.update(_twins(t, ids, models, measured[t], alone_s))
         alone = {t: alone_s.get(t, measured.get(t)) for t in ids}
         steps: dict[Layout, float] = {}
+        apart = sum(alone.values()) + (len(ids) - 1) * load  # a step's worth, apart
         for layout in candidates:
             if layout is Layout.SEPARATE:
                 continue
@@ -160,8 +161,11 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
             try:
                 groups, lone = _units_of(layout, ids, models, copies, trainer, data_key,
                                          fusable, Layout.CSE, None)
-                steps[layout] = sum(_group_step_seconds(g, batch) for g in groups) + sum(
-                    alone[t] for t in lone)
+                # a layout whose warm-up is far slower than the best so far is not timed
+                limit = ABORT * min([apart, *steps.values()]) / max(len(groups), 1)
+                times = [_group_step_seconds(g, batch, limit=limit) for g in groups]
+                if None not in times:
+                    steps[layout] = sum(times) + sum(alone[t] for t in lone)
             except Exception:  # noqa: BLE001 (this layout stays unmeasured)
                 pass
             finally:
@@ -183,11 +187,20 @@ def _twins(trial: str, ids: list[str], models: Mapping, seconds: float,
             and fusion_key(models[t]) == key}
 
 
-def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1) -> float:
+# A candidate layout whose warm-up step takes this many times the best step measured so far
+# is not timed further (left unmeasured: ranked after the measured ones). A first step pays
+# for allocations and kernel selection, seldom more than twice a later one; a layout this
+# much slower could not win, and timing it costs most of the probe (K frozen trunks fused
+# where CSE computes one).
+ABORT = 4.0
+
+
+def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
+                        limit: float | None = None) -> float | None:
     """One batch of a group (every trial's forward, loss, backward and optimizer step): a
     warm-up step, then the least of ``repeats`` (the machine's other work only adds; one by
     default: each costs a step of every model, and a segment measured slower reverts a
-    choice a noisy step got wrong)."""
+    choice a noisy step got wrong); None when the warm-up alone took over ``limit``."""
     sums = {t: [torch.zeros((), device=r.device), 0] for t, r in group.runs.items()}
     device = next(iter(group.runs.values())).device
     times = []
@@ -201,6 +214,8 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1) -> f
         if failed:
             raise next(iter(failed.values()))
         times.append(time.perf_counter() - t0)
+        if limit is not None and times[0] > limit:
+            return None
     return min(times[1:])
 
 
