@@ -556,7 +556,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--packing", choices=tuple(_OPTIMIZE), default="auto",
                      help="with --optimize: split each batch of models over the workers by "
                           "their profiles (similar ones together, workers equally busy, within "
-                          "memory): on, off (as evenly as they go), auto (on when optimizing)")
+                          "memory): on, off (as evenly as they go), auto (on when workers use GPUs)")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
     run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default=None,

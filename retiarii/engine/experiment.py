@@ -230,7 +230,9 @@ class Experiment:
             of similar iteration time together, every worker about equally busy, no job
             over its worker's memory; the profile is estimated from each model's IR when it
             is proposed, then scaled by what workers measure), or as evenly as they go
-            (False). ``"auto"`` (default) is True whenever ``optimize`` is on.
+            (False). ``"auto"`` (default): on when the workers train on GPUs, where memory
+            decides what fits; off on a CPU-only machine, where an even split measured as
+            fast (benchmarks/README.md, "packing_e2e").
         dedicated: modules that get a device of their own (docs/optimization.md, "Dedicated
             devices"): names as in the model (``fnmatch`` patterns: ``"encoder"``,
             ``"backbone.*"``) or class names (``"TransformerEncoder"``). A grouped job whose
@@ -266,7 +268,7 @@ class Experiment:
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
         if packing not in ("auto", True, False):
             raise ExperimentError(f"packing={packing!r}: give 'auto', True or False")
-        self.packing = bool(optimize) if packing == "auto" else packing
+        self.packing = packing  # "auto": decided in _loop, once the executor is known
         if dedicated is not None and (isinstance(dedicated, str) or not all(
                 isinstance(p, str) and p for p in dedicated)):
             raise ExperimentError(f"dedicated={dedicated!r}: give a list of module names or "
@@ -461,7 +463,7 @@ class Experiment:
         if self.optimize:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
                           profile=self.optimize == "auto", on_group=self._on_group,
-                          fuse=self.fuse, batching=self.batching, packing=self.packing,
+                          fuse=self.fuse, batching=self.batching, packing=self._packs(executor),
                           merge=self.optimize != "pack", dedicated=self.dedicated,
                           slot_memory=getattr(
                               executor, "slot_memory", lambda: float("inf"))())
@@ -661,13 +663,21 @@ class Experiment:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
-            if self.optimize and self.packing:
+            if self.optimize and getattr(getattr(self, "runner", None), "packing", False):
                 config["profile"] = self._estimate(model)
             frozen = self.space.frozen_fingerprint()
             if frozen is not None:  # the worker checks its frozen values are the driver's
                 config["frozen"] = frozen
             return config
         return None
+
+    def _packs(self, executor) -> bool:
+        """Whether batches are packed by profile: ``packing``, where ``"auto"`` is on when the
+        workers train on GPUs (where memory decides what fits; on a CPU-only machine
+        benchmarks/packing_e2e.py measured an even split as fast)."""
+        if self.packing != "auto":
+            return bool(self.packing)
+        return bool(getattr(executor, "devices", None))
 
     def _estimate(self, model) -> dict | None:
         """The packing profile of a proposed model, estimated from its IR (shapes checked),
