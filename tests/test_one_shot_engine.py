@@ -276,6 +276,9 @@ def test_darts_on_a_space_it_cannot_relax_fails_with_its_own_error(tmp_path):
     ("fuse", "auto", "fuse='auto' does not apply"),
     ("batching", True, "batching=True does not apply"),
     ("model_retries", 2, "model_retries=2 does not apply"),
+    ("optimize", "pack", "optimize='pack' does not apply"),
+    ("packing", True, "packing=True does not apply"),
+    ("dedicated", ["fc1"], r"dedicated=\['fc1'\] does not apply"),
 ])
 def test_options_a_one_shot_search_cannot_honour_are_refused(tmp_path, option, value, match):
     with pytest.raises(rt.ExperimentError, match=match):

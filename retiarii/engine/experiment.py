@@ -250,8 +250,8 @@ class Experiment:
 
     A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
     ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
-    multi-trial searches use (scheduler, max_models, optimize=True, fuse, batching,
-    model_retries) are refused with it.
+    multi-trial searches use (scheduler, max_models, optimize=True or "pack", fuse, batching,
+    packing=True, dedicated, model_retries) are refused with it.
     """
 
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
@@ -329,7 +329,8 @@ class Experiment:
             one_shot.check_options(strategy, ExperimentError, scheduler=scheduler,
                                    optimize=optimize, fuse=fuse, batching=batching,
                                    max_models=max_models, model_retries=model_retries,
-                                   trainer_hparams=hp, executor=executor)
+                                   trainer_hparams=hp, executor=executor, packing=packing,
+                                   dedicated=dedicated)
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
         self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends

@@ -70,8 +70,11 @@ def check_options(strategy: Any, error: type[Exception], **given: Any) -> None:
         "scheduler": (given.get("scheduler") is not None,
                       "a one-shot search trains one super-network: no trial to stop early"),
         "optimize": (given.get("optimize") in (True, "pack"),
-                     "cross-model optimization merges separate trials; a one-shot search "
-                     "shares weights already"),
+                     "cross-model optimization merges and packs separate trials; a one-shot "
+                     "search shares weights already"),
+        "packing": (given.get("packing") is True, "packing places separate trials on devices"),
+        "dedicated": (bool(given.get("dedicated")),
+                      "a dedicated device runs the frozen part that grouped trials share"),
         "fuse": (given.get("fuse") not in (False, None), "fusion merges separate trials"),
         "batching": (bool(given.get("batching")), "batching merges separate trials"),
         "max_models": (given.get("max_models") is not None,
