@@ -48,6 +48,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..freeze import FrozenBatchNorm
 from ..modspec import build_module
 from .plan import LogicalPlan, PassResult, Role
 
@@ -58,6 +59,7 @@ __all__ = ["batch_independent", "batching"]
 _PER_EXAMPLE = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.Linear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn.Identity,
+    FrozenBatchNorm,  # running statistics as constants (rt.freeze): per example
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid,
     nn.Hardtanh, nn.LeakyReLU, nn.ELU, nn.Softplus, nn.Mish, nn.PReLU,
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
@@ -113,18 +115,35 @@ def _spec_in_place(spec_json: str) -> bool:
     return any(getattr(m, "inplace", False) is True for m in module.modules())
 
 
+# Functions of two tensors computed element by element: ``a + b`` (a residual connection),
+# ``a - b``, ``a * b``. Batched only when both operands are inputs (no constant operand, no
+# keyword such as ``alpha``); at run time, only when each model's operands have one shape (no
+# broadcasting: ``cat(a_i) + cat(b_i)`` is then ``cat(a_i + b_i)``), else one call per model.
+_ELEMENTWISE = {"_operator:add", "_operator:sub", "_operator:mul",
+                "torch:add", "torch:sub", "torch:mul"}
+
+
+def _elementwise(op) -> bool:
+    """Whether ``op`` is one of :data:`_ELEMENTWISE` applied to two graph inputs exactly."""
+    return (op.kind == "function" and op.target in _ELEMENTWISE and not op.kwargs
+            and len(op.args) == 2 and all(isinstance(a, dict) and set(a) == {"__in__"}
+                                          for a in op.args))
+
+
 def _batchable(plan: LogicalPlan, node_of: dict, trial: str, key: str) -> bool:
     node = plan.nodes[key]
-    if key in plan.shared or node.role not in (Role.FROZEN, Role.PURE) or len(node.inputs) != 1:
+    if key in plan.shared or node.role not in (Role.FROZEN, Role.PURE):
         return False
     op = node_of[trial][key].op
-    if op.kind != "module":
-        return False
-    spec = json.dumps(op.spec, sort_keys=True)
-    if _writes(plan, node_of, trial, key) and plan.readers[node.inputs[0]] != {key}:
+    if _writes(plan, node_of, trial, key) and any(plan.readers[k] != {key} for k in node.inputs):
         return False  # alone, the others would read the written value: keep it alone
     if any(_writes(plan, node_of, trial, r) for r in plan.readers[key]):
         return False  # its output is split into views, which a reader must not write
+    if len(node.inputs) == 2 and _elementwise(op):
+        return True
+    if op.kind != "module" or len(node.inputs) != 1:
+        return False
+    spec = json.dumps(op.spec, sort_keys=True)
     return _spec_batch_independent(spec) and _spec_worth_it(spec)
 
 
