@@ -139,7 +139,7 @@ def _calibrate(net: AdapterNet, image_size: int) -> None:
     """Set each FrozenBatchNorm's statistics to those of its input on random images, in
     order, so every layer's output is normalized (what BatchNorm statistics estimated on data
     give a pretrained network)."""
-    x = torch.randn(64, 3, image_size, image_size)
+    x = torch.randn(16, 3, image_size, image_size)
 
     def hook(module, inputs):
         (h,) = inputs

@@ -24,7 +24,6 @@ exported file still needs only torch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .choices import _Expr  # a ValueChoice, or arithmetic on one
@@ -79,7 +78,7 @@ class FrozenBatchNorm(nn.Module):
         self._cache: tuple | None = None  # (the four tensors' identity, scale, shift)
 
     @classmethod
-    def from_batchnorm(cls, bn: nn.Module) -> FrozenBatchNorm:
+    def from_batchnorm(cls, bn: nn.Module) -> "FrozenBatchNorm":  # quoted: exports copy it
         """A FrozenBatchNorm holding ``bn``'s running statistics and affine weights (copies,
         on their device and dtype).
 
@@ -93,7 +92,9 @@ class FrozenBatchNorm(nn.Module):
                 f"statistics, so it has no constants to freeze; build it with "
                 f"track_running_stats=True (and load or estimate its statistics), or replace "
                 f"it by nn.GroupNorm / nn.LayerNorm")
-        frozen = cls(bn.num_features, eps=float(bn.eps), affine=bool(bn.affine))
+        options = {"eps": float(bn.eps), "affine": bool(bn.affine)}  # recorded for exports:
+        defaults = {"eps": 1e-5, "affine": True}  # only what differs, for readable code
+        frozen = cls(bn.num_features, **{k: v for k, v in options.items() if v != defaults[k]})
         frozen.to(device=bn.running_mean.device, dtype=bn.running_mean.dtype)
         with torch.no_grad():
             frozen.running_mean.copy_(bn.running_mean)

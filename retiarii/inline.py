@@ -36,6 +36,11 @@ from .refs import FILE_MODULE_PREFIX, SCRIPT_MODULES, active_rule
 
 _STANDARD = ("torch", "math", "operator", "_operator")
 
+# retiarii's own layers that a traced model may hold (rt.freeze puts FrozenBatchNorm into a
+# user's backbone): their source is copied into an export like the user's own, so the
+# exported file still needs only torch. Each is written to need nothing but torch.
+_LIBRARY_LAYERS = {("retiarii.freeze", "FrozenBatchNorm")}
+
 
 class InlineError(ValueError):
     """An object whose source cannot be copied into an exported file on its own."""
@@ -146,7 +151,8 @@ class Inliner:
 
     def add(self, obj: Any) -> str | None:
         module_name = getattr(obj, "__module__", None)
-        if not module_name or not is_user_module(module_name):
+        library = (module_name, getattr(obj, "__qualname__", None)) in _LIBRARY_LAYERS
+        if not module_name or not (is_user_module(module_name) or library):
             return None
         if id(obj) in self._done:
             return self._done[id(obj)]
