@@ -208,7 +208,7 @@ def test_export_copies_the_class_and_runs_without_retiarii(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = torch.load(tmp_path / "out.pt")
     assert result["loaded"] == []
-    assert torch.equal(result["out"], net(x))
+    assert torch.allclose(result["out"], net(x), **TOL)  # another process: other threads
 
 
 def test_docstring_examples_run():
