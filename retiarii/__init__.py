@@ -9,7 +9,7 @@ from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .engine import Experiment, ExperimentError
 from .engine.image_trainer import ImageFolderTrainer
 from .engine.trainer import ClassifierTrainer as Trainer
-from .freeze import FrozenBatchNorm, freeze
+from .frozen import FrozenBatchNorm, freeze
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
 from .modspec import leaf

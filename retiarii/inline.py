@@ -39,7 +39,7 @@ _STANDARD = ("torch", "math", "operator", "_operator")
 # retiarii's own layers that a traced model may hold (rt.freeze puts FrozenBatchNorm into a
 # user's backbone): their source is copied into an export like the user's own, so the
 # exported file still needs only torch. Each is written to need nothing but torch.
-_LIBRARY_LAYERS = {("retiarii.freeze", "FrozenBatchNorm")}
+_LIBRARY_LAYERS = {("retiarii.frozen", "FrozenBatchNorm")}
 
 
 class InlineError(ValueError):

@@ -48,7 +48,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..freeze import FrozenBatchNorm
+from ..frozen import FrozenBatchNorm
 from ..modspec import build_module
 from .plan import LogicalPlan, PassResult, Role
 

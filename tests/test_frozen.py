@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii import freeze as freeze_module
+from retiarii import frozen as frozen_module
 from retiarii.optim.batching import batch_independent
 from retiarii.optim.plan import PlanModel, Role, build_plan
 
@@ -212,5 +212,5 @@ def test_export_copies_the_class_and_runs_without_retiarii(tmp_path):
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(freeze_module, extraglobs={"torch": torch, "nn": nn, "rt": rt})
+    result = doctest.testmod(frozen_module, extraglobs={"torch": torch, "nn": nn, "rt": rt})
     assert result.attempted > 0 and result.failed == 0
