@@ -28,7 +28,7 @@ Example::
     5
     >>> model = space.build({"block": 2})
     >>> [n.name for n in space.instantiate({"block": 2}).graph.nodes if "adapter" in n.name]
-    ['backbone.layers.2.add_adapter']
+    ['backbone.layers.2.add_1_adapter']
 """
 from __future__ import annotations
 
