@@ -20,7 +20,8 @@ What a copied class or function names at module level is written out too: torch,
 dropped (``@rt.leaf`` only records constructor arguments for the search). Anything else
 (another library, a retiarii object used in the code, a tensor) makes :class:`Inliner` give
 up on that object with :class:`InlineError`, and the export imports it instead (saying so in
-its header).
+its header). A few of retiarii's own layers that users put into models (``FrozenBatchNorm``,
+from ``rt.freeze``) are copied the same way.
 """
 from __future__ import annotations
 

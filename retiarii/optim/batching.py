@@ -14,9 +14,12 @@ output is split back per model. A ``(trial, key)`` pair is batched when
 * it is a module node with one input whose module is **batch-independent**: each example's
   output depends on that example alone and on nothing but its dim-0 position
   (:func:`batch_independent`: convolutions, linears, LayerNorm, GroupNorm, embeddings,
-  element-wise activations, pooling, ``Flatten(start_dim >= 1)``, and ``Sequential`` of
-  those), and not a no-op (an identity costs nothing alone and a concatenation batched).
-  Functions and methods are never batched (``x.view(x.size(0), -1)``, ``mean``, ``cat`` read
+  ``rt.FrozenBatchNorm``, element-wise activations, pooling, ``Flatten(start_dim >= 1)``,
+  and ``Sequential`` of those), and not a no-op (an identity costs nothing alone and a
+  concatenation batched); or an **element-wise function of two inputs** (``a + b``,
+  ``a - b``, ``a * b``: a residual connection), whose operands are concatenated position by
+  position (at run time, operands of different shapes, a broadcast, run per model). Other
+  functions and methods are never batched (``x.view(x.size(0), -1)``, ``mean``, ``cat`` read
   the batch size or mix examples), nor custom leaves;
 * it writes nothing in place, unless nothing else reads its input (as in CSE): batched, it
   writes the concatenation, and a model reading its input again would see the value unwritten;
