@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=None, help="images per model and step "
                    "(CPU 16; cuda 8, the paper's)")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per way")
-    p.add_argument("--repeats", type=int, default=2, help="timed epochs per way; the least")
+    p.add_argument("--repeats", type=int, help="timed epochs per way, the least counts "
+                   "(CPU 2; cuda 1: a GPU is not shared, and 256 models build slowly)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: stable CPU time)")
     p.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     p.add_argument("--out", help="folder for the CSV and PNG (default benchmarks/out)")
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     args.width = args.width or (100 if gpu else 25)
     args.image = args.image or (224 if gpu else 32)
     args.batch = args.batch or (8 if gpu else 16)
+    args.repeats = args.repeats or (1 if gpu else 2)
     models = args.models or ([4, 8, 12, 32, 64, 128, 192, 256] if gpu else [4, 8, 16, 32])
     if args.quick:  # the small preset's 5 blocks, 2 and 4 models, 2 steps
         models, args.steps, args.repeats, args.image, args.batch = [2, 4], 2, 1, 16, 4
