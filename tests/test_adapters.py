@@ -93,7 +93,7 @@ def _train(space, samples, steps, stop=None):
     gen = torch.Generator().manual_seed(0)
     losses = {t: ([], []) for t in trials}
     for step in range(steps):
-        x, y = torch.randn(6, 3, 16, 16, generator=gen), torch.randint(0, 10, (6,), generator=gen)
+        x, y = torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 10, (4,), generator=gen)
         outs = group(x)
         step_losses = {t: F.cross_entropy(outs[t], y) for t in live}
         for t in live:
