@@ -19,7 +19,8 @@ fixed seed (nothing can be downloaded; load pretrained weights into it the same 
 :func:`retiarii.freeze`).
 
 Presets: :func:`small` (a 5-block MobileNetV2 at width 0.25 on 16x16 images: tests) and
-:func:`cifar` (all 17 blocks at a width multiplier, for 32x32 images: the benchmark).
+:func:`cifar` (all 17 blocks at a width multiplier, stem stride 1, for 32x32 images);
+``benchmarks/adapters.py`` calls :func:`adapter_space` with its own sizes.
 
 Example::
 
@@ -155,7 +156,7 @@ def _calibrate(net: AdapterNet, image_size: int) -> None:
 
 
 def small(num_classes: int = 10, image_size: int = 16) -> rt.ModelSpace:
-    """A 5-block MobileNetV2 at width 0.25 (stem 8, blocks of 8, 8, 8, 8 and 16 channels,
+    """A 5-block MobileNetV2 at width 0.25 (stem and blocks of 8 channels, one stride 2,
     head 64): fast enough for tests."""
     stages = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 2, 1))
     return adapter_space(25, num_classes, image_size, 1, stages, head=64)

@@ -143,6 +143,7 @@ def _check_choice_free(bn: nn.Module, path: str) -> None:
     recorded = bn.__dict__.get("_retiarii_init")
     if recorded is None:
         return
+
     def has_choice(value) -> bool:
         if isinstance(value, _Expr):
             return True
