@@ -166,6 +166,7 @@ def test_two_input_element_wise_functions_batch_and_equal_each_model_alone():
     trials = ["a", "b", "c"]
     plan = batching(cse(build_plan([PlanModel(t, space.replay(s), "d")
                                     for t, s in zip(trials, samples)])).plan).plan
+    assert batching(plan).modified is False  # idempotent with functions batched too
     batched = {plan.nodes[b[0][1]].name for b in plan.batches}
     assert "add_1" in batched  # x + lins[1](x) of models a and b: one call
     assert "add_2" in batched  # + a (1, 6) operand: planned, but runs per model (shapes)
