@@ -235,3 +235,31 @@ def test_benchmark_quick_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "N=  2" in out and "N=  4" in out and "cse+batching" in out
     assert (tmp_path / "adapters-cpu-quick.csv").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_group_on_a_gpu_equals_each_model_alone(space):
+    """On the GPU: the batched group's outputs and the adapters' and heads' gradients equal
+    each model's alone within rtol 1e-4 (cuDNN may pick other kernels for a larger batch)."""
+    device = torch.device("cuda")
+    samples = [{"block": b} for b in (0, 3, 1, 4)]
+    trials = [f"t{i}" for i in range(len(samples))]
+    models = {}
+    for i, (t, s) in enumerate(zip(trials, samples)):
+        torch.manual_seed(100 + i)
+        models[t] = space.build(s, check=False).to(device)
+    alone = {t: copy.deepcopy(m) for t, m in models.items()}
+    plan = plan_group({t: space.replay(s) for t, s in zip(trials, samples)}, "d",
+                      {t: {} for t in trials}, batch_ops=True)
+    group = build_group(plan, models)
+    x = torch.randn(4, 3, 16, 16, device=device)
+    outs = group(x)
+    sum(outs[t].square().sum() for t in trials).backward()
+    for t in trials:
+        expected = alone[t](x)
+        expected.square().sum().backward()
+        torch.testing.assert_close(outs[t], expected, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(models[t].named_parameters(), alone[t].parameters()):
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
