@@ -141,3 +141,45 @@ class MobileNet(nn.Module):
         x = self.head(self.layers(self.stem(x)))
         return self.fc(self.pool(x).flatten(1))  # (B, head, 1, 1) -> (B, num_classes)
 
+
+
+# MobileNetV2 1.0: (expansion, out channels, layers, first stride) per stage
+MOBILENETV2_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                      (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+
+
+def mobilenetv2(width: int = 100, num_classes: int = 1000, in_channels: int = 3,
+                stem_stride: int = 2, stages=MOBILENETV2_STAGES, head: int | None = None
+                ) -> MobileNet:
+    """MobileNetV2 (Sandler et al., CVPR 2018) as a plain module: a 3x3 stem of 32 channels,
+    the inverted residuals of ``stages`` (17 in MobileNetV2 1.0), a 1x1 conv to 1280
+    channels, pooling and the classifier; ReLU6 throughout, the residual where shapes allow.
+
+    Example::
+
+        >>> net = mobilenetv2(width=25, num_classes=10, stem_stride=1)
+        >>> net(torch.zeros(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+        >>> len(net.layers)                                  # the blocks, in order
+        17
+
+    Args:
+        width: the width multiplier in percent (100: MobileNetV2 1.0; 25: 0.25); every width
+            is rounded to a multiple of 8 (:func:`scale_width`), at least 8.
+        num_classes, in_channels: of the classifier and the stem.
+        stem_stride: 2 for ImageNet; 1 for small images (CIFAR-sized).
+        stages: ``(expansion, channels, layers, first stride)`` per stage; fewer or shallower
+            stages give a smaller network of the same blocks.
+        head: width of the last 1x1 conv; default 1280, scaled up (never down) with
+            ``width`` as MobileNetV2 does.
+    """
+    stem = max(8, scale_width(32, width))  # never below 8 channels, as MobileNetV2 rounds
+    c_in, layers = stem, []
+    for expansion, channels, n, stride in stages:
+        c_out = max(8, scale_width(channels, width))
+        for i in range(n):  # (B, c_in, H, W) -> (B, c_out, H/s, W/s), s only in the first
+            layers.append(MBConv(c_in, c_out, stride if i == 0 else 1, 3, expansion))
+            c_in = c_out
+    if head is None:
+        head = scale_width(1280, max(width, 100))
+    return MobileNet(layers, stem, c_in, head, stem_stride, in_channels, num_classes)

@@ -39,11 +39,8 @@ from __future__ import annotations
 import torch
 
 import retiarii as rt
-from model_spaces._mobile import MBConv, MobileNet, scale_width
+from model_spaces._mobile import MOBILENETV2_STAGES, MBConv, MobileNet, scale_width
 
-# MobileNetV2 1.0: (expansion, out channels, layers, first stride) per stage
-MOBILENETV2_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
-                      (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
 WIDTHS = (100, 75, 125)  # percent of the base width
 EXPANSIONS = (6, 4, 8)
 RESOLUTIONS = (1.0, 0.875, 1.125)

@@ -9,6 +9,7 @@ from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .engine import Experiment, ExperimentError
 from .engine.image_trainer import ImageFolderTrainer
 from .engine.trainer import ClassifierTrainer as Trainer
+from .frozen import FrozenBatchNorm, freeze
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
 from .modspec import leaf
@@ -20,8 +21,8 @@ from .trace import TraceError, trace
 
 __version__ = "0.1.0"
 
-__all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "Graph", "GraphError",
-           "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
+__all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "FrozenBatchNorm",
+           "Graph", "GraphError", "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
            "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
-           "apply_mutator", "engine", "leaf", "mutators", "nn", "ops", "strategies", "trace"]
+           "apply_mutator", "engine", "freeze", "leaf", "mutators", "nn", "ops", "strategies", "trace"]

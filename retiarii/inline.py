@@ -20,7 +20,8 @@ What a copied class or function names at module level is written out too: torch,
 dropped (``@rt.leaf`` only records constructor arguments for the search). Anything else
 (another library, a retiarii object used in the code, a tensor) makes :class:`Inliner` give
 up on that object with :class:`InlineError`, and the export imports it instead (saying so in
-its header).
+its header). A few of retiarii's own layers that users put into models (``FrozenBatchNorm``,
+from ``rt.freeze``) are copied the same way.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ from typing import Any
 from .refs import FILE_MODULE_PREFIX, SCRIPT_MODULES, active_rule
 
 _STANDARD = ("torch", "math", "operator", "_operator")
+
+# retiarii's own layers that a traced model may hold (rt.freeze puts FrozenBatchNorm into a
+# user's backbone): their source is copied into an export like the user's own, so the
+# exported file still needs only torch. Each is written to need nothing but torch.
+_LIBRARY_LAYERS = {("retiarii.frozen", "FrozenBatchNorm")}
 
 
 class InlineError(ValueError):
@@ -146,7 +152,8 @@ class Inliner:
 
     def add(self, obj: Any) -> str | None:
         module_name = getattr(obj, "__module__", None)
-        if not module_name or not is_user_module(module_name):
+        library = (module_name, getattr(obj, "__qualname__", None)) in _LIBRARY_LAYERS
+        if not module_name or not (is_user_module(module_name) or library):
             return None
         if id(obj) in self._done:
             return self._done[id(obj)]

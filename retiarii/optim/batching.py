@@ -14,9 +14,12 @@ output is split back per model. A ``(trial, key)`` pair is batched when
 * it is a module node with one input whose module is **batch-independent**: each example's
   output depends on that example alone and on nothing but its dim-0 position
   (:func:`batch_independent`: convolutions, linears, LayerNorm, GroupNorm, embeddings,
-  element-wise activations, pooling, ``Flatten(start_dim >= 1)``, and ``Sequential`` of
-  those), and not a no-op (an identity costs nothing alone and a concatenation batched).
-  Functions and methods are never batched (``x.view(x.size(0), -1)``, ``mean``, ``cat`` read
+  ``rt.FrozenBatchNorm``, element-wise activations, pooling, ``Flatten(start_dim >= 1)``,
+  and ``Sequential`` of those), and not a no-op (an identity costs nothing alone and a
+  concatenation batched); or an **element-wise function of two inputs** (``a + b``,
+  ``a - b``, ``a * b``: a residual connection), whose operands are concatenated position by
+  position (at run time, operands of different shapes, a broadcast, run per model). Other
+  functions and methods are never batched (``x.view(x.size(0), -1)``, ``mean``, ``cat`` read
   the batch size or mix examples), nor custom leaves;
 * it writes nothing in place, unless nothing else reads its input (as in CSE): batched, it
   writes the concatenation, and a model reading its input again would see the value unwritten;
@@ -48,6 +51,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..frozen import FrozenBatchNorm
 from ..modspec import build_module
 from .plan import LogicalPlan, PassResult, Role
 
@@ -58,6 +62,7 @@ __all__ = ["batch_independent", "batching"]
 _PER_EXAMPLE = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.Linear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn.Identity,
+    FrozenBatchNorm,  # running statistics as constants (rt.freeze): per example
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid,
     nn.Hardtanh, nn.LeakyReLU, nn.ELU, nn.Softplus, nn.Mish, nn.PReLU,
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
@@ -113,18 +118,35 @@ def _spec_in_place(spec_json: str) -> bool:
     return any(getattr(m, "inplace", False) is True for m in module.modules())
 
 
+# Functions of two tensors computed element by element: ``a + b`` (a residual connection),
+# ``a - b``, ``a * b``. Batched only when both operands are inputs (no constant operand, no
+# keyword such as ``alpha``); at run time, only when each model's operands have one shape (no
+# broadcasting: ``cat(a_i) + cat(b_i)`` is then ``cat(a_i + b_i)``), else one call per model.
+_ELEMENTWISE = {"_operator:add", "_operator:sub", "_operator:mul",
+                "torch:add", "torch:sub", "torch:mul"}
+
+
+def _elementwise(op) -> bool:
+    """Whether ``op`` is one of :data:`_ELEMENTWISE` applied to two graph inputs exactly."""
+    return (op.kind == "function" and op.target in _ELEMENTWISE and not op.kwargs
+            and len(op.args) == 2 and all(isinstance(a, dict) and set(a) == {"__in__"}
+                                          for a in op.args))
+
+
 def _batchable(plan: LogicalPlan, node_of: dict, trial: str, key: str) -> bool:
     node = plan.nodes[key]
-    if key in plan.shared or node.role not in (Role.FROZEN, Role.PURE) or len(node.inputs) != 1:
+    if key in plan.shared or node.role not in (Role.FROZEN, Role.PURE):
         return False
     op = node_of[trial][key].op
-    if op.kind != "module":
-        return False
-    spec = json.dumps(op.spec, sort_keys=True)
-    if _writes(plan, node_of, trial, key) and plan.readers[node.inputs[0]] != {key}:
+    if _writes(plan, node_of, trial, key) and any(plan.readers[k] != {key} for k in node.inputs):
         return False  # alone, the others would read the written value: keep it alone
     if any(_writes(plan, node_of, trial, r) for r in plan.readers[key]):
         return False  # its output is split into views, which a reader must not write
+    if len(node.inputs) == 2 and _elementwise(op):
+        return True
+    if op.kind != "module" or len(node.inputs) != 1:
+        return False
+    spec = json.dumps(op.spec, sort_keys=True)
     return _spec_batch_independent(spec) and _spec_worth_it(spec)
 
 

@@ -155,43 +155,52 @@ class GroupModule(nn.Module):
 
 
 def _run_batch(batch: Batch, common: dict, env: dict, failed: set[str], joined: dict) -> None:
-    """Concatenate the live models' inputs, call once, split by each model's batch size.
+    """Concatenate the live models' inputs (per input position), call once, split by each
+    model's batch size.
 
     Frozen weights get no gradient (``requires_grad=False``), but a model's trainable part
-    upstream (an adapter before this layer) must get one *through* it: the inputs that need a
-    gradient run as one call with autograd, the others as one call under ``no_grad`` (a
-    model whose adapter comes later must not pay for a backward pass here).
+    upstream (an adapter before this layer) must get one *through* it: the models with an
+    input that needs a gradient run as one call with autograd, the others as one call under
+    ``no_grad`` (a model whose adapter comes later must not pay for a backward pass here).
     ``joined`` maps the ids of an earlier call's split outputs to their concatenation, so a
-    chain of batched operators (conv -> relu -> conv) concatenates once."""
-    live = [(t, src, out) for t, src, out in batch.pairs if t not in failed]
-    xs = [env[t][src] if src in env[t] else common[src] for t, src, _ in live]
-    grad = [torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
-            for x in xs]
+    chain of batched operators (conv -> relu -> conv, a residual add of two batched values)
+    concatenates once."""
+    live = [(t, srcs, out) for t, srcs, out in batch.pairs if t not in failed]
+    xs = [[env[t][k] if k in env[t] else common[k] for k in srcs] for t, srcs, _ in live]
+    grad = [torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                            for x in args) for args in xs]
     for needs in (True, False):
         part = [i for i, g in enumerate(grad) if g is needs]
         if not part:
             continue
         with torch.set_grad_enabled(needs):
-            ys = _call(batch, [xs[i] for i in part], [live[i][1] in env[live[i][0]] for i in part],
-                       joined)
+            ys = _call(batch, [xs[i] for i in part],
+                       [[k in env[live[i][0]] for k in live[i][1]] for i in part], joined)
         for i, y in zip(part, ys):
             env[live[i][0]][live[i][2]] = y
 
 
-def _call(batch: Batch, xs: list, mine: list[bool], joined: dict) -> list:
-    same = all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[1:] == xs[0].shape[1:]
-               and x.dtype == xs[0].dtype and x.device == xs[0].device for x in xs)
+def _call(batch: Batch, xs: list[list], mine: list[list[bool]], joined: dict) -> list:
+    """``xs[i]``: model i's inputs; ``mine[i][j]``: whether input j is model i's own value
+    (a shared one must not change under the others)."""
+    first = xs[0][0]
+    same = all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.dtype == first.dtype
+               and x.device == first.device and x.shape == args[0].shape  # no broadcasting
+               and x.shape[1:] == first.shape[1:] for args in xs for x in args)
     if not same:  # shapes that cannot be concatenated: one call per model, as alone
-        return [batch.module(x if own or not batch.mutates else x.clone())
-                for x, own in zip(xs, mine)]  # a shared value must not change under others
-    whole = joined.get(tuple(id(x) for x in xs))  # n x (B_i, ...) -> (sum B_i, ...)
-    if whole is None or batch.mutates:
-        whole = torch.cat(xs)
-    out = batch.module(whole)
+        return [batch.module(*[x if own or not batch.mutates else x.clone()
+                               for x, own in zip(args, owns)]) for args, owns in zip(xs, mine)]
+    wholes = []
+    for j in range(len(xs[0])):  # per input position: n x (B_i, ...) -> (sum B_i, ...)
+        whole = joined.get(tuple(id(args[j]) for args in xs))
+        if whole is None or batch.mutates:
+            whole = torch.cat([args[j] for args in xs])
+        wholes.append(whole)
+    out = batch.module(*wholes)
     # -> n x (B_i, ...): split's views, whose backward is one concatenation (narrow views
     # would each build a full-size zero gradient). Nothing writes them in place: the pass
     # batches no operator whose output a reader writes.
-    ys = list(out.split([x.shape[0] for x in xs]))
+    ys = list(out.split([args[0].shape[0] for args in xs]))
     joined[tuple(id(y) for y in ys)] = out
     return ys
 
@@ -347,8 +356,8 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
     for b, pairs in enumerate(plan.batches):
         first, fkey = pairs[0]
         src = graphs[first].node_by_uid(inv[first][fkey])
-        keep = _get(models[first], src.attr)
-        for other, okey in pairs[1:]:
+        keep = _get(models[first], src.attr) if src.kind == "module" else None
+        for other, okey in (pairs[1:] if keep is not None else ()):  # a function: no values
             attr = graphs[other].node_by_uid(inv[other][okey]).attr
             if _get(models[other], attr) is not keep:
                 if not _same_values(_get(models[other], attr), keep):
@@ -356,10 +365,13 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                                      f"{first} and {other}: build both from one space")
                 _set(models[other], attr, keep)
         cell = Graph()
-        x = cell.add_node("x", Operation("input", target="x"))
         op = src.op.copy()
-        node = cell.add_node(src.name if src.name != "x" else "op", op)
-        cell.connect(x, node, 0)
+        ins = [cell.add_node(f"x{j}" if len(src.inputs) > 1 else "x",
+                             Operation("input", target=f"x{j}" if len(src.inputs) > 1 else "x"))
+               for j in range(len(src.inputs))]
+        node = cell.add_node(src.name if src.name not in [n.name for n in ins] else "op", op)
+        for j, x in enumerate(ins):
+            cell.connect(x, node, j)
         out = cell.add_node("output", Operation("output", args=[encode(PortRef(0))]))
         cell.connect(node, out, 0)
         cell.lint()
@@ -368,7 +380,7 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
         mutates = plan.nodes[fkey].mutates or any(getattr(m, "inplace", False) is True
                                                   for m in module.modules())
         batches.append(Batch(f"batch_{b}", 0, module,
-                             [(t, plan.nodes[k].inputs[0], k) for t, k in pairs], mutates, cell))
+                             [(t, plan.nodes[k].inputs, k) for t, k in pairs], mutates, cell))
 
     # 4. Stages: a model's own nodes between two batched calls form one cell. A node's stage
     # is at least its inputs' (a batched output's: the batch's level) and its predecessor's in
@@ -402,7 +414,8 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                          f"consistently in every model: plan them without batching")
 
     # 5. One cell per model and stage: its own nodes of that stage, in its own order.
-    frontier: list[str] = [k for bt in batches for t, k, _ in bt.pairs if shared_at(t, k)]
+    frontier: list[str] = [k for bt in batches for t, srcs, _ in bt.pairs for k in srcs
+                           if shared_at(t, k)]
     frontier = list(dict.fromkeys(frontier))  # the shared values the batches read, once each
     cells: list[Cell] = []
     cell_graphs: list[Graph] = []
@@ -410,7 +423,7 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
         graph, keys = graphs[trial], plan.keys[trial]
         own = [n for n in graph.nodes if not shared_at(trial, keys[n.uid])
                and (trial, keys[n.uid]) not in plan.batched]
-        batch_reads = {p[1] for bt in batches for p in bt.pairs if p[0] == trial}
+        batch_reads = {k for bt in batches for p in bt.pairs if p[0] == trial for k in p[1]}
         for s in sorted({stage[(trial, keys[n.uid])] for n in own}):
             nodes = [n for n in own if stage[(trial, keys[n.uid])] == s]
             inside = {keys[n.uid] for n in nodes}

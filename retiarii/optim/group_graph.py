@@ -31,12 +31,12 @@ class Cell:
 @dataclass
 class Batch:
     """One batched call (batching.py): a frozen or weightless per-example operator run on its
-    models' inputs concatenated along dim 0, in trial order."""
+    models' inputs concatenated along dim 0 (per input position), in trial order."""
 
     name: str
     level: int  # runs before the cells of this stage
     module: nn.Module
-    pairs: list[tuple[str, str, str]]  # (trial, input key, output key)
+    pairs: list[tuple[str, tuple[str, ...], str]]  # (trial, input keys, output key)
     mutates: bool  # writes its input in place (ReLU(inplace=True))
     graph: Graph  # the operator as a one-node cell (the IR of ``module``)
 
@@ -73,19 +73,27 @@ def merged_graph(shared: Graph, frontier: list[str], cells: list[Cell],
     stages = max([c.stage for c in cells] + [b.level for b in batches] + [0]) + 1
     for stage in range(stages):
         for bt in (b for b in batches if b.level == stage):
-            n = len(bt.pairs)  # n x (B_i, ...) -cat-> (sum B_i, ...) -op-> -split-> n x (B_i, ...)
-            cat = g.add_node(f"{bt.name}_cat", Operation("function", target="torch:cat", args=[
-                encode([PortRef(p) for p in range(n)]), 0]))
+            n, arity = len(bt.pairs), len(bt.pairs[0][1])
+            # per input position j: n x (B_i, ...) -cat-> (sum B_i, ...); -op-> -split-> n x
+            cats = []
+            for j in range(arity):
+                cat = g.add_node(f"{bt.name}_cat" + (f"{j}" if arity > 1 else ""), Operation(
+                    "function", target="torch:cat", args=[
+                        encode([PortRef(p) for p in range(n)]), 0]))
+                for p, (t, srcs, _) in enumerate(bt.pairs):
+                    g.connect(value(t, srcs[j]), cat, p)
+                cats.append(cat)
             sizes = []
-            for p, (t, src, _) in enumerate(bt.pairs):
-                g.connect(value(t, src), cat, p)
+            for p, (t, srcs, _) in enumerate(bt.pairs):
                 size = g.add_node(f"{bt.name}_size{p}", Operation(
                     "method", target="size", args=[encode(PortRef(0)), 0]))
-                g.connect(value(t, src), size, 0)
+                g.connect(value(t, srcs[0]), size, 0)
                 sizes.append(size)
-            call = g.add_node(bt.name, Operation("subgraph", args=[encode(PortRef(0))],
+            call = g.add_node(bt.name, Operation("subgraph", args=[encode(PortRef(j))
+                                                                   for j in range(arity)],
                                                  graph=bt.graph, attr=f"batched.{bt.name}"))
-            g.connect(cat, call, 0)
+            for j, cat in enumerate(cats):
+                g.connect(cat, call, j)
             split = g.add_node(f"{bt.name}_split", Operation("method", target="split", args=[
                 encode(PortRef(0)), encode([PortRef(p + 1) for p in range(n)])]))
             g.connect(call, split, 0)
