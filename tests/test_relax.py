@@ -444,3 +444,21 @@ def test_a_joint_node_is_exact_when_fixed_and_finite_when_weights_underflow():
     with torch.no_grad():
         expected = relax.export({"src": "l0", "act": "relu"})(x)
     torch.testing.assert_close(relax(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rescale_keeps_the_drawn_candidates_total_probability():
+    from retiarii.optim.relax import rescale_drawn
+
+    relax = Relaxation(_space(), mode="binary", paths=2, seed=0)
+    before = {"op": torch.tensor([0.5, -0.3, 1.0]), "skip": torch.tensor([0.0, 0.2, -0.1])}
+    with torch.no_grad():
+        relax.alpha("op").copy_(torch.tensor([0.9, -0.3, 0.4]))  # a step moved 0 and 2
+        relax.alpha("skip").copy_(before["skip"])
+    relax.sampled = {"op": [0, 2], "skip": [0, 1, 2]}  # all of "skip": nothing to rescale
+    rescale_drawn(relax, before)
+    p_old, p_new = F.softmax(before["op"], -1), F.softmax(relax.alpha("op").detach(), -1)
+    torch.testing.assert_close(p_new[1], p_old[1])  # the candidate not drawn keeps its share
+    torch.testing.assert_close(p_new[0] + p_new[2], p_old[0] + p_old[2])
+    a = relax.alpha("op").detach()
+    assert float(a[0] - a[2]) == pytest.approx(0.5)
+    torch.testing.assert_close(relax.alpha("skip").detach(), before["skip"])
