@@ -120,7 +120,9 @@ def _open(task, context) -> tuple[OneShot, Any, dict, torch.device]:
     """The strategy of ``task``, set up and at the start of segment ``task.start_step``."""
     strategy, trainer, hparams, device = _setup(task.spec, context)
     if task.checkpoint_in is not None:
-        unit = checkpoint.load(task.checkpoint_in, map_location=device)
+        # to the CPU, as trial checkpoints load: RNG states must stay CPU ByteTensors, and
+        # load_state_dict copies the rest onto the strategy's own device
+        unit = checkpoint.load(task.checkpoint_in, map_location="cpu")
         if not isinstance(unit, dict) or unit.get("segment") != task.start_step:
             raise UnitError(f"unit {task.checkpoint_in} holds segment "
                             f"{unit.get('segment') if isinstance(unit, dict) else '?'}, not "
