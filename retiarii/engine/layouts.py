@@ -163,8 +163,13 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
                                          fusable, Layout.CSE, None)
                 # a layout whose warm-up is far slower than the best so far is not timed
                 limit = ABORT * min([apart, *steps.values()]) / max(len(groups), 1)
-                times = [_group_step_seconds(g, batch, limit=limit) for g in groups]
-                if None not in times:
+                times: list[float] = []
+                for group in groups:  # stop at the first group over the limit
+                    seconds = _group_step_seconds(group, batch, limit=limit)
+                    if seconds is None:
+                        break
+                    times.append(seconds)
+                else:
                     steps[layout] = sum(times) + sum(alone[t] for t in lone)
             except Exception:  # noqa: BLE001 (this layout stays unmeasured)
                 pass
