@@ -22,6 +22,9 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
+from ..training import batch_size as _batch_size  # noqa: F401 (engine modules import these)
+from ..training import parse_optimizers as _parse_optimizers
+from ..training import to_device as _to_device
 
 __all__ = ["TrialRun", "TrainingError", "train_trial", "check_segment"]
 
@@ -30,47 +33,7 @@ class TrainingError(RuntimeError):
     """A trial's training went wrong (NaN loss, a bad ``training_step``); fails that trial only."""
 
 
-def _batch_size(batch: Any) -> int:
-    """Examples in ``batch``: the length of its first tensor (1 when there is none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return 1
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
 # ---- one trial's training state -------------------------------------------------------------
-
-
-def _parse_optimizers(out: Any) -> tuple[torch.optim.Optimizer, Any, str]:
-    """(optimizer, lr scheduler or None, "epoch" | "step") from configure_optimizers' answer."""
-    sched, interval = None, "epoch"
-    if isinstance(out, dict):
-        opt, sched = out.get("optimizer"), out.get("lr_scheduler")
-    elif isinstance(out, (tuple, list)) and len(out) == 2:
-        opt, sched = out
-    else:
-        opt = out
-    if isinstance(sched, dict):
-        sched, interval = sched.get("scheduler"), sched.get("interval", "epoch")
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"configure_optimizers returned {type(out).__name__}; return an optimizer, "
-                        "(optimizer, lr_scheduler) or {'optimizer': ..., 'lr_scheduler': ...}")
-    if interval not in ("epoch", "step"):
-        raise ValueError(f"lr_scheduler interval must be 'epoch' or 'step', got {interval!r}")
-    return opt, sched, interval
 
 
 class TrialRun:

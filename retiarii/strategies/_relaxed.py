@@ -21,7 +21,9 @@ import inspect
 import torch
 from torch import nn
 
-from ..engine.trial_run import _batch_size, _parse_optimizers, _to_device
+from ..training import batch_size as _batch_size
+from ..training import parse_optimizers as _parse_optimizers
+from ..training import to_device as _to_device
 from ..optim.relax import Relaxation
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 

@@ -134,8 +134,8 @@ class SharedTraining:
 
     def __init__(self, space: Any, trainer: Any, hparams: dict, device: torch.device,
                  seed: int):
-        from ..engine import checkpoint as ckpt
-        from ..engine.trial_run import _parse_optimizers
+        from .. import rng as ckpt
+        from ..training import parse_optimizers as _parse_optimizers
         from ..optim.supergraph import SuperGraph
 
         self.space, self.trainer, self.hparams = space, trainer, dict(hparams)
@@ -161,7 +161,7 @@ class SharedTraining:
     @contextlib.contextmanager
     def own_rng(self):
         """Swaps the strategy's python, numpy and torch streams in for the block."""
-        from ..engine import checkpoint as ckpt
+        from .. import rng as ckpt
 
         outer = ckpt.native_rng()
         ckpt.set_native_rng(self._rng)
@@ -198,7 +198,7 @@ class SharedTraining:
         Raises:
             FloatingPointError: the loss is not finite (naming the path).
         """
-        from ..engine.trial_run import _to_device
+        from ..training import to_device as _to_device
 
         net = self.net(sample_or_model)
         net.train()
@@ -238,7 +238,8 @@ class SharedTraining:
                 (forward passes in train mode, no gradient); the super-graph's own statistics
                 are put back afterwards, so evaluating never changes the shared state.
         """
-        from ..engine.trial_run import _batch_size, _to_device
+        from ..training import batch_size as _batch_size
+        from ..training import to_device as _to_device
 
         net = self.net(sample_or_model)
         saved = _bn_state(net) if calibrate is not None else None
@@ -264,7 +265,7 @@ class SharedTraining:
                 _load_bn_state(net, saved)
 
     def _recalibrate(self, net: nn.Module, batches: Iterable) -> None:
-        from ..engine.trial_run import _to_device
+        from ..training import to_device as _to_device
 
         bns = [m for m in net.modules() if isinstance(m, _BN) and m.track_running_stats]
         if not bns:
@@ -287,7 +288,7 @@ class SharedTraining:
     # -- state --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        from ..engine import checkpoint as ckpt
+        from .. import rng as ckpt
 
         return {
             "supergraph": self.supergraph.state_dict(),
@@ -297,7 +298,7 @@ class SharedTraining:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from ..engine import checkpoint as ckpt
+        from .. import rng as ckpt
 
         self.supergraph.load_state_dict(state["supergraph"])
         self.optimizer.load_state_dict(state["optimizer"])
