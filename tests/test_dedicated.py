@@ -80,7 +80,8 @@ def test_a_trial_failing_mid_epoch_rebuilds_the_dedicated_group_and_the_others_a
         tmp_path):
     g.DieTrainer.calls.clear()
     tasks = [g._task(t, tmp_path, trainer=g._ref("DIE"), tag="d-",
-                     hparams={"die_at": 5, "tag": "b"} if t == "b" else None) for t in "abc"]
+                     hparams={"die_at": 5, "tag": "dedicated-b"} if t == "b" else None)
+             for t in "abc"]
     events = g._run(Job("d", tasks, meta={"group": True, "dedicated": ["conv"],
                                           "dedicated_device": "thread"}))
     end = events[-1]

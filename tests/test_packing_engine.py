@@ -70,7 +70,8 @@ def test_a_packed_search_gives_every_model_its_results_alone(tmp_path):
 
 def test_packing_without_merging_trains_each_model_alone_in_one_job(tmp_path):
     _, _, alone, _, _ = _run(tmp_path, "alone", optimize=False)
-    _, executor, packed, rows, summary = _run(tmp_path, "pack", optimize="pack", batch_models=4)
+    _, executor, packed, rows, summary = _run(tmp_path, "pack", optimize="pack", packing=True,
+                                              batch_models=4)
     assert packed == alone
     multi = [job for job in executor.submitted if len(job.tasks) > 1]
     assert multi and not any(job.meta.get("group") for job in multi)
@@ -136,3 +137,16 @@ def test_bad_packing_options_are_refused(tmp_path, kwargs, match):
     with pytest.raises(rt.engine.experiment.ExperimentError, match=match):
         rt.Experiment(space, rt.strategies.Random(seed=0), TRAINER, store=str(tmp_path / "x.db"),
                       **kwargs)
+
+
+def test_auto_packs_by_profile_only_when_workers_use_gpus(tmp_path):
+    class Slots:
+        def __init__(self, devices):
+            self.devices = devices
+
+    exp = rt.Experiment(space, rt.strategies.Random(seed=0), TRAINER, store=str(tmp_path / "a.db"))
+    assert exp._packs(Slots([])) is False and exp._packs(Slots(["0"])) is True
+    assert exp._packs(TwoSlots()) is False  # no devices: not GPUs
+    forced = rt.Experiment(space, rt.strategies.Random(seed=0), TRAINER,
+                           store=str(tmp_path / "b.db"), packing=True)
+    assert forced._packs(Slots([])) is True

@@ -192,9 +192,11 @@ class DedicatedGroup(TrainingGroup):
     def _build(self) -> nn.Module:
         group = super()._build()
         if self._worker is not None:  # the group changed (a trial left): a new copy of the cell
-            self._pending = collections.deque(  # what the old one computed ahead: in place now
-                self._worker.result() is None if submitted else False
-                for submitted in self._pending)
+            for submitted in self._pending:  # what the old one computed ahead is dropped ...
+                if submitted:
+                    self._worker.result()
+            # ... and those batches compute their shared part in place
+            self._pending = collections.deque(False for _ in self._pending)
             self._worker.close()
             self._worker = None
         self.dedicated = dedicated_modules(group.shared, self._patterns)
