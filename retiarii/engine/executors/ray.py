@@ -49,9 +49,16 @@ dashboard, its own temporary directory; :meth:`close` shuts it down and removes 
 Nothing is started before the first ``submit``/``next_event``/``wait_ready`` (so an executor can
 be built cheaply, e.g. by the CLI, and handed to an :class:`~retiarii.Experiment`).
 
+**Mixed-parallel jobs** (a one-shot segment with ``ranks`` K > 1, ``Experiment(...,
+ranks=K)``) run on K rank actors in one placement group that form a torch.distributed group
+(:mod:`.ray_ranks`): the worker actor holding the job creates them, each rank with the
+resources of a slot (``num_cpus``, ``num_gpus``), and removes them when the segment ends. Its
+rank actors die with it (Ray kills the actors an actor created when it dies); their
+placement group does not, so each worker actor names its groups with a prefix of its own and
+the executor removes that prefix's groups whenever it kills or loses the actor (cancel, a
+lost node, close).
+
 The executor is driven from one thread (the trial runner's), like the engine's loop itself.
-Mixed-parallel jobs (K actors in a placement group forming a torch.distributed group) wait for
-the weight-sharing work; a job here always runs on one actor.
 """
 from __future__ import annotations
 
@@ -66,6 +73,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -119,10 +127,11 @@ class _WorkerActor:
     Created with ``max_concurrency=2`` so that :meth:`events` answers while :meth:`run` trains.
     """
 
-    def __init__(self, name: str, threads: int, sys_path: list[str]):
+    def __init__(self, name: str, threads: int, sys_path: list[str], ranks: dict[str, Any]):
         # The driver's import path first (as multiprocessing's spawn gives a child): a space
         # module beside the driver's script imports here too.
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        import functools
         import torch
 
         torch.set_num_threads(threads)
@@ -130,7 +139,12 @@ class _WorkerActor:
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         from ..worker import WorkerContext
 
+        from .ray_ranks import run_segment_on_actors
+
         self.name, self.context = name, WorkerContext()
+        # a ranked segment's K ranks: rank actors in a placement group, not local processes
+        self.context.run_ranks = functools.partial(run_segment_on_actors,
+                                                   sys_path=list(sys_path), **ranks)
         self.scratch = tempfile.mkdtemp(prefix=f"retiarii-{name}-")
         self._items: collections.deque = collections.deque()
         self._changed = threading.Condition()
@@ -222,6 +236,7 @@ class _Slot:
         self.run_ref: Any = None  # kept so Ray keeps the call's result until the job ends
         self.last_used = 0
         self.failed_starts = 0
+        self.groups = ""  # the name prefix of the placement groups its actor creates
 
 
 def _first_line(err: BaseException) -> str:
@@ -304,6 +319,8 @@ class RayExecutor(Executor):
         self._temp_dir: str | None = None
         self._broken: str | None = None
         self._actor_class: Any = None
+        # group name prefixes of killed actors (the latest): their groups are removed
+        self._orphans: collections.deque[str] = collections.deque(maxlen=4 * num_workers)
 
     # ---- the Executor interface ---------------------------------------------------------
 
@@ -370,7 +387,9 @@ class RayExecutor(Executor):
                 if slot.actor is not None:
                     _kill(slot.actor)
                     slot.actor = None
+                    self._orphans.append(slot.groups)
             self._refs.clear()
+            self._remove_orphans()
             if self._owns_ray:
                 ray.shutdown()
         if self._temp_dir is not None:
@@ -452,7 +471,10 @@ class RayExecutor(Executor):
         # On this machine the driver's sys.path is the actors' too; a cluster's nodes have
         # their own (code reaches them installed, or by runtime_env).
         sys_path = sys.path if self.address is None else []
-        slot.actor = self._actor_class.remote(slot.name, self.threads, list(sys_path))
+        slot.groups = f"retiarii-ranks-{uuid.uuid4().hex[:12]}-"
+        ranks = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                 "runtime_env": self.runtime_env, "group_prefix": slot.groups}
+        slot.actor = self._actor_class.remote(slot.name, self.threads, list(sys_path), ranks)
         slot.ready, slot.pid, slot.node, slot.job, slot.run_ref = False, None, None, None, None
         self._refs[slot.actor.ready.remote()] = (slot, "ready", slot.actor)
 
@@ -461,7 +483,18 @@ class RayExecutor(Executor):
         for ref in [r for r, (s, _, _) in self._refs.items() if s is slot]:
             del self._refs[ref]
         _kill(slot.actor)
+        self._orphans.append(slot.groups)
+        self._remove_orphans()
         self._create(slot)
+
+    def _remove_orphans(self) -> None:
+        """Remove the placement groups of ranked segments whose worker actor was killed (its
+        rank actors died with it; the groups would hold their resources until the driver
+        exits). Each prefix stays listed for the next few kills: ``ray.kill`` is
+        asynchronous, so a dying actor may still create a group after the first sweep."""
+        from .ray_ranks import remove_groups
+
+        remove_groups(*self._orphans)
 
     def _dispatch(self) -> None:
         """Hand queued jobs to ready idle slots: the one ``job.meta["worker"]`` names if it is
