@@ -18,11 +18,13 @@ import torch
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'retiarii[ray]')")
 
 import retiarii as rt  # noqa: E402
+from retiarii.engine.executors.base import Job, JobFailed, JobStarted, TrialTask  # noqa: E402
 from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
 from retiarii.engine.executors.ray import RayExecutor  # noqa: E402
 from retiarii.engine.executors.ray_ranks import (  # noqa: E402
     PlacementError, remove_groups, run_segment_on_actors,
 )
+from retiarii.engine.one_shot_worker import strategy_spec  # noqa: E402
 from retiarii.optim.mixed_parallel import RankError, run_segment_on_ranks  # noqa: E402
 from test_one_shot_ranks import build_spos  # noqa: E402
 
@@ -119,6 +121,7 @@ def test_actors_equal_local_ranks_bit_for_bit(ex):
     _nothing_left("t-equal-")
 
 
+@pytest.mark.slow  # two rank actors, and the grace the others get to report: ~14 s
 def test_a_rank_that_raises_is_named_and_nothing_is_left(ex):
     with pytest.raises(RankError, match="rank 1 of 2 failed") as info:
         run_segment_on_actors(build_failing, None, WORLD, num_cpus=RANK_CPUS,
@@ -173,3 +176,27 @@ def test_a_ranked_search_on_ray_equals_the_same_on_local_processes(ex, tmp_path)
     assert got["models"] == want["models"] and got["segments"] == want["segments"]
     _equal(got["weights"], want["weights"], "final unit's weights")
     _nothing_left("retiarii-ranks-")
+
+
+@pytest.mark.slow  # two rank actors start, then are stopped: ~10 s on 2 busy cores
+def test_cancel_stops_the_rank_actors_of_a_running_segment(ex, tmp_path):
+    from one_shot_helpers import PerArchitecture
+
+    helpers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "one_shot_helpers.py")
+    # every rank sleeps 300 s in its segment: the job is surely running when it is cancelled
+    spec = {"space": f"{helpers}:space", "trainer": f"{helpers}:trainer", "hparams": {},
+            "seed": 0, "strategy": strategy_spec(PerArchitecture(epochs=1, sleep_s=300)),
+            "segments": 1, "ranks": WORLD}
+    task = TrialTask("ranked", spec, 0, 1, None, str(tmp_path / "unit.pt"))
+    ex.submit(Job("ranked-s1", [task], meta={"one_shot": True}))
+    assert isinstance(ex.next_event(timeout=120), JobStarted)
+    deadline = time.monotonic() + 120
+    while len(_rank_processes()) < WORLD:  # the worker actor started its rank actors
+        assert time.monotonic() < deadline, "the rank actors never started"
+        time.sleep(0.2)
+    assert len(_left_behind("retiarii-ranks-")[0]) == 1  # their placement group
+    ex.cancel("ranked-s1")
+    event = ex.next_event(timeout=5)
+    assert isinstance(event, JobFailed) and event.error == "cancelled"
+    _nothing_left("retiarii-ranks-")
+    assert ex.wait_ready(timeout=120)  # the slot has a new worker actor
