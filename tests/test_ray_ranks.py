@@ -200,3 +200,16 @@ def test_cancel_stops_the_rank_actors_of_a_running_segment(ex, tmp_path):
     assert isinstance(event, JobFailed) and event.error == "cancelled"
     _nothing_left("retiarii-ranks-")
     assert ex.wait_ready(timeout=120)  # the slot has a new worker actor
+
+
+@pytest.mark.slow  # a Ray instance of its own, rank actors per segment: ~45 s on 2 busy cores
+def test_the_benchmark_runs_quick():
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks", "ray_ranks.py")
+    out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "cpu K=2 2 segments: local ranks" in out.stdout, out.stdout
+    assert "same selection: True" in out.stdout and "ray_ranks-quick.csv" in out.stdout
