@@ -22,7 +22,7 @@ from retiarii.engine.executors.base import Job, JobFailed, JobStarted, TrialTask
 from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
 from retiarii.engine.executors.ray import RayExecutor  # noqa: E402
 from retiarii.engine.executors.ray_ranks import (  # noqa: E402
-    PlacementError, remove_groups, run_segment_on_actors,
+    PlacementError, RankLost, remove_groups, run_segment_on_actors,
 )
 from retiarii.engine.one_shot_worker import strategy_spec  # noqa: E402
 from retiarii.optim.mixed_parallel import RankError, run_segment_on_ranks  # noqa: E402
@@ -92,6 +92,20 @@ def _nothing_left(prefix: str, timeout: float = 30.0) -> None:
         time.sleep(0.5)
 
 
+def build_dying():
+    """build_spos(0) whose rank 1's process exits without a word in its segment."""
+    strategy, ctx = build_spos(0)
+    run = strategy.run_segment
+
+    def run_segment(c):
+        if c.rank == 1:
+            os._exit(3)
+        return run(c)
+
+    strategy.run_segment = run_segment
+    return strategy, ctx
+
+
 def build_failing():
     """build_spos(0) whose rank 1 raises in its segment (the others then lose their peer)."""
     strategy, ctx = build_spos(0)
@@ -130,6 +144,19 @@ def test_a_rank_that_raises_is_named_and_nothing_is_left(ex):
     _nothing_left("t-fail-")
 
 
+@pytest.mark.slow  # two rank actors, and the grace the others get to report: ~14 s
+def test_a_rank_whose_actor_dies_is_named_and_retried_as_the_environment_s_fault(ex):
+    from retiarii.engine.executors.base import FailureKind
+    from retiarii.engine.worker import classify_error
+
+    with pytest.raises(RankLost, match="rank 1 of 2 failed") as info:
+        run_segment_on_actors(build_dying, None, WORLD, num_cpus=RANK_CPUS,
+                              sys_path=list(sys.path), timeout=300, group_prefix="t-dies-")
+    assert info.value.rank == 1 and "actor died" in info.value.traceback
+    assert classify_error(info.value) is FailureKind.ENVIRONMENT
+    _nothing_left("t-dies-")
+
+
 def test_a_group_the_cluster_cannot_place_is_a_clear_error(ex):
     started = time.monotonic()
     with pytest.raises(PlacementError, match=r"could not place 2 ranks of \{'CPU': 64\}.*"
@@ -137,6 +164,12 @@ def test_a_group_the_cluster_cannot_place_is_a_clear_error(ex):
         run_segment_on_actors(build_spos, None, WORLD, num_cpus=64, sys_path=list(sys.path),
                               placement_timeout=2, group_prefix="t-big-")
     assert time.monotonic() - started < 60  # the timeout, not a hang
+    from retiarii.engine.executors.base import FailureKind
+    from retiarii.engine.worker import classify_error
+
+    with pytest.raises(PlacementError) as info:  # the environment's fault: retried
+        run_segment_on_actors(build_spos, None, WORLD, num_cpus=64, placement_timeout=0.5)
+    assert classify_error(info.value) is FailureKind.ENVIRONMENT
     _nothing_left("t-big-")
 
 

@@ -19,7 +19,8 @@ them); results come back pickled the same way.
 Failures: a rank that raises reports its traceback; a rank whose actor dies (killed, its node
 lost) is noticed by ``ray.wait``. After the first failure the others get a few seconds to
 report (their collectives lose a peer and fail too: echoes), then :class:`RankError` names
-the rank that failed first (one that died without a word before one that raised). Whatever
+the rank that failed first (one that died without a word before one that raised; a dead
+actor is a :class:`RankLost`, which the engine retries as a lost worker). Whatever
 happens, every rank actor is killed and the placement group removed before this returns.
 
 Who cleans up when the *worker actor* itself is killed (cancel, a lost node): the rank actors
@@ -53,7 +54,7 @@ from ...optim.mixed_parallel import (
     DEFAULT_TIMEOUT, RankError, gather_segment, loopback_interface, segment_rank,
 )
 
-__all__ = ["PlacementError", "run_segment_on_actors", "remove_groups"]
+__all__ = ["PlacementError", "RankLost", "run_segment_on_actors", "remove_groups"]
 
 # How long the placement group may take to be placed when the caller gives no limit.
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
@@ -62,8 +63,17 @@ _WAIT_SLICE = 30.0  # longest single ray.wait when there is no deadline
 _counter = itertools.count()
 
 
-class PlacementError(RuntimeError):
-    """The placement group of a ranked segment could not be placed within its timeout."""
+class PlacementError(TimeoutError):
+    """The placement group of a ranked segment could not be placed within its timeout.
+
+    A ``TimeoutError`` (an ``OSError``): the engine counts it as the environment's fault, so
+    the segment is retried and, if the cluster stays too small, the search stops resumable."""
+
+
+class RankLost(RankError, ConnectionError):
+    """A rank's actor died (killed, out of memory, its node lost): a :class:`RankError` that
+    is also an ``OSError``, so the engine counts it as the environment's fault and retries
+    the segment from its unit, as it does for a lost worker."""
 
 
 class _RankActor:
@@ -201,7 +211,7 @@ def run_segment_on_actors(build: Callable[[], tuple[Any, Any]], state: dict | No
         try:
             host, port = ray.get(actors[0].address.remote(), timeout=_left(deadline, 600.0))
         except RayActorError as err:
-            raise RankError(0, world, f"its actor died while starting: {err}") from None
+            raise RankLost(0, world, f"its actor died while starting: {err}") from None
         refs = {actors[r].run.remote(r, world, host, port, backend, group_timeout, work): r
                 for r in range(world)}
         outcomes = _collect(refs, world, deadline, timeout)
@@ -250,7 +260,8 @@ def _collect(refs: dict, world: int, deadline: float | None, timeout: float | No
             grace_end = time.monotonic() + _GRACE
     failures.sort()
     if failures:
-        raise RankError(failures[0][2], world, failures[0][3])
+        died, _, rank, detail = failures[0]
+        raise (RankLost if died == 0 else RankError)(rank, world, detail)
     if refs:
         raise TimeoutError(f"ranks {sorted(refs.values())} of {world} did not finish within "
                            f"{timeout} s; every rank actor was stopped")
