@@ -173,6 +173,18 @@ def test_a_group_the_cluster_cannot_place_is_a_clear_error(ex):
     _nothing_left("t-big-")
 
 
+def test_bad_arguments_are_refused_before_anything_starts(ex, monkeypatch):
+    with pytest.raises(ValueError, match="world >= 1 ranks, got 0"):
+        run_segment_on_actors(build_spos, None, 0)
+    with pytest.raises(ValueError, match="backend='nccl' needs a whole GPU per rank"):
+        run_segment_on_actors(build_spos, None, WORLD, backend="nccl", num_gpus=0.5)
+    with pytest.raises(ValueError, match="num_cpus or num_gpus > 0"):
+        run_segment_on_actors(build_spos, None, WORLD, num_cpus=0)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a connected Ray"):
+        run_segment_on_actors(build_spos, None, WORLD)
+
+
 def test_remove_groups_removes_only_its_prefix(ex):
     from ray.util.placement_group import placement_group, remove_placement_group
 

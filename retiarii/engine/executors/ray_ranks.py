@@ -175,6 +175,9 @@ def run_segment_on_actors(build: Callable[[], tuple[Any, Any]], state: dict | No
     """
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"run_segment_on_actors needs world >= 1 ranks, got {world!r}")
+    if not ray.is_initialized():  # Ray would start an instance of its own, on every interface
+        raise RuntimeError("run_segment_on_actors needs a connected Ray: call ray.init(address=...) "
+                           "or retiarii.engine.executors.ray.start_local_ray() first")
     if backend is None:
         backend = "nccl" if num_gpus >= 1 else "gloo"
     if backend not in ("gloo", "nccl"):
