@@ -258,3 +258,25 @@ def test_the_benchmark_runs_quick():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cpu K=2 2 segments: local ranks" in out.stdout, out.stdout
     assert "same selection: True" in out.stdout and "ray_ranks-quick.csv" in out.stdout
+
+
+def test_a_private_instance_is_sized_for_each_slot_and_its_ranks(monkeypatch):
+    import retiarii.engine.executors.ray as module
+
+    asked = {}
+
+    def start(num_cpus, num_gpus=None):
+        asked["cpus"] = num_cpus
+        raise RuntimeError("stop here")  # nothing is started
+
+    monkeypatch.setattr(module, "start_local_ray", start)
+    monkeypatch.setattr(module.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        RayExecutor(2, num_cpus=1, ranks=3).wait_ready(timeout=0)
+    assert asked["cpus"] == 8  # 2 slots x (the worker + 3 ranks) x 1 CPU
+    with pytest.raises(RuntimeError, match="stop here"):
+        RayExecutor(2, num_cpus=1).wait_ready(timeout=0)
+    assert asked["cpus"] == 2
+    with pytest.raises(ValueError, match="ranks must be an int >= 1, got 0"):
+        RayExecutor(1, ranks=0)

@@ -294,17 +294,23 @@ class RayExecutor(Executor):
             code that is not installed on the nodes.
         poll_wait: seconds an actor's ``events`` call waits for a first event before returning
             empty (the driver then asks again); bounds how long any actor thread is parked.
+        ranks: the K of the mixed-parallel segments this executor will run (``Experiment``
+            passes its ``ranks``): each of them also needs K bundles of a slot's resources
+            (:mod:`.ray_ranks`), so a private local instance offers that many more logical
+            CPUs, and a cluster that cannot hold a slot and its ranks is warned about.
     """
 
     def __init__(self, num_workers: int = 2, *, address: str | None = None, num_cpus: float = 1.0,
                  num_gpus: float = 0.0, resources: dict[str, float] | None = None,
                  threads_per_worker: int | None = None, shared_storage: bool | None = None,
-                 runtime_env: dict | None = None, poll_wait: float = 30.0):
+                 runtime_env: dict | None = None, poll_wait: float = 30.0, ranks: int = 1):
         if num_workers < 1:
             raise ValueError(f"RayExecutor needs at least one worker, got num_workers={num_workers}")
+        if not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
         if num_cpus < 0 or num_gpus < 0:
             raise ValueError(f"num_cpus and num_gpus must be >= 0, got {num_cpus}, {num_gpus}")
-        self.num_slots = num_workers
+        self.num_slots, self.ranks = num_workers, ranks
         self.address, self.num_cpus, self.num_gpus = address, num_cpus, num_gpus
         self.resources, self.runtime_env, self.poll_wait = resources, runtime_env, poll_wait
         self.threads = threads_per_worker or max(1, int(num_cpus))
@@ -435,7 +441,9 @@ class RayExecutor(Executor):
             ray.init(address=self.address)
             self._owns_ray = True
         elif not ray.is_initialized():
-            cpus = max(os.cpu_count() or 1, math.ceil(self.num_slots * self.num_cpus))
+            # each slot, and the K rank actors of a ranked segment it runs
+            per_slot = self.num_cpus * (1 + (self.ranks if self.ranks > 1 else 0))
+            cpus = max(os.cpu_count() or 1, math.ceil(self.num_slots * per_slot))
             self._temp_dir = start_local_ray(num_cpus=cpus)
             self._owns_ray = True
         atexit.register(self.close)
@@ -457,6 +465,13 @@ class RayExecutor(Executor):
         total = ray.cluster_resources()
         need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **(self.resources or {})}
         short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
+        ranked = {k: v * (1 + self.ranks) for k, v in (("CPU", self.num_cpus),
+                                                         ("GPU", self.num_gpus)) if v > 0}
+        if self.ranks > 1 and not short and any(v > total.get(k, 0.0) for k, v in ranked.items()):
+            _log.warning("RayExecutor: a segment on %d ranks needs a slot and %d bundles of it "
+                         "(%s in all); the cluster has %s: its placement group waits, then fails "
+                         "(PlacementError)", self.ranks, self.ranks, ranked,
+                         {k: total.get(k, 0.0) for k in ranked})
         if not short:
             return
         what = ", ".join(f"{k}: a slot needs {v}, the cluster has {h}" for k, (v, h) in short.items())
