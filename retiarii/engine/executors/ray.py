@@ -1,6 +1,6 @@
 """RayExecutor: the same jobs on a Ray cluster, one long-lived worker actor per slot.
 
-Each slot is one Ray actor (:class:`_WorkerActor`) holding ``num_cpus`` CPUs and ``num_gpus``
+Each slot is one Ray actor (:class:`WorkerActor`) holding ``num_cpus`` CPUs and ``num_gpus``
 GPUs (a fraction lets several slots share a GPU; Ray sets ``CUDA_VISIBLE_DEVICES`` for it). The
 actor runs :func:`retiarii.engine.worker.run_job` on the jobs it is handed, exactly as a local
 worker does, so it rebuilds every model from the trial's spec; models never travel pickled.
@@ -64,14 +64,12 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import logging
 import math
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from typing import Any
@@ -79,7 +77,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from .base import Event, Executor, Job, JobFailed, JobFinished, TrialCheckpointed, pick_slot
+from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
+from .ray_worker import WorkerActor
 
 __all__ = ["RayExecutor", "start_local_ray"]
 
@@ -116,108 +115,6 @@ def start_local_ray(num_cpus: float, num_gpus: float | None = None) -> str:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
     return temp_dir
-
-
-# ---- the worker actor -----------------------------------------------------------------------
-
-
-class _WorkerActor:
-    """One slot's worker: trains one job at a time, queues its events for the driver's poll.
-
-    Created with ``max_concurrency=2`` so that :meth:`events` answers while :meth:`run` trains.
-    """
-
-    def __init__(self, name: str, threads: int, sys_path: list[str], ranks: dict[str, Any]):
-        # The driver's import path first (as multiprocessing's spawn gives a child): a space
-        # module beside the driver's script imports here too.
-        sys.path[:0] = [p for p in sys_path if p not in sys.path]
-        import functools
-        import torch
-
-        torch.set_num_threads(threads)
-        # The first optimizer imports torch._dynamo (~2 s): pay it before saying we are ready.
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        from ..worker import WorkerContext
-
-        from .ray_ranks import run_segment_on_actors
-
-        self.name, self.context = name, WorkerContext()
-        # a ranked segment's K ranks: rank actors in a placement group, not local processes
-        self.context.run_ranks = functools.partial(run_segment_on_actors,
-                                                   sys_path=list(sys_path), **ranks)
-        self.scratch = tempfile.mkdtemp(prefix=f"retiarii-{name}-")
-        self._items: collections.deque = collections.deque()
-        self._changed = threading.Condition()
-
-    def ready(self) -> tuple[int, str]:
-        """(process id, node id): the driver's proof that the actor is up."""
-        return os.getpid(), ray.get_runtime_context().get_node_id()
-
-    def run(self, job: Job, blobs: dict[str, bytes | None] | None) -> None:
-        """Train ``job``; ``blobs`` (transfer mode) holds each task's ``checkpoint_in`` bytes."""
-        from ..worker import describe_error, run_job
-
-        workdir = None
-        outputs: dict[str, str] = {}  # local checkpoint_out -> the driver's path
-        terminal = False
-
-        def emit(event: Event) -> None:
-            nonlocal terminal
-            data = None
-            if isinstance(event, TrialCheckpointed) and event.path in outputs:
-                with open(event.path, "rb") as f:
-                    data = f.read()
-                os.unlink(event.path)
-                event = dataclasses.replace(event, path=outputs[event.path])
-            terminal = isinstance(event, (JobFinished, JobFailed))
-            self._push((event, data))
-
-        try:
-            if blobs is not None:
-                workdir = tempfile.mkdtemp(dir=self.scratch)
-                job = self._localize(job, blobs, workdir, outputs)
-            run_job(job, emit, worker=self.name, context=self.context)
-        except BaseException as err:  # noqa: BLE001 (not a trial's fault: reporting itself failed)
-            if not terminal:
-                self._push((JobFailed(job.job_id, None, describe_error(err)), None))
-        finally:
-            if workdir is not None:
-                shutil.rmtree(workdir, ignore_errors=True)
-
-    def events(self, wait: float) -> list[tuple[Event, bytes | None]]:
-        """Every queued (event, checkpoint bytes) pair; blocks up to ``wait`` s for the first."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._items, timeout=wait)
-            items = list(self._items)
-            self._items.clear()
-        return items
-
-    def _push(self, item: tuple[Event, bytes | None]) -> None:
-        with self._changed:
-            self._items.append(item)
-            self._changed.notify_all()
-
-    @staticmethod
-    def _localize(job: Job, blobs: dict[str, bytes | None], workdir: str,
-                  outputs: dict[str, str]) -> Job:
-        """``job`` with its checkpoints moved into ``workdir``: the bytes the driver sent are
-        written there, and each ``checkpoint_out`` becomes a local file (remembered in
-        ``outputs``) whose bytes go back to the driver."""
-        tasks = []
-        for i, task in enumerate(job.tasks):
-            change: dict[str, Any] = {}
-            data = blobs.get(task.trial_id)
-            if task.checkpoint_in is not None and data is not None:
-                change["checkpoint_in"] = os.path.join(workdir, f"in-{i}.pt")
-                with open(change["checkpoint_in"], "wb") as f:
-                    f.write(data)
-            # A checkpoint_in the driver had no file for stays as it is: loading it fails
-            # with the driver's path in the message, which is the one the user can check.
-            if task.checkpoint_out is not None:
-                change["checkpoint_out"] = os.path.join(workdir, f"out-{i}.pt")
-                outputs[change["checkpoint_out"]] = task.checkpoint_out
-            tasks.append(dataclasses.replace(task, **change))
-        return dataclasses.replace(job, tasks=tasks)
 
 
 # ---- the driver's side ----------------------------------------------------------------------
@@ -455,7 +352,7 @@ class RayExecutor(Executor):
             options["resources"] = self.resources
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        self._actor_class = ray.remote(_WorkerActor).options(**options)
+        self._actor_class = ray.remote(WorkerActor).options(**options)
         for slot in self._slots:
             self._create(slot)
 
