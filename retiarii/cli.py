@@ -150,7 +150,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         from .engine.executors.ray import RayExecutor
 
         # connects on first use, disconnects at exit (RayExecutor.close runs at exit)
-        executor = RayExecutor(flags["workers"], address=flags["address"])
+        executor = RayExecutor(flags["workers"], address=flags["address"], ranks=ranks)
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,

@@ -523,7 +523,7 @@ class Experiment:
         if executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
             from .executors.ray import RayExecutor
 
-            return RayExecutor(1 if self.one_shot else self.workers)
+            return RayExecutor(1 if self.one_shot else self.workers, ranks=self.ranks)
         return executor
 
     def _one_shot_loop(self, executor, resume: bool) -> dict:

@@ -191,13 +191,16 @@ def _on_ranks(task, context, ranks: int) -> tuple[OneShot, SegmentResult, dict]:
     strategy, *_ = _open(task, context)  # set up, and the unit loaded (checked) if any
     state = None if task.checkpoint_in is None else strategy.state_dict()
     rng = checkpoint.capture_rng()  # where every rank starts
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = "nccl" if gpus >= ranks else "gloo"  # NCCL needs a GPU per rank
     # the ranks build their own strategy with a context like this process's (its class
     # travels pickled by reference)
-    result, new_state = run_segment_on_ranks(
-        functools.partial(_rank_build, task.spec, task.start_step, rng, type(context)), state,
-        ranks, backend=backend)
+    build = functools.partial(_rank_build, task.spec, task.start_step, rng, type(context))
+    runner = getattr(context, "run_ranks", None)  # the executor's way to run ranks, if any
+    if runner is not None:
+        result, new_state = runner(build, state, ranks)
+    else:  # K local processes
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = "nccl" if gpus >= ranks else "gloo"  # NCCL needs a GPU per rank
+        result, new_state = run_segment_on_ranks(build, state, ranks, backend=backend)
     strategy, *_ = _setup(task.spec, context)
     strategy.load_state_dict(new_state)
     return strategy, result, rng

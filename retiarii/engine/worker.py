@@ -63,6 +63,11 @@ class WorkerContext:
     """
 
     def __init__(self) -> None:
+        # How a one-shot segment's K ranks run (mixed parallelism): ``run_ranks(build, state,
+        # world) -> (result, state)`` as ``run_segment_on_ranks``. None: K local processes
+        # (:func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks`); the Ray worker actor
+        # sets rank actors in a placement group (:mod:`.executors.ray_ranks`).
+        self.run_ranks: Callable[..., tuple[Any, dict]] | None = None
         self._spaces: dict[str, Any] = {}
         self._trainers: dict[str, Any] = {}
 

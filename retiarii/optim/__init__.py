@@ -9,7 +9,9 @@ from .cost import Layout, LayoutChoice, choose_layout
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
-from .mixed_parallel import RankError, average_used_gradients, run_segment_on_ranks, spawn
+from .mixed_parallel import (
+    RankError, average_used_gradients, gather_segment, run_segment_on_ranks, segment_rank, spawn,
+)
 from .packing import Device, ModelProfile, PackingConfig, PackingError, Placement, pack
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
 from .supergraph import SuperGraph, SuperGraphError
@@ -51,7 +53,9 @@ __all__ = [
            "fusable_groups",
            "fuse_models",
            "fusion_key",
+           "gather_segment",
            "run_segment_on_ranks",
+           "segment_rank",
            "spawn",
            "read_space",
            "pack",

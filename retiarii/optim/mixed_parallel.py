@@ -53,7 +53,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "average_used_gradients", "run_segment_on_ranks", "spawn"]
+__all__ = ["RankError", "average_used_gradients", "gather_segment", "loopback_interface",
+           "run_segment_on_ranks", "segment_rank", "spawn"]
 
 # 25 MiB of float32 per all-reduce, as DDP's default bucket: large enough that the per-call
 # latency does not dominate, small enough that a huge super-graph does not need one more copy
@@ -196,7 +197,7 @@ class RankError(RuntimeError):
         self.traceback = detail
 
 
-def _loopback_interface() -> str:
+def loopback_interface() -> str:
     """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
     names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     return names[0] if names else "lo"
@@ -217,7 +218,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout: float, t
     """The body of one spawned rank: join the group, run ``fn``, send back its result."""
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     # Gloo and NCCL open their own sockets besides the store's: keep them on the loopback too.
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     os.environ["GLOO_SOCKET_IFNAME"] = loopback
     os.environ["NCCL_SOCKET_IFNAME"] = loopback
     torch.set_num_threads(threads)
@@ -439,7 +440,11 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _segment_rank(rank: int, world: int, group: Any, build: Callable, state: dict | None):
+def segment_rank(rank: int, world: int, group: Any, build: Callable, state: dict | None):
+    """One rank's part of :func:`run_segment_on_ranks` (any launcher of ranks runs it, e.g.
+    :func:`retiarii.engine.executors.ray_ranks.run_segment_on_actors`): rank 0 returns
+    ``(result, state on the CPU)``, the others their evaluated models; :func:`gather_segment`
+    puts the K outcomes, in rank order, together."""
     strategy, ctx = build()
     if state is not None:
         strategy.load_state_dict(state)
@@ -487,7 +492,13 @@ def run_segment_on_ranks(build: Callable[[], tuple[Any, Any]], state: dict | Non
         rank evaluated, rank 0's first, then rank 1's, ...; and rank 0's ``state_dict()`` with
         its tensors on the CPU.
     """
-    outcomes = spawn(_segment_rank, world, build, state, backend=backend, timeout=timeout)
+    return gather_segment(spawn(segment_rank, world, build, state, backend=backend,
+                                timeout=timeout))
+
+
+def gather_segment(outcomes: list) -> tuple[Any, dict]:
+    """``(result, state)`` of a segment from its ranks' :func:`segment_rank` outcomes in rank
+    order: rank 0's result with every rank's models (rank 0's first), and rank 0's state."""
     result, new_state = outcomes[0]
     models = list(result.models) + [m for ranked in outcomes[1:] for m in ranked]
     return dataclasses.replace(result, models=models), new_state

@@ -1,6 +1,6 @@
 """RayExecutor: the same jobs on a Ray cluster, one long-lived worker actor per slot.
 
-Each slot is one Ray actor (:class:`_WorkerActor`) holding ``num_cpus`` CPUs and ``num_gpus``
+Each slot is one Ray actor (:class:`WorkerActor`) holding ``num_cpus`` CPUs and ``num_gpus``
 GPUs (a fraction lets several slots share a GPU; Ray sets ``CUDA_VISIBLE_DEVICES`` for it). The
 actor runs :func:`retiarii.engine.worker.run_job` on the jobs it is handed, exactly as a local
 worker does, so it rebuilds every model from the trial's spec; models never travel pickled.
@@ -49,29 +49,36 @@ dashboard, its own temporary directory; :meth:`close` shuts it down and removes 
 Nothing is started before the first ``submit``/``next_event``/``wait_ready`` (so an executor can
 be built cheaply, e.g. by the CLI, and handed to an :class:`~retiarii.Experiment`).
 
+**Mixed-parallel jobs** (a one-shot segment with ``ranks`` K > 1, ``Experiment(...,
+ranks=K)``) run on K rank actors in one placement group that form a torch.distributed group
+(:mod:`.ray_ranks`): the worker actor holding the job creates them, each rank with the
+resources of a slot (``num_cpus``, ``num_gpus``), and removes them when the segment ends. Its
+rank actors die with it (Ray kills the actors an actor created when it dies); their
+placement group does not, so each worker actor names its groups with a prefix of its own and
+the executor removes that prefix's groups whenever it kills or loses the actor (cancel, a
+lost node, close).
+
 The executor is driven from one thread (the trial runner's), like the engine's loop itself.
-Mixed-parallel jobs (K actors in a placement group forming a torch.distributed group) wait for
-the weight-sharing work; a job here always runs on one actor.
 """
 from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import logging
 import math
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
+import uuid
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from .base import Event, Executor, Job, JobFailed, JobFinished, TrialCheckpointed, pick_slot
+from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
+from .ray_worker import WorkerActor
 
 __all__ = ["RayExecutor", "start_local_ray"]
 
@@ -110,102 +117,6 @@ def start_local_ray(num_cpus: float, num_gpus: float | None = None) -> str:
     return temp_dir
 
 
-# ---- the worker actor -----------------------------------------------------------------------
-
-
-class _WorkerActor:
-    """One slot's worker: trains one job at a time, queues its events for the driver's poll.
-
-    Created with ``max_concurrency=2`` so that :meth:`events` answers while :meth:`run` trains.
-    """
-
-    def __init__(self, name: str, threads: int, sys_path: list[str]):
-        # The driver's import path first (as multiprocessing's spawn gives a child): a space
-        # module beside the driver's script imports here too.
-        sys.path[:0] = [p for p in sys_path if p not in sys.path]
-        import torch
-
-        torch.set_num_threads(threads)
-        # The first optimizer imports torch._dynamo (~2 s): pay it before saying we are ready.
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        from ..worker import WorkerContext
-
-        self.name, self.context = name, WorkerContext()
-        self.scratch = tempfile.mkdtemp(prefix=f"retiarii-{name}-")
-        self._items: collections.deque = collections.deque()
-        self._changed = threading.Condition()
-
-    def ready(self) -> tuple[int, str]:
-        """(process id, node id): the driver's proof that the actor is up."""
-        return os.getpid(), ray.get_runtime_context().get_node_id()
-
-    def run(self, job: Job, blobs: dict[str, bytes | None] | None) -> None:
-        """Train ``job``; ``blobs`` (transfer mode) holds each task's ``checkpoint_in`` bytes."""
-        from ..worker import describe_error, run_job
-
-        workdir = None
-        outputs: dict[str, str] = {}  # local checkpoint_out -> the driver's path
-        terminal = False
-
-        def emit(event: Event) -> None:
-            nonlocal terminal
-            data = None
-            if isinstance(event, TrialCheckpointed) and event.path in outputs:
-                with open(event.path, "rb") as f:
-                    data = f.read()
-                os.unlink(event.path)
-                event = dataclasses.replace(event, path=outputs[event.path])
-            terminal = isinstance(event, (JobFinished, JobFailed))
-            self._push((event, data))
-
-        try:
-            if blobs is not None:
-                workdir = tempfile.mkdtemp(dir=self.scratch)
-                job = self._localize(job, blobs, workdir, outputs)
-            run_job(job, emit, worker=self.name, context=self.context)
-        except BaseException as err:  # noqa: BLE001 (not a trial's fault: reporting itself failed)
-            if not terminal:
-                self._push((JobFailed(job.job_id, None, describe_error(err)), None))
-        finally:
-            if workdir is not None:
-                shutil.rmtree(workdir, ignore_errors=True)
-
-    def events(self, wait: float) -> list[tuple[Event, bytes | None]]:
-        """Every queued (event, checkpoint bytes) pair; blocks up to ``wait`` s for the first."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._items, timeout=wait)
-            items = list(self._items)
-            self._items.clear()
-        return items
-
-    def _push(self, item: tuple[Event, bytes | None]) -> None:
-        with self._changed:
-            self._items.append(item)
-            self._changed.notify_all()
-
-    @staticmethod
-    def _localize(job: Job, blobs: dict[str, bytes | None], workdir: str,
-                  outputs: dict[str, str]) -> Job:
-        """``job`` with its checkpoints moved into ``workdir``: the bytes the driver sent are
-        written there, and each ``checkpoint_out`` becomes a local file (remembered in
-        ``outputs``) whose bytes go back to the driver."""
-        tasks = []
-        for i, task in enumerate(job.tasks):
-            change: dict[str, Any] = {}
-            data = blobs.get(task.trial_id)
-            if task.checkpoint_in is not None and data is not None:
-                change["checkpoint_in"] = os.path.join(workdir, f"in-{i}.pt")
-                with open(change["checkpoint_in"], "wb") as f:
-                    f.write(data)
-            # A checkpoint_in the driver had no file for stays as it is: loading it fails
-            # with the driver's path in the message, which is the one the user can check.
-            if task.checkpoint_out is not None:
-                change["checkpoint_out"] = os.path.join(workdir, f"out-{i}.pt")
-                outputs[change["checkpoint_out"]] = task.checkpoint_out
-            tasks.append(dataclasses.replace(task, **change))
-        return dataclasses.replace(job, tasks=tasks)
-
-
 # ---- the driver's side ----------------------------------------------------------------------
 
 
@@ -222,6 +133,7 @@ class _Slot:
         self.run_ref: Any = None  # kept so Ray keeps the call's result until the job ends
         self.last_used = 0
         self.failed_starts = 0
+        self.groups = ""  # the name prefix of the placement groups its actor creates
 
 
 def _first_line(err: BaseException) -> str:
@@ -279,17 +191,23 @@ class RayExecutor(Executor):
             code that is not installed on the nodes.
         poll_wait: seconds an actor's ``events`` call waits for a first event before returning
             empty (the driver then asks again); bounds how long any actor thread is parked.
+        ranks: the K of the mixed-parallel segments this executor will run (``Experiment``
+            passes its ``ranks``): each of them also needs K bundles of a slot's resources
+            (:mod:`.ray_ranks`), so a private local instance offers that many more logical
+            CPUs, and a cluster that cannot hold a slot and its ranks is warned about.
     """
 
     def __init__(self, num_workers: int = 2, *, address: str | None = None, num_cpus: float = 1.0,
                  num_gpus: float = 0.0, resources: dict[str, float] | None = None,
                  threads_per_worker: int | None = None, shared_storage: bool | None = None,
-                 runtime_env: dict | None = None, poll_wait: float = 30.0):
+                 runtime_env: dict | None = None, poll_wait: float = 30.0, ranks: int = 1):
         if num_workers < 1:
             raise ValueError(f"RayExecutor needs at least one worker, got num_workers={num_workers}")
+        if not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
         if num_cpus < 0 or num_gpus < 0:
             raise ValueError(f"num_cpus and num_gpus must be >= 0, got {num_cpus}, {num_gpus}")
-        self.num_slots = num_workers
+        self.num_slots, self.ranks = num_workers, ranks
         self.address, self.num_cpus, self.num_gpus = address, num_cpus, num_gpus
         self.resources, self.runtime_env, self.poll_wait = resources, runtime_env, poll_wait
         self.threads = threads_per_worker or max(1, int(num_cpus))
@@ -304,6 +222,8 @@ class RayExecutor(Executor):
         self._temp_dir: str | None = None
         self._broken: str | None = None
         self._actor_class: Any = None
+        # group name prefixes of killed actors (the latest): their groups are removed
+        self._orphans: collections.deque[str] = collections.deque(maxlen=4 * num_workers)
 
     # ---- the Executor interface ---------------------------------------------------------
 
@@ -370,7 +290,9 @@ class RayExecutor(Executor):
                 if slot.actor is not None:
                     _kill(slot.actor)
                     slot.actor = None
+                    self._orphans.append(slot.groups)
             self._refs.clear()
+            self._remove_orphans()
             if self._owns_ray:
                 ray.shutdown()
         if self._temp_dir is not None:
@@ -416,7 +338,9 @@ class RayExecutor(Executor):
             ray.init(address=self.address)
             self._owns_ray = True
         elif not ray.is_initialized():
-            cpus = max(os.cpu_count() or 1, math.ceil(self.num_slots * self.num_cpus))
+            # each slot, and the K rank actors of a ranked segment it runs
+            per_slot = self.num_cpus * (1 + (self.ranks if self.ranks > 1 else 0))
+            cpus = max(os.cpu_count() or 1, math.ceil(self.num_slots * per_slot))
             self._temp_dir = start_local_ray(num_cpus=cpus)
             self._owns_ray = True
         atexit.register(self.close)
@@ -428,7 +352,7 @@ class RayExecutor(Executor):
             options["resources"] = self.resources
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        self._actor_class = ray.remote(_WorkerActor).options(**options)
+        self._actor_class = ray.remote(WorkerActor).options(**options)
         for slot in self._slots:
             self._create(slot)
 
@@ -438,6 +362,13 @@ class RayExecutor(Executor):
         total = ray.cluster_resources()
         need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **(self.resources or {})}
         short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0)}
+        ranked = {k: v * (1 + self.ranks) for k, v in (("CPU", self.num_cpus),
+                                                         ("GPU", self.num_gpus)) if v > 0}
+        if self.ranks > 1 and not short and any(v > total.get(k, 0.0) for k, v in ranked.items()):
+            _log.warning("RayExecutor: a segment on %d ranks needs a slot and %d bundles of it "
+                         "(%s in all); the cluster has %s: its placement group waits, then fails "
+                         "(PlacementError)", self.ranks, self.ranks, ranked,
+                         {k: total.get(k, 0.0) for k in ranked})
         if not short:
             return
         what = ", ".join(f"{k}: a slot needs {v}, the cluster has {h}" for k, (v, h) in short.items())
@@ -452,7 +383,10 @@ class RayExecutor(Executor):
         # On this machine the driver's sys.path is the actors' too; a cluster's nodes have
         # their own (code reaches them installed, or by runtime_env).
         sys_path = sys.path if self.address is None else []
-        slot.actor = self._actor_class.remote(slot.name, self.threads, list(sys_path))
+        slot.groups = f"retiarii-ranks-{uuid.uuid4().hex[:12]}-"
+        ranks = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                 "runtime_env": self.runtime_env, "group_prefix": slot.groups}
+        slot.actor = self._actor_class.remote(slot.name, self.threads, list(sys_path), ranks)
         slot.ready, slot.pid, slot.node, slot.job, slot.run_ref = False, None, None, None, None
         self._refs[slot.actor.ready.remote()] = (slot, "ready", slot.actor)
 
@@ -461,7 +395,18 @@ class RayExecutor(Executor):
         for ref in [r for r, (s, _, _) in self._refs.items() if s is slot]:
             del self._refs[ref]
         _kill(slot.actor)
+        self._orphans.append(slot.groups)
+        self._remove_orphans()
         self._create(slot)
+
+    def _remove_orphans(self) -> None:
+        """Remove the placement groups of ranked segments whose worker actor was killed (its
+        rank actors died with it; the groups would hold their resources until the driver
+        exits). Each prefix stays listed for the next few kills: ``ray.kill`` is
+        asynchronous, so a dying actor may still create a group after the first sweep."""
+        from .ray_ranks import remove_groups
+
+        remove_groups(*self._orphans)
 
     def _dispatch(self) -> None:
         """Hand queued jobs to ready idle slots: the one ``job.meta["worker"]`` names if it is

@@ -1,0 +1,121 @@
+"""The worker actor of :class:`~.ray.RayExecutor`: one slot's process on the Ray cluster.
+
+It runs :func:`retiarii.engine.worker.run_job` on the jobs the driver hands it and queues the
+events for the driver's long poll (the protocol: :mod:`.ray`'s module docstring); a ranked
+one-shot segment's ranks run as rank actors in a placement group (:mod:`.ray_ranks`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from typing import Any
+
+import ray
+
+from .base import Event, Job, JobFailed, JobFinished, TrialCheckpointed
+
+__all__ = ["WorkerActor"]
+
+
+class WorkerActor:
+    """One slot's worker: trains one job at a time, queues its events for the driver's poll.
+
+    Created with ``max_concurrency=2`` so that :meth:`events` answers while :meth:`run` trains.
+    """
+
+    def __init__(self, name: str, threads: int, sys_path: list[str], ranks: dict[str, Any]):
+        # The driver's import path first (as multiprocessing's spawn gives a child): a space
+        # module beside the driver's script imports here too.
+        sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        import functools
+        import torch
+
+        torch.set_num_threads(threads)
+        # The first optimizer imports torch._dynamo (~2 s): pay it before saying we are ready.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        from ..worker import WorkerContext
+
+        from .ray_ranks import run_segment_on_actors
+
+        self.name, self.context = name, WorkerContext()
+        # a ranked segment's K ranks: rank actors in a placement group, not local processes
+        self.context.run_ranks = functools.partial(run_segment_on_actors,
+                                                   sys_path=list(sys_path), **ranks)
+        self.scratch = tempfile.mkdtemp(prefix=f"retiarii-{name}-")
+        self._items: collections.deque = collections.deque()
+        self._changed = threading.Condition()
+
+    def ready(self) -> tuple[int, str]:
+        """(process id, node id): the driver's proof that the actor is up."""
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def run(self, job: Job, blobs: dict[str, bytes | None] | None) -> None:
+        """Train ``job``; ``blobs`` (transfer mode) holds each task's ``checkpoint_in`` bytes."""
+        from ..worker import describe_error, run_job
+
+        workdir = None
+        outputs: dict[str, str] = {}  # local checkpoint_out -> the driver's path
+        terminal = False
+
+        def emit(event: Event) -> None:
+            nonlocal terminal
+            data = None
+            if isinstance(event, TrialCheckpointed) and event.path in outputs:
+                with open(event.path, "rb") as f:
+                    data = f.read()
+                os.unlink(event.path)
+                event = dataclasses.replace(event, path=outputs[event.path])
+            terminal = isinstance(event, (JobFinished, JobFailed))
+            self._push((event, data))
+
+        try:
+            if blobs is not None:
+                workdir = tempfile.mkdtemp(dir=self.scratch)
+                job = self._localize(job, blobs, workdir, outputs)
+            run_job(job, emit, worker=self.name, context=self.context)
+        except BaseException as err:  # noqa: BLE001 (not a trial's fault: reporting itself failed)
+            if not terminal:
+                self._push((JobFailed(job.job_id, None, describe_error(err)), None))
+        finally:
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def events(self, wait: float) -> list[tuple[Event, bytes | None]]:
+        """Every queued (event, checkpoint bytes) pair; blocks up to ``wait`` s for the first."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._items, timeout=wait)
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+    def _push(self, item: tuple[Event, bytes | None]) -> None:
+        with self._changed:
+            self._items.append(item)
+            self._changed.notify_all()
+
+    @staticmethod
+    def _localize(job: Job, blobs: dict[str, bytes | None], workdir: str,
+                  outputs: dict[str, str]) -> Job:
+        """``job`` with its checkpoints moved into ``workdir``: the bytes the driver sent are
+        written there, and each ``checkpoint_out`` becomes a local file (remembered in
+        ``outputs``) whose bytes go back to the driver."""
+        tasks = []
+        for i, task in enumerate(job.tasks):
+            change: dict[str, Any] = {}
+            data = blobs.get(task.trial_id)
+            if task.checkpoint_in is not None and data is not None:
+                change["checkpoint_in"] = os.path.join(workdir, f"in-{i}.pt")
+                with open(change["checkpoint_in"], "wb") as f:
+                    f.write(data)
+            # A checkpoint_in the driver had no file for stays as it is: loading it fails
+            # with the driver's path in the message, which is the one the user can check.
+            if task.checkpoint_out is not None:
+                change["checkpoint_out"] = os.path.join(workdir, f"out-{i}.pt")
+                outputs[change["checkpoint_out"]] = task.checkpoint_out
+            tasks.append(dataclasses.replace(task, **change))
+        return dataclasses.replace(job, tasks=tasks)
