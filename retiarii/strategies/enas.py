@@ -12,8 +12,8 @@ from ..enums import Mode
 from ..sampler import ReplaySampler, sample_key
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .rl import _Controller
-from .shared_training import (SharedTraining, check_positive, check_state, mean_over_ranks,
-                              rank_rngs, ready, segment_rng, take)
+from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_state,
+                              mean_over_ranks, rank_rngs, ready, segment_rng, take)
 
 
 class _PolicySampler:
@@ -45,7 +45,7 @@ class _PolicySampler:
         return index
 
 
-class ENAS(OneShot):
+class ENAS(ExportsInherited, OneShot):
     """ENAS: a controller samples one path per training batch; REINFORCE trains the controller.
 
     Each segment first trains the shared weights: every ``batches_per_model`` training batches
@@ -274,13 +274,6 @@ class ENAS(OneShot):
             raise RuntimeError("ENAS.selected(): call setup(space, ...) first")
         model, _ = self._draw(None)
         return dict(model.sample)
-
-    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
-        """The weights ``sample`` inherits from the super-graph, as the ``state_dict`` of
-        ``space.build(sample)`` (what the engine exports with the selected model)."""
-        if self._shared is None:
-            raise RuntimeError("ENAS.export_state(): call setup(space, ...) first")
-        return self._shared.supergraph.export_state(sample)
 
     # -- state --------------------------------------------------------------------------------
 

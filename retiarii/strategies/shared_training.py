@@ -97,6 +97,21 @@ def mean_over_ranks(values: dict[str, float], ctx: Any) -> dict[str, float]:
     return {n: float(v) / ctx.world for n, v in zip(names, t.tolist())}
 
 
+class ExportsInherited:
+    """What SPOS, ENAS and WeightSharing share: ``export_state`` of a model's inherited
+    weights from their super-graph (``self._shared``, a :class:`SharedTraining` after setup)."""
+
+    _shared: "SharedTraining | None"
+
+    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
+        """The weights ``sample`` inherits from the super-graph, as the ``state_dict`` of
+        ``space.build(sample)`` (what the engine exports with the selected model)."""
+        if self._shared is None:
+            raise RuntimeError(f"{type(self).__name__}.export_state(): call setup(space, ...) "
+                               f"first")
+        return self._shared.supergraph.export_state(sample)
+
+
 def ready(strategy: Any, shared: "SharedTraining | None", ctx: Any) -> "SharedTraining":
     """``shared`` once ``setup`` built it and ``ctx.segment`` is one of the strategy's."""
     name = type(strategy).__name__

@@ -10,8 +10,8 @@ import torch
 from ..enums import Mode
 from ..sampler import RandomSampler, index_of, sample_key
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
-from .shared_training import (SharedTraining, check_positive, check_state, mean_over_ranks,
-                              rank_rngs, ready, segment_rng, take)
+from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_state,
+                              mean_over_ranks, rank_rngs, ready, segment_rng, take)
 
 
 class _MutateSampler:
@@ -44,7 +44,7 @@ class _CrossoverSampler:
         return self.rng.randrange(len(candidates))
 
 
-class SPOS(OneShot):
+class SPOS(ExportsInherited, OneShot):
     """Single-path one-shot: uniform path sampling on a super-graph, then evolutionary search.
 
     Segments ``0 .. train_segments-1`` train: every ``batches_per_model`` training batches a
@@ -227,13 +227,6 @@ class SPOS(OneShot):
         if self._space is None:
             raise RuntimeError("SPOS.selected(): call setup(space, ...) first")
         return self._space.default_sample()
-
-    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
-        """The weights ``sample`` inherits from the super-graph, as the ``state_dict`` of
-        ``space.build(sample)`` (what the engine exports with the selected model)."""
-        if self._shared is None:
-            raise RuntimeError("SPOS.export_state(): call setup(space, ...) first")
-        return self._shared.supergraph.export_state(sample)
 
     # -- state --------------------------------------------------------------------------------
 

@@ -12,10 +12,11 @@ from ..enums import Mode
 from ..sampler import sample_key
 from .base import SpaceExhausted, Strategy
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
-from .shared_training import SharedTraining, check_positive, check_state, ready, take
+from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_state,
+                              ready, take)
 
 
-class WeightSharing(OneShot):
+class WeightSharing(ExportsInherited, OneShot):
     """A multi-trial strategy (``ask``/``tell``) run as a one-shot search on shared weights.
 
     Every ``batches_per_model`` training batches, the inner strategy is asked for a model; its
@@ -155,13 +156,6 @@ class WeightSharing(OneShot):
         if self._space is None:
             raise RuntimeError("WeightSharing.selected(): call setup(space, ...) first")
         return self._space.default_sample()
-
-    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
-        """The weights ``sample`` inherits from the super-graph, as the ``state_dict`` of
-        ``space.build(sample)`` (what the engine exports with the selected model)."""
-        if self._shared is None:
-            raise RuntimeError("WeightSharing.export_state(): call setup(space, ...) first")
-        return self._shared.supergraph.export_state(sample)
 
     def state_dict(self) -> dict:
         if self._shared is None:
