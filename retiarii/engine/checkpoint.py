@@ -25,7 +25,7 @@ import collections
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -213,18 +213,13 @@ def _check_loadable(obj: Any, where: str) -> None:
     )
 
 
-def _compact(obj: Any) -> Any:
-    """``obj`` with every tensor that views a larger storage cloned: torch.save writes a
-    view's whole storage, and a fused model's weights (retiarii.optim.fusion) are views of
-    the K models' stacked tensors; a trial's checkpoint holds its own values only. Containers
-    holding no such tensor are returned as they are; a rebuilt state dict keeps its
-    ``_metadata`` (the modules' versions, which ``load_state_dict`` reads)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
-            return obj.clone()
-        return obj
+def map_leaves(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` (dicts, OrderedDicts, lists and tuples, nested) with ``leaf`` applied to every
+    other value. A container none of whose values changed is returned as it is (no copy); a
+    rebuilt state dict keeps its ``_metadata`` (the modules' versions, which
+    ``load_state_dict`` reads)."""
     if type(obj) in (dict, collections.OrderedDict):
-        items = {k: _compact(v) for k, v in obj.items()}
+        items = {k: map_leaves(v, leaf) for k, v in obj.items()}
         if all(items[k] is v for k, v in obj.items()):
             return obj
         out = type(obj)(items)
@@ -232,9 +227,23 @@ def _compact(obj: Any) -> Any:
             out._metadata = obj._metadata
         return out
     if type(obj) in (list, tuple):
-        items = [_compact(v) for v in obj]
+        items = [map_leaves(v, leaf) for v in obj]
         return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    return leaf(obj)
+
+
+def _own_storage(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor) and \
+            obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
+        return obj.clone()
     return obj
+
+
+def _compact(obj: Any) -> Any:
+    """``obj`` with every tensor that views a larger storage cloned: torch.save writes a
+    view's whole storage, and a fused model's weights (retiarii.optim.fusion) are views of
+    the K models' stacked tensors; a trial's checkpoint holds its own values only."""
+    return map_leaves(obj, _own_storage)
 
 
 def save(path: str | os.PathLike, state: dict[str, Any]) -> None:

@@ -23,7 +23,6 @@ kind (:func:`~.worker.classify_error`) when anything raised, and nothing written
 """
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any
 
@@ -135,26 +134,18 @@ def _open(task, context) -> tuple[OneShot, Any, dict, torch.device]:
     return strategy, trainer, hparams, device
 
 
-def _plain(obj: Any) -> Any:
-    """``obj`` with every str, int and float subclass (a ``Mode``, an ``IntEnum``) made the
-    plain type: ``torch.load(weights_only=True)`` cannot rebuild their classes, and a state
-    that the store keeps as JSON reads them back as plain values anyway. Containers holding
-    none are returned as they are (a module's state dict keeps its ``_metadata``)."""
-    if type(obj) in (dict, collections.OrderedDict):
-        items = {k: _plain(v) for k, v in obj.items()}
-        if all(items[k] is v for k, v in obj.items()):
-            return obj
-        out = type(obj)(items)
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata
-        return out
-    if type(obj) in (list, tuple):
-        items = [_plain(v) for v in obj]
-        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+def _plain_leaf(obj: Any) -> Any:
     for plain in (str, int, float):
         if isinstance(obj, plain) and type(obj) is not plain and type(obj) is not bool:
             return plain.__new__(plain, obj)
     return obj
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with every str, int and float subclass (a ``Mode``, an ``IntEnum``) made the
+    plain type: ``torch.load(weights_only=True)`` cannot rebuild their classes, and a state
+    that the store keeps as JSON reads them back as plain values anyway."""
+    return checkpoint.map_leaves(obj, _plain_leaf)
 
 
 def _unit(strategy: OneShot, segment: int, last: bool, rng: dict) -> dict:
