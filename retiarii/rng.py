@@ -7,6 +7,7 @@ here, below both, so strategies never import the engine.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 __all__ = ["NativeRng", "RngError", "capture_rng", "native_from_portable", "native_rng",
-           "portable_rng", "restore_rng", "seed_rng", "set_native_rng"]
+           "portable_rng", "restore_rng", "seed_rng", "set_native_rng", "swapped_in"]
 
 
 class RngError(RuntimeError):
@@ -126,3 +127,17 @@ def seed_rng(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
     if torch.backends.mps.is_available():
         torch.mps.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def swapped_in(owner: Any, attr: str = "_rng"):
+    """Swap ``owner``'s own RNG streams (a :class:`NativeRng` at ``owner.<attr>``) in for the
+    block; on the way out they are saved back there and the outer streams restored. A trial
+    and a one-shot strategy keep their randomness apart from everything else this way."""
+    outer = native_rng()
+    set_native_rng(getattr(owner, attr))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, native_rng())
+        set_native_rng(outer)

@@ -27,7 +27,6 @@ import collections
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from typing import Any, Callable
@@ -45,7 +44,7 @@ from .checkpoint import CheckpointDir, CheckpointPathError
 from .lock import StoreLock, StoreLocked
 from . import one_shot
 from .plans import PlanTable
-from .segments import SegmentTable
+from .segments import SegmentTable, finite
 from .store import Store
 from .trainer import Trainer
 from .trials import Trial, TrialRunner, TrialState
@@ -768,7 +767,7 @@ class Experiment:
     def _end_model(self, trial: Trial) -> None:
         sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
         reported = (trial.last_result or {}).get(self.metric)
-        value = _finite(reported)
+        value = finite(reported)
         if reported is not None and value is None:
             # NaN or inf (a diverged model, a broken metric) ranks nowhere: the model failed.
             _log.warning("trial %s ended with %s = %r, not a finite number: its model is "
@@ -831,15 +830,3 @@ def _comparable(config: dict) -> dict:
     if isinstance(config.get("trainer"), str):  # a reference: its file may have moved
         config["trainer"] = config["trainer"].rsplit(":", 1)[-1]
     return config
-
-
-def _finite(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number, else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-

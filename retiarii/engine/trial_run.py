@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
+from ..rng import swapped_in
 from ..training import batch_size as _batch_size  # noqa: F401 (engine modules import these)
 from ..training import parse_optimizers as _parse_optimizers
 from ..training import to_device as _to_device
@@ -91,13 +92,8 @@ class TrialRun:
     @contextlib.contextmanager
     def _own_rng(self):
         """Swap this trial's RNG streams in for the duration of the block."""
-        outer = ckpt.native_rng()
-        ckpt.set_native_rng(self._rng)
-        try:
+        with swapped_in(self):
             yield
-        finally:
-            self._rng = ckpt.native_rng()
-            ckpt.set_native_rng(outer)
 
     def train_epoch(self) -> dict[str, float]:
         """Train the rest of the current epoch, validate, and return the epoch's metrics."""

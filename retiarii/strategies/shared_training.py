@@ -176,15 +176,10 @@ class SharedTraining:
     @contextlib.contextmanager
     def own_rng(self):
         """Swaps the strategy's python, numpy and torch streams in for the block."""
-        from .. import rng as ckpt
+        from ..rng import swapped_in
 
-        outer = ckpt.native_rng()
-        ckpt.set_native_rng(self._rng)
-        try:
+        with swapped_in(self):
             yield
-        finally:
-            self._rng = ckpt.native_rng()
-            ckpt.set_native_rng(outer)
 
     # -- training and evaluation ----------------------------------------------------------------
 
