@@ -162,6 +162,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       batching=_OPTIMIZE[flags["batching"]] if flags.get("batching") else None,
                       progress=_Progress(max_models),
                       weight_sharing=bool(flags.get("weight_sharing")), ranks=ranks,
+                      device_memory=flags.get("device_memory"),
                       origin={"cli": {"space": recorded_space, **flags}})
 
 
@@ -226,7 +227,8 @@ def cmd_run(args) -> int:
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
-             "batching": args.batching, "packing": args.packing}
+             "batching": args.batching, "packing": args.packing,
+             "device_memory": args.device_memory}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -535,6 +537,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--ranks", type=int, default=1,
                      help="one-shot searches: run each segment on K local ranks with mixed "
                           "parallelism, each rank training its own sampled model (default 1)")
+    run.add_argument("--device-memory", default=None, metavar="SIZE",
+                     help="one-shot searches (spos): bytes of a device the shared weights may "
+                          "take, e.g. 20GiB; a larger super-graph is split over the ranks")
     run.add_argument("--max-models", type=int, default=None,
                      help="models to train (default 30; not for one-shot searches)")
     run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")

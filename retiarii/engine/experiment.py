@@ -246,6 +246,11 @@ class Experiment:
             parallelism (:mod:`retiarii.optim.mixed_parallel`: each rank trains its own sampled
             model on its share of the batches; a GPU per rank when there are enough, else
             gloo). The strategy must support it (SPOS, ENAS, WeightSharing).
+        device_memory: one-shot searches only: the bytes of a device the shared weights (with
+            their gradients and optimizer state) may take, as a number or a size
+            (``"20GiB"``). A super-graph larger than that is split over the ranks, each holding
+            what its models use, the rest in host memory (:mod:`retiarii.optim.split`; issue
+            #14 item 5). The strategy must support it (SPOS). None: no limit.
 
     A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
     ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
@@ -261,7 +266,8 @@ class Experiment:
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str = "auto", batch_models: int = 8,
                  fuse: bool | str | None = None, batching: bool | str | None = None,
-                 weight_sharing: bool = False, ranks: int = 1, packing: bool | str = "auto",
+                 weight_sharing: bool = False, ranks: int = 1,
+                 device_memory: float | str | None = None, packing: bool | str = "auto",
                  dedicated: list[str] | None = None, dedicated_device: str | None = None):
         if optimize not in ("auto", True, False, "pack"):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
@@ -324,6 +330,8 @@ class Experiment:
                                   f"{type(strategy).__name__} is multi-trial: use workers= to "
                                   f"train its models in parallel, or weight_sharing=True")
         self.ranks = ranks
+        self.device_memory = one_shot.check_device_memory(strategy, device_memory,
+                                                          self.one_shot, ExperimentError)
         if self.one_shot:
             one_shot.check_options(strategy, ExperimentError, scheduler=scheduler,
                                    optimize=optimize, fuse=fuse, batching=batching,
@@ -348,6 +356,8 @@ class Experiment:
                       "mode": self.mode}
             if self.ranks > 1:  # other ranks, other samples per step: another search
                 config["ranks"] = self.ranks
+            if self.device_memory is not None:  # another split, other models per rank
+                config["device_memory"] = self.device_memory
             return config
         return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),

@@ -62,6 +62,28 @@ def wrap_weight_sharing(strategy: Any, trainer: Any, error: type[Exception]) -> 
     return WeightSharing(strategy, segments=int(trainer.num_epochs({})))
 
 
+def check_device_memory(strategy: Any, memory: Any, one_shot: bool,
+                        error: type[Exception]) -> float | None:
+    """``device_memory`` in bytes (None stays None), or ``error`` naming why it cannot be:
+    not a size, a multi-trial search, or a strategy that cannot split its super-graph."""
+    if memory is None:
+        return None
+    from ..optim.split import parse_bytes
+
+    try:
+        memory = parse_bytes(memory)
+    except ValueError as e:
+        raise error(str(e)) from None
+    name = type(strategy).__name__
+    if not one_shot:
+        raise error(f"device_memory applies to one-shot searches (a super-graph split over "
+                    f"devices); {name} trains separate models: leave it out")
+    if not callable(getattr(strategy, "limit_memory", None)):
+        raise error(f"device_memory: {name} cannot split its shared weights over devices "
+                    f"(SPOS can); leave device_memory out")
+    return memory
+
+
 def check_options(strategy: Any, error: type[Exception], **given: Any) -> None:
     """Refuse what a one-shot search cannot honour, naming the option and the fix. ``given``
     holds the Experiment's arguments that only multi-trial searches use, as given."""
@@ -130,6 +152,8 @@ class OneShotRun:
                      "segments": self.segments}
         if exp.ranks > 1:
             self.spec["ranks"] = exp.ranks
+        if exp.device_memory is not None:
+            self.spec["device_memory"] = exp.device_memory
         frozen = exp.space.frozen_fingerprint()
         if frozen is not None:
             self.spec["frozen"] = frozen

@@ -96,8 +96,10 @@ def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _setup(spec: dict, context) -> tuple[OneShot, Any, dict, torch.device]:
-    """The strategy of ``spec``, built and set up (from the spec's seed) as every segment's."""
+def _setup(spec: dict, context, device: torch.device | None = None
+           ) -> tuple[OneShot, Any, dict, torch.device]:
+    """The strategy of ``spec``, built and set up (from the spec's seed) as every segment's
+    (on ``device``, by default the worker's)."""
     for key in ("space", "trainer", "strategy"):
         if key not in spec:
             raise KeyError(f"a one-shot task's spec lacks {key!r} (see "
@@ -109,15 +111,25 @@ def _setup(spec: dict, context) -> tuple[OneShot, Any, dict, torch.device]:
     strategy = build_strategy(spec["strategy"])
     if not isinstance(strategy, OneShot):
         raise TypeError(f"{spec['strategy']['class']} is not a OneShot strategy")
-    device = _device()
+    device = device or _device()
     checkpoint.seed_rng(int(spec.get("seed") or 0))  # the shared weights' initial values
     strategy.setup(space, trainer, hparams, device)
     return strategy, trainer, hparams, device
 
 
-def _open(task, context) -> tuple[OneShot, Any, dict, torch.device]:
+def _limit(strategy: OneShot, spec: dict) -> None:
+    """A device budget for the shared weights, before any state is loaded."""
+    if spec.get("device_memory") is not None:
+        from ..optim.mixed_parallel import limit_memory
+
+        limit_memory(strategy, float(spec["device_memory"]))
+
+
+def _open(task, context, device: torch.device | None = None
+          ) -> tuple[OneShot, Any, dict, torch.device]:
     """The strategy of ``task``, set up and at the start of segment ``task.start_step``."""
-    strategy, trainer, hparams, device = _setup(task.spec, context)
+    strategy, trainer, hparams, device = _setup(task.spec, context, device)
+    _limit(strategy, task.spec)
     if task.checkpoint_in is not None:
         # to the CPU, as trial checkpoints load: RNG states must stay CPU ByteTensors, and
         # load_state_dict copies the rest onto the strategy's own device
@@ -168,7 +180,8 @@ def _rank_build(spec: dict, segment: int, rng: dict | None,
     strategy, trainer, hparams, device = _setup(spec, new_context())
     if rng is not None:
         checkpoint.restore_rng(rng)
-    return strategy, SegmentContext(segment, trainer, hparams, device)
+    return strategy, SegmentContext(segment, trainer, hparams, device,
+                                    device_memory=spec.get("device_memory"))
 
 
 def _on_ranks(task, context, ranks: int) -> tuple[OneShot, SegmentResult, dict]:
@@ -179,7 +192,8 @@ def _on_ranks(task, context, ranks: int) -> tuple[OneShot, SegmentResult, dict]:
 
     from ..optim.mixed_parallel import run_segment_on_ranks
 
-    strategy, *_ = _open(task, context)  # set up, and the unit loaded (checked) if any
+    # set up, and the unit loaded (checked) if any: on the CPU, the ranks hold the devices
+    strategy, *_ = _open(task, context, torch.device("cpu"))
     state = None if task.checkpoint_in is None else strategy.state_dict()
     rng = checkpoint.capture_rng()  # where every rank starts
     # the ranks build their own strategy with a context like this process's (its class
@@ -192,7 +206,8 @@ def _on_ranks(task, context, ranks: int) -> tuple[OneShot, SegmentResult, dict]:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         backend = "nccl" if gpus >= ranks else "gloo"  # NCCL needs a GPU per rank
         result, new_state = run_segment_on_ranks(build, state, ranks, backend=backend)
-    strategy, *_ = _setup(task.spec, context)
+    strategy, *_ = _setup(task.spec, context, torch.device("cpu"))
+    _limit(strategy, task.spec)
     strategy.load_state_dict(new_state)
     return strategy, result, rng
 
@@ -201,7 +216,8 @@ def open_segment(task, context) -> tuple[OneShot, SegmentContext]:
     """The strategy of ``task``, set up and loaded at the start of its segment, and the
     segment's context (raises what building or loading raised)."""
     strategy, trainer, hparams, device = _open(task, context)
-    return strategy, SegmentContext(task.start_step, trainer, hparams, device)
+    return strategy, SegmentContext(task.start_step, trainer, hparams, device,
+                                    device_memory=task.spec.get("device_memory"))
 
 
 def finish_segment(job: Job, strategy: OneShot, ctx: SegmentContext,

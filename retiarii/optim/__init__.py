@@ -13,6 +13,7 @@ from .mixed_parallel import (
     RankError, average_used_gradients, gather_segment, run_segment_on_ranks, segment_rank, spawn,
 )
 from .packing import Device, ModelProfile, PackingConfig, PackingError, Placement, pack
+from .split import SuperGraphSplit, Window, parse_bytes, split_paths
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
 from .supergraph import SuperGraph, SuperGraphError
 from .weight_keys import OpKey, weight_keys
@@ -38,6 +39,10 @@ __all__ = [
            "PlanError",
            "PlanModel",
            "RankError",
+           "SuperGraphSplit",
+           "Window",
+           "parse_bytes",
+           "split_paths",
            "RelaxError",
            "Relaxation",
            "Role",

@@ -446,6 +446,8 @@ def segment_rank(rank: int, world: int, group: Any, build: Callable, state: dict
     ``(result, state on the CPU)``, the others their evaluated models; :func:`gather_segment`
     puts the K outcomes, in rank order, together."""
     strategy, ctx = build()
+    if ctx.device_memory is not None:  # hold part of the super-graph (before loading it all)
+        limit_memory(strategy, ctx.device_memory)
     if state is not None:
         strategy.load_state_dict(state)
     ctx.rank, ctx.world, ctx.group = rank, world, group
@@ -454,6 +456,16 @@ def segment_rank(rank: int, world: int, group: Any, build: Callable, state: dict
     if rank == 0:
         return result, _to_cpu(strategy.state_dict())
     return list(result.models)
+
+
+def limit_memory(strategy: Any, memory: float) -> None:
+    """Give a one-shot strategy a device budget for its shared weights (its
+    ``limit_memory``), or a clear error when it cannot split its super-graph."""
+    limit = getattr(strategy, "limit_memory", None)
+    if not callable(limit):
+        raise ValueError(f"device_memory: {type(strategy).__name__} cannot split its shared "
+                         "weights over devices (SPOS can); leave device_memory unset")
+    limit(memory)
 
 
 def run_segment_on_ranks(build: Callable[[], tuple[Any, Any]], state: dict | None, world: int,

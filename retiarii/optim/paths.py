@@ -158,6 +158,13 @@ class PathBuilder:
         while len(cache) > self.cache_size:
             cache.popitem(last=False)
 
+    def forget(self, tensors: set[int]) -> None:
+        """Evict the cached cells and layouts that hold any of ``tensors`` (ids of parameters
+        and buffers): operators leaving the pool must not live on in a cache."""
+        for cache in (self._cells, self._layouts):
+            for key in [k for k, m in cache.items() if holds_tensors(m, tensors)]:
+                del cache[key]
+
     def build(self, model: Model, provide: Provide, keys: dict[str, str]) -> nn.Module:
         """The path of ``model``: ``provide(node, attr)`` gives the operator to install at a
         module, cell or parameter node (None: a fresh one); ``keys`` maps attribute paths to
@@ -255,6 +262,12 @@ class PathBuilder:
 
         with torch.random.fork_rng(devices=[]):
             return to_module(g, "Path", provide=give).to(self.device)
+
+
+def holds_tensors(module: nn.Module, tensors: set[int]) -> bool:
+    """Whether ``module`` holds a parameter or buffer whose id is in ``tensors``."""
+    return any(id(t) in tensors for t in module.parameters()) or \
+        any(id(t) in tensors for t in module.buffers())
 
 
 def _fresh(node: Node) -> Any:

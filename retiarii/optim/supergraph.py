@@ -37,7 +37,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from ..modspec import build_module
 from ..sampler import SampleError
 from ..shapes import has_lazy, propagate
 from ..space import Model
-from .paths import PathBuilder
+from .paths import PathBuilder, holds_tensors
 from .sliced import build_big, sliced
 from .weight_keys import OpKey, SuperGraphError, weight_keys
 
@@ -116,6 +116,10 @@ class SuperGraph:
         """The pooled module of ``key`` (a parameter read directly is held as ``.value``)."""
         return self._pool[key].module
 
+    def op(self, key: str) -> OpKey:
+        """The operator the pool holds under ``key`` (as first seen)."""
+        return self._pool[key].op
+
     def parameters(self) -> list[nn.Parameter]:
         """Every shared parameter so far, in the order the pool grew (frozen ones included,
         with ``requires_grad=False``); stable, so an optimizer built from it and resumed
@@ -176,6 +180,62 @@ class SuperGraph:
         entry = self._pool[op.key] = _Entry(op, module)
         self._join(list(module.parameters()))
         return entry
+
+    def drop(self, keys: Iterable[str]) -> None:
+        """Take the operators of ``keys`` out of the pool (a rank of a split super-graph hands
+        them on, :mod:`retiarii.optim.split`): out of the attached optimizers (groups and
+        state) and of every cached path, cell and layout, so their memory is freed. Keys the
+        pool lacks are ignored; a later path that needs one adds it afresh (or load it)."""
+        from .keyed_state import forget_parameters
+
+        gone = [self._pool.pop(k) for k in keys if k in self._pool]
+        if not gone:
+            return
+        params = [p for e in gone for p in e.module.parameters()]
+        tensors = {id(t) for e in gone for t in [*e.module.parameters(), *e.module.buffers()]}
+        for opt in self._optimizers:
+            forget_parameters(opt, params)
+        for canon in [c for c, net in self._paths.items() if holds_tensors(net, tensors)]:
+            del self._paths[canon]
+        self._builder.forget(tensors)
+
+    def ops_of(self, sample_or_model: dict | Model) -> dict[str, OpKey]:
+        """The model's operators by weight key (what its path uses), without building any."""
+        model = self.model_of(sample_or_model)
+        return {op.key: op for op in weight_keys(self.space, model).values()}
+
+    def training_bytes(self, op: OpKey, optimizer_slots: int = 2) -> int:
+        """Bytes operator ``op`` takes on a device while training: a trained weight with its
+        gradient and ``optimizer_slots`` state tensors (Adam: 2, SGD with momentum: 1), a
+        frozen weight or a buffer once. Counted on the pooled module when there is one, else
+        on the meta device (nothing allocated)."""
+        entry = self._pool.get(op.key)
+        if entry is not None:
+            module = entry.module
+        else:
+            with torch.device("meta"):
+                module = _build(op)
+        total = 0
+        for p in module.parameters():
+            trained = p.requires_grad and not op.frozen
+            total += p.numel() * p.element_size() * ((2 + optimizer_slots) if trained else 1)
+        total += sum(b.numel() * b.element_size() for b in module.buffers())
+        return total
+
+    def parameter_shapes(self, op: OpKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """``(name, shape, dtype)`` of each trained parameter of ``op``, named as
+        :meth:`named_parameters` names them, whether or not the pool holds it (a rank of a split
+        super-graph lines up gradients of weights held elsewhere by these)."""
+        entry = self._pool.get(op.key)
+        if entry is not None:
+            module = entry.module
+        else:
+            with torch.device("meta"):
+                module = _build(op)
+        if op.frozen:
+            return []
+        return [(f"{op.key}:{n}", tuple(p.shape), p.dtype)
+                for n, p in module.named_parameters() if p.requires_grad]
 
     # ---- paths ---------------------------------------------------------------------------
     def model_of(self, sample_or_model: dict | Model) -> Model:
@@ -270,22 +330,25 @@ class SuperGraph:
         return self._builder.build(model, provide, {a: o.key for a, o in ops.items()})
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, keys: Iterable[str] | None = None) -> dict:
         """The pool as one unit: per operator its key, how to rebuild it and its tensors
         (weights and buffers), in pool order; ``torch.save``-able. Optimizer state is the
-        caller's (save ``optimizer.state_dict()`` next to it)."""
+        caller's (save ``optimizer.state_dict()`` next to it). ``keys``: only these
+        operators (those the pool holds)."""
+        wanted = None if keys is None else set(keys)
         return {"format": _FORMAT, "seed": self.seed, "entries": [
             {"key": k, "attr": e.op.attr, "name": e.op.name, "kind": e.op.kind,
              "mode": e.op.mode, "recipe": e.op.recipe, "frozen": e.op.frozen,
              "state": {n: t.detach().clone() for n, t in e.module.state_dict().items()}}
-            for k, e in self._pool.items()]}
+            for k, e in self._pool.items() if wanted is None or k in wanted]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, keys: Iterable[str] | None = None) -> None:
         """Load what :meth:`state_dict` returned, into this (fresh or used) super-graph of the
         same space, its ``seed`` included (operators added later start as they would have):
         operators it has are overwritten in place (their Parameter objects stay, so paths and
         attached optimizers keep working), the others are rebuilt from their recipes, in the
-        saved order.
+        saved order. ``keys``: load only these operators (a rank of a split super-graph holds
+        part of the pool); None loads them all.
 
         Raises:
             SuperGraphError: not a super-graph state, or an operator saved under a key this
@@ -296,7 +359,10 @@ class SuperGraph:
                                   f"{type(state).__name__} with format "
                                   f"{state.get('format') if isinstance(state, dict) else None}")
         self.seed = state["seed"]  # operators added after a resume start as they would have
+        wanted = None if keys is None else set(keys)
         for item in state["entries"]:
+            if wanted is not None and item["key"] not in wanted:
+                continue
             op = OpKey(item["key"], item["attr"], item["name"], item["kind"], item["mode"],
                        item["recipe"], item["frozen"])
             entry = self._pool.get(op.key)

@@ -60,6 +60,9 @@ class SegmentContext:
     world: int = 1
     group: Any = None
     should_stop: Callable[[], bool] = lambda: False  # the engine asks to stop early (cancel)
+    # bytes of a device the shared weights may take (None: no limit); a strategy that supports
+    # it splits a larger super-graph over the ranks (retiarii.optim.split)
+    device_memory: float | None = None
 
     def train_batches(self) -> Iterable:
         data = self.train if self.train is not None else \

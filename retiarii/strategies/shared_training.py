@@ -109,6 +109,7 @@ class ExportsInherited:
         if self._shared is None:
             raise RuntimeError(f"{type(self).__name__}.export_state(): call setup(space, ...) "
                                f"first")
+        self._shared.net(sample)  # (under a device budget: its operators loaded first)
         return self._shared.supergraph.export_state(sample)
 
 
@@ -170,6 +171,48 @@ class SharedTraining:
             self._rng = ckpt.native_rng()
         finally:
             ckpt.set_native_rng(outer)
+        # a split super-graph (split_training.py): the device budget, the host copies, the run
+        self.memory: float | None = None
+        self._unit: Any = None
+        self._parked: dict = {}
+        self._split: Any = None
+
+    def limit_memory(self, memory: float | None) -> None:
+        """Hold at most ``memory`` bytes of shared weights (and their optimizer state) on the
+        device: the rest stays in host memory and segments plan a split
+        (:mod:`retiarii.optim.split`). Call it before :meth:`load_state_dict`; None: no
+        limit (the whole pool on the device)."""
+        from .split_training import load_unit
+
+        if memory is not None and (isinstance(memory, bool) or not memory > 0):
+            raise ValueError(f"device_memory must be positive bytes, got {memory!r}")
+        if memory is None:
+            if self.memory is not None:  # everything back on the device
+                state = self.state_dict()
+                self.memory = None
+                self.load_state_dict(state)
+            return
+        if self.memory is None:
+            state = self.state_dict()
+            self.memory = float(memory)
+            load_unit(self, state)
+        self.memory = float(memory)
+
+    def split_segment(self, samples: list, ctx: Any) -> Any:
+        """Plan ``samples`` (``samples[i * world + r]``: rank r's model at step i) for the
+        device budget; the returned :class:`~retiarii.strategies.split_training.SplitRun`
+        gives each step's path (``run.path(step)``) and :meth:`train` averages over it until
+        :meth:`end_split`."""
+        from .split_training import plan_segment
+
+        self._split = plan_segment(self, [_sample_of(s) for s in samples], ctx)
+        return self._split
+
+    def end_split(self) -> None:
+        """Rank 0 gathers the whole super-graph (see SplitRun.finish)."""
+        run, self._split = self._split, None
+        if run is not None:
+            run.finish()
 
     # -- RNG streams --------------------------------------------------------------------------
 
@@ -184,7 +227,12 @@ class SharedTraining:
     # -- training and evaluation ----------------------------------------------------------------
 
     def net(self, sample_or_model: Any) -> nn.Module:
-        """The module of one path on the shared weights."""
+        """The module of one path on the shared weights (with a device budget, its operators
+        loaded from the host copies first)."""
+        if self.memory is not None and self._split is None:
+            from .split_training import ensure
+
+            ensure(self, sample_or_model, self.supergraph.ops_of(sample_or_model))
         return self.supergraph.path(sample_or_model)
 
     def own_path(self, models: list, ctx: Any) -> Any:
@@ -221,7 +269,13 @@ class SharedTraining:
         self.optimizer.zero_grad(set_to_none=True)
         if loss.requires_grad:  # (a path of frozen and parameter-free ops has nothing to train)
             loss.backward()
-        if ctx.world > 1:
+        if ctx.world > 1 and self._split is not None:
+            # a split super-graph: lined up by name, zeros for weights held elsewhere
+            from .split_training import average_named_gradients
+
+            average_named_gradients(self._split.layout, self._split.params(), ctx.group,
+                                    self.device)
+        elif ctx.world > 1:
             # Each rank trained its own path: a shared weight's gradient is the mean over the
             # ranks that used it (mask and count), not over all ranks as DDP would divide.
             # Every rank calls it, even one whose path had nothing to train: it is collective.
@@ -300,9 +354,18 @@ class SharedTraining:
     def state_dict(self) -> dict:
         from .. import rng as ckpt
 
+        from ..optim.keyed_state import keyed_optimizer_state
+        from .split_training import full_state
+
+        if self.memory is not None:  # the pool, parked copies and the unit together
+            supergraph, optimizer = full_state(self)
+        else:
+            supergraph = self.supergraph.state_dict()
+            optimizer = keyed_optimizer_state(self.optimizer,
+                                              dict(self.supergraph.named_parameters()))
         return {
-            "supergraph": self.supergraph.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "supergraph": supergraph,
+            "optimizer": optimizer,
             "lr_scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng": ckpt.portable_rng(self._rng),
         }
@@ -310,8 +373,19 @@ class SharedTraining:
     def load_state_dict(self, state: dict) -> None:
         from .. import rng as ckpt
 
-        self.supergraph.load_state_dict(state["supergraph"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        from ..optim.keyed_state import is_keyed, load_keyed_optimizer_state
+        from .split_training import load_unit
+
+        if self.memory is not None:  # a device budget: operators load as they are needed
+            load_unit(self, state)
+        else:
+            self.supergraph.load_state_dict(state["supergraph"])
+            if is_keyed(state["optimizer"]):
+                load_keyed_optimizer_state(self.optimizer,
+                                           dict(self.supergraph.named_parameters()),
+                                           state["optimizer"])
+            else:  # (units saved before the keyed format: by position)
+                self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["lr_scheduler"] is not None:
             self.scheduler.load_state_dict(state["lr_scheduler"])
         self._rng = ckpt.native_from_portable(state["rng"])

@@ -125,6 +125,15 @@ class SPOS(ExportsInherited, OneShot):
     def num_segments(self) -> int:
         return self.train_segments + 1
 
+    def limit_memory(self, memory: float | None) -> None:
+        """Hold at most ``memory`` bytes of shared weights (with their optimizer state) on the
+        device (``device_memory``): training segments split the super-graph over the ranks as
+        :mod:`retiarii.optim.split` decides, the search loads each candidate's operators from
+        host memory. Call after :meth:`setup`, before :meth:`load_state_dict`."""
+        if self._shared is None:
+            raise RuntimeError("SPOS.limit_memory(): call setup(space, ...) first")
+        self._shared.limit_memory(memory)
+
     def run_segment(self, ctx: SegmentContext) -> SegmentResult:
         shared = ready(self, self._shared, ctx)
         with shared.own_rng():
@@ -137,6 +146,8 @@ class SPOS(ExportsInherited, OneShot):
     def _train(self, shared: SharedTraining, ctx: SegmentContext) -> SegmentResult:
         # each rank its own generator (seeded with the rank) and its own path; see own_path
         rngs = rank_rngs(self.seed, ctx.segment, ctx.world, "train")
+        if shared.memory is not None:
+            return self._train_split(shared, ctx, rngs)
         losses: list[float] = []
         model = None
         for i, batch in enumerate(ctx.train_batches()):
@@ -150,6 +161,32 @@ class SPOS(ExportsInherited, OneShot):
         paths = -(-len(losses) // self.batches_per_model)
         return SegmentResult({"train_loss": sum(losses) / max(len(losses), 1),
                               "paths": paths, "batches": len(losses)})
+
+    def _train_split(self, shared: SharedTraining, ctx: SegmentContext,
+                     rngs: list) -> SegmentResult:
+        """Phase 1 under a device budget (``device_memory``): the segment's models are drawn
+        first (each step's K, as the plain loop draws them) and the packing code decides which
+        rank trains and holds which (:mod:`retiarii.optim.split`)."""
+        batches = ctx.train_batches()
+        batches = batches if hasattr(batches, "__len__") else list(batches)
+        steps = -(-len(batches) // self.batches_per_model)
+        samples = [self._space.sample(RandomSampler(g)).sample
+                   for _ in range(steps) for g in rngs]
+        run = shared.split_segment(samples, ctx)
+        losses: list[float] = []
+        model = None
+        for i, batch in enumerate(batches):
+            if ctx.should_stop():
+                break
+            if i % self.batches_per_model == 0:
+                model = run.path(i // self.batches_per_model)
+            losses.append(shared.train(model, batch, ctx))
+        shared.end_split()
+        shared.end_segment()
+        return SegmentResult({"train_loss": sum(losses) / max(len(losses), 1),
+                              "paths": -(-len(losses) // self.batches_per_model),
+                              "batches": len(losses), "windows": len(run.plan.windows),
+                              "split": int(not run.plan.replicated)})
 
     # -- phase 2: evolutionary search with inherited weights ---------------------------------
 

@@ -1,0 +1,263 @@
+"""A super-graph too large for one device, split over the ranks (issue #14 item 5): the
+packing decision on hand-computed cases, and a split SPOS segment equal to one process that
+trains the same models with each weight's gradient averaged over the models that used it."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import retiarii as rt
+from one_shot_task import DIM, LinearTask, roundtrip
+from retiarii.optim.keyed_state import keyed_optimizer_state, load_keyed_optimizer_state
+from retiarii.optim.mixed_parallel import run_segment_on_ranks
+from retiarii.optim.packing import PackingError
+from retiarii.optim.split import split_paths
+from retiarii.sampler import RandomSampler
+from retiarii.strategies import SPOS
+from retiarii.strategies.one_shot import SegmentContext
+from retiarii.strategies.shared_training import SharedTraining, rank_rngs
+
+CPU = torch.device("cpu")
+LINEAR = (DIM * DIM + DIM) * 4 * 4  # bytes of a trained Linear(8, 8) under Adam (w, g, 2 moments)
+
+
+# ---- the decision -----------------------------------------------------------------------------
+
+
+def _ops(*names):
+    return {n: 4 if n == "s" else 10 for n in ("s", *names)}
+
+
+def test_everything_fitting_is_replicated_in_the_strategys_order():
+    plan = split_paths([_ops("a"), _ops("b"), _ops("c"), _ops("d")], world=2, memory=44)
+    assert plan.replicated and len(plan.windows) == 1
+    assert plan.windows[0].paths == ((0, 2), (1, 3))  # rank r: the r-th model of each step
+    assert plan.windows[0].held == (frozenset("sabcd"),) * 2
+
+
+def test_models_sharing_operators_land_on_one_rank():
+    # a, b, a, b over two steps of two ranks; 20 bytes hold s + one of a, b
+    plan = split_paths([_ops("a"), _ops("b"), _ops("a"), _ops("b")], world=2, memory=20)
+    assert not plan.replicated
+    (window,) = plan.windows
+    assert window.paths == ((0, 2), (1, 3))
+    assert window.held == (frozenset("sa"), frozenset("sb")) and window.bytes == (14, 14)
+
+
+def test_windows_shrink_until_every_rank_fits():
+    # four different models: 30 bytes hold two (s + 2 x 10), 20 bytes one
+    two = split_paths([_ops("a"), _ops("b"), _ops("c"), _ops("d")], world=2, memory=30)
+    assert [w.steps for w in two.windows] == [2]
+    assert max(two.windows[0].bytes) <= 30
+    one = split_paths([_ops("a"), _ops("b"), _ops("c"), _ops("d")], world=2, memory=20)
+    assert [(w.start, w.steps) for w in one.windows] == [(0, 1), (1, 1)]
+    assert [w.paths for w in one.windows] == [((0,), (1,)), ((2,), (3,))]
+    assert all(max(w.bytes) <= 20 for w in one.windows)
+
+
+def test_a_model_larger_than_a_device_is_named():
+    with pytest.raises(PackingError, match="step 0 of rank 1 needs 24 bytes"):
+        split_paths([_ops("a"), {"s": 4, "big": 20}], world=2, memory=20)
+    with pytest.raises(PackingError, match="3 paths for 2 ranks"):
+        split_paths([_ops("a")] * 3, world=2, memory=math.inf)
+
+
+# ---- optimizer state by name ------------------------------------------------------------------
+
+
+def test_keyed_optimizer_state_loads_like_torchs_own():
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.Adam(a.parameters(), lr=0.1)
+    for _ in range(3):
+        opt_a.zero_grad()
+        a(torch.randn(4, 3)).sum().backward()
+        opt_a.step()
+    b.load_state_dict(a.state_dict())
+    opt_b = torch.optim.Adam([b.bias, b.weight], lr=0.5)  # another order, another lr
+    saved = roundtrip(keyed_optimizer_state(opt_a, dict(a.named_parameters())))
+    load_keyed_optimizer_state(opt_b, dict(b.named_parameters()), saved)
+    assert opt_b.param_groups[0]["lr"] == 0.1
+    x = torch.randn(4, 3)
+    for net, opt in ((a, opt_a), (b, opt_b)):
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(dict(b.named_parameters())[name], p, rtol=0, atol=0)
+
+
+# ---- the runtime ------------------------------------------------------------------------------
+
+
+class TwoChoices(nn.Module):
+    """Three trained candidates then two (and a skip): a path holds 2-3 of six Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(DIM, DIM)
+        self.a = rt.LayerChoice({"p": nn.Linear(DIM, DIM), "q": nn.Linear(DIM, DIM),
+                                 "r": nn.Linear(DIM, DIM)}, label="a")
+        self.b = rt.LayerChoice({"p": nn.Linear(DIM, DIM), "q": nn.Linear(DIM, DIM),
+                                 "skip": nn.Identity()}, label="b")
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(self.stem(x))))
+
+
+def make_space() -> rt.ModelSpace:
+    torch.manual_seed(0)
+    return rt.ModelSpace(TwoChoices(), example_input=torch.randn(2, DIM))
+
+
+SEED, WORLD, BATCHES = 3, 2, 12
+
+
+def _spos() -> SPOS:
+    return SPOS(train_segments=1, search_population=4, search_generations=1, eval_batches=2,
+                recalibrate_bn=False, seed=SEED)
+
+
+def build(segment: int, memory: float | None):
+    s = _spos()
+    trainer = LinearTask(batches=BATCHES)
+    s.setup(make_space(), trainer, {}, CPU)
+    return s, SegmentContext(segment, trainer, {}, CPU, device_memory=memory)
+
+
+def _entries(state):
+    return {e["key"]: e["state"] for e in state["shared"]["supergraph"]["entries"]}
+
+
+def _reference(memory: float, world: int) -> tuple[dict, object]:
+    """Segment 0 on ``world`` ranks split for ``memory``, emulated in one process: the same
+    schedule and plan, each weight's gradient averaged over the models that used it."""
+    space, trainer = make_space(), LinearTask(batches=BATCHES)
+    ref = SharedTraining(space, trainer, {}, CPU, seed=SEED)
+    rngs = rank_rngs(SEED, 0, world, "train")
+    data = trainer.train_dataloader({}, 0)
+    steps = len(data) // world
+    samples = [space.sample(RandomSampler(g)).sample for _ in range(steps) for g in rngs]
+    from retiarii.strategies.split_training import plan_segment
+
+    probe = SharedTraining(space, trainer, {}, CPU, seed=SEED)
+    probe.memory = memory
+    plan = plan_segment(probe, samples, SegmentContext(0, trainer, {}, CPU, world=world)).plan
+    for window in plan.windows:
+        for offset in range(window.steps):
+            step = window.start + offset
+            grads = []
+            for r in range(world):
+                net = ref.net(samples[window.paths[r][offset]])
+                params = list(ref.supergraph.parameters())
+                ref.optimizer.zero_grad(set_to_none=True)
+                trainer.training_step(net, data[step * world + r], {}).backward()
+                grads.append({id(p): p.grad.clone() for p in params if p.grad is not None})
+            for p in ref.supergraph.parameters():
+                used = [g[id(p)] for g in grads if id(p) in g]
+                p.grad = torch.stack(used).mean(0) if used else None
+            ref.optimizer.step()
+    return {e["key"]: e["state"] for e in ref.supergraph.state_dict()["entries"]}, plan
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        for name in want[key]:
+            torch.testing.assert_close(got[key][name], want[key][name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{key}.{name}")
+
+
+def test_split_on_two_ranks_equals_one_process_averaging_over_users():
+    memory = 3 * LINEAR  # stem + two candidates: no rank can hold the six Linears
+    result, state = run_segment_on_ranks(functools.partial(build, 0, memory), None, WORLD,
+                                         timeout=300)
+    want, plan = _reference(memory, WORLD)
+    assert not plan.replicated and result.metrics["split"] == 1
+    assert result.metrics["windows"] == len(plan.windows) > 1
+    assert all(max(w.bytes) <= memory for w in plan.windows)
+    _assert_same(_entries(state), want)
+    # the whole super-graph comes back, its optimizer state by name, and resumes unsplit
+    s, ctx = build(1, None)
+    s.load_state_dict(roundtrip(state))
+    _assert_same(_entries({"shared": s.state_dict()["shared"]}), want)
+
+
+def test_split_on_one_rank_equals_the_unsplit_segment():
+    """One device too small for the pool: windows of what fits, the rest parked on the host."""
+    plain, ctx = build(0, None)
+    plain.run_segment(ctx)
+    small, ctx = build(0, 3 * LINEAR)
+    small.limit_memory(3 * LINEAR)
+    result = small.run_segment(ctx)
+    assert result.metrics["split"] == 1 and result.metrics["windows"] > 1
+    _assert_same(_entries(roundtrip(small.state_dict())), _entries(plain.state_dict()))
+    # the search under the budget evaluates as the unsplit one does
+    plain_search = plain.run_segment(SegmentContext(1, ctx.trainer, {}, CPU))
+    small_search = small.run_segment(SegmentContext(1, ctx.trainer, {}, CPU,
+                                                    device_memory=3 * LINEAR))
+    assert [(m.sample, m.metrics) for m in small_search.models] == \
+        [(m.sample, m.metrics) for m in plain_search.models]
+    assert len(small._shared.supergraph.keys()) <= 3  # never more than the budget holds
+    assert small.export_state(small.selected()).keys() == \
+        plain.export_state(plain.selected()).keys()
+
+
+# ---- through the engine -------------------------------------------------------------------------
+
+SPACE = make_space()  # module level: the engine refers to it by name
+TRAINER = LinearTask(batches=6)
+
+
+def _search(path, **kwargs):
+    from engine_helpers import InProcessExecutor
+
+    spos = SPOS(train_segments=2, search_population=3, search_generations=1, seed=1)
+    return rt.Experiment(SPACE, spos, TRAINER, store=str(path), seed=0,
+                         executor=InProcessExecutor(), **kwargs)
+
+
+def _recorded(path) -> tuple:
+    from retiarii.engine import checkpoint
+    from retiarii.engine.segments import SegmentTable
+    from retiarii.engine.store import Store
+
+    with Store(path) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        table = SegmentTable(store)
+        rows = table.rows()
+        unit = checkpoint.load(store.checkpoint_file(rows[-1]["unit"]))
+        return ([(m["sample"], m["metrics"]) for m in table.evaluated()],
+                table.result()["sample"], unit["export"]["weights"])
+
+
+def test_a_search_under_device_memory_records_what_the_unsplit_one_does(tmp_path):
+    _search(tmp_path / "plain.db").run()
+    exp = _search(tmp_path / "split.db", device_memory=f"{3 * LINEAR}B")
+    assert exp.device_memory == 3 * LINEAR
+    exp.run()
+    (plain_models, plain_best, plain_w), (models, best, weights) = \
+        _recorded(tmp_path / "plain.db"), _recorded(tmp_path / "split.db")
+    assert best == plain_best and len(models) == len(plain_models) > 0
+    for (s, m), (ps, pm) in zip(models, plain_models):
+        assert s == ps and m.keys() == pm.keys()
+        for k in m:
+            assert m[k] == pytest.approx(pm[k], rel=1e-5, abs=1e-6), k
+    for name, value in plain_w.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_device_memory_is_refused_where_it_cannot_apply(tmp_path):
+    with pytest.raises(rt.ExperimentError, match="device_memory='20 parsecs': give positive"):
+        _search(tmp_path / "x.db", device_memory="20 parsecs")
+    with pytest.raises(rt.ExperimentError, match="ENAS cannot split its shared weights"):
+        rt.Experiment(SPACE, rt.strategies.ENAS(segments=1), TRAINER,
+                      store=str(tmp_path / "x.db"), device_memory="1GiB")
+    with pytest.raises(rt.ExperimentError, match="applies to one-shot searches"):
+        rt.Experiment(SPACE, rt.strategies.Random(seed=0), TRAINER,
+                      store=str(tmp_path / "x.db"), device_memory=1e9)
