@@ -17,8 +17,9 @@ function of plain numbers, as :mod:`retiarii.optim.packing` decides for whole mo
    assigned greedily, largest first, each to a rank where it still fits and, among those,
    where it adds the fewest bytes (operators it does not hold yet), ties to the rank that held
    more of them in the previous window (less to move), then the lightest: models that share
-   operators land together, so each rank's super-graph is the union of similar models. A window is as long as fits: the previous
-   window's length doubled first, then halved until every rank's union fits ``memory``.
+   operators land together, so each rank's super-graph is the union of similar models. A
+   window is as long as fits: the previous window's length doubled first, then halved until
+   every rank's union fits ``memory``.
 3. Between windows the operators move (the runtime, :mod:`retiarii.strategies.split_training`):
    a rank gets what it now needs from the rank that held it (weights and optimizer state), and
    what no rank needs any more is parked in host memory.
