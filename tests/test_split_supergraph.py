@@ -261,3 +261,15 @@ def test_device_memory_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(rt.ExperimentError, match="applies to one-shot searches"):
         rt.Experiment(SPACE, rt.strategies.Random(seed=0), TRAINER,
                       store=str(tmp_path / "x.db"), device_memory=1e9)
+
+
+@pytest.mark.slow  # two ways, three segments each on 2 rank processes: ~20 s
+def test_the_split_benchmark_runs_quick():
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
+    import split_supergraph
+
+    rows = split_supergraph.main(["--quick"])
+    assert [r["way"] for r in rows] == ["replicated", "split"]
+    assert rows[1]["peak_held_bytes"] <= rows[1]["device_memory"] < rows[0]["peak_held_bytes"]

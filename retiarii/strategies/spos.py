@@ -186,6 +186,8 @@ class SPOS(ExportsInherited, OneShot):
         return SegmentResult({"train_loss": sum(losses) / max(len(losses), 1),
                               "paths": -(-len(losses) // self.batches_per_model),
                               "batches": len(losses), "windows": len(run.plan.windows),
+                              "held_bytes": max((max(w.bytes) for w in run.plan.windows),
+                                                default=0),
                               "split": int(not run.plan.replicated)})
 
     # -- phase 2: evolutionary search with inherited weights ---------------------------------
