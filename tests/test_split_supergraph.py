@@ -273,3 +273,21 @@ def test_the_split_benchmark_runs_quick():
     rows = split_supergraph.main(["--quick"])
     assert [r["way"] for r in rows] == ["replicated", "split"]
     assert rows[1]["peak_held_bytes"] <= rows[1]["device_memory"] < rows[0]["peak_held_bytes"]
+
+
+@pytest.mark.gpu
+def test_split_on_a_gpu_equals_the_unsplit_segment():
+    cuda = torch.device("cuda")
+
+    def on_gpu(memory):
+        s = _spos()
+        trainer = LinearTask(batches=BATCHES)
+        s.setup(make_space(), trainer, {}, cuda)
+        if memory is not None:
+            s.limit_memory(memory)
+        s.run_segment(SegmentContext(0, trainer, {}, cuda, device_memory=memory))
+        return s
+
+    plain, small = on_gpu(None), on_gpu(3 * LINEAR)
+    assert all(p.device.type == "cuda" for p in small._shared.supergraph.parameters())
+    _assert_same(_entries(roundtrip(small.state_dict())), _entries(plain.state_dict()))
