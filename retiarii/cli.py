@@ -538,7 +538,7 @@ def parser() -> argparse.ArgumentParser:
                      help="one-shot searches: run each segment on K local ranks with mixed "
                           "parallelism, each rank training its own sampled model (default 1)")
     run.add_argument("--device-memory", default=None, metavar="SIZE",
-                     help="one-shot searches (spos): bytes of a device the shared weights may "
+                     help="one-shot searches (spos, enas): bytes of a device the shared weights may "
                           "take, e.g. 20GiB; a larger super-graph is split over the ranks")
     run.add_argument("--max-models", type=int, default=None,
                      help="models to train (default 30; not for one-shot searches)")

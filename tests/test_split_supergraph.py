@@ -208,6 +208,43 @@ def test_split_on_one_rank_equals_the_unsplit_segment():
         plain.export_state(plain.selected()).keys()
 
 
+def _enas(memory):
+    from retiarii.strategies import ENAS
+
+    s = ENAS(segments=1, controller_steps=3, select_samples=2, seed=2)
+    trainer = LinearTask(batches=BATCHES)
+    s.setup(make_space(), trainer, {}, CPU)
+    return s, SegmentContext(0, trainer, {}, CPU, device_memory=memory)
+
+
+def build_enas(segment: int, memory: float | None):
+    return _enas(memory)
+
+
+def test_enas_under_a_budget_equals_enas_without():
+    plain, ctx = _enas(None)
+    want = plain.run_segment(ctx)
+    small, ctx = _enas(3 * LINEAR)
+    small.limit_memory(3 * LINEAR)
+    got = small.run_segment(ctx)
+    assert got.metrics["split"] == 1 and got.metrics["windows"] > 1
+    assert [(m.sample, m.metrics) for m in got.models] == \
+        [(m.sample, m.metrics) for m in want.models]
+    assert small.selected() == plain.selected()
+    _assert_same(_entries(roundtrip(small.state_dict())), _entries(plain.state_dict()))
+
+
+def test_enas_split_on_two_ranks_reports_once_and_returns_the_whole_super_graph():
+    memory = 3 * LINEAR
+    result, state = run_segment_on_ranks(functools.partial(build_enas, 0, memory), None, WORLD,
+                                         timeout=300)
+    assert result.metrics["split"] == 1
+    # the controller's evaluations, once (every rank evaluated the same three paths)
+    assert sorted(m.metrics["controller_step"] for m in result.models
+                  if "controller_step" in m.metrics) == [0, 1, 2]
+    assert len(_entries(state)) >= 6  # every trained Linear (stem, a.p/q/r, b.p/q)
+
+
 # ---- through the engine -------------------------------------------------------------------------
 
 SPACE = make_space()  # module level: the engine refers to it by name
@@ -255,8 +292,8 @@ def test_a_search_under_device_memory_records_what_the_unsplit_one_does(tmp_path
 def test_device_memory_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(rt.ExperimentError, match="device_memory='20 parsecs': give positive"):
         _search(tmp_path / "x.db", device_memory="20 parsecs")
-    with pytest.raises(rt.ExperimentError, match="ENAS cannot split its shared weights"):
-        rt.Experiment(SPACE, rt.strategies.ENAS(segments=1), TRAINER,
+    with pytest.raises(rt.ExperimentError, match="DARTS cannot split its shared weights"):
+        rt.Experiment(SPACE, rt.strategies.DARTS(epochs=1), TRAINER,
                       store=str(tmp_path / "x.db"), device_memory="1GiB")
     with pytest.raises(rt.ExperimentError, match="applies to one-shot searches"):
         rt.Experiment(SPACE, rt.strategies.Random(seed=0), TRAINER,

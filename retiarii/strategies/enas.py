@@ -187,6 +187,16 @@ class ENAS(ExportsInherited, OneShot):
     def num_segments(self) -> int:
         return self.segments
 
+    def limit_memory(self, memory: float | None) -> None:
+        """Hold at most ``memory`` bytes of shared weights (with their optimizer state) on the
+        device (``device_memory``): the shared-weight phase of each segment splits the
+        super-graph over the ranks (:mod:`retiarii.optim.split`); the controller's evaluations
+        load each path's operators from host memory. Call after :meth:`setup`, before
+        :meth:`load_state_dict`."""
+        if self._shared is None:
+            raise RuntimeError("ENAS.limit_memory(): call setup(space, ...) first")
+        self._shared.limit_memory(memory)
+
     def run_segment(self, ctx: SegmentContext) -> SegmentResult:
         shared = ready(self, self._shared, ctx)
         with shared.own_rng():
@@ -205,6 +215,14 @@ class ENAS(ExportsInherited, OneShot):
     def _train(self, shared: SharedTraining, ctx: SegmentContext) -> dict:
         # each rank its own generator (seeded with the rank) and its own path; see own_path
         rngs = rank_rngs(self.seed, ctx.segment, ctx.world, "train")
+        if shared.memory is not None:  # a device budget: the schedule planned (split.py)
+            # (the controller does not change while the shared weights train, so drawing the
+            # segment's paths first draws the same ones)
+            metrics = shared.train_split(ctx, rngs, self.batches_per_model,
+                                         lambda g: self._draw(g)[0])
+            shared.end_segment()
+            return {k: metrics[k] for k in ("train_loss", "batches", "windows", "split",
+                                            "held_bytes")}
         losses: list[float] = []
         model = None
         for i, batch in enumerate(ctx.train_batches()):

@@ -24,7 +24,7 @@ import contextlib
 import itertools
 import math
 import random
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -209,10 +209,38 @@ class SharedTraining:
         return self._split
 
     def end_split(self) -> None:
-        """Rank 0 gathers the whole super-graph (see SplitRun.finish)."""
+        """Every rank gets the whole super-graph back as its host copy (see SplitRun.finish)."""
         run, self._split = self._split, None
         if run is not None:
             run.finish()
+
+    def train_split(self, ctx: Any, rngs: list, batches_per_model: int,
+                    draw: Callable[[Any], Any]) -> dict:
+        """One segment of single-path training under the device budget: every step's model
+        drawn first (``draw(rngs[r])`` for each rank r, in the order a plain loop draws them),
+        the schedule planned (:meth:`split_segment`), then each rank trains its models on its
+        batches (``batches_per_model`` each). Returns the segment's metrics: ``train_loss``,
+        ``paths``, ``batches``, ``windows``, ``split`` (0: replicated) and ``held_bytes``
+        (the most bytes of shared weights one rank held)."""
+        batches = ctx.train_batches()
+        batches = batches if hasattr(batches, "__len__") else list(batches)
+        steps = -(-len(batches) // batches_per_model)
+        samples = [draw(g) for _ in range(steps) for g in rngs]
+        run = self.split_segment(samples, ctx)
+        losses: list[float] = []
+        model = None
+        for i, batch in enumerate(batches):
+            if ctx.should_stop():
+                break
+            if i % batches_per_model == 0:
+                model = run.path(i // batches_per_model)
+            losses.append(self.train(model, batch, ctx))
+        self.end_split()
+        windows = run.plan.windows
+        return {"train_loss": sum(losses) / max(len(losses), 1),
+                "paths": -(-len(losses) // batches_per_model), "batches": len(losses),
+                "windows": len(windows), "split": int(not run.plan.replicated),
+                "held_bytes": max((max(w.bytes) for w in windows), default=0)}
 
     # -- RNG streams --------------------------------------------------------------------------
 

@@ -317,8 +317,10 @@ class SplitRun:
         return dict(self.shared.supergraph.named_parameters())
 
     def finish(self) -> None:
-        """Rank 0 gathers every weight's latest value and keeps it as its unit (its
-        ``state_dict`` is then the whole super-graph); the others send theirs."""
+        """Rank 0 gathers every weight's latest value into a whole unit, and every rank takes
+        it as its host copy (so ``state_dict`` is the whole super-graph, and evaluations after
+        training, ENAS's controller steps, see the same weights on every rank); the operators a
+        rank still holds are reloaded from it (BatchNorm statistics: the lowest holder's)."""
         shared, me = self.shared, self.rank
         known = list(shared._unit.entries)
         seen = set(known)
@@ -346,11 +348,22 @@ class SplitRun:
                     box = [None]
                     dist.recv_object_list(box, src, group=self.ctx.group)
                     received.update(box[0])
+        whole = None
         if me == 0:
             items = {k: received[k] if k in received else _latest(shared, k) for k in known}
-            sg, opt = _assemble(shared, items)
-            shared._unit = _Unit({"supergraph": sg, "optimizer": opt})
-            shared._parked = {}
+            whole = _assemble(shared, items)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            box = [whole]
+            dist.broadcast_object_list(box, 0, group=self.ctx.group)
+            whole = box[0]
+        sg, opt = whole
+        shared._unit = _Unit({"supergraph": sg, "optimizer": opt})
+        shared._parked = {}
+        for key in list(shared.supergraph.keys()):
+            if key in shared._unit.entries:
+                _load_item(shared, shared._unit.item(key))
 
 
 def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:

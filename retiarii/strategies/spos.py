@@ -167,28 +167,10 @@ class SPOS(ExportsInherited, OneShot):
         """Phase 1 under a device budget (``device_memory``): the segment's models are drawn
         first (each step's K, as the plain loop draws them) and the packing code decides which
         rank trains and holds which (:mod:`retiarii.optim.split`)."""
-        batches = ctx.train_batches()
-        batches = batches if hasattr(batches, "__len__") else list(batches)
-        steps = -(-len(batches) // self.batches_per_model)
-        samples = [self._space.sample(RandomSampler(g)).sample
-                   for _ in range(steps) for g in rngs]
-        run = shared.split_segment(samples, ctx)
-        losses: list[float] = []
-        model = None
-        for i, batch in enumerate(batches):
-            if ctx.should_stop():
-                break
-            if i % self.batches_per_model == 0:
-                model = run.path(i // self.batches_per_model)
-            losses.append(shared.train(model, batch, ctx))
-        shared.end_split()
+        metrics = shared.train_split(ctx, rngs, self.batches_per_model,
+                                     lambda g: self._space.sample(RandomSampler(g)))
         shared.end_segment()
-        return SegmentResult({"train_loss": sum(losses) / max(len(losses), 1),
-                              "paths": -(-len(losses) // self.batches_per_model),
-                              "batches": len(losses), "windows": len(run.plan.windows),
-                              "held_bytes": max((max(w.bytes) for w in run.plan.windows),
-                                                default=0),
-                              "split": int(not run.plan.replicated)})
+        return SegmentResult(metrics)
 
     # -- phase 2: evolutionary search with inherited weights ---------------------------------
 
