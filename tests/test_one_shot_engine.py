@@ -528,3 +528,19 @@ def test_driver_process_sigkilled_mid_search_resumes_as_uninterrupted(tmp_path):
     assert _outcome(path)["status"] == "running"  # killed: nothing said it ended
     subprocess.run([sys.executable, driver, path, "resume"], check=True, timeout=600)
     _assert_equals_reference(_outcome(path), "driver SIGKILLed after segment 1")
+
+
+def test_cli_device_memory_splits_and_resumes_with_the_same_budget(tmp_path, capsys, in_process):
+    db = str(tmp_path / "split.db")
+    args = ["run", HELPERS, "--strategy", "spos", "--epochs", "1", "--store", db]
+    assert main([*args, "--device-memory", "a lot"]) == 2
+    assert "device_memory='a lot': give positive bytes" in capsys.readouterr().err
+    assert main([*args, "--device-memory", "1MiB"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        assert store.get_experiment()["config"]["device_memory"] == 2 ** 20
+    assert main(["resume", db]) == 0  # the stored flags give the same budget back
+    capsys.readouterr()
+    assert main(["status", db, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "done"
