@@ -280,3 +280,19 @@ def test_a_private_instance_is_sized_for_each_slot_and_its_ranks(monkeypatch):
     assert asked["cpus"] == 2
     with pytest.raises(ValueError, match="ranks must be an int >= 1, got 0"):
         RayExecutor(1, ranks=0)
+
+
+@pytest.mark.slow  # rank actors and forked ranks, a split super-graph: ~25 s on 2 busy cores
+def test_a_split_super_graph_on_actors_equals_local_ranks(ex):
+    from test_split_supergraph import LINEAR
+    from test_split_supergraph import build as build_split
+
+    build = functools.partial(build_split, 0, 3 * LINEAR)  # device_memory: a split
+    on_actors = run_segment_on_actors(build, None, WORLD, num_cpus=RANK_CPUS,
+                                      sys_path=list(sys.path), timeout=300,
+                                      group_prefix="t-split-")
+    on_ranks = run_segment_on_ranks(build, None, WORLD, timeout=300)
+    (result_a, state_a), (result_r, state_r) = on_actors, on_ranks
+    assert result_a.metrics == result_r.metrics and result_a.metrics["split"] == 1
+    _equal(state_a, state_r)
+    _nothing_left("t-split-")
