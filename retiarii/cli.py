@@ -139,6 +139,18 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     if ranks > 1 and not one_shot:
         raise CliError(f"--ranks {ranks} runs each segment of a one-shot search on several "
                        f"ranks: give a one-shot --strategy (spos, enas) or --weight-sharing")
+    shared = flags.get("shared")
+    weight_sharing = bool(flags.get("weight_sharing"))
+    if shared:
+        if weight_sharing:
+            weight_sharing = list(shared)
+        elif flags["strategy"] in ("spos", "enas"):
+            from .strategies.shared_training import check_shared
+
+            strategy.shared = check_shared(type(strategy).__name__, shared)
+        else:
+            raise CliError("--shared annotates the operators whose weights are shared: give it "
+                           "with --weight-sharing or --strategy spos / enas")
     if one_shot and flags["scheduler"] != "none":
         raise CliError(f"--scheduler {flags['scheduler']}: a one-shot search trains one "
                        f"super-network, no trial to stop early; leave --scheduler out")
@@ -161,7 +173,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       fuse=_OPTIMIZE[flags["fuse"]] if flags.get("fuse") else None,
                       batching=_OPTIMIZE[flags["batching"]] if flags.get("batching") else None,
                       progress=_Progress(max_models),
-                      weight_sharing=bool(flags.get("weight_sharing")), ranks=ranks,
+                      weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
                       origin={"cli": {"space": recorded_space, **flags}})
 
@@ -228,7 +240,7 @@ def cmd_run(args) -> int:
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
              "batching": args.batching, "packing": args.packing,
-             "device_memory": args.device_memory}
+             "device_memory": args.device_memory, "shared": args.shared}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -537,9 +549,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--ranks", type=int, default=1,
                      help="one-shot searches: run each segment on K local ranks with mixed "
                           "parallelism, each rank training its own sampled model (default 1)")
+    run.add_argument("--shared", action="append", default=None, metavar="PATTERN",
+                     help="with --weight-sharing or --strategy spos/enas: share the weights of "
+                          "the operators whose module path matches (fnmatch, repeatable); the "
+                          "others are private to each architecture (default: all shared)")
     run.add_argument("--device-memory", default=None, metavar="SIZE",
-                     help="one-shot searches (spos, enas): bytes of a device the shared weights may "
-                          "take, e.g. 20GiB; a larger super-graph is split over the ranks")
+                     help="one-shot searches (spos, enas): bytes of a device the shared weights "
+                          "may take, e.g. 20GiB; a larger super-graph is split over the ranks")
     run.add_argument("--max-models", type=int, default=None,
                      help="models to train (default 30; not for one-shot searches)")
     run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")

@@ -544,3 +544,17 @@ def test_cli_device_memory_splits_and_resumes_with_the_same_budget(tmp_path, cap
     capsys.readouterr()
     assert main(["status", db, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "done"
+
+
+def test_cli_shared_annotates_the_operators_that_share_weights(tmp_path, capsys, in_process):
+    db = str(tmp_path / "shared.db")
+    assert main(["run", HELPERS, "--store", db, "--shared", "fc1"]) == 2
+    assert "--shared annotates the operators" in capsys.readouterr().err
+    args = ["run", HELPERS, "--strategy", "spos", "--epochs", "1", "--store", db]
+    assert main([*args, "--shared", "fc9"]) == 2  # refused before any work
+    assert "'fc9' matches no operator of the space" in capsys.readouterr().err
+    assert main([*args, "--store", str(tmp_path / "ok.db"), "--shared", "fc1"]) == 0
+    capsys.readouterr()
+    with Store(str(tmp_path / "ok.db")) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        assert store.get_experiment()["config"]["strategy"]["config"]["shared"] == ["fc1"]

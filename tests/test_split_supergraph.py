@@ -328,3 +328,59 @@ def test_split_on_a_gpu_equals_the_unsplit_segment():
     plain, small = on_gpu(None), on_gpu(3 * LINEAR)
     assert all(p.device.type == "cuda" for p in small._shared.supergraph.parameters())
     _assert_same(_entries(roundtrip(small.state_dict())), _entries(plain.state_dict()))
+
+
+# ---- annotating the operators that share weights (the paper's §5.1) ----------------------------
+
+
+def test_annotated_operators_share_and_the_others_are_private_per_architecture():
+    from retiarii.optim.supergraph import SuperGraph, SuperGraphError
+
+    space = make_space()
+    sg = SuperGraph(space, shared=["stem", "b"])
+    one, two = {"a": "p", "b": "q"}, {"a": "p", "b": "skip"}
+    n1, n2 = sg.path(one), sg.path(two)
+    assert n1.stem.weight is n2.stem.weight  # shared
+    assert n1.a.weight is not n2.a.weight  # the same candidate, another architecture: private
+    assert sg.path(dict(one)).a.weight is n1.a.weight  # the same architecture: its own again
+    assert not torch.equal(n1.a.weight, n2.a.weight)  # each private copy starts from its key
+    assert sum("#" in k for k in sg.keys()) == 2  # one private "a" per architecture
+    # a step of one architecture moves the shared weights and its own, not another's private
+    opt = torch.optim.SGD([{"params": sg.parameters()}], lr=0.1)
+    sg.attach(opt)
+    before = n2.a.weight.detach().clone(), n1.stem.weight.detach().clone()
+    n1(torch.randn(4, DIM)).sum().backward()
+    opt.step()
+    assert torch.equal(n2.a.weight, before[0]) and not torch.equal(n1.stem.weight, before[1])
+    # the state carries the private copies and loads back into a super-graph so annotated
+    again = SuperGraph(space, shared=["stem", "b"])
+    again.load_state_dict(roundtrip(sg.state_dict()))
+    assert torch.equal(again.path(one).a.weight, n1.a.weight)
+    with pytest.raises(SuperGraphError, match="'stme' matches no operator"):
+        SuperGraph(space, shared=["stme"])
+
+
+def test_weight_sharing_with_annotated_operators_through_the_engine(tmp_path):
+    from retiarii.engine import checkpoint
+    from retiarii.engine.segments import SegmentTable
+    from retiarii.engine.store import Store
+
+    from engine_helpers import InProcessExecutor
+
+    with pytest.raises(rt.ExperimentError, match="give True, False, or a list"):
+        rt.Experiment(SPACE, rt.strategies.Random(seed=3), TRAINER, store=str(tmp_path / "x.db"),
+                      weight_sharing="stem")
+    with pytest.raises(rt.ExperimentError, match="'nope' matches no operator"):
+        rt.Experiment(SPACE, rt.strategies.Random(seed=3, dedup=False), TRAINER,
+                      store=str(tmp_path / "y.db"), weight_sharing=["nope"])  # before any run
+    exp = rt.Experiment(SPACE, rt.strategies.Random(seed=3, dedup=False), TRAINER,
+                        store=str(tmp_path / "ws.db"), weight_sharing=["stem"],
+                        executor=InProcessExecutor())
+    assert exp.strategy.shared == ["stem"] and exp.run()["one_shot"]["error"] is None
+    with Store(str(tmp_path / "ws.db")) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        rows = SegmentTable(store).rows()
+        unit = checkpoint.load(store.checkpoint_file(rows[-1]["unit"]))
+    keys = [e["key"] for e in unit["strategy"]["shared"]["supergraph"]["entries"]]
+    assert sum("#" not in k for k in keys) == 1  # the stem, shared
+    assert sum("#" in k for k in keys) >= 2  # the others, one copy per architecture

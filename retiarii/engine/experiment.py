@@ -242,6 +242,9 @@ class Experiment:
         weight_sharing: wrap the multi-trial ``strategy`` in
             :class:`retiarii.strategies.WeightSharing`: the models it proposes train on one
             super-network's shared weights, as a one-shot search (docs/weight_sharing.md).
+            True shares every operator; a list of module path patterns (``["stem",
+            "cells.*"]``) annotates the operators whose weights are shared, the others being
+            private to each architecture.
         ranks: one-shot searches only: each segment runs on this many local ranks with mixed
             parallelism (:mod:`retiarii.optim.mixed_parallel`: each rank trains its own sampled
             model on its share of the batches; a GPU per rank when there are enough, else
@@ -266,7 +269,7 @@ class Experiment:
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str = "auto", batch_models: int = 8,
                  fuse: bool | str | None = None, batching: bool | str | None = None,
-                 weight_sharing: bool = False, ranks: int = 1,
+                 weight_sharing: bool | list[str] = False, ranks: int = 1,
                  device_memory: float | str | None = None, packing: bool | str = "auto",
                  dedicated: list[str] | None = None, dedicated_device: str | None = None):
         if optimize not in ("auto", True, False, "pack"):
@@ -317,11 +320,10 @@ class Experiment:
         if isinstance(executor, str) and executor not in ("local", "ray"):
             raise ExperimentError(f"executor={executor!r}: give 'local', 'ray' or an Executor")
         self.executor, self.progress, self.origin = executor, progress, origin
-        if not isinstance(weight_sharing, bool):
-            raise ExperimentError(f"weight_sharing={weight_sharing!r}: give True or False")
-        if weight_sharing:
+        if weight_sharing is not False:
             self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, trainer,
-                                                                 ExperimentError)
+                                                                 ExperimentError,
+                                                                 weight_sharing)
         self.one_shot = isinstance(strategy, OneShot)
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ExperimentError(f"ranks={ranks!r}: give a number of ranks >= 1")
@@ -338,6 +340,7 @@ class Experiment:
                                    max_models=max_models, model_retries=model_retries,
                                    trainer_hparams=hp, executor=executor, packing=packing,
                                    dedicated=dedicated)
+            one_shot.check_shared(strategy, self.space, ExperimentError)
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
         self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends

@@ -45,10 +45,17 @@ __all__ = ["OneShotRun", "check_options", "wrap_weight_sharing", "one_shot_spec"
 _log = logging.getLogger("retiarii.engine")
 
 
-def wrap_weight_sharing(strategy: Any, trainer: Any, error: type[Exception]) -> Any:
+def wrap_weight_sharing(strategy: Any, trainer: Any, error: type[Exception],
+                        weight_sharing: Any = True) -> Any:
     """``strategy`` (multi-trial) wrapped by :class:`retiarii.strategies.WeightSharing`, which
     trains the models it proposes on one super-network's shared weights, for the trainer's
-    epochs (one segment each)."""
+    epochs (one segment each); ``weight_sharing``: True (every operator shared) or the module
+    path patterns of the shared operators."""
+    if weight_sharing is not True and (isinstance(weight_sharing, (bool, str)) or
+                                       not isinstance(weight_sharing, (list, tuple))):
+        raise error(f"weight_sharing={weight_sharing!r}: give True, False, or a list of the "
+                    f"module path patterns whose weights are shared, e.g. ['stem', 'cells.*']")
+    shared = None if weight_sharing is True else list(weight_sharing)
     if isinstance(strategy, OneShot):
         raise error(f"weight_sharing=True wraps a multi-trial strategy, but "
                     f"{type(strategy).__name__} is already a one-shot strategy: drop "
@@ -59,7 +66,24 @@ def wrap_weight_sharing(strategy: Any, trainer: Any, error: type[Exception]) -> 
         raise error(f"weight_sharing=True needs retiarii.strategies.WeightSharing, which "
                     f"this installation lacks ({err}): upgrade retiarii, or run the strategy "
                     f"multi-trial (weight_sharing=False)") from None
-    return WeightSharing(strategy, segments=int(trainer.num_epochs({})))
+    try:
+        return WeightSharing(strategy, segments=int(trainer.num_epochs({})), shared=shared)
+    except ValueError as e:
+        raise error(str(e)) from None
+
+
+def check_shared(strategy: Any, space: Any, error: type[Exception]) -> None:
+    """The strategy's ``shared`` patterns (the operators that share weights) each match an
+    operator of ``space``, or ``error`` naming the culprit, before any work starts."""
+    shared = getattr(strategy, "shared", None)
+    if shared is None:
+        return
+    from ..optim.supergraph import SuperGraph, SuperGraphError
+
+    try:
+        SuperGraph(space, shared=shared)
+    except SuperGraphError as e:
+        raise error(f"{type(strategy).__name__}: {e}") from None
 
 
 def check_device_memory(strategy: Any, memory: Any, one_shot: bool,

@@ -33,6 +33,8 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import hashlib
 import json
 from collections import OrderedDict
@@ -84,13 +86,22 @@ class SuperGraph:
         device: where the pooled weights live (default CPU); paths run there.
         seed: seeds each new operator's initial weights with a hash of (seed, key).
         cache_size: how many models and paths to keep built (least recently used go).
+        shared: the operators whose weights are shared, as ``fnmatch`` patterns of their
+            module paths in the model (``"stem"``, ``"cells.*"``); every other operator is
+            **private** to its architecture (one copy per distinct sample, trained whenever
+            that architecture is). None (default): every operator is shared.
+
+    Raises:
+        SuperGraphError: a ``shared`` pattern that matches no operator of the space's default
+            model (a typo would otherwise make every operator private).
     """
 
     def __init__(self, space: Any, device: torch.device | str | None = None, seed: int = 0,
-                 cache_size: int = 256):
+                 cache_size: int = 256, shared: list[str] | tuple[str, ...] | None = None):
         self.space = space
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.seed = seed
+        self.shared = None if shared is None else tuple(_patterns(shared))
         self._pool: dict[str, _Entry] = {}
         self.cache_size = cache_size
         # canonical sample -> model, and -> path: both kept for the ``cache_size`` most
@@ -100,6 +111,15 @@ class SuperGraph:
         self._paths: OrderedDict[str, nn.Module] = OrderedDict()
         self._optimizers: list[torch.optim.Optimizer] = []
         self._builder = PathBuilder(self.device, cache_size=4 * cache_size)
+        if self.shared is not None:
+            attrs = sorted({op.attr for op in weight_keys(
+                space, self.model_of(space.default_sample())).values()})
+            for pattern in self.shared:
+                if not any(fnmatch.fnmatchcase(a, pattern) for a in attrs):
+                    raise SuperGraphError(
+                        f"shared={list(self.shared)}: {pattern!r} matches no operator of the "
+                        f"space; operators of its default model: {attrs[:12]}"
+                        f"{' ...' if len(attrs) > 12 else ''}")
 
     # ---- the pool ------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -202,7 +222,17 @@ class SuperGraph:
     def ops_of(self, sample_or_model: dict | Model) -> dict[str, OpKey]:
         """The model's operators by weight key (what its path uses), without building any."""
         model = self.model_of(sample_or_model)
-        return {op.key: op for op in weight_keys(self.space, model).values()}
+        return {op.key: op for op in self._weight_keys(model).values()}
+
+    def _weight_keys(self, model: Model) -> dict[str, OpKey]:
+        """attr -> OpKey of the model's operators; an operator that ``shared`` leaves out gets
+        a key of its own architecture (``{key}#{sample hash}``)."""
+        ops = weight_keys(self.space, model)
+        if self.shared is None:
+            return ops
+        mine = hashlib.sha256(_canonical(model.sample).encode()).hexdigest()[:12]
+        return {attr: op if any(fnmatch.fnmatchcase(op.attr, p) for p in self.shared)
+                else dataclasses.replace(op, key=f"{op.key}#{mine}") for attr, op in ops.items()}
 
     def training_bytes(self, op: OpKey, optimizer_slots: int = 2) -> int:
         """Bytes operator ``op`` takes on a device while training: a trained weight with its
@@ -299,7 +329,7 @@ class SuperGraph:
         canon = _canonical(model.sample)
         net = self._paths.get(canon)
         if net is None:
-            net = self._paths[canon] = self._build_path(model, weight_keys(self.space, model))
+            net = self._paths[canon] = self._build_path(model, self._weight_keys(model))
         self._paths.move_to_end(canon)
         while len(self._paths) > self.cache_size:
             self._paths.popitem(last=False)
@@ -394,6 +424,13 @@ class SuperGraph:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+def _patterns(shared: Any) -> list[str]:
+    if isinstance(shared, str) or not all(isinstance(p, str) and p for p in shared):
+        raise SuperGraphError(f"shared={shared!r}: give a list of module path patterns, e.g. "
+                              "['stem', 'cells.*']")
+    return list(shared)
 
 
 def _canonical(sample: dict) -> str:

@@ -12,8 +12,8 @@ from ..enums import Mode
 from ..sampler import ReplaySampler, sample_key
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .rl import _Controller
-from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_state,
-                              mean_over_ranks, rank_rngs, ready, segment_rng, take)
+from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_shared,
+                              check_state, mean_over_ranks, rank_rngs, ready, segment_rng, take)
 
 
 class _PolicySampler:
@@ -89,6 +89,9 @@ class ENAS(ExportsInherited, OneShot):
         metric: the validation metric used as reward.
         mode: ``"max"`` (default) or ``"min"`` (the reward is then ``-metric``).
         seed: seeds the weights, the controller and every draw.
+        shared: annotate which operators share weights, as ``fnmatch`` patterns of their
+            module paths (``["stem", "cells.*"]``); the others are private to each
+            architecture. None (default): the whole space shares weights.
     """
 
     def __init__(self, segments: int = 10, batches_per_model: int = 1,
@@ -96,7 +99,7 @@ class ENAS(ExportsInherited, OneShot):
                  controller_lr: float = 0.02, baseline_decay: float = 0.9,
                  entropy_weight: float = 1e-4, tanh_constant: float | None = 1.5,
                  select_samples: int = 0, metric: str = "val_acc", mode: str = "max",
-                 seed: int = 0):
+                 seed: int = 0, shared: list[str] | None = None):
         check_positive("ENAS", segments=segments, batches_per_model=batches_per_model,
                        controller_steps=controller_steps, eval_batches=eval_batches,
                        hidden_size=hidden_size)
@@ -125,6 +128,7 @@ class ENAS(ExportsInherited, OneShot):
         self.metric = metric
         self.mode = str(Mode.parse(mode, "ENAS"))
         self.seed = seed
+        self.shared = check_shared(type(self).__name__, shared)
         self._shared: SharedTraining | None = None
         self._space: Any = None
         self._new_controller()
@@ -180,7 +184,8 @@ class ENAS(ExportsInherited, OneShot):
 
     def setup(self, space: Any, trainer: Any, hparams: dict, device: torch.device) -> None:
         self._space = space
-        self._shared = SharedTraining(space, trainer, hparams, device, self.seed)
+        self._shared = SharedTraining(space, trainer, hparams, device, self.seed,
+                                      shared=self.shared)
         self._new_controller()
         self._baseline, self._updates, self._selected = None, 0, None
 

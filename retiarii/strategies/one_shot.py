@@ -123,5 +123,7 @@ class OneShot(abc.ABC):
     def config(self) -> dict:
         """The constructor arguments, as JSON (the engine stores them to rebuild the strategy
         in a worker and on resume). By default the public attributes set in ``__init__``."""
-        return {k: v for k, v in vars(self).items()
-                if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))}
+        plain = (int, float, str, bool, type(None))
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items()
+                if not k.startswith("_") and (isinstance(v, plain) or (
+                    isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v)))}

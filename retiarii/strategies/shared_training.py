@@ -82,6 +82,18 @@ def check_positive(owner: str, **values: Any) -> None:
             raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
 
 
+def check_shared(owner: str, shared: Any) -> list[str] | None:
+    """``shared`` as a list of module path patterns (None stays None), or a ValueError naming
+    the owner and the fix."""
+    if shared is None:
+        return None
+    if isinstance(shared, str) or not isinstance(shared, (list, tuple)) or not shared or \
+            not all(isinstance(p, str) and p for p in shared):
+        raise ValueError(f"{owner}: shared={shared!r}: give a non-empty list of module path "
+                         "patterns, e.g. ['stem', 'cells.*'] (or None: share every operator)")
+    return list(shared)
+
+
 def mean_over_ranks(values: dict[str, float], ctx: Any) -> dict[str, float]:
     """``values`` averaged over the ranks of ``ctx`` (itself on one process): on several ranks
     each evaluates on its own share of the validation data, and every rank must rank the
@@ -146,10 +158,12 @@ class SharedTraining:
         hparams: handed to every trainer call.
         device: where the shared weights live.
         seed: seeds the initial weights and the RNG streams of training (dropout).
+        shared: the operators whose weights are shared (module path patterns; the others are
+            private to each architecture); None: all (see :class:`SuperGraph`).
     """
 
     def __init__(self, space: Any, trainer: Any, hparams: dict, device: torch.device,
-                 seed: int):
+                 seed: int, shared: list[str] | None = None):
         from .. import rng as ckpt
         from ..training import parse_optimizers as _parse_optimizers
         from ..optim.supergraph import SuperGraph
@@ -161,7 +175,7 @@ class SharedTraining:
             ckpt.seed_rng(seed)
             # (the super-graph seeds each operator from (seed, its key): the same initial
             # weights whatever order paths arrive in, so every rank starts alike)
-            self.supergraph = SuperGraph(space, device=self.device, seed=seed)
+            self.supergraph = SuperGraph(space, device=self.device, seed=seed, shared=shared)
             # The pool grows as paths are asked for; the default path makes sure the optimizer
             # starts with parameters (torch refuses an empty list), the rest join via attach.
             self.supergraph.path(space.default_sample())

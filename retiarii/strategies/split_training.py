@@ -383,7 +383,6 @@ def plan_segment(shared: Any, samples: list[dict], ctx: Any) -> "SplitRun":
     """Plan a segment's schedule (``samples[i * world + r]``: rank r's model at step i) for
     ``shared.memory`` and return this rank's :class:`SplitRun`."""
     from ..optim.split import split_paths
-    from ..optim.weight_keys import weight_keys
 
     sg = shared.supergraph
     slots = optimizer_slots(shared.optimizer)
@@ -391,7 +390,7 @@ def plan_segment(shared: Any, samples: list[dict], ctx: Any) -> "SplitRun":
     costs = []
     sizes: dict[str, int] = {}
     for sample in samples:
-        mine = {op.key: op for op in weight_keys(sg.space, sg.model_of(sample)).values()}
+        mine = sg.ops_of(sample)
         for key, op in mine.items():
             if key not in sizes:
                 ops[key] = op

@@ -10,8 +10,8 @@ import torch
 from ..enums import Mode
 from ..sampler import RandomSampler, index_of, sample_key
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
-from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_state,
-                              mean_over_ranks, rank_rngs, ready, segment_rng, take)
+from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_shared,
+                              check_state, mean_over_ranks, rank_rngs, ready, segment_rng, take)
 
 
 class _MutateSampler:
@@ -82,6 +82,9 @@ class SPOS(ExportsInherited, OneShot):
         metric: the validation metric that ranks candidates.
         mode: ``"max"`` (``metric`` higher is better, default) or ``"min"``.
         seed: seeds the initial weights, the sampling and the search.
+        shared: annotate which operators share weights, as ``fnmatch`` patterns of their
+            module paths (``["stem", "cells.*"]``); the others are private to each
+            architecture. None (default): the whole space shares weights.
     """
 
     def __init__(self, train_segments: int = 10, batches_per_model: int = 1,
@@ -89,7 +92,7 @@ class SPOS(ExportsInherited, OneShot):
                  eval_batches: int | None = 1, *, search_parents: int = 10,
                  mutation_prob: float = 0.1, recalibrate_bn: bool = True,
                  calibrate_batches: int = 4, metric: str = "val_acc", mode: str = "max",
-                 seed: int = 0):
+                 seed: int = 0, shared: list[str] | None = None):
         check_positive("SPOS", train_segments=train_segments,
                        batches_per_model=batches_per_model, search_population=search_population,
                        search_generations=search_generations, search_parents=search_parents,
@@ -112,6 +115,7 @@ class SPOS(ExportsInherited, OneShot):
         self.metric = metric
         self.mode = str(Mode.parse(mode, "SPOS"))
         self.seed = seed
+        self.shared = check_shared(type(self).__name__, shared)
         self._shared: SharedTraining | None = None
         self._space: Any = None
         # key -> (sample, metrics) of every candidate the search evaluated, in order
@@ -119,7 +123,8 @@ class SPOS(ExportsInherited, OneShot):
 
     def setup(self, space: Any, trainer: Any, hparams: dict, device: torch.device) -> None:
         self._space = space
-        self._shared = SharedTraining(space, trainer, hparams, device, self.seed)
+        self._shared = SharedTraining(space, trainer, hparams, device, self.seed,
+                                      shared=self.shared)
         self._evaluated = {}
 
     def num_segments(self) -> int:

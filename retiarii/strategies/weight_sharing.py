@@ -12,8 +12,8 @@ from ..enums import Mode
 from ..sampler import sample_key
 from .base import SpaceExhausted, Strategy
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
-from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_state,
-                              ready, take)
+from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_shared,
+                              check_state, ready, take)
 
 
 class WeightSharing(ExportsInherited, OneShot):
@@ -55,11 +55,15 @@ class WeightSharing(ExportsInherited, OneShot):
         metric: the validation metric told to the strategy.
         seed: seeds the shared weights and the training's RNG streams (the strategy has its
             own seed).
+        shared: annotate which operators share weights, as ``fnmatch`` patterns of their
+            module paths (``["stem", "cells.*"]``); the others are private to each
+            architecture. None (default): every operator shares weights
+            (``Experiment(weight_sharing=[...])`` passes its patterns here).
     """
 
     def __init__(self, strategy: Strategy, batches_per_model: int = 1,
                  eval_batches: int | None = 1, *, segments: int | None = None,
-                 metric: str = "val_acc", seed: int = 0):
+                 metric: str = "val_acc", seed: int = 0, shared: list[str] | None = None):
         if getattr(strategy, "one_shot", False):
             raise TypeError(f"WeightSharing wraps a multi-trial strategy; "
                             f"{type(strategy).__name__} is already one-shot: run it directly")
@@ -80,6 +84,7 @@ class WeightSharing(ExportsInherited, OneShot):
         self.segments = segments
         self.metric = metric
         self.seed = seed
+        self.shared = check_shared("WeightSharing", shared)
         self._shared: SharedTraining | None = None
         self._space: Any = None
         self._num_segments: int | None = segments
@@ -97,13 +102,15 @@ class WeightSharing(ExportsInherited, OneShot):
             inner["seed"] = self.strategy.seed
         return {"strategy": {"class": ref_of(type(self.strategy)), "config": inner},
                 "batches_per_model": self.batches_per_model, "eval_batches": self.eval_batches,
-                "segments": self.segments, "metric": self.metric, "seed": self.seed}
+                "segments": self.segments, "metric": self.metric, "seed": self.seed,
+                "shared": self.shared}
 
     def setup(self, space: Any, trainer: Any, hparams: dict, device: torch.device) -> None:
         self._space = space
         if self.segments is None:
             self._num_segments = int(trainer.num_epochs(hparams))
-        self._shared = SharedTraining(space, trainer, hparams, device, self.seed)
+        self._shared = SharedTraining(space, trainer, hparams, device, self.seed,
+                                      shared=self.shared)
         self._exhausted, self._latest = False, {}
 
     def num_segments(self) -> int:
