@@ -384,3 +384,24 @@ def test_weight_sharing_with_annotated_operators_through_the_engine(tmp_path):
     keys = [e["key"] for e in unit["strategy"]["shared"]["supergraph"]["entries"]]
     assert sum("#" not in k for k in keys) == 1  # the stem, shared
     assert sum("#" in k for k in keys) >= 2  # the others, one copy per architecture
+
+
+def test_weight_sharing_under_a_budget_offloads_and_equals_it_without():
+    from retiarii.strategies import Random, WeightSharing
+
+    def run(memory):
+        s = WeightSharing(Random(seed=3, dedup=False), batches_per_model=2, segments=1,
+                          shared=["stem"])
+        trainer = LinearTask(batches=BATCHES)
+        s.setup(make_space(), trainer, {}, CPU)
+        if memory is not None:
+            s.limit_memory(memory)
+        result = s.run_segment(SegmentContext(0, trainer, {}, CPU, device_memory=memory))
+        return s, result
+
+    (plain, want), (small, got) = run(None), run(3 * LINEAR)
+    assert [(m.sample, m.metrics) for m in got.models] == \
+        [(m.sample, m.metrics) for m in want.models]
+    assert len(small._shared.supergraph.keys()) <= 3 < len(plain._shared.supergraph.keys())
+    _assert_same(_entries(roundtrip({"shared": small.state_dict()["shared"]})),
+                 _entries({"shared": plain.state_dict()["shared"]}))

@@ -253,7 +253,8 @@ class Experiment:
             their gradients and optimizer state) may take, as a number or a size
             (``"20GiB"``). A super-graph larger than that is split over the ranks, each holding
             what its models use, the rest in host memory (:mod:`retiarii.optim.split`; issue
-            #14 item 5). The strategy must support it (SPOS, ENAS). None: no limit.
+            #14 item 5). The strategy must support it (SPOS, ENAS; WeightSharing offloads
+            on its one rank). None: no limit.
 
     A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
     ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only

@@ -104,7 +104,7 @@ def check_device_memory(strategy: Any, memory: Any, one_shot: bool,
                     f"devices); {name} trains separate models: leave it out")
     if not callable(getattr(strategy, "limit_memory", None)):
         raise error(f"device_memory: {name} cannot split its shared weights over devices "
-                    f"(SPOS and ENAS can); leave device_memory out")
+                    f"(SPOS, ENAS and WeightSharing can); leave device_memory out")
     return memory
 
 

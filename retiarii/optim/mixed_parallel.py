@@ -464,7 +464,7 @@ def limit_memory(strategy: Any, memory: float) -> None:
     limit = getattr(strategy, "limit_memory", None)
     if not callable(limit):
         raise ValueError(f"device_memory: {type(strategy).__name__} cannot split its shared "
-                         "weights over devices (SPOS and ENAS can); leave device_memory unset")
+                         "weights over devices (SPOS, ENAS and WeightSharing can); leave device_memory unset")
     limit(memory)
 
 

@@ -192,16 +192,6 @@ class ENAS(ExportsInherited, OneShot):
     def num_segments(self) -> int:
         return self.segments
 
-    def limit_memory(self, memory: float | None) -> None:
-        """Hold at most ``memory`` bytes of shared weights (with their optimizer state) on the
-        device (``device_memory``): the shared-weight phase of each segment splits the
-        super-graph over the ranks (:mod:`retiarii.optim.split`); the controller's evaluations
-        load each path's operators from host memory. Call after :meth:`setup`, before
-        :meth:`load_state_dict`."""
-        if self._shared is None:
-            raise RuntimeError("ENAS.limit_memory(): call setup(space, ...) first")
-        self._shared.limit_memory(memory)
-
     def run_segment(self, ctx: SegmentContext) -> SegmentResult:
         shared = ready(self, self._shared, ctx)
         with shared.own_rng():

@@ -124,6 +124,18 @@ class ExportsInherited:
         self._shared.net(sample)  # (under a device budget: its operators loaded first)
         return self._shared.supergraph.export_state(sample)
 
+    def limit_memory(self, memory: float | None) -> None:
+        """Hold at most ``memory`` bytes of shared weights (with their optimizer state) on the
+        device (``device_memory``); the rest stays in host memory. SPOS and ENAS split their
+        training segments over the ranks as :mod:`retiarii.optim.split` decides; every path
+        evaluated (and each model WeightSharing trains, on its one rank) first loads its
+        operators, parking the least recently added others. Call after ``setup``, before
+        ``load_state_dict``; None: no limit."""
+        if self._shared is None:
+            raise RuntimeError(f"{type(self).__name__}.limit_memory(): call setup(space, ...) "
+                               f"first")
+        self._shared.limit_memory(memory)
+
 
 def ready(strategy: Any, shared: "SharedTraining | None", ctx: Any) -> "SharedTraining":
     """``shared`` once ``setup`` built it and ``ctx.segment`` is one of the strategy's."""

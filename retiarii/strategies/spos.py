@@ -130,15 +130,6 @@ class SPOS(ExportsInherited, OneShot):
     def num_segments(self) -> int:
         return self.train_segments + 1
 
-    def limit_memory(self, memory: float | None) -> None:
-        """Hold at most ``memory`` bytes of shared weights (with their optimizer state) on the
-        device (``device_memory``): training segments split the super-graph over the ranks as
-        :mod:`retiarii.optim.split` decides, the search loads each candidate's operators from
-        host memory. Call after :meth:`setup`, before :meth:`load_state_dict`."""
-        if self._shared is None:
-            raise RuntimeError("SPOS.limit_memory(): call setup(space, ...) first")
-        self._shared.limit_memory(memory)
-
     def run_segment(self, ctx: SegmentContext) -> SegmentResult:
         shared = ready(self, self._shared, ctx)
         with shared.own_rng():
