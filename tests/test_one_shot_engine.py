@@ -302,7 +302,7 @@ def test_weight_sharing_wraps_multi_trial_strategies_only(tmp_path, monkeypatch)
     with pytest.raises(rt.ExperimentError, match="already a one-shot strategy"):
         rt.Experiment(space, PerArchitecture(), trainer, store=str(tmp_path / "x.db"),
                       weight_sharing=True)
-    with pytest.raises(rt.ExperimentError, match="weight_sharing='yes': give True or False"):
+    with pytest.raises(rt.ExperimentError, match="weight_sharing='yes': give True, False, or a list"):
         rt.Experiment(space, rt.strategies.Random(seed=0), trainer,
                       store=str(tmp_path / "x.db"), weight_sharing="yes")
     monkeypatch.delattr(rt.strategies, "WeightSharing", raising=False)
