@@ -201,7 +201,9 @@ def _on_ranks(task, context, ranks: int) -> tuple[OneShot, SegmentResult, dict]:
     build = functools.partial(_rank_build, task.spec, task.start_step, rng, type(context))
     runner = getattr(context, "run_ranks", None)  # the executor's way to run ranks, if any
     if runner is not None:
-        result, new_state = runner(build, state, ranks)
+        # (the search goes on after this segment: the executor may keep the ranks for it)
+        more = task.stop_step < int(task.spec.get("segments") or task.stop_step)
+        result, new_state = runner(build, state, ranks, keep=more)
     else:  # K local processes
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         backend = "nccl" if gpus >= ranks else "gloo"  # NCCL needs a GPU per rank

@@ -64,7 +64,8 @@ class WorkerContext:
 
     def __init__(self) -> None:
         # How a one-shot segment's K ranks run (mixed parallelism): ``run_ranks(build, state,
-        # world) -> (result, state)`` as ``run_segment_on_ranks``. None: K local processes
+        # world, keep=...) -> (result, state)`` as ``run_segment_on_ranks``; ``keep``: more
+        # segments of the search follow (ranks may be kept for them). None: K local processes
         # (:func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks`); the Ray worker actor
         # sets rank actors in a placement group (:mod:`.executors.ray_ranks`).
         self.run_ranks: Callable[..., tuple[Any, dict]] | None = None

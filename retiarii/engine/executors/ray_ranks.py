@@ -54,7 +54,7 @@ from ...optim.mixed_parallel import (
     DEFAULT_TIMEOUT, RankError, gather_segment, loopback_interface, segment_rank,
 )
 
-__all__ = ["PlacementError", "RankLost", "run_segment_on_actors", "remove_groups"]
+__all__ = ["PlacementError", "RankGroup", "RankLost", "run_segment_on_actors", "remove_groups"]
 
 # How long the placement group may take to be placed when the caller gives no limit.
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
@@ -141,6 +141,111 @@ def _free(resources: dict[str, float]) -> str:
                      if k in ("CPU", "GPU")) or "nothing"
 
 
+class RankGroup:
+    """K rank actors in one placement group, kept from one segment to the next.
+
+    :func:`run_segment_on_actors` makes one for a single segment. The RayExecutor's worker
+    actor keeps one between the segments of a search (``run(..., keep=True)``): creating the
+    group and K actors that import torch costs seconds per segment, more than a short
+    segment trains. Each :meth:`run` forms a new ``torch.distributed`` group on the same
+    actors (a fresh store port), so a segment on kept actors computes what one on fresh actors
+    does. Any failure closes the group (a rank that failed may have left its process in any
+    state); :meth:`close` kills the actors and removes the placement group (idempotent).
+
+    Args: as :func:`run_segment_on_actors` (without ``build``, ``state`` and ``timeout``).
+    """
+
+    def __init__(self, world: int, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                 backend: str | None = None, sys_path: list[str] | None = None,
+                 placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
+                 group_prefix: str = "retiarii-ranks-", runtime_env: dict | None = None):
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"run_segment_on_actors needs world >= 1 ranks, got {world!r}")
+        if backend is None:
+            backend = "nccl" if num_gpus >= 1 else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
+        if backend == "nccl" and num_gpus < 1:
+            raise ValueError(f"backend='nccl' needs a whole GPU per rank, got num_gpus="
+                             f"{num_gpus}; use backend='gloo' to share GPUs between ranks")
+        self.world, self.backend = world, backend
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.bundle = _bundle(num_cpus, num_gpus)
+        self.sys_path, self.runtime_env = list(sys_path or []), runtime_env
+        self.placement_timeout, self.group_prefix = placement_timeout, group_prefix
+        self._pg: PlacementGroup | None = None
+        self._actors: list[Any] = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self._actors)
+
+    def _start(self) -> None:
+        if not ray.is_initialized():  # Ray would start an instance of its own, everywhere
+            raise RuntimeError("run_segment_on_actors needs a connected Ray: call "
+                               "ray.init(address=...) or retiarii.engine.executors.ray."
+                               "start_local_ray() first")
+        world, bundle = self.world, self.bundle
+        name = f"{self.group_prefix}{os.getpid()}-{next(_counter)}"
+        self._pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
+                                   name=name)
+        if not self._pg.wait(timeout_seconds=self.placement_timeout):
+            raise PlacementError(
+                f"the cluster could not place {world} ranks of {bundle} each (one placement "
+                f"group, PACK) within {self.placement_timeout:g} s; the cluster has "
+                f"{_free(ray.cluster_resources())} in all, {_free(ray.available_resources())} "
+                "free. Give fewer ranks, smaller num_cpus/num_gpus, or a larger cluster")
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                                   "max_restarts": 0, "max_task_retries": 0}
+        if self.runtime_env:
+            options["runtime_env"] = self.runtime_env
+        cls = ray.remote(_RankActor)
+        threads = max(1, int(self.num_cpus))
+        for rank in range(world):
+            strategy = PlacementGroupSchedulingStrategy(self._pg,
+                                                        placement_group_bundle_index=rank)
+            self._actors.append(cls.options(scheduling_strategy=strategy, **options).remote(
+                self.sys_path, threads))
+
+    def run(self, build: Callable[[], tuple[Any, Any]], state: dict | None,
+            timeout: float | None = None) -> tuple[Any, dict]:
+        """One segment on the group's actors (started on first use); see
+        :func:`run_segment_on_actors`."""
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout}")
+        try:
+            if not self._actors:
+                self._start()
+            world, actors = self.world, self._actors
+            work = pickle.dumps((segment_rank, (build, state)))
+            group_timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                host, port = ray.get(actors[0].address.remote(),
+                                     timeout=_left(deadline, 600.0))
+            except RayActorError as err:
+                raise RankLost(0, world, f"its actor died while starting: {err}") from None
+            refs = {actors[r].run.remote(r, world, host, port, self.backend, group_timeout,
+                                         work): r for r in range(world)}
+            outcomes = _collect(refs, world, deadline, timeout)
+            return gather_segment([pickle.loads(o) for o in outcomes])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kill the rank actors and remove the placement group."""
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except RayError:
+                pass  # already gone
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            remove_placement_group(pg)
+
+
 def run_segment_on_actors(build: Callable[[], tuple[Any, Any]], state: dict | None, world: int,
                           *, num_cpus: float = 1.0, num_gpus: float = 0.0,
                           backend: str | None = None, sys_path: list[str] | None = None,
@@ -148,7 +253,8 @@ def run_segment_on_actors(build: Callable[[], tuple[Any, Any]], state: dict | No
                           placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
                           group_prefix: str = "retiarii-ranks-",
                           runtime_env: dict | None = None) -> tuple[Any, dict]:
-    """:func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks` on ``world`` Ray actors.
+    """:func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks` on ``world`` Ray actors
+    (a :class:`RankGroup` for this segment alone: nothing is left after it).
 
     Call it where Ray is initialized (a driver, or an actor such as the RayExecutor's worker).
 
@@ -173,59 +279,18 @@ def run_segment_on_actors(build: Callable[[], tuple[Any, Any]], state: dict | No
     Returns:
         ``(result, state)`` exactly as ``run_segment_on_ranks`` returns them.
     """
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"run_segment_on_actors needs world >= 1 ranks, got {world!r}")
-    if not ray.is_initialized():  # Ray would start an instance of its own, on every interface
-        raise RuntimeError("run_segment_on_actors needs a connected Ray: call ray.init(address=...) "
-                           "or retiarii.engine.executors.ray.start_local_ray() first")
-    if backend is None:
-        backend = "nccl" if num_gpus >= 1 else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
-    if backend == "nccl" and num_gpus < 1:
-        raise ValueError(f"backend='nccl' needs a whole GPU per rank, got num_gpus={num_gpus}; "
-                         "use backend='gloo' to share GPUs between ranks")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive seconds or None, got {timeout}")
-    bundle = _bundle(num_cpus, num_gpus)
-    work = pickle.dumps((segment_rank, (build, state)))
-    group_timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
-    name = f"{group_prefix}{os.getpid()}-{next(_counter)}"
-    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=name)
-    actors: list[Any] = []
+    group = RankGroup(world, num_cpus=num_cpus, num_gpus=num_gpus, backend=backend,
+                      sys_path=sys_path, placement_timeout=placement_timeout,
+                      group_prefix=group_prefix, runtime_env=runtime_env)
+    if not ray.is_initialized():
+        raise RuntimeError("run_segment_on_actors needs a connected Ray: call ray.init(address=...) "
+                           "or retiarii.engine.executors.ray.start_local_ray() first")
     try:
-        if not pg.wait(timeout_seconds=placement_timeout):
-            raise PlacementError(
-                f"the cluster could not place {world} ranks of {bundle} each (one placement "
-                f"group, PACK) within {placement_timeout:g} s; the cluster has "
-                f"{_free(ray.cluster_resources())} in all, {_free(ray.available_resources())} "
-                "free. Give fewer ranks, smaller num_cpus/num_gpus, or a larger cluster")
-        options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
-                                   "max_restarts": 0, "max_task_retries": 0}
-        if runtime_env:
-            options["runtime_env"] = runtime_env
-        cls = ray.remote(_RankActor)
-        threads = max(1, int(num_cpus))
-        for rank in range(world):
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
-            actors.append(cls.options(scheduling_strategy=strategy, **options).remote(
-                list(sys_path or []), threads))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            host, port = ray.get(actors[0].address.remote(), timeout=_left(deadline, 600.0))
-        except RayActorError as err:
-            raise RankLost(0, world, f"its actor died while starting: {err}") from None
-        refs = {actors[r].run.remote(r, world, host, port, backend, group_timeout, work): r
-                for r in range(world)}
-        outcomes = _collect(refs, world, deadline, timeout)
-        return gather_segment([pickle.loads(o) for o in outcomes])
+        return group.run(build, state, timeout)
     finally:
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except RayError:
-                pass  # already gone
-        remove_placement_group(pg)
+        group.close()
 
 
 def _left(deadline: float | None, cap: float) -> float:

@@ -40,15 +40,31 @@ class WorkerActor:
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         from ..worker import WorkerContext
 
-        from .ray_ranks import run_segment_on_actors
+        from .ray_ranks import RankGroup
 
         self.name, self.context = name, WorkerContext()
-        # a ranked segment's K ranks: rank actors in a placement group, not local processes
-        self.context.run_ranks = functools.partial(run_segment_on_actors,
-                                                   sys_path=list(sys_path), **ranks)
+        # a ranked segment's K ranks: rank actors in a placement group, not local processes;
+        # kept between the segments of a search (they die with this actor, and the executor
+        # removes their placement group by its prefix)
+        self._new_group = functools.partial(RankGroup, sys_path=list(sys_path), **ranks)
+        self._groups: dict[int, Any] = {}
+        self.context.run_ranks = self._run_ranks
         self.scratch = tempfile.mkdtemp(prefix=f"retiarii-{name}-")
         self._items: collections.deque = collections.deque()
         self._changed = threading.Condition()
+
+    def _run_ranks(self, build, state, world: int, keep: bool = False) -> tuple[Any, dict]:
+        """A ranked segment on this worker's rank group of ``world`` ranks (started on first
+        use); ``keep``: more segments follow, keep the group for them, else close it."""
+        for other in [w for w in self._groups if w != world]:  # one group held at a time
+            self._groups.pop(other).close()
+        group = self._groups.pop(world, None) or self._new_group(world)
+        result = group.run(build, state)  # (a failure closes the group)
+        if keep:
+            self._groups[world] = group
+        else:
+            group.close()
+        return result
 
     def ready(self) -> tuple[int, str]:
         """(process id, node id): the driver's proof that the actor is up."""
