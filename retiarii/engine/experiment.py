@@ -23,153 +23,38 @@ define it at module level of a file or package (in a script, guard the run with
 """
 from __future__ import annotations
 
-import collections
-import hashlib
 import json
 import logging
 import os
 import time
 from typing import Any, Callable
 
-from ..choices import ValueChoice
 from ..enums import Mode, ModelStatus
-from ..mutator import MutationError
-from ..refs import SCRIPT_MODULES, EncodeError, load_file_module, ref_of, resolve_ref, split_ref
-from ..sampler import SampleError, sample_key
-from ..shapes import ShapeMismatchError
-from ..strategies.base import SpaceExhausted, UnknownSample
+from ..refs import ref_of, resolve_ref
+from ..sampler import sample_key
 from ..strategies.one_shot import OneShot
 from ..strategies.scheduler import Scheduler
-from .checkpoint import CheckpointDir, CheckpointPathError
+from .checkpoint import CheckpointDir
+from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
+                                 object_ref, space_fingerprint, trainer_spec)
 from .lock import StoreLock, StoreLocked
 from . import one_shot
 from .plans import PlanTable
-from .segments import SegmentTable, finite
+from .proposals import Proposals
+from .segments import SegmentTable
 from .store import Store
 from .trainer import Trainer
-from .trials import Trial, TrialRunner, TrialState
+from .trials import TrialRunner, TrialState
 
+__all__ = ["EnvironmentFailure", "Experiment", "ExperimentError", "object_ref", "trainer_spec"]
 
 _log = logging.getLogger("retiarii.engine")
-
-
-class ExperimentError(RuntimeError):
-    """An experiment that cannot start or resume as asked; the message says why and the fix."""
-
-
-class EnvironmentFailure(ExperimentError):
-    """The run stopped because its environment kept failing (an I/O error such as a read-only
-    checkpoint folder, lost workers, out of memory). Nothing is lost: fix the cause, then
-    ``resume()``; the trials it failed are retried."""
-
-
-# ---- how workers find the space and the trainer ---------------------------------------------
-
-
-def object_ref(obj: Any, what: str) -> str:
-    """The reference (``"pkg.mod:name"``, or ``"/abs/file.py:name"`` for a script's object) by
-    which a worker process finds ``obj``, checked now the way a worker will resolve it.
-
-    ``obj`` may be the reference itself. Raises :class:`ExperimentError` naming the object and
-    the fix when workers could not find it (not at module level, or bound only under the
-    script's ``if __name__ == "__main__":``).
-    """
-    if isinstance(obj, str):
-        ref = obj
-        try:
-            obj = resolve_ref(ref)
-        except (ImportError, ValueError) as e:
-            raise ExperimentError(f"the {what} reference {ref!r} does not resolve: {e}") from None
-    else:
-        try:
-            ref = ref_of(obj)
-        except EncodeError:
-            raise ExperimentError(
-                f"the {what} is not a module-level variable of an importable module or script, "
-                f"so worker processes cannot rebuild it. Define it at module level (e.g. `space "
-                f"= ModelSpace(...)` in myspace.py) or pass its reference as a string "
-                f"('/abs/path/myspace.py:space')") from None
-    _check_workers_see(ref, obj, what)
-    return ref
-
-
-def _check_workers_see(ref: str, obj: Any, what: str) -> None:
-    """Refuse now a reference a new worker process would not resolve to the same object.
-
-    A worker loads a script as a module, where its ``if __name__ == "__main__":`` block does
-    not run; so a name bound (or rebound) there is not what the worker finds. Only the running
-    script is in doubt: importable modules and files loaded as modules resolve in a worker as
-    they do here.
-    """
-    where, attr, is_file = split_ref(ref)
-    if not is_file or load_file_module(where).__name__ not in SCRIPT_MODULES:
-        return
-    fix = (f"Bind it at module level of {os.path.basename(where)}, outside the "
-           f"`if __name__ == \"__main__\":` block (or in a module the script imports); "
-           f"worker processes load the script as a module, where that block does not run")
-    try:
-        seen = resolve_ref(ref, fresh=True)
-    except ImportError as e:
-        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, which worker "
-                              f"processes cannot see: {e}. {fix}") from None
-    except Exception as e:  # noqa: BLE001 (the script fails when loaded as a module)
-        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, but loading the "
-                              f"script as worker processes do fails ({type(e).__name__}: {e}). "
-                              f"{fix}") from None
-    if type(seen).__qualname__ != type(obj).__qualname__:
-        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, which worker "
-                              f"processes see as a {type(seen).__name__}, not this "
-                              f"{type(obj).__name__} (is it rebound under `if __name__ == "
-                              f"\"__main__\":`?). {fix}")
-
-
-def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
-    """(what a worker rebuilds the trainer from, the trainer's ValueChoice hyper-parameters)."""
-    spec = trainer.to_spec()
-    return (object_ref(trainer, "trainer") if spec is None else spec), trainer.value_choices()
-
-
-class _DrawnModels:
-    """The search space as the strategy sees it, keeping the models its draws built during one
-    proposal (TPE draws 24 candidates) so that instantiating the sample it settles on does not
-    build that model a second time."""
-
-    def __init__(self, space, keep: int = 32):
-        self._space, self._keep = space, keep
-        self._models: collections.OrderedDict[str, Any] = collections.OrderedDict()
-
-    def sample(self, sampler):
-        model = self._space.sample(sampler)
-        self._models[sample_key(model.sample)] = model
-        while len(self._models) > self._keep:
-            self._models.popitem(last=False)
-        return model
-
-    def take(self, sample: dict):
-        """The model a draw built for ``sample``, or None; the other draws are forgotten (the
-        strategy has settled)."""
-        model = self._models.pop(sample_key(sample), None)
-        self._models.clear()
-        return model
-
-    def __getattr__(self, name):  # size(), enumerate(), hparams, ...: the space's own
-        return getattr(self._space, name)
-
-
-def _space_fingerprint(space) -> dict:
-    out = {"bases": [g.structural_hash() for g, _ in space.bases],
-           "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
-           "hparams": {k: v.values for k, v in space.hparams.items()}}
-    frozen = space.frozen_fingerprint()
-    if frozen is not None:  # only spaces with frozen values: older stores still resume
-        out["frozen"] = frozen
-    return out
 
 
 # ---- the experiment -----------------------------------------------------------------------
 
 
-class Experiment:
+class Experiment(Proposals):
     """Search ``space`` with ``strategy``, training each model with ``trainer``.
 
     Args:
@@ -310,7 +195,7 @@ class Experiment:
         # The strategy searches the space plus the trainer's ValueChoices; workers rebuild from
         # the space itself, so those labels are kept out of the sample they get.
         self.search_space = self.space.with_hparams(hp)
-        self._drawn = _DrawnModels(self.search_space)
+        self._drawn = DrawnModels(self.search_space)
         self._trainer_labels = {self.search_space.hparams[k].label for k in hp}
         self.path, self.workers, self.devices = str(store), workers, devices
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
@@ -354,7 +239,7 @@ class Experiment:
     def config(self) -> dict:
         """What a resume must match (budgets may change between runs)."""
         if self.one_shot:
-            config = {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
+            config = {"space": {"ref": self.space_ref, **space_fingerprint(self.search_space)},
                       "strategy": one_shot.one_shot_spec(self.strategy),
                       "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
                       "mode": self.mode}
@@ -363,7 +248,7 @@ class Experiment:
             if self.device_memory is not None:  # another split, other models per rank
                 config["device_memory"] = self.device_memory
             return config
-        return {"space": {"ref": self.space_ref, **_space_fingerprint(self.search_space)},
+        return {"space": {"ref": self.space_ref, **space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
                              "config": self.strategy.config(),
                              "seed": getattr(self.strategy, "seed", None)},
@@ -398,8 +283,8 @@ class Experiment:
         experiments = self.store.experiments()
         if not experiments:
             raise ExperimentError(f"{self.path} holds no experiment to resume; use run()")
-        saved = _comparable(self.store.use_experiment(experiments[-1]["id"])["config"])
-        mine = _comparable(json.loads(json.dumps(self.config())))
+        saved = comparable(self.store.use_experiment(experiments[-1]["id"])["config"])
+        mine = comparable(json.loads(json.dumps(self.config())))
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:
             raise ExperimentError(
@@ -591,221 +476,6 @@ class Experiment:
         for trial in sorted(ended, key=lambda t: order.get(t.trial_id, 0.0)):
             self._on_trial_end(trial, report=False)
 
-    def _group_key(self, trial: Trial) -> Any:
-        """What trials must share to train in one job: the space, the trainer and the data
-        key of their hyper-parameters (None: the trainer shares nothing; alone)."""
-        config = trial.config
-        if "sample" not in config or "trainer" not in config:
-            return None
-        hparams = json.dumps(config.get("hparams") or {}, sort_keys=True, default=str)
-        if hparams not in self._data_keys:
-            try:
-                self._data_keys[hparams] = self.trainer.data_key(config.get("hparams") or {})
-            except Exception as err:  # noqa: BLE001 (a trainer that cannot say shares nothing)
-                _log.warning("%s.data_key failed (%s): its trials train alone",
-                             type(self.trainer).__name__, err)
-                self._data_keys[hparams] = None
-        key = self._data_keys[hparams]
-        if key is None:
-            return None
-        return (json.dumps(config["space"], sort_keys=True, default=str),
-                json.dumps(config["trainer"], sort_keys=True, default=str), key)
-
-    def _on_group(self, record: dict) -> None:
-        PlanTable(self.store).add(record)
-        if record["status"] in ("reverted", "failed"):
-            _log.info("group %s %s: %s", record["job_id"], record["status"], record["reason"])
-
-    def _dedup_key(self, structure_hash: str, sample: dict) -> str:
-        hp = {k: sample.get(k) for k in sorted(self.search_space.hparams)}
-        return hashlib.sha256(json.dumps([structure_hash, hp]).encode()).hexdigest()
-
-    def _budget_left(self) -> bool:
-        if self.max_models is not None and self._count >= self.max_models:
-            return False
-        return self._deadline is None or time.monotonic() < self._deadline
-
-    def _next_trial(self, budgeted: bool = True) -> dict | None:
-        """The runner's source: the strategy's next model as a trial config, or None."""
-        duplicates = 0
-        while not budgeted or self._budget_left():
-            try:
-                sample = self.strategy.ask(self._drawn)
-            except SpaceExhausted:
-                return None
-            try:
-                model = self._drawn.take(sample)
-                if model is None:  # not drawn (a strategy that proposes without drawing)
-                    model = self.search_space.instantiate(sample)
-                else:
-                    self.search_space.check_shapes(model)
-            except (ShapeMismatchError, MutationError, SampleError) as e:
-                self._count += 1  # a model that cannot be built fails alone, recorded
-                _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)
-                self.store.add_model(sample, None, None, status=ModelStatus.FAILED)
-                self.strategy.tell(sample, None)
-                self._save_strategy()
-                continue
-            structure = model.structural_hash()  # hashes every node: compute it once
-            key = self._dedup_key(structure, sample)
-            if self.dedup and key in self._known:
-                duplicates += 1
-                if duplicates > 1000:
-                    return None  # the strategy keeps proposing trained structures
-                if key in self._keys.values():
-                    # In flight: its trial tells the strategy when it ends. (After a resume this
-                    # is the strategy asking again for a model it proposed after its last saved
-                    # state: the trial already exists and carries on.)
-                    continue
-                self.strategy.tell(sample, self._known[key])
-                self._save_strategy()
-                continue
-            self._count += 1
-            # The model, its trial and the strategy's state after proposing it are written in
-            # one transaction, when the runner journals the trial: a crash leaves all or none
-            # of them, and a resumed strategy proposes exactly what an uninterrupted one does.
-            parent = self.strategy.parent_of(sample)
-            model_id = self.store.stage_model(
-                sample, model.graph.to_data(), structure,
-                parent=None if parent is None else self._model_of.get(sample_key(parent)),
-                with_it=[self._save_strategy])
-            self._model_of[sample_key(sample)] = model_id
-            self._known[key] = None
-            self._keys[model_id] = key
-            config = {"space": self.space_ref, "trainer": self.trainer_spec,
-                      "sample": {k: v for k, v in sample.items()
-                                 if k not in self._trainer_labels},
-                      "hparams": model.hparams, "seed": self.seed + self._count - 1,
-                      "model_id": model_id, "choices": sample, "checked": True}
-            if self.optimize and getattr(getattr(self, "runner", None), "packing", False):
-                config["profile"] = self._estimate(model)
-            frozen = self.space.frozen_fingerprint()
-            if frozen is not None:  # the worker checks its frozen values are the driver's
-                config["frozen"] = frozen
-            return config
-        return None
-
-    def _packs(self, executor) -> bool:
-        """Whether batches are packed by profile: ``packing``, where ``"auto"`` is on when the
-        workers train on GPUs (where memory decides what fits; on a CPU-only machine
-        benchmarks/packing_e2e.py measured an even split as fast)."""
-        if self.packing != "auto":
-            return bool(self.packing)
-        return bool(getattr(executor, "devices", None))
-
-    def _estimate(self, model) -> dict | None:
-        """The packing profile of a proposed model, estimated from its IR (shapes checked),
-        at the trainer's batch size (engine/placing.py); None when it cannot be estimated."""
-        from ..optim.profile import estimate_profile
-
-        hparams = model.hparams or {}
-        value = getattr(self.trainer, "value", None)
-        try:
-            batch = int(hparams.get("batch_size") or (value("batch_size", hparams) if value else 1))
-            example = self.space.example_input
-            example = example[0] if isinstance(example, (tuple, list)) else example
-            units, memory = estimate_profile(model.graph, batch, example_batch=int(
-                example.shape[0]) if getattr(example, "ndim", 0) else 1)
-        except Exception as err:  # noqa: BLE001 (no estimate: its batch is split evenly)
-            _log.debug("no packing profile for %s: %s", model.sample, err)
-            return None
-        return {"units": round(units, 3), "memory": memory}
-
-    def _spawn_config(self, spawn, parent: Trial | None) -> dict:
-        """A scheduler's spawn (PBT) as a worker spec: a child keeps its parent's model and
-        gets the spawn's hyper-parameters; a fresh trial takes a new model from the strategy."""
-        if parent is not None:
-            base = dict(parent.config)
-            if base.get("model_id") is not None:
-                # The child is a model of its own (the parent's architecture, new
-                # hyper-parameters), derived from the parent's: models.parent says so.
-                row = self.store.get_model(base["model_id"])
-                base["model_id"] = self.store.stage_model(
-                    row["sample"], row["graph"], row["hash"], parent=row["id"])
-                self._count += 1
-        else:  # the population needs a model: the model budget does not apply to it
-            base = self._next_trial(budgeted=False)
-            if base is None:
-                raise ExperimentError("the strategy has no model left for a new PBT trial")
-        return {**base, "hparams": {**base.get("hparams", {}), **spawn.config}}
-
-    def _collect_garbage(self, trial: Trial) -> None:
-        """Delete the checkpoints the scheduler says nothing will read again (``trial``'s
-        alone, unless the scheduler's trials share checkpoints)."""
-        runner = getattr(self, "runner", None)
-        if runner is None:  # still being rebuilt by TrialRunner.resume
-            return
-        if self.scheduler.checkpoints_shared:
-            states = {t: s.value for t, s in runner.states().items()}
-            checkpoints = runner.checkpoints()  # every trial's: list them once per trial end
-        else:
-            states = {trial.trial_id: trial.state.value}
-            checkpoints = [(trial.trial_id, step, path)
-                           for step, path in sorted(trial.checkpoints.items())]
-        doomed = self.scheduler.deletable_checkpoints(checkpoints, states)
-        for trial_id, step, name in checkpoints:
-            if name in doomed:
-                try:
-                    self.folder.remove(name)  # refuses anything outside the run's folder
-                except (CheckpointPathError, OSError) as err:
-                    # kept, and its row with it: a full or read-only disk is not worth a crash
-                    _log.warning("trial %s: could not delete its checkpoint of step %d: %s",
-                                 trial_id, step, err)
-                    continue
-                self.store.forget_checkpoint(trial_id, step)
-                runner.trials[trial_id].checkpoints.pop(step, None)
-
-    def _save_strategy(self) -> None:
-        self.store.save_strategy_state(self.strategy.state_dict())
-
-    def _on_result(self, trial: Trial, result: dict) -> None:
-        sample = trial.config.get("choices")
-        if sample is None:
-            return
-        try:
-            self.strategy.on_step(sample, result["training_iteration"], result)
-        except UnknownSample:
-            # A trial resumed after a crash whose sample the restored strategy has not proposed
-            # (again) yet: it learns the final value when it proposes it (see _next_trial).
-            pass
-
-    def _on_trial_end(self, trial: Trial, report: bool = True) -> None:
-        # The model's status and the strategy's state are one transaction: a model still
-        # ``training`` after a crash tells resume that this end has to be done again.
-        with self.store.transaction():
-            self._end_model(trial)
-        self._collect_garbage(trial)
-        if self.progress is not None and report:
-            self.progress(self.summary())
-
-    def _end_model(self, trial: Trial) -> None:
-        sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
-        reported = (trial.last_result or {}).get(self.metric)
-        value = finite(reported)
-        if reported is not None and value is None:
-            # NaN or inf (a diverged model, a broken metric) ranks nowhere: the model failed.
-            _log.warning("trial %s ended with %s = %r, not a finite number: its model is "
-                         "recorded as failed", trial.trial_id, self.metric, reported)
-        failed = trial.state is TrialState.ERRORED or value is None
-        if model_id is not None:
-            self.store.set_model_status(
-                model_id, ModelStatus.FAILED if failed else ModelStatus.TRAINED, value)
-        if sample is not None:
-            key = None
-            if model_id is not None:
-                # The key computed when it was proposed (saves reading the model's graph back);
-                # a model of an earlier run (resume) takes its hash from the store.
-                key = self._keys.pop(model_id, None)
-                if key is None:
-                    key = self._dedup_key(self.store.get_model(model_id)["hash"], sample)
-            if key is not None:
-                self._known[key] = value
-            try:
-                self.strategy.tell(sample, value)
-            except UnknownSample:
-                pass  # not proposed by the restored strategy (yet): told when it proposes it
-            self._save_strategy()
-
     def summary(self) -> dict:
         """Trials by state, the best finished models, models proposed, trials running now."""
         if self.store is not None and self.store.db is None:  # the driver has ended
@@ -831,16 +501,3 @@ class Experiment:
         if plans["jobs"]:
             out["optimization"] = plans
         return out
-
-
-def _comparable(config: dict) -> dict:
-    """An experiment's config as resume compares it: where the space and trainer files lie is
-    left out (a run directory may be moved or copied with its space file); what they define
-    is compared (the space's fingerprint, the trainer's settings)."""
-    config = dict(config)
-    config.pop("origin", None)
-    if isinstance(config.get("space"), dict):
-        config["space"] = {k: v for k, v in config["space"].items() if k != "ref"}
-    if isinstance(config.get("trainer"), str):  # a reference: its file may have moved
-        config["trainer"] = config["trainer"].rsplit(":", 1)[-1]
-    return config
