@@ -405,3 +405,19 @@ def test_weight_sharing_under_a_budget_offloads_and_equals_it_without():
     assert len(small._shared.supergraph.keys()) <= 3 < len(plain._shared.supergraph.keys())
     _assert_same(_entries(roundtrip({"shared": small.state_dict()["shared"]})),
                  _entries({"shared": plain.state_dict()["shared"]}))
+
+
+def test_a_unit_saved_with_torchs_positional_optimizer_state_still_loads():
+    s, ctx = build(0, None)
+    s.run_segment(ctx)
+    state = s.state_dict()
+    old = dict(state["shared"])
+    old["optimizer"] = s._shared.optimizer.state_dict()  # the format before keyed states
+    fresh, _ = build(0, None)
+    fresh.load_state_dict(roundtrip({**state, "shared": old}))
+    _assert_same(_entries({"shared": fresh.state_dict()["shared"]}), _entries(state))
+    mine = fresh._shared.optimizer.state_dict()["state"]
+    theirs = s._shared.optimizer.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for i in theirs:
+        torch.testing.assert_close(mine[i]["exp_avg"], theirs[i]["exp_avg"], rtol=0, atol=0)
