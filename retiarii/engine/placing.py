@@ -82,7 +82,7 @@ class PackedJobs:
 
     def _note_packing(self, first: Trial) -> None:
         """After launching a pack led by ``first``: keep its packing decision on its job
-        (``_JobFlight.extra["packing"]``), for the plans table."""
+        (``JobFlight.extra["packing"]``, flights.py), for the plans table."""
         note = self._notes.pop(first.trial_id, None)
         flight = self._flights.get(first.trial_id)
         if note is not None and flight is not None and flight.job_id in self._inflight:

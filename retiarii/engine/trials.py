@@ -22,22 +22,18 @@ beyond :class:`~retiarii.strategies.scheduler.Scheduler`.
 """
 from __future__ import annotations
 
-import enum
 import logging
-import os
-from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from ..strategies.scheduler import Decision, Scheduler, Spawn
+from ..strategies.scheduler import Scheduler, Spawn
 from .checkpoint import CheckpointDir, CheckpointPathError, check_trial_id
-from .executors.base import (
-    Executor, FailureKind, Job, JobFailed, JobFinished, JobProfiled, JobStarted, TrialCheckpointed,
-    TrialResult, TrialTask,
-)
+from .executors.base import Executor, FailureKind, Job, TrialTask
+from .flights import Flight, JobFlight, Outcome, failure_of, result_dict
 from .grouping import GroupedJobs
 from .placing import PackedJobs
 from .journal import Journal, MemoryJournal
 from .trial import ALLOWED, IllegalTransition, Trial, TrialState
+from .trial_events import TrialEvents
 
 # Trial, its lifecycle and the journals live in trial.py and journal.py; imported from here too.
 __all__ = ["TrialRunner", "failure_of", "Trial", "TrialState", "ALLOWED", "IllegalTransition",
@@ -46,57 +42,7 @@ __all__ = ["TrialRunner", "failure_of", "Trial", "TrialState", "ALLOWED", "Illeg
 _log = logging.getLogger("retiarii.engine")
 
 
-def failure_of(reason: str) -> FailureKind:
-    """The kind of failure an ERRORED transition's reason records (``"model error: ..."``,
-    ``"environment error: ..."``, ``"checkpoint error: ..."``, ``"worker lost: ..."``; the
-    ``"error: ..."`` of older stores counts as the model's)."""
-    for kind in FailureKind:
-        if reason.startswith(f"{kind.value} error:"):
-            return kind
-    if reason.startswith("group error:"):  # a merged job failed: its trials retry alone
-        return FailureKind.ENVIRONMENT
-    return FailureKind.ENVIRONMENT if reason.startswith("worker lost") else FailureKind.MODEL
-
-
-def _result_dict(step: int, metrics: dict) -> dict:
-    """What a scheduler sees: the metrics (with ``time_total_s``) and ``training_iteration``."""
-    return {**metrics, "training_iteration": step}
-
-
-class _Outcome(enum.Enum):
-    """What the scheduler decided for a running segment before it ended."""
-
-    STOP = "stop"
-    PAUSE = "pause"
-
-
-@dataclass
-class _Flight:
-    """A submitted segment of one trial (one task of a job)."""
-
-    trial_id: str
-    task: TrialTask
-    job_id: str
-    worker: str | None = None
-    started: float | None = None
-    mark: float = 0.0  # clock of the last result (time accounting)
-    buffered: dict | None = None  # the segment's last result, fed once its checkpoint exists
-    outcome: _Outcome | None = None  # once decided, the segment only finishes
-    done: bool = False  # its segment's checkpoint arrived: it finished, whatever the job does
-
-
-@dataclass
-class _JobFlight:
-    """A submitted job: the trials it trains (one, or a group)."""
-
-    trials: list[str]
-    grouped: bool = False
-    units: tuple = ()  # what the worker reported of a grouped job (JobProfiled)
-    started: float | None = None
-    extra: dict = field(default_factory=dict)
-
-
-class TrialRunner(PackedJobs, GroupedJobs):
+class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
     """Drive trials on an executor under a scheduler until no work is left or a budget is hit.
 
     Example:
@@ -194,8 +140,8 @@ class TrialRunner(PackedJobs, GroupedJobs):
         self.steps_trained = 0  # every step any job reported, replays included
         self.timeline: list[dict] = []  # one entry per finished job: worker, start, end
         self._order: dict[str, int] = {}
-        self._inflight: dict[str, _JobFlight] = {}  # job id -> its trials
-        self._flights: dict[str, _Flight] = {}  # trial id -> its segment in flight
+        self._inflight: dict[str, JobFlight] = {}  # job id -> its trials
+        self._flights: dict[str, Flight] = {}  # trial id -> its segment in flight
         self._fed: dict[str, int] = {}  # trial -> last step the scheduler saw
         self._fed_log: list[list] = []  # [trial, step] each time _fed changed (journaled)
         self._journaled: dict[str, int] = {}
@@ -303,7 +249,7 @@ class TrialRunner(PackedJobs, GroupedJobs):
                 results.append((trial, p))
                 runner._journaled[trial.trial_id] = max(runner._journaled.get(trial.trial_id, 0),
                                                         p["step"])
-                trial.step, trial.last_result = p["step"], _result_dict(p["step"], p["metrics"])
+                trial.step, trial.last_result = p["step"], result_dict(p["step"], p["metrics"])
                 trial.time_total = trial.last_result.get("time_total_s", trial.time_total)
             elif kind == "checkpoint":
                 trial = runner.trials[p["trial_id"]]
@@ -328,7 +274,7 @@ class TrialRunner(PackedJobs, GroupedJobs):
         for trial, p in results:  # segment ends whose checkpoint exists but were never decided
             if (trial.trial_id in runner.trials and p["step"] > runner._fed.get(trial.trial_id, 0)
                     and p["step"] <= max(trial.checkpoints, default=0)):
-                runner._feed(trial, _result_dict(p["step"], p["metrics"]), None)
+                runner._feed(trial, result_dict(p["step"], p["metrics"]), None)
         for trial in runner.trials.values():
             if trial.state is TrialState.RUNNING:
                 runner._move(trial, TrialState.PENDING, "driver restarted")
@@ -416,7 +362,7 @@ class TrialRunner(PackedJobs, GroupedJobs):
         self._move(trial, TrialState.TERMINATED, reason)
         flight = self._flights.get(trial.trial_id)
         if flight is not None and flight.outcome is None:
-            flight.outcome = _Outcome.STOP
+            flight.outcome = Outcome.STOP
             if trial.step < flight.task.stop_step or flight.buffered is not None:
                 self._cancel_if_unwanted(flight.job_id)
         self.scheduler.on_trial_complete(trial.trial_id, trial.last_result or {})
@@ -563,127 +509,15 @@ class TrialRunner(PackedJobs, GroupedJobs):
         more = f"+{len(tasks) - 1}" if len(tasks) > 1 else ""
         job_id = f"{first.trial_id}{more}@{first.stop_step}#{self._jobs}"
         grouped = len(tasks) > 1
-        self._inflight[job_id] = _JobFlight([t.trial_id for t in tasks], grouped)
+        self._inflight[job_id] = JobFlight([t.trial_id for t in tasks], grouped)
         now = self.executor.now()
         for task in tasks:
-            self._flights[task.trial_id] = _Flight(task.trial_id, task, job_id, mark=now)
+            self._flights[task.trial_id] = Flight(task.trial_id, task, job_id, mark=now)
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
         if grouped and self.merge:
             meta.update({**self._group_meta(tasks), **self.dedicated})
         attempt = max(self.trials[t.trial_id].attempts for t in tasks)
         self.executor.submit(Job(job_id, tasks, attempt=attempt, meta=meta))
-
-    # ---- events ---------------------------------------------------------------------------
-
-    def _on_event(self, event) -> None:
-        job = self._inflight.get(event.job_id)
-        if job is None:
-            return  # an event of a job we no longer track (cancelled)
-        if isinstance(event, JobStarted):
-            job.started = self.executor.now()
-            for trial_id in job.trials:
-                flight = self._flights[trial_id]
-                flight.worker, flight.started = event.worker, job.started
-                flight.mark = flight.started
-                if self.journal is not None:
-                    self.journal.worker(trial_id, event.worker)
-        elif isinstance(event, JobProfiled):
-            job.units = tuple(event.units)
-        elif isinstance(event, (TrialResult, TrialCheckpointed)):
-            flight = self._flights.get(event.trial_id)
-            if flight is None or flight.job_id != event.job_id:
-                return  # not a task of this job: ignored
-            trial = self.trials[event.trial_id]
-            if isinstance(event, TrialResult):
-                self._on_result(trial, flight, event)
-            else:
-                self._on_checkpoint(trial, flight, event)
-        elif isinstance(event, (JobFinished, JobFailed)):
-            self._inflight.pop(event.job_id)
-            flights = [self._flights.pop(t) for t in job.trials]
-            for flight in flights:
-                self.timeline.append({"job_id": event.job_id, "trial_id": flight.trial_id,
-                                      "worker": flight.worker, "start": flight.started,
-                                      "end": self.executor.now(),
-                                      "failed": isinstance(event, JobFailed) and not flight.done})
-            if job.grouped:
-                self._end_group(event, job, flights)
-                return
-            flight, = flights
-            trial = self.trials[flight.trial_id]
-            if flight.outcome is not None:
-                return  # stopped or paused: the slot is simply free again
-            if isinstance(event, JobFailed):
-                if trial.state is TrialState.RUNNING:
-                    self._fail(trial, event.kind, event.error, flight.task, event.worker_lost)
-                return
-            if flight.buffered is not None:  # an executor that wrote no checkpoint
-                self._feed(trial, flight.buffered, None)
-            self._continue([trial], flight.worker)
-
-    def _on_checkpoint(self, trial: Trial, flight: _Flight, event: TrialCheckpointed) -> None:
-        try:
-            name = self.folder.name(event.path)
-        except CheckpointPathError as err:  # not where it was asked to go: never used
-            _log.error("trial %s: %s reported a checkpoint outside the run: %s",
-                       trial.trial_id, type(self.executor).__name__, err)
-            return
-        if event.step == flight.task.stop_step:
-            flight.done = True
-        if flight.outcome is not None and event.step > self._fed.get(trial.trial_id, 0):
-            return  # decided before it: steps the scheduler never saw (a group trains on)
-        if self.journal is not None:
-            self.journal.checkpoint(trial.trial_id, event.step, name)
-        trial.checkpoints[event.step] = name
-        trial.env_failures = 0  # progress: the environment works again
-        if (flight.buffered is not None and flight.outcome is None
-                and event.step == flight.task.stop_step):
-            result, flight.buffered = flight.buffered, None
-            self._feed(trial, result, flight)
-
-    def _on_result(self, trial: Trial, flight: _Flight, event: TrialResult) -> None:
-        self.steps_trained += 1
-        trial.time_total += max(0.0, event.time - flight.mark)
-        flight.mark = event.time
-        if flight.outcome is not None or event.step <= self._fed.get(trial.trial_id, 0):
-            return  # decided already, or a step replayed after a retry
-        metrics = {**event.metrics, "time_total_s": trial.time_total}
-        if event.step > self._journaled.get(trial.trial_id, 0):
-            if self.journal is not None:
-                self.journal.result(trial.trial_id, event.step, metrics, event.time)
-            self._journaled[trial.trial_id] = event.step
-        trial.step, trial.last_result = event.step, _result_dict(event.step, metrics)
-        if event.step == flight.task.stop_step:
-            flight.buffered = trial.last_result  # decide once the checkpoint exists
-        else:
-            self._feed(trial, trial.last_result, flight)
-
-    def _feed(self, trial: Trial, result: dict, flight: _Flight | None) -> None:
-        """Ask the scheduler about one result and apply its decision (journal first)."""
-        step = result["training_iteration"]
-        decision = self.scheduler.on_trial_result(trial.trial_id, result)
-        if not isinstance(decision, Decision):
-            raise TypeError(f"{type(self.scheduler).__name__}.on_trial_result returned "
-                            f"{decision!r}; return a retiarii.strategies.Decision")
-        self._fed[trial.trial_id] = step
-        self._fed_log.append([trial.trial_id, step])
-        if self.on_result is not None:
-            self.on_result(trial, result)
-        mid_segment = flight is not None and step < flight.task.stop_step
-        done = trial.max_steps is not None and step >= trial.max_steps
-        if trial.state is not TrialState.RUNNING:  # replaying a decision already journaled
-            if trial.state is TrialState.TERMINATED:
-                self.scheduler.on_trial_complete(trial.trial_id, result)
-        elif decision is Decision.STOP or done:
-            self._stop_running(trial, "stopped by scheduler" if decision is Decision.STOP
-                               else f"completed max_steps={trial.max_steps}")
-        elif decision is Decision.PAUSE:
-            self._move(trial, TrialState.PAUSED, "paused by scheduler")
-            if flight is not None:
-                flight.outcome = _Outcome.PAUSE
-                if mid_segment:  # resumes from the last checkpoint, redoing these steps
-                    self._cancel_if_unwanted(flight.job_id)
-        self._after_scheduler()
 
     def _continue(self, trials: list[Trial], worker: str | None) -> None:
         """Segments ended with CONTINUE: train the next ones at once, preferably on the same
@@ -709,58 +543,6 @@ class TrialRunner(PackedJobs, GroupedJobs):
                 chunk = [*chunk, *self._companions(chunk)] if self._key(chunk[0]) is not None else chunk
                 self._launch(chunk, worker if i == 0 and k == 0 else None)
 
-
-    def _fail(self, trial: Trial, kind: FailureKind, error: str, task: TrialTask | None = None,
-              lost: bool = False) -> None:
-        """A RUNNING trial failed: retry it, fail it for good, or stop the run (see the module
-        docstring for which)."""
-        trial.attempts += 1
-        trial.error = error
-        unreadable = None  # the step of its own checkpoint the segment could not start from
-        if kind is FailureKind.CHECKPOINT:
-            start = task.start_step if task is not None else None
-            name = trial.checkpoints.get(start)
-            if name is not None and task.checkpoint_in == os.path.join(self.folder.root, name):
-                unreadable = start
-            else:  # a PBT donor: the user must bring it back (or it is the executor's fault)
-                kind = FailureKind.ENVIRONMENT
-        if kind is FailureKind.MODEL:
-            trial.model_failures += 1
-            retry = trial.model_failures <= self.model_retries
-        elif kind is FailureKind.ENVIRONMENT:
-            trial.env_failures += 1
-            retry = trial.env_failures <= self.max_failures
-        else:
-            retry = True  # bounded: each such failure removes one checkpoint
-        final = kind is FailureKind.MODEL and not retry
-        self._move(trial, TrialState.ERRORED,
-                   f"{'worker lost' if lost else kind.value + ' error'}: {error}", final=final)
-        if unreadable is not None:
-            self._forget(trial, unreadable, error)
-        if retry:
-            step, _ = trial.resume_point()
-            self._move(trial, TrialState.PENDING, f"retry {trial.attempts} from step {step}")
-        elif final:
-            self.scheduler.on_trial_error(trial.trial_id)
-            self._after_scheduler()
-        else:  # the environment keeps failing: stop cleanly; resume() retries the trial
-            first = (error.strip().splitlines() or [""])[0]
-            self.stop_reason = (f"trial {trial.trial_id} failed {trial.env_failures} times "
-                                f"because of its environment, last with: {first}")
-            _log.error("stopping: %s. Fix the cause, then resume: the trial is retried.",
-                       self.stop_reason)
-
-    def _forget(self, trial: Trial, step: int, error: str) -> None:
-        """Stop using ``trial``'s checkpoint of ``step`` (missing or unreadable): its next
-        segment starts from its newest earlier checkpoint. The file is left as it is."""
-        name = trial.checkpoints.pop(step)
-        if self.journal is not None and hasattr(self.journal, "forget_checkpoint"):
-            self.journal.forget_checkpoint(trial.trial_id, step)
-        back, _ = trial.resume_point()
-        first = (error.strip().splitlines() or [""])[0]
-        _log.warning("trial %s: its checkpoint of step %d (%s) cannot be read (%s); resuming "
-                     "from step %d instead", trial.trial_id, step,
-                     os.path.join(self.folder.root, name), first, back)
 
     def _close_leftovers(self) -> None:
         """The search is over: trials the scheduler never ran again are terminated."""
