@@ -3,7 +3,8 @@ paper §5.2: super-graphs too large for one GPU are spread over several, one per
 
 SPOS on K ranks (``--ranks``, gloo on the CPU) over a space of ``--layers`` choice blocks of
 four candidates (3x3, 5x5 and 7x7 convolutions with BatchNorm, and a skip) of ``--width``
-channels on the 8x8 digits, two ways, from the same initial weights:
+channels on the 8x8 digits (``ClassifierTrainer``: SGD with momentum, batch 32), two ways,
+from the same initial weights:
 
 - **replicated**: plain mixed parallelism, every rank holds the whole super-graph;
 - **split**: ``device_memory`` = ``--fraction`` of the super-graph's bytes (weights, gradients
@@ -34,11 +35,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retiarii as rt  # noqa: E402 (the checkout's, beside benchmarks/)
-from retiarii.engine.trainer import Trainer, load_dataset  # noqa: E402
+from retiarii.engine.trainer import ClassifierTrainer, load_dataset  # noqa: E402
 from retiarii.optim.mixed_parallel import run_segment_on_ranks  # noqa: E402
 from retiarii.strategies import SPOS  # noqa: E402
 from retiarii.strategies.one_shot import SegmentContext  # noqa: E402
@@ -52,7 +52,7 @@ class Config:
     width: int = 48
     layers: int = 4
     batch: int = 32
-    segments: int = 3  # training segments (epochs); the first is not timed
+    segments: int = 10  # training segments (epochs); the first is not timed
     fraction: float = 0.7  # device_memory as a fraction of the whole super-graph's bytes
     population: int = 8  # candidates the search evaluates (one generation)
     train_limit: int | None = None  # examples (None: the whole training split)
@@ -81,35 +81,14 @@ class Net(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-class Digits(Trainer):
-    """The 8x8 digits, one epoch per segment, SGD with momentum."""
-
-    def __init__(self, batch: int, limit: int | None):
-        x, y = load_dataset("digits")  # (1797, 1, 8, 8), (1797,)
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        train, valid = order[:1400], order[1400:]
-        self.xt, self.yt = x[train][:limit], y[train][:limit]
-        self.xv, self.yv = x[valid], y[valid]
-        self.batch = batch
-
-    def train_dataloader(self, hparams, epoch):
-        order = torch.randperm(len(self.xt), generator=torch.Generator().manual_seed(epoch))
-        return [(self.xt[i], self.yt[i]) for i in order.split(self.batch)
-                if len(i) == self.batch]
-
-    def val_dataloader(self, hparams):
-        return list(zip(self.xv.split(256), self.yv.split(256)))
-
-    def configure_optimizers(self, model, hparams):
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def training_step(self, model, batch, hparams):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def validation_step(self, model, batch):
-        x, y = batch
-        return {"val_acc": (model(x).argmax(1) == y).float().mean()}
+def _trainer(cfg: Config) -> ClassifierTrainer:
+    """Digits (the first ``train_limit`` images when given), SGD with momentum."""
+    data = "digits"
+    if cfg.train_limit is not None:
+        x, y = load_dataset("digits")
+        data = (x[:cfg.train_limit], y[:cfg.train_limit])
+    return ClassifierTrainer(dataset=data, batch_size=cfg.batch, optimizer="sgd", lr=0.05,
+                             momentum=0.9)
 
 
 def _space(cfg: Config) -> rt.ModelSpace:
@@ -122,7 +101,7 @@ def build(cfg: Config, segment: int, memory: float | None):
     device = torch.device(cfg.device)
     spos = SPOS(train_segments=cfg.segments, search_population=cfg.population,
                 search_generations=1, eval_batches=None, calibrate_batches=4, seed=cfg.seed)
-    trainer = Digits(cfg.batch, cfg.train_limit)
+    trainer = _trainer(cfg)
     spos.setup(_space(cfg), trainer, {}, device)
     return spos, SegmentContext(segment, trainer, {}, device, device_memory=memory)
 

@@ -234,17 +234,20 @@ class SuperGraph:
         return {attr: op if any(fnmatch.fnmatchcase(op.attr, p) for p in self.shared)
                 else dataclasses.replace(op, key=f"{op.key}#{mine}") for attr, op in ops.items()}
 
+    def _module_or_meta(self, op: OpKey) -> nn.Module:
+        """The pooled module of ``op``, or one built on the meta device (nothing allocated)."""
+        entry = self._pool.get(op.key)
+        if entry is not None:
+            return entry.module
+        with torch.device("meta"):
+            return _build(op)
+
     def training_bytes(self, op: OpKey, optimizer_slots: int = 2) -> int:
         """Bytes operator ``op`` takes on a device while training: a trained weight with its
         gradient and ``optimizer_slots`` state tensors (Adam: 2, SGD with momentum: 1), a
         frozen weight or a buffer once. Counted on the pooled module when there is one, else
         on the meta device (nothing allocated)."""
-        entry = self._pool.get(op.key)
-        if entry is not None:
-            module = entry.module
-        else:
-            with torch.device("meta"):
-                module = _build(op)
+        module = self._module_or_meta(op)
         total = 0
         for p in module.parameters():
             trained = p.requires_grad and not op.frozen
@@ -256,14 +259,9 @@ class SuperGraph:
         """``(name, shape, dtype)`` of each trained parameter of ``op``, named as
         :meth:`named_parameters` names them, whether or not the pool holds it (a rank of a split
         super-graph lines up gradients of weights held elsewhere by these)."""
-        entry = self._pool.get(op.key)
-        if entry is not None:
-            module = entry.module
-        else:
-            with torch.device("meta"):
-                module = _build(op)
         if op.frozen:
             return []
+        module = self._module_or_meta(op)
         return [(f"{op.key}:{n}", tuple(p.shape), p.dtype)
                 for n, p in module.named_parameters() if p.requires_grad]
 
