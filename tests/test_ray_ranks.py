@@ -296,3 +296,31 @@ def test_a_split_super_graph_on_actors_equals_local_ranks(ex):
     assert result_a.metrics == result_r.metrics and result_a.metrics["split"] == 1
     _equal(state_a, state_r)
     _nothing_left("t-split-")
+
+
+@pytest.mark.slow  # two segments on two rank actors, and the same locally: ~25 s
+def test_a_worker_keeps_its_rank_actors_between_the_segments_of_a_search(ex, monkeypatch):
+    from retiarii.engine.executors.ray_ranks import RankGroup
+    from retiarii.engine.executors.ray_worker import WorkerActor
+
+    starts = []
+    start = RankGroup._start
+    monkeypatch.setattr(RankGroup, "_start", lambda self: (starts.append(1), start(self)))
+    worker = WorkerActor("t-keep", 1, list(sys.path),
+                         {"num_cpus": RANK_CPUS, "group_prefix": "t-kept-"})
+    try:
+        first = worker._run_ranks(functools.partial(build_spos, 0), None, WORLD, keep=True)
+        groups, actors = _left_behind("t-kept-")
+        assert len(groups) == 1 and len(actors) == WORLD  # kept for the next segment
+        second = worker._run_ranks(functools.partial(build_spos, 1), first[1], WORLD,
+                                   keep=False)
+        assert len(starts) == 1  # the second segment ran on the kept actors
+        _nothing_left("t-kept-")  # the search's last segment: closed
+    finally:
+        for group in worker._groups.values():
+            group.close()
+    local = run_segment_on_ranks(functools.partial(build_spos, 0), None, WORLD, timeout=300)
+    local = run_segment_on_ranks(functools.partial(build_spos, 1), local[1], WORLD, timeout=300)
+    _equal(second[1], local[1])
+    assert [(m.sample, m.metrics) for m in second[0].models] == \
+        [(m.sample, m.metrics) for m in local[0].models]
