@@ -421,3 +421,23 @@ def test_a_unit_saved_with_torchs_positional_optimizer_state_still_loads():
     assert mine.keys() == theirs.keys()
     for i in theirs:
         torch.testing.assert_close(mine[i]["exp_avg"], theirs[i]["exp_avg"], rtol=0, atol=0)
+
+
+def test_a_split_search_killed_between_segments_resumes_as_uninterrupted(tmp_path, monkeypatch):
+    from test_one_shot_engine import _outcome, _run_dying
+
+    from retiarii.engine.segments import SegmentTable
+
+    make = functools.partial(_search, device_memory=3 * LINEAR)  # a split every segment
+    make(tmp_path / "a.db").run()
+    expected = _outcome(tmp_path / "a.db")
+    assert expected["status"] == "done" and expected["models"]
+    for n in (1, 2):  # dies at the first / second write of a segment's outcome
+        died, _ = _run_dying(tmp_path / f"b{n}.db", n, monkeypatch, make,
+                             [(SegmentTable, "commit")])
+        assert died
+        make(tmp_path / f"b{n}.db").resume()
+        got = _outcome(tmp_path / f"b{n}.db")
+        assert got["models"] == expected["models"] and got["segments"] == expected["segments"]
+        for name, value in expected["weights"].items():
+            assert torch.equal(got["weights"][name], value), name
