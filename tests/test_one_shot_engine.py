@@ -558,4 +558,3 @@ def test_cli_shared_annotates_the_operators_that_share_weights(tmp_path, capsys,
     with Store(str(tmp_path / "ok.db")) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         assert store.get_experiment()["config"]["strategy"]["config"]["shared"] == ["fc1"]
-
