@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from model_spaces._mobile import MBConv, MobileNet, keeps_shape
+from model_spaces._mobile import LeafMBConv, MBConv, MobileNet, keeps_shape
 
 # (out channels, layers, first stride) per stage
 PROXYLESS_STAGES = ((24, 4, 2), (40, 4, 2), (80, 4, 2), (96, 4, 1), (192, 4, 2), (320, 1, 1))
@@ -77,11 +77,13 @@ def size(variant: str) -> int:
 
 
 def searched_layer(c_in: int, c_out: int, stride: int, kernels, expansions, identity,
-                   label: str) -> rt.LayerChoice:
+                   label: str, leaf_blocks: bool = False) -> rt.LayerChoice:
     """One layer: a LayerChoice among MBConv(kernel k, expansion e) named ``k{k}_e{e}``, plus
-    ``identity`` (the identity) when given and the layer keeps its shape."""
+    ``identity`` (the identity) when given and the layer keeps its shape; ``leaf_blocks``:
+    each MBConv one opaque node (:class:`~model_spaces._mobile.LeafMBConv`)."""
+    block = LeafMBConv if leaf_blocks else MBConv
     ops: dict[str, nn.Module] = {
-        f"k{k}_e{e}": MBConv(c_in, c_out, stride, k, e)
+        f"k{k}_e{e}": block(c_in, c_out, stride, k, e)
         for k, e in itertools.product(kernels, expansions)}
     if identity and keeps_shape(c_in, c_out, stride):
         ops[identity] = nn.Identity()
@@ -91,9 +93,11 @@ def searched_layer(c_in: int, c_out: int, stride: int, kernels, expansions, iden
 def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem: int = 32,
                     first: int = 16, head: int = 1280, stem_stride: int = 2,
                     in_channels: int = 3, num_classes: int = 1000,
-                    image_size: int = 224) -> rt.ModelSpace:
+                    image_size: int = 224, leaf_blocks: bool = False) -> rt.ModelSpace:
     """The space of ``variant`` (a key of :data:`VARIANTS`) on the given stage layout:
     (out channels, layers, first stride) per stage; layers are labelled ``layer1``...
+    ``leaf_blocks``: the searched MBConvs as opaque nodes (the same models and functions; the
+    form the continuous relaxations take, see :class:`~model_spaces._mobile.LeafMBConv`).
     """
     _, kernels, expansions, identity = VARIANTS[variant]
     layers: list[nn.Module] = [MBConv(stem, first, 1, 3, 1)]  # fixed, as in MobileNetV2
@@ -102,7 +106,7 @@ def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem
         for j in range(n):
             i += 1
             layers.append(searched_layer(c_in, c_out, stride if j == 0 else 1, kernels,
-                                         expansions, identity, f"layer{i}"))
+                                         expansions, identity, f"layer{i}", leaf_blocks))
             c_in = c_out
     net = MobileNet(layers, stem, c_in, head, stem_stride, in_channels, num_classes)
     return rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
@@ -110,16 +114,17 @@ def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem
 
 
 def small(variant: str = "proxylessnas", in_channels: int = 1, num_classes: int = 10,
-          image_size: int = 8) -> rt.ModelSpace:
+          image_size: int = 8, leaf_blocks: bool = False) -> rt.ModelSpace:
     """The variant's layer counts, widths 8 ... 32 (stem 8, first block 4, head 64), strides 2
     in the second and fifth stages."""
     stages = tuple((w, n, s) for w, (_, n, _), s in
                    zip(SMALL_WIDTHS, VARIANTS[variant][0], SMALL_STRIDES))
-    return proxyless_space(variant, stages, 8, 4, 64, 1, in_channels, num_classes, image_size)
+    return proxyless_space(variant, stages, 8, 4, 64, 1, in_channels, num_classes, image_size,
+                           leaf_blocks)
 
 
 def paper(variant: str = "proxylessnas", in_channels: int = 3, num_classes: int = 1000,
-          image_size: int = 224) -> rt.ModelSpace:
+          image_size: int = 224, leaf_blocks: bool = False) -> rt.ModelSpace:
     """The published layout of ``variant`` for ImageNet."""
     return proxyless_space(variant, VARIANTS[variant][0], 32, 16, 1280, 2, in_channels,
-                           num_classes, image_size)
+                           num_classes, image_size, leaf_blocks)
