@@ -18,8 +18,9 @@ released builder: the paper leaves it implicit).
 Size: 9 ** 22 (about 9.8e20) models, the published count ("9^22 ≈ 10^21").
 
 FBNet searches with a differentiable super-net (Gumbel-softmax over the 9 candidates of each
-layer); until the engine's weight sharing lands, ``retiarii nas run fbnet`` explores the
-same space with a multi-trial strategy (regularized evolution).
+layer); ``retiarii nas run fbnet`` runs ``retiarii.strategies.GumbelDARTS`` on the space with
+``leaf_blocks=True`` (each candidate one opaque node, the same models: the relaxation refuses
+spliced blocks, whose residuals read a node named by the previous layer's choice).
 
 Presets: :func:`paper` has Table 1's widths and strides for 224x224 ImageNet; :func:`small`
 keeps the 22 layers (the same size) with widths 8 ... 32, stem 8, head 64 and two stride-2

@@ -16,14 +16,14 @@ block, stages of inverted residuals, 1x1 head) where every layer picks its MBCon
   on the layers that keep their shape (6 first layers: 6, 13 others: 7): 6**6 * 7**13. In its
   *super-net* the skip is a linearly equivalent transformation (a 1x1 conv without
   activation, so the super-net trains stably: "LET"); a stand-alone model it selects has a
-  plain identity there, which is what this space holds: each model here trains alone.
+  plain identity there, which is what this space holds (its super-net here too: no LET).
 - **Single-Path NAS** (Stamoulis et al., ECML-PKDD 2019): kernel 3/5 x expansion 3/6 plus
   ``skip`` on the layers that keep their shape (its MobileNetV2-based macro-architecture is
   taken here as ProxylessNAS's 21-layer layout): 4**6 * 5**15.
   The paper's "super-kernel" is how its differentiable search *shares weights* among these
   candidates (the 3x3 kernel is the centre of the 5x5, expansion 3 the first half of 6); the
-  discrete space is the same, and each candidate here is its own MBConv until the engine's
-  weight sharing lands. A layer is one LayerChoice of its 4 (or 5) candidates rather than
+  discrete space is the same, and each candidate here is its own MBConv (the super-graph
+  shares no kernel centre between them). A layer is one LayerChoice of its 4 (or 5) candidates rather than
   kernel and expansion ValueChoices under a skip choice: the same models, but choices that
   exist only when a layer is not skipped would make ``size()`` walk 2**15 branches.
 
@@ -32,7 +32,9 @@ dropped layer is one network whatever else). ProxylessNAS, SCARLET-NAS and Singl
 publish no single count; the ones above follow from the layouts.
 
 All four publish weight-sharing searches (ProxylessNAS also an RL one); ``retiarii nas run``
-searches them with multi-trial strategies (see ``retiarii nas list``).
+runs ``ProxylessNAS`` (proxylessnas, single_path_nas: on ``leaf_blocks=True``, each MBConv one
+opaque node, which the binary-gate relaxation takes) and ``SPOS(fair=True)`` (fairnas,
+scarlet_nas); ``retiarii nas show NAME`` says what differs from each paper.
 
 Presets: :func:`paper` has the published widths and strides for 224x224 ImageNet (stem 32,
 first block 16, head 1280); :func:`small` keeps the layer counts (the same space size) with
