@@ -23,6 +23,9 @@ Example::
     >>> space = nas.build_space("nasbench201", "small")    # a ModelSpace for (1, 8, 8) digits
     >>> exp = nas.experiment("nasbench201", max_models=4, store="runs/nb201.db")
     >>> summary = exp.run()                                 # (under `if __name__ == "__main__":`)
+    >>> nas.get("fairnas").runs_with, nas.get("fairnas").one_shot
+    ('SPOS', True)
+    >>> exp = nas.experiment("fairnas", epochs=3)           # 3 segments of SPOS(fair=True)
 """
 from __future__ import annotations
 
@@ -293,15 +296,11 @@ def _one_shot(runs_with: str, epochs: int, seed: int, options: dict):
             "search_population": 8, "search_generations": 3, "eval_batches": 2, **options})
     if runs_with == "ENAS":
         return s.ENAS(segments=epochs, seed=seed, **{"controller_steps": 20, **options})
-    if runs_with == "WeightSharing(Random)":
-        # dedup=False: a model drawn twice trains again (the search outlasts small spaces)
-        return s.WeightSharing(s.Random(seed=seed, dedup=False), segments=epochs, seed=seed,
-                               **options)
     return getattr(s, runs_with)(epochs=epochs, seed=seed, **options)  # the DARTS family
 
 
 # Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host)
-ONE_SHOT = ("SPOS", "ENAS", "DARTS", "GumbelDARTS", "ProxylessNAS", "WeightSharing(Random)")
+ONE_SHOT = ("SPOS", "ENAS", "DARTS", "GumbelDARTS", "ProxylessNAS")
 
 
 def strategy(name: str, seed: int = 0, epochs: int = 2, options: dict | None = None):
