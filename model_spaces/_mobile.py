@@ -110,6 +110,23 @@ class MBConv(nn.Module):
         return out + x if self.residual else out
 
 
+@rt.leaf
+class LeafMBConv(MBConv):
+    """An :class:`MBConv` the trace keeps as one opaque node (same layers, same function).
+
+    A LayerChoice of spliced MBConvs (the default) puts each candidate's layers in the graph;
+    a block's residual add then reads a node named by the previous layer's choice, so the
+    nodes of one layer depend on two choices together, which the continuous relaxations
+    (DARTS, GumbelDARTS, ProxylessNAS: :mod:`retiarii.optim.relax`) refuse. A choice of
+    leaf blocks is one node whose operation changes: a mixed op they take.
+    """
+
+
+@rt.leaf
+class LeafConvBNAct(ConvBNAct):
+    """A :class:`ConvBNAct` kept as one opaque node (see :class:`LeafMBConv`)."""
+
+
 class MobileNet(nn.Module):
     """[resize] ─▶ stem (3x3 conv) ─▶ ``layers`` ─▶ head (1x1 conv) ─▶ pool ─▶ classifier.
 

@@ -18,9 +18,9 @@ Size: per cell ``prod_k C(k + 2, 2) * 7**2 = 180 * 7**8`` = 1,037,664,180 and th
 together 1,037,664,180 ** 2 (about 1.08e18), the "~10^18" quoted for the DARTS space
 (e.g. by NAS-Bench-301, Siems et al. 2020).
 
-DARTS searches this space by gradient descent over a weight-sharing super-net; until the
-engine's weight sharing lands, ``retiarii nas run darts`` explores it with a multi-trial
-strategy (regularized evolution).
+DARTS searches this space by gradient descent over a weight-sharing super-net, which is what
+``retiarii nas run darts`` runs (``retiarii.strategies.DARTS``, first order, on the continuous
+relaxation of every op and input choice).
 
 Presets: :func:`paper` is the evaluation network (C=36, 20 cells, reductions at 1/3 and 2/3);
 :func:`small` is C=8 with 3 cells (normal, reduction, normal) for the 8x8 digits.

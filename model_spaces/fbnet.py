@@ -18,8 +18,9 @@ released builder: the paper leaves it implicit).
 Size: 9 ** 22 (about 9.8e20) models, the published count ("9^22 ≈ 10^21").
 
 FBNet searches with a differentiable super-net (Gumbel-softmax over the 9 candidates of each
-layer); until the engine's weight sharing lands, ``retiarii nas run fbnet`` explores the
-same space with a multi-trial strategy (regularized evolution).
+layer); ``retiarii nas run fbnet`` runs ``retiarii.strategies.GumbelDARTS`` on the space with
+``leaf_blocks=True`` (each candidate one opaque node, the same models: the relaxation refuses
+spliced blocks, whose residuals read a node named by the previous layer's choice).
 
 Presets: :func:`paper` has Table 1's widths and strides for 224x224 ImageNet; :func:`small`
 keeps the 22 layers (the same size) with widths 8 ... 32, stem 8, head 64 and two stride-2
@@ -36,7 +37,8 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from model_spaces._mobile import ConvBNAct, MBConv, MobileNet, keeps_shape
+from model_spaces._mobile import (ConvBNAct, LeafConvBNAct, LeafMBConv, MBConv, MobileNet,
+                                  keeps_shape)
 
 # (out channels, layers, first stride) per stage, the paper's Table 1
 PAPER_STAGES = ((16, 1, 1), (24, 4, 2), (32, 4, 2), (64, 4, 2), (112, 4, 1), (184, 4, 2),
@@ -49,32 +51,37 @@ BLOCKS = {"k3_e1": (3, 1, 1), "k3_e1_g2": (3, 1, 2), "k3_e3": (3, 3, 1), "k3_e6"
 PUBLISHED_SIZE = 9 ** 22
 
 
-def skip(c_in: int, c_out: int, stride: int) -> nn.Module:
+def skip(c_in: int, c_out: int, stride: int, leaf_blocks: bool = False) -> nn.Module:
     """The identity, or a 1x1 conv + BN + ReLU where the layer changes the shape."""
     if keeps_shape(c_in, c_out, stride):
         return nn.Identity()
-    return ConvBNAct(c_in, c_out, 1, stride, act=nn.ReLU)
+    return (LeafConvBNAct if leaf_blocks else ConvBNAct)(c_in, c_out, 1, stride, act=nn.ReLU)
 
 
-def searched_layer(c_in: int, c_out: int, stride: int, label: str) -> rt.LayerChoice:
-    """One of the 9 candidates, as a LayerChoice labelled ``label``."""
+def searched_layer(c_in: int, c_out: int, stride: int, label: str,
+                   leaf_blocks: bool = False) -> rt.LayerChoice:
+    """One of the 9 candidates, as a LayerChoice labelled ``label``; ``leaf_blocks``: each
+    candidate one opaque node (:class:`~model_spaces._mobile.LeafMBConv`)."""
+    block = LeafMBConv if leaf_blocks else MBConv
     ops: dict[str, nn.Module] = {
-        name: MBConv(c_in, c_out, stride, k, e, act=nn.ReLU, groups=g, expand=True)
+        name: block(c_in, c_out, stride, k, e, act=nn.ReLU, groups=g, expand=True)
         for name, (k, e, g) in BLOCKS.items()}
-    ops["skip"] = skip(c_in, c_out, stride)
+    ops["skip"] = skip(c_in, c_out, stride, leaf_blocks)
     return rt.LayerChoice(ops, label=label)
 
 
 def fbnet_space(stages=PAPER_STAGES, stem: int = 16, head: int = 1984, stem_stride: int = 2,
                 in_channels: int = 3, num_classes: int = 1000,
-                image_size: int = 224) -> rt.ModelSpace:
+                image_size: int = 224, leaf_blocks: bool = False) -> rt.ModelSpace:
     """The FBNet space on a stage layout: (out channels, layers, first stride) per stage;
-    the searched layers are labelled ``layer1`` ... ``layer22``."""
+    the searched layers are labelled ``layer1`` ... ``layer22``. ``leaf_blocks``: each
+    candidate one opaque node (the same models; the form GumbelDARTS takes)."""
     layers, c_in, i = [], stem, 0
     for c_out, n, stride in stages:
         for j in range(n):
             i += 1
-            layers.append(searched_layer(c_in, c_out, stride if j == 0 else 1, f"layer{i}"))
+            layers.append(searched_layer(c_in, c_out, stride if j == 0 else 1, f"layer{i}",
+                                         leaf_blocks))
             c_in = c_out
     net = MobileNet(layers, stem, c_in, head, stem_stride, in_channels, num_classes,
                     act=nn.ReLU)
@@ -82,12 +89,15 @@ def fbnet_space(stages=PAPER_STAGES, stem: int = 16, head: int = 1984, stem_stri
                                                         image_size))
 
 
-def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8) -> rt.ModelSpace:
+def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8,
+          leaf_blocks: bool = False) -> rt.ModelSpace:
     """The 22 layers with widths 8 ... 32 (even: the g2 blocks split them in 2 groups)."""
-    return fbnet_space(SMALL_STAGES, 8, 64, 1, in_channels, num_classes, image_size)
+    return fbnet_space(SMALL_STAGES, 8, 64, 1, in_channels, num_classes, image_size,
+                       leaf_blocks)
 
 
-def paper(in_channels: int = 3, num_classes: int = 1000, image_size: int = 224
-          ) -> rt.ModelSpace:
+def paper(in_channels: int = 3, num_classes: int = 1000, image_size: int = 224,
+          leaf_blocks: bool = False) -> rt.ModelSpace:
     """FBNet's macro-architecture (Table 1) for ImageNet."""
-    return fbnet_space(PAPER_STAGES, 16, 1984, 2, in_channels, num_classes, image_size)
+    return fbnet_space(PAPER_STAGES, 16, 1984, 2, in_channels, num_classes, image_size,
+                       leaf_blocks)

@@ -20,9 +20,10 @@ there and not searched here).
 
 OFA trains one super-net whose sub-networks share weights (a kernel transform for small
 kernels, the first channels for small expansions, the first layers for small depths) and
-then searches it by evolution guided by accuracy and latency predictors. Until the engine's
-weight sharing lands, ``retiarii nas run once_for_all`` trains each candidate alone with
-regularized evolution.
+then searches it by evolution guided by accuracy and latency predictors. ``retiarii nas run
+once_for_all`` runs the closest one-shot strategy, ``SPOS``: uniform sub-networks train one
+super-graph whose kernels and widths are sliced from the largest (no progressive shrinking),
+then evolution ranks candidates with the inherited weights (no predictors).
 
 The head is a single 1x1 conv (MobileNetV3's is a 1x1 conv to 960, pooling, then 1x1 to
 1280); the SE blocks squeeze to a quarter of the layer's input channels.

@@ -22,8 +22,9 @@ subsets; with the paper's 4 blocks, 3 * 6 * 10 * 15 * 28 ** 4 = 1,659,571,200 (t
 states no count).
 
 Bender et al. train the one-shot model once and rank random architectures with its shared
-weights; until the engine's weight sharing lands, ``retiarii nas run oneshot`` trains the
-random architectures one by one (``Random``).
+weights; ``retiarii nas run oneshot`` does the same with ``SPOS`` and one search generation
+(the one-shot model trains one uniform path per batch, where the paper drops paths of the
+whole model).
 
 Presets: :func:`paper` 3 stacks of 3 cells of C = 32 on 32x32 (a CIFAR-10 size; the paper
 sweeps widths); :func:`small` 3 stacks of one cell of C = 8.

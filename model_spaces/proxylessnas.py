@@ -16,14 +16,14 @@ block, stages of inverted residuals, 1x1 head) where every layer picks its MBCon
   on the layers that keep their shape (6 first layers: 6, 13 others: 7): 6**6 * 7**13. In its
   *super-net* the skip is a linearly equivalent transformation (a 1x1 conv without
   activation, so the super-net trains stably: "LET"); a stand-alone model it selects has a
-  plain identity there, which is what this space holds: each model here trains alone.
+  plain identity there, which is what this space holds (its super-net here too: no LET).
 - **Single-Path NAS** (Stamoulis et al., ECML-PKDD 2019): kernel 3/5 x expansion 3/6 plus
   ``skip`` on the layers that keep their shape (its MobileNetV2-based macro-architecture is
   taken here as ProxylessNAS's 21-layer layout): 4**6 * 5**15.
   The paper's "super-kernel" is how its differentiable search *shares weights* among these
   candidates (the 3x3 kernel is the centre of the 5x5, expansion 3 the first half of 6); the
-  discrete space is the same, and each candidate here is its own MBConv until the engine's
-  weight sharing lands. A layer is one LayerChoice of its 4 (or 5) candidates rather than
+  discrete space is the same, and each candidate here is its own MBConv (the super-graph
+  shares no kernel centre between them). A layer is one LayerChoice of its 4 (or 5) candidates rather than
   kernel and expansion ValueChoices under a skip choice: the same models, but choices that
   exist only when a layer is not skipped would make ``size()`` walk 2**15 branches.
 
@@ -32,7 +32,9 @@ dropped layer is one network whatever else). ProxylessNAS, SCARLET-NAS and Singl
 publish no single count; the ones above follow from the layouts.
 
 All four publish weight-sharing searches (ProxylessNAS also an RL one); ``retiarii nas run``
-searches them with multi-trial strategies (see ``retiarii nas list``).
+runs ``ProxylessNAS`` (proxylessnas, single_path_nas: on ``leaf_blocks=True``, each MBConv one
+opaque node, which the binary-gate relaxation takes) and ``SPOS(fair=True)`` (fairnas,
+scarlet_nas); ``retiarii nas show NAME`` says what differs from each paper.
 
 Presets: :func:`paper` has the published widths and strides for 224x224 ImageNet (stem 32,
 first block 16, head 1280); :func:`small` keeps the layer counts (the same space size) with
@@ -51,7 +53,7 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from model_spaces._mobile import MBConv, MobileNet, keeps_shape
+from model_spaces._mobile import LeafMBConv, MBConv, MobileNet, keeps_shape
 
 # (out channels, layers, first stride) per stage
 PROXYLESS_STAGES = ((24, 4, 2), (40, 4, 2), (80, 4, 2), (96, 4, 1), (192, 4, 2), (320, 1, 1))
@@ -77,11 +79,13 @@ def size(variant: str) -> int:
 
 
 def searched_layer(c_in: int, c_out: int, stride: int, kernels, expansions, identity,
-                   label: str) -> rt.LayerChoice:
+                   label: str, leaf_blocks: bool = False) -> rt.LayerChoice:
     """One layer: a LayerChoice among MBConv(kernel k, expansion e) named ``k{k}_e{e}``, plus
-    ``identity`` (the identity) when given and the layer keeps its shape."""
+    ``identity`` (the identity) when given and the layer keeps its shape; ``leaf_blocks``:
+    each MBConv one opaque node (:class:`~model_spaces._mobile.LeafMBConv`)."""
+    block = LeafMBConv if leaf_blocks else MBConv
     ops: dict[str, nn.Module] = {
-        f"k{k}_e{e}": MBConv(c_in, c_out, stride, k, e)
+        f"k{k}_e{e}": block(c_in, c_out, stride, k, e)
         for k, e in itertools.product(kernels, expansions)}
     if identity and keeps_shape(c_in, c_out, stride):
         ops[identity] = nn.Identity()
@@ -91,9 +95,11 @@ def searched_layer(c_in: int, c_out: int, stride: int, kernels, expansions, iden
 def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem: int = 32,
                     first: int = 16, head: int = 1280, stem_stride: int = 2,
                     in_channels: int = 3, num_classes: int = 1000,
-                    image_size: int = 224) -> rt.ModelSpace:
+                    image_size: int = 224, leaf_blocks: bool = False) -> rt.ModelSpace:
     """The space of ``variant`` (a key of :data:`VARIANTS`) on the given stage layout:
     (out channels, layers, first stride) per stage; layers are labelled ``layer1``...
+    ``leaf_blocks``: the searched MBConvs as opaque nodes (the same models and functions; the
+    form the continuous relaxations take, see :class:`~model_spaces._mobile.LeafMBConv`).
     """
     _, kernels, expansions, identity = VARIANTS[variant]
     layers: list[nn.Module] = [MBConv(stem, first, 1, 3, 1)]  # fixed, as in MobileNetV2
@@ -102,7 +108,7 @@ def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem
         for j in range(n):
             i += 1
             layers.append(searched_layer(c_in, c_out, stride if j == 0 else 1, kernels,
-                                         expansions, identity, f"layer{i}"))
+                                         expansions, identity, f"layer{i}", leaf_blocks))
             c_in = c_out
     net = MobileNet(layers, stem, c_in, head, stem_stride, in_channels, num_classes)
     return rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
@@ -110,16 +116,17 @@ def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem
 
 
 def small(variant: str = "proxylessnas", in_channels: int = 1, num_classes: int = 10,
-          image_size: int = 8) -> rt.ModelSpace:
+          image_size: int = 8, leaf_blocks: bool = False) -> rt.ModelSpace:
     """The variant's layer counts, widths 8 ... 32 (stem 8, first block 4, head 64), strides 2
     in the second and fifth stages."""
     stages = tuple((w, n, s) for w, (_, n, _), s in
                    zip(SMALL_WIDTHS, VARIANTS[variant][0], SMALL_STRIDES))
-    return proxyless_space(variant, stages, 8, 4, 64, 1, in_channels, num_classes, image_size)
+    return proxyless_space(variant, stages, 8, 4, 64, 1, in_channels, num_classes, image_size,
+                           leaf_blocks)
 
 
 def paper(variant: str = "proxylessnas", in_channels: int = 3, num_classes: int = 1000,
-          image_size: int = 224) -> rt.ModelSpace:
+          image_size: int = 224, leaf_blocks: bool = False) -> rt.ModelSpace:
     """The published layout of ``variant`` for ImageNet."""
     return proxyless_space(variant, VARIANTS[variant][0], 32, 16, 1280, 2, in_channels,
-                           num_classes, image_size)
+                           num_classes, image_size, leaf_blocks)

@@ -18,8 +18,7 @@ space; its other experiments (channel numbers, mixed-precision quantization) are
 Size: 4 ** 20 (about 1.1e12) models, the published count.
 
 SPOS trains a super-net by uniform single-path sampling, then runs an evolutionary search
-over it; until the engine's weight sharing lands, ``retiarii nas run spos`` trains every
-candidate alone with regularized evolution (multi-trial).
+over it: ``retiarii nas run spos`` runs ``retiarii.strategies.SPOS`` on it.
 
 Presets: :func:`paper` has the widths above for 224x224 ImageNet; :func:`small` keeps the
 20 blocks (the same size) with widths 16 ... 48, stem 8 (stride 1), head 64 and stride 2 in

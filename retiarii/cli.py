@@ -254,13 +254,17 @@ def cmd_resume(args) -> int:
     _positive(args.max_models, "--max-models")
     store = _open(args.db)
     try:
-        cli = dict(store.get_experiment()["config"]["origin"]["cli"])
+        origin = store.get_experiment()["config"].get("origin") or {}
+    finally:
+        store.close()
+    if "nas" in origin:  # `retiarii nas run NAME`: the row rebuilds it
+        return _resume_nas(dict(origin["nas"]), args)
+    try:
+        cli = dict(origin["cli"])
     except (KeyError, TypeError):
         raise CliError(f"the last experiment of {args.db} was started from Python, not from "
                        f"`retiarii run`; resume it with Experiment(...same arguments...)"
                        f".resume()") from None
-    finally:
-        store.close()
     recorded = cli.pop("space")
     space = _space_from_store(recorded, args.db)
     cli["store"] = args.db  # the store given is the store resumed (a copy resumes the copy)
@@ -271,6 +275,28 @@ def cmd_resume(args) -> int:
     if args.address:
         cli["address"] = args.address  # the cluster's head may have moved
     exp = _build(space, cli, recorded_space=recorded)
+    summary = exp.resume()
+    print(file=sys.stderr)
+    _print_best(summary)
+    return 0
+
+
+def _resume_nas(recorded: dict, args) -> int:
+    """``retiarii resume`` of a ``retiarii nas run`` store: the row's experiment, rebuilt with
+    the recorded settings (a changed --workers or --max-models as for ``run``)."""
+    from . import nas
+
+    if args.workers:
+        recorded["workers"] = args.workers
+    if args.max_models:
+        recorded["max_models"] = args.max_models
+    if args.address:
+        raise CliError("--address: `retiarii nas run` searches on local workers; leave it out")
+    try:
+        exp = nas.experiment(**recorded, store=args.db, origin={"nas": recorded},
+                             progress=_Progress(recorded.get("max_models") or 8))
+    except (KeyError, nas.RowNotImplemented, ValueError) as err:
+        raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
     summary = exp.resume()
     print(file=sys.stderr)
     _print_best(summary)
@@ -514,6 +540,29 @@ def cmd_nas_list(args) -> int:
     return 0
 
 
+def cmd_nas_show(args) -> int:
+    from . import nas
+
+    try:
+        row = nas.get(args.name)
+    except KeyError as err:
+        raise CliError(str(err).strip('"')) from None
+    fields = [("row", f"{row.number}: {row.title} ({row.paper})"), ("space", row.space),
+              ("module", row.module or "(not written yet)"),
+              ("published strategy", row.strategy), ("runs here", nas.runs(row))]
+    if row.module:
+        built = nas.strategy(row.name, seed=0)
+        fields.append(("strategy", f"{type(built).__name__}({json.dumps(built.config())})"))
+        fields.append(("engine", "one-shot: segments of one super-network (--epochs of them)"
+                       if row.one_shot else "multi-trial: each model trained alone"))
+    fields += [("note", row.note), ("stand-in because", row.stand_in),
+               ("presets", ", ".join(p for p, _, _ in row.presets)), ("status", row.status)]
+    for name, value in fields:
+        if value:
+            print(f"{name + ':':20} {value}")
+    return 0
+
+
 def cmd_nas_run(args) -> int:
     from . import nas
 
@@ -521,14 +570,20 @@ def cmd_nas_run(args) -> int:
                         (args.workers, "--workers")):
         _positive(value, flag)
     try:
-        exp = nas.experiment(args.name, args.preset, max_models=args.max_models,
-                             epochs=args.epochs, store=args.store, workers=args.workers,
-                             seed=args.seed, progress=_Progress(args.max_models))
+        row = nas.get(args.name)
+        if row.one_shot and args.max_models is not None:
+            raise CliError(f"--max-models: {row.name} runs the one-shot {row.runs_with}, whose "
+                           f"segments (--epochs) decide how many models it evaluates; leave "
+                           f"--max-models out")
+        settings = {"name": args.name, "preset": args.preset, "max_models": args.max_models,
+                    "epochs": args.epochs, "workers": args.workers, "seed": args.seed}
+        exp = nas.experiment(**settings, store=args.store, origin={"nas": settings},
+                             progress=_Progress(args.max_models or 8))
     except (KeyError, nas.RowNotImplemented) as err:
         raise CliError(str(err).strip('"')) from None
     summary = exp.run()
     print(file=sys.stderr)
-    print(_best_table(summary["best"]))
+    _print_best(summary)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
 
@@ -624,16 +679,22 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", required=True, help="the PNG file to write")
     plot.set_defaults(fn=cmd_plot)
 
-    nas = sub.add_parser("nas", help="the 27 NAS solutions of the literature: list, run one")
+    nas = sub.add_parser("nas", help="the 27 NAS solutions of the literature: list, show, run one")
     nas_sub = nas.add_subparsers(dest="nas_command", required=True)
     nas_list = nas_sub.add_parser("list", help="name, space, strategy, paper, status of each")
     nas_list.set_defaults(fn=cmd_nas_list)
+    nas_show = nas_sub.add_parser("show", help="one row: its space, paper, the strategy that "
+                                               "runs it and how (one-shot or multi-trial)")
+    nas_show.add_argument("name", help="a row's name (see `retiarii nas list`)")
+    nas_show.set_defaults(fn=cmd_nas_show)
     nas_run = nas_sub.add_parser("run", help="search one row's space on the digits data set")
     nas_run.add_argument("name", help="a row's name (see `retiarii nas list`)")
     nas_run.add_argument("--preset", choices=("small", "paper"), default="small",
                          help="small (trains in seconds, default) or paper (published sizes)")
-    nas_run.add_argument("--max-models", type=int, default=8, help="models to train (default 8)")
-    nas_run.add_argument("--epochs", type=int, default=2, help="epochs per model (default 2)")
+    nas_run.add_argument("--max-models", type=int, default=None,
+                         help="models to train (default 8; not for one-shot rows)")
+    nas_run.add_argument("--epochs", type=int, default=2,
+                         help="epochs per model, or a one-shot row's segments (default 2)")
     nas_run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     nas_run.add_argument("--store", default=None,
                          help="SQLite file (default runs/nas-NAME-PRESET.db)")

@@ -8,8 +8,11 @@ file per space, with a ``small`` preset that trains on 8x8 digits in seconds and
 preset with the published sizes); a row not written yet says so (its status), and running it
 fails with :class:`RowNotImplemented`, never with a half-built space.
 
-Rows whose published strategy is differentiable or weight-sharing run with a multi-trial
-strategy until the engine's weight-sharing super-graphs land; ``runs_with`` names it.
+Rows whose published strategy shares weights run the one-shot strategy of their paper (or the
+closest one of ``retiarii.strategies`` that takes their space: ``runs_with`` names it, the note
+says what differs) through the engine's one-shot host (docs/weight_sharing.md): one job per
+segment, the models it evaluates and the architecture it selects in the store. A row whose
+space no one-shot strategy takes keeps a multi-trial stand-in; its ``stand_in`` says why.
 
 Example::
 
@@ -20,6 +23,9 @@ Example::
     >>> space = nas.build_space("nasbench201", "small")    # a ModelSpace for (1, 8, 8) digits
     >>> exp = nas.experiment("nasbench201", max_models=4, store="runs/nb201.db")
     >>> summary = exp.run()                                 # (under `if __name__ == "__main__":`)
+    >>> nas.get("fairnas").runs_with, nas.get("fairnas").one_shot
+    ('SPOS', True)
+    >>> exp = nas.experiment("fairnas", epochs=3)           # 3 segments of SPOS(fair=True)
 """
 from __future__ import annotations
 
@@ -53,16 +59,23 @@ class Row:
     # keyword arguments of the `runs_with` strategy as (key, value) pairs (evolving spaces
     # start from their base model: ("initial", "base"))
     options: tuple = ()
+    # a weight-sharing paper run by a multi-trial stand-in: why no one-shot strategy runs it
+    stand_in: str = ""
 
     @property
     def status(self) -> str:
         return "implemented" if self.module else "not yet"
 
+    @property
+    def one_shot(self) -> bool:
+        """Whether ``runs_with`` is a one-shot (weight-sharing) strategy."""
+        return self.runs_with in ONE_SHOT
+
 
 def _row(number, name, title, space, strategy, paper, module=None, runs_with=None, note="",
-         presets: dict | None = None, options: dict | None = None) -> Row:
+         presets: dict | None = None, options: dict | None = None, stand_in: str = "") -> Row:
     row = Row(number, name, title, space, strategy, paper, module, runs_with, note,
-              options=tuple(sorted((options or {}).items())))
+              options=tuple(sorted((options or {}).items())), stand_in=stand_in)
     if presets:
         row = dataclasses.replace(row, presets=tuple(
             (preset, fn, tuple(sorted(kwargs.items()))) for preset, (fn, kwargs) in
@@ -75,21 +88,27 @@ _NASNET = {"small": ("nasnet_space", {"channels": 8, "num_cells": 2}),
            "paper": ("nasnet_space", {"channels": 32, "num_cells": 6})}
 
 
-def _proxyless(variant: str) -> dict:
+def _proxyless(variant: str, leaf_blocks: bool = False) -> dict:
     """ProxylessNAS, FairNAS, SCARLET-NAS and Single-Path NAS share
-    model_spaces/proxylessnas.py, one variant each."""
-    return {preset: (preset, {"variant": variant}) for preset in PRESETS}
+    model_spaces/proxylessnas.py, one variant each (``leaf_blocks``: see _LEAF)."""
+    extra = {"leaf_blocks": True} if leaf_blocks else {}
+    return {preset: (preset, {"variant": variant, **extra}) for preset in PRESETS}
 
 
-_WS = " (weight sharing not landed yet)"
+# The rows run by a continuous relaxation build their MBConvs as opaque nodes (the same models
+# and functions): spliced blocks make a layer's nodes depend on the previous layer's choice
+# too (its residual reads them), which the relaxation refuses (RelaxError: "node 'layers.1' is
+# not computed as labels ['layer2'] predict one at a time").
+_LEAF = "blocks as opaque nodes (model_spaces/_mobile.py: LeafMBConv) so the relaxation mixes "
 
 ROWS: tuple[Row, ...] = (
     _row(1, "mnasnet", "MnasNet", "MobileNetV2 blocks: kernel, expansion, layers, SE", "RL",
          "Tan et al., CVPR 2019", "model_spaces.mnasnet", "PolicyBasedRL",
          "conv type, skip op and filter sizes fixed (MnasNet-A1's)"),
     _row(2, "enas_cnn", "ENAS-CNN", "ENAS micro cell and macro space", "RL, weight sharing",
-         "Pham et al., ICML 2018", "model_spaces.enas", "PolicyBasedRL",
-         "micro cell; macro space: model_spaces.enas.macro_space; multi-trial RL" + _WS),
+         "Pham et al., ICML 2018", "model_spaces.enas", "ENAS",
+         "micro cell (macro space: model_spaces.enas.macro_space); an LSTM controller samples "
+         "a path per batch of the shared weights and learns by REINFORCE"),
     _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
          "model_spaces.nasnet", "PolicyBasedRL",
          "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
@@ -99,8 +118,9 @@ ROWS: tuple[Row, ...] = (
          "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
          _NASNET),
     _row(5, "spos", "SPOS", "ShuffleNetV2 blocks", "evolution over a super-net",
-         "Guo et al., ECCV 2020", "model_spaces.spos", "RegularizedEvolution",
-         "multi-trial evolution, each candidate trained alone" + _WS),
+         "Guo et al., ECCV 2020", "model_spaces.spos", "SPOS",
+         "uniform single paths train the super-net, then evolution ranks candidates with "
+         "inherited weights (8 x 3 of them; the paper: 50 x 20)"),
     _row(6, "wann", "Weight Agnostic Networks",
          "evolving: insert node, add connection, change activation", "evolution",
          "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "RegularizedEvolution",
@@ -122,49 +142,69 @@ ROWS: tuple[Row, ...] = (
          "Progressive", "surrogate: gradient-boosted trees (the paper: LSTM, MLP ensemble)",
          options={"depth_label": "blocks", "beam": 4, "n_candidates": 64}),
     _row(11, "enas_rnn", "ENAS-RNN", "recurrent cell", "RL, weight sharing",
-         "Pham et al., ICML 2018", "model_spaces.recurrent", "PolicyBasedRL",
-         "classifies digit rows as sequences (the paper: language models); multi-trial RL"
-         + _WS, {"small": ("enas_small", {}), "paper": ("enas_paper", {})}),
+         "Pham et al., ICML 2018", "model_spaces.recurrent", "ENAS",
+         "classifies digit rows as sequences (the paper: language models)",
+         {"small": ("enas_small", {}), "paper": ("enas_paper", {})}),
     _row(12, "genetic_cnn", "Genetic CNN", "binary connection strings between stage nodes",
          "evolution", "Xie & Yuille, ICCV 2017", "model_spaces.genetic_cnn",
          "RegularizedEvolution"),
     _row(13, "oneshot", "Simplified One-Shot", "one-shot cell", "random, weight sharing",
-         "Bender et al., ICML 2018", "model_spaces.oneshot", "Random",
-         "random architectures trained one by one" + _WS),
+         "Bender et al., ICML 2018", "model_spaces.oneshot", "SPOS",
+         "SPOS with one search generation: the one-shot model trains (one uniform path a "
+         "batch: path dropout at its limit; the paper drops paths of the whole model), then "
+         "random architectures are ranked with its weights, as Bender et al.'s two phases "
+         "(WeightSharing(Random) would interleave training and ranking)",
+         options={"search_generations": 1, "search_population": 24}),
     _row(14, "darts", "DARTS", "DARTS cell (normal + reduction)", "differentiable",
-         "Liu et al., ICLR 2019", "model_spaces.darts", "RegularizedEvolution",
-         "multi-trial evolution" + _WS),
+         "Liu et al., ICLR 2019", "model_spaces.darts", "DARTS",
+         "first-order DARTS (softmax relaxation of every op and input choice)"),
     _row(15, "darts_rnn", "DARTS (language models)", "recurrent cell", "differentiable",
          "Liu et al., ICLR 2019", "model_spaces.recurrent", "RegularizedEvolution",
-         "classifies digit rows as sequences (the paper: language models); multi-trial "
-         "evolution" + _WS, {"small": ("darts_small", {}), "paper": ("darts_paper", {})}),
+         "classifies digit rows as sequences (the paper: language models)",
+         {"small": ("darts_small", {}), "paper": ("darts_paper", {})},
+         stand_in="DARTS refuses the space (RelaxError: node 'rnn' depends jointly on the "
+                  "15 labels of the cell, 2,642,411,520 combinations: the cell unrolled over "
+                  "time is one leaf module built from the whole genotype); SPOS and ENAS "
+                  "take it (enas_rnn runs ENAS on it)"),
     _row(16, "fbnet", "FBNet", "FBNet blocks", "differentiable (Gumbel)", "Wu et al., CVPR 2019",
-         "model_spaces.fbnet", "RegularizedEvolution", "multi-trial evolution" + _WS),
+         "model_spaces.fbnet", "GumbelDARTS",
+         "Gumbel-softmax over each layer's 9 blocks, temperature annealed; no latency term; "
+         + _LEAF + "whole blocks",
+         {preset: (preset, {"leaf_blocks": True}) for preset in PRESETS}),
     _row(17, "proxylessnas", "ProxylessNAS", "ProxylessNAS space", "differentiable and RL",
-         "Cai et al., ICLR 2019", "model_spaces.proxylessnas", "PolicyBasedRL",
-         "its RL variant, each model trained alone" + _WS, _proxyless("proxylessnas")),
+         "Cai et al., ICLR 2019", "model_spaces.proxylessnas", "ProxylessNAS",
+         "its differentiable variant: binary gates, one path per weight step, two per "
+         "architecture step; no latency term; " + _LEAF + "whole blocks",
+         _proxyless("proxylessnas", leaf_blocks=True)),
     _row(18, "fairnas", "FairNAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., ICCV 2021",
-         "model_spaces.proxylessnas", "RegularizedEvolution",
-         "19 layers, no skip; multi-trial evolution" + _WS, _proxyless("fairnas")),
+         "model_spaces.proxylessnas", "SPOS",
+         "19 layers, no skip; SPOS(fair=True): every block of a layer once per 6 paths (the "
+         "paper sums those 6 paths' gradients into one step; here each path steps); "
+         "single-objective evolution (the paper: NSGA-II with FLOPs)", _proxyless("fairnas"),
+         options={"fair": True}),
     _row(19, "scarlet_nas", "SCARLET-NAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., 2019 (arXiv:1908.06022)",
-         "model_spaces.proxylessnas", "RegularizedEvolution",
-         "FairNAS's space + skip (the identity: LET is for the super-net); multi-trial "
-         "evolution" + _WS, _proxyless("scarlet_nas")),
+         "model_spaces.proxylessnas", "SPOS",
+         "FairNAS's space + skip; SPOS(fair=True) as fairnas; the skip is the identity in the "
+         "super-net too (the paper: a linearly equivalent transformation, LET); "
+         "single-objective evolution", _proxyless("scarlet_nas"), options={"fair": True}),
     _row(20, "single_path_nas", "Single-Path NAS", "MobileNetV2 kernels as a super-kernel",
          "differentiable", "Stamoulis et al., ECML-PKDD 2019", "model_spaces.proxylessnas",
-         "RegularizedEvolution", "the super-kernel's candidates as separate MBConvs; "
-         "multi-trial evolution" + _WS, _proxyless("single_path_nas")),
+         "ProxylessNAS", "the closest one-shot strategy: one path per step with binary gates "
+         "learnt by gradient (the paper: thresholds on the super-kernel's weight norms); the "
+         "super-kernel's candidates are separate MBConvs (a 3x3 is not the 5x5's centre); "
+         + _LEAF + "whole blocks", _proxyless("single_path_nas", leaf_blocks=True)),
     _row(21, "nasbench101", "NAS-Bench-101", "cell of up to 7 nodes, 9 edges", "any",
          "Ying et al., ICML 2019", "model_spaces.nasbench101", "RegularizedEvolution"),
     _row(22, "nasbench201", "NAS-Bench-201", "cell of 4 nodes, 5 ops per edge", "any",
          "Dong & Yang, ICLR 2020", "model_spaces.nasbench201", "RegularizedEvolution"),
     _row(23, "once_for_all", "Once-for-All", "elastic kernel, depth, width",
          "predictor-guided evolution", "Cai et al., ICLR 2020", "model_spaces.once_for_all",
-         "Predictor", "a surrogate over the choices (gradient-boosted trees; the paper: accuracy "
-         "and latency predictors) ranks random and mutated candidates; each sub-network trained "
-         "alone" + _WS),
+         "SPOS", "the closest one-shot strategy: uniform sub-networks train one super-net "
+         "whose kernels and widths are sliced from the largest (the paper: progressive "
+         "shrinking), then evolution ranks them with inherited weights (the paper: guided by "
+         "accuracy and latency predictors)"),
     _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
          "Liu et al., ICLR 2018", "model_spaces.hierarchical", "RegularizedEvolution",
          "motif nodes sum their inputs (the paper: depthwise concatenation)",
@@ -242,13 +282,44 @@ class _Presets:
 SPACES = _Presets()
 
 
-def strategy(name: str, seed: int = 0):
-    """The multi-trial strategy the row runs with (see ``Row.runs_with``)."""
+def _one_shot(runs_with: str, epochs: int, seed: int, options: dict):
+    """The one-shot strategy ``runs_with`` searching for ``epochs`` segments (epochs of the
+    super-network). The launcher's budgets fit the small preset (seconds a segment); the
+    papers' settings are in each strategy's docstring."""
+    from . import strategies as s
+
+    if runs_with == "SPOS":
+        # 8 x 3 candidates ranked with inherited weights (SPOS: 50 x 20), each on 2
+        # validation batches after recalibrating its BatchNorm statistics: each new candidate
+        # builds its path, seconds apiece on the small mobile spaces
+        return s.SPOS(train_segments=epochs, seed=seed, **{
+            "search_population": 8, "search_generations": 3, "eval_batches": 2, **options})
+    if runs_with == "ENAS":
+        return s.ENAS(segments=epochs, seed=seed, **{"controller_steps": 20, **options})
+    return getattr(s, runs_with)(epochs=epochs, seed=seed, **options)  # the DARTS family
+
+
+# Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host)
+ONE_SHOT = ("SPOS", "ENAS", "DARTS", "GumbelDARTS", "ProxylessNAS")
+
+
+def strategy(name: str, seed: int = 0, epochs: int = 2, options: dict | None = None):
+    """The strategy the row runs with (see ``Row.runs_with``).
+
+    Args:
+        seed: seeds the search.
+        epochs: a one-shot row's segments (epochs of its super-network); multi-trial rows
+            train each model for the trainer's epochs instead.
+        options: keyword arguments of the strategy that replace the row's and the
+            launcher's (``{"search_population": 4}`` for a shorter SPOS search).
+    """
     from . import strategies as s
 
     row = get(name)
     _check(row, "small")
-    options = dict(row.options)
+    options = {**dict(row.options), **(options or {})}
+    if row.one_shot:
+        return _one_shot(row.runs_with, epochs, seed, options)
     if row.runs_with == "RegularizedEvolution":
         return s.RegularizedEvolution(population_size=8, sample_size=3, seed=seed, **options)
     if row.runs_with == "PolicyBasedRL":
@@ -256,39 +327,64 @@ def strategy(name: str, seed: int = 0):
     return getattr(s, row.runs_with)(seed=seed, **options)
 
 
-def experiment(name: str, preset: str = "small", max_models: int = 8, epochs: int = 2,
-               store: str | None = None, workers: int = 2, seed: int = 0, **kwargs: Any):
+def experiment(name: str, preset: str = "small", max_models: int | None = None,
+               epochs: int = 2, store: str | None = None, workers: int = 2, seed: int = 0,
+               options: dict | None = None, **kwargs: Any):
     """An :class:`~retiarii.Experiment` searching row ``name`` on digits.
+
+    A one-shot row (``Row.one_shot``: ENAS, SPOS, DARTS...) runs its strategy for ``epochs``
+    segments on one worker (the engine's one-shot host): the models it evaluates on the
+    shared weights and the architecture it selects are recorded in the store
+    (``retiarii status`` / ``export`` read them). A multi-trial row trains up to
+    ``max_models`` models for ``epochs`` epochs each.
 
     Args:
         name: a row name (``retiarii nas list``).
         preset: ``"small"`` (trains in seconds) or ``"paper"`` (the published sizes: slow).
-        max_models, epochs, workers, seed: the search budget, epochs per model, worker
-            processes, seed of the strategy and the trials.
+        max_models: multi-trial rows: models to train (default 8). A one-shot row's segments
+            decide how many models it evaluates: giving it is an error.
+        epochs: epochs per model (multi-trial), or segments of the search (one-shot).
+        workers, seed: worker processes; seed of the strategy and the trials.
         store: the SQLite file (default ``runs/nas-{name}-{preset}.db``).
+        options: the strategy's settings that replace the row's (see :func:`strategy`).
         kwargs: passed on to :class:`~retiarii.Experiment` (``executor``, ``progress``...).
+
+    Raises:
+        ValueError: ``max_models`` given for a one-shot row.
     """
     from .engine.experiment import Experiment
     from .engine.trainer import ClassifierTrainer
 
     row = get(name)
     _check(row, preset)
+    if row.one_shot and max_models is not None:
+        raise ValueError(f"max_models={max_models}: {name} runs the one-shot {row.runs_with}, "
+                         f"whose segments (epochs={epochs}) decide how many models it "
+                         f"evaluates; leave max_models out")
+    if not row.one_shot:
+        kwargs["max_models"] = 8 if max_models is None else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
-    return Experiment(ref, strategy(name, seed), ClassifierTrainer(dataset="digits",
-                                                                   epochs=epochs),
+    return Experiment(ref, strategy(name, seed, epochs, options),
+                      ClassifierTrainer(dataset="digits", epochs=epochs),
                       store=store or f"runs/nas-{name}-{preset}.db", workers=workers,
-                      max_models=max_models, seed=seed, **kwargs)
+                      seed=seed, **kwargs)
+
+
+def runs(row: Row) -> str:
+    """What the strategy column says runs: ``"RL (PolicyBasedRL)"``, ``"differentiable (DARTS,
+    one-shot)"``, or for a stand-in ``"... -> RegularizedEvolution (multi-trial stand-in)"``."""
+    if not row.runs_with:
+        return row.strategy
+    if row.stand_in:
+        return f"{row.strategy} -> {row.runs_with} (multi-trial stand-in)"
+    return f"{row.strategy} ({row.runs_with}{', one-shot' if row.one_shot else ''})"
 
 
 def table() -> list[list[str]]:
     """The rows as ``[number, name, space, strategy, paper, status]`` strings; the strategy
-    column says what runs here when it differs from the publication."""
+    column says what runs here (see :func:`runs`)."""
     out = []
     for row in ROWS:
-        strategy = row.strategy
-        if row.runs_with and row.note and "weight sharing" in row.note:
-            strategy += f" -> {row.runs_with}{_WS}"
-        elif row.runs_with:
-            strategy += f" ({row.runs_with})"
+        strategy = runs(row)
         out.append([str(row.number), row.name, row.space, strategy, row.paper, row.status])
     return out

@@ -285,13 +285,17 @@ class TrustedRefs:
                 self.folder = os.path.dirname(os.path.abspath(where))
             else:  # the space's package (retiarii's own demo: that module alone)
                 self.package = where if where.startswith("retiarii.") else where.split(".")[0]
+        # `retiarii nas run` searches retiarii.nas:SPACES.<row>.<preset>, spaces built from the
+        # model_spaces package: their graphs name its classes
+        self.also = ("model_spaces",) if self.package == "retiarii.nas" else ()
 
     def user_module(self, module: str) -> bool:
         """True when the importable module ``module`` belongs to the user's space. Decided
         without running any code of it (only the top-level package is located)."""
         top = module.split(".")[0]
         if self.package is not None:
-            return module == self.package or module.startswith(self.package + ".")
+            return any(module == p or module.startswith(p + ".")
+                       for p in (self.package, *self.also))
         if self.folder is None:
             return False
         try:

@@ -10,6 +10,7 @@ samples on a small input and its all-defaults network on a (1, 3, 224, 224) inpu
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -56,10 +57,36 @@ def test_the_rows_are_registered_and_implemented():
         row = nas.get(name)
         assert row.status == "implemented" and row.runs_with and row.note
         assert {p for p, _, _ in row.presets} == set(nas.PRESETS)
-    # the rows whose published search shares weights say what runs instead
+    # the rows whose published search shares weights run a one-shot strategy
+    # (tests/test_nas_one_shot.py runs each)
     for name in ("spos", "fbnet", "proxylessnas", "fairnas", "scarlet_nas", "single_path_nas",
                  "once_for_all"):
-        assert "weight sharing" in nas.get(name).note
+        assert nas.get(name).one_shot and not nas.get(name).stand_in
+
+
+@pytest.mark.parametrize("build", [
+    lambda leaf: fbnet.small(leaf_blocks=leaf),
+    lambda leaf: proxylessnas.small("proxylessnas", leaf_blocks=leaf),
+    lambda leaf: proxylessnas.small("single_path_nas", leaf_blocks=leaf),
+], ids=["fbnet", "proxylessnas", "single_path_nas"])
+def test_leaf_blocks_are_the_same_models_as_spliced_ones(build):
+    spliced, leaf = build(False), build(True)
+    assert leaf.size() == spliced.size()
+    # a searched layer of leaf blocks is one node; spliced, its block's layers are nodes
+    leaf_graph = leaf.replay(leaf.default_sample()).graph
+    spliced_graph = spliced.replay(spliced.default_sample()).graph
+    assert any(n.name == "layers.1" for n in leaf_graph.nodes)
+    assert not any(n.name == "layers.1" for n in spliced_graph.nodes)
+    x = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    for seed in (0,):  # (one random model: building them is what takes the time)
+        sample = spliced.random_sample(seed).sample
+        a, b = spliced.build(sample), leaf.build(sample)
+        # the same tensors, named without the candidate ("layers.3.k5_e3.body..." spliced,
+        # "layers.3.body..." as a leaf): all of them load (strict), the outputs agree
+        b.load_state_dict({re.sub(r"^(layers\.\d+)\.(k\d_e\d(_g2)?|skip)\.", r"\1.", k): v
+                           for k, v in a.state_dict().items()})
+        a.eval(), b.eval()
+        torch.testing.assert_close(b(x), a(x), rtol=0, atol=1e-6)
 
 
 def test_published_sizes_and_the_formulas():

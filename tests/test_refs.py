@@ -293,6 +293,14 @@ def test_trusted_refs_rule():
         package.check("otherpkg:Cell")
     with pytest.raises(RefError):  # the demo's space trusts the demo, not all of retiarii
         TrustedRefs("retiarii.demo:space").check("retiarii.engine.worker:run_job")
+    # `retiarii nas run`'s spaces are built from the model_spaces package, and name it only
+    launcher = TrustedRefs("retiarii.nas:SPACES.enas_rnn.small")
+    launcher.check("model_spaces.recurrent:RecurrentNet")
+    for bad in ("retiarii.engine.worker:run_job", "model_spaces_evil:x", "os:system"):
+        with pytest.raises(RefError):
+            launcher.check(bad)
+    with pytest.raises(RefError):
+        package.check("model_spaces.recurrent:RecurrentNet")
     with only_trusted(rule), pytest.raises(RefError, match="posix:system"):
         resolve_ref("posix:system")
     assert resolve_ref("posix:getpid")  # no rule outside the block

@@ -150,6 +150,44 @@ def test_spos_samples_each_candidate_evenly(monkeypatch):
     assert set(acts) == {"identity", "relu"} and all(255 <= n <= 345 for n in acts.values())
 
 
+def test_spos_fair_takes_every_candidate_once_per_cycle(monkeypatch):
+    paths = []
+    monkeypatch.setattr(SharedTraining, "train",
+                        lambda self, model, batch, ctx: paths.append(dict(model.sample)) or 0.0)
+    s, space, _ = _set_up(_spos(0, train_segments=2, fair=True))
+    for segment in range(2):
+        s.run_segment(SegmentContext(segment, LinearTask(batches=13), {}, torch.device("cpu")))
+    assert len(paths) == 26
+    for label, k in (("op", 3), ("act", 2)):
+        cycles = []
+        for segment in range(2):  # the cycles restart with each segment
+            seg = paths[13 * segment:13 * (segment + 1)]
+            # op has 3 candidates: each once in paths 0-2, 3-5, ...; act (2) in 0-1, 2-3, ...
+            cycles += [[p[label] for p in seg[i:i + k]] for i in range(0, 13 - 13 % k, k)]
+        assert all(len(set(c)) == k for c in cycles), (label, cycles)
+        assert len({tuple(c) for c in cycles}) > 1  # shuffled anew, not one fixed order
+    # the uniform sampler does not pair up like that (the test can fail)
+    paths.clear()
+    plain, _, _ = _set_up(_spos(0, train_segments=1))
+    plain.run_segment(SegmentContext(0, LinearTask(batches=12), {}, torch.device("cpu")))
+    assert not all(len({p["op"] for p in paths[i:i + 3]}) == 3 for i in range(0, 12, 3))
+
+
+def test_spos_fair_resumes_bit_for_bit_and_is_part_of_the_settings():
+    whole, space, trainer = _set_up(_spos(0, train_segments=2, fair=True))
+    run(whole, space, trainer)
+    first, _, _ = _set_up(_spos(0, train_segments=2, fair=True))
+    run(first, space, trainer, range(1))
+    state = roundtrip(first.state_dict())
+    with pytest.raises(ValueError, match="construct it with the saved settings"):
+        _set_up(_spos(0, train_segments=2))[0].load_state_dict(state)
+    resumed, _, _ = _set_up(_spos(0, train_segments=2, fair=True))
+    resumed.load_state_dict(state)
+    run(resumed, space, trainer, range(1, resumed.num_segments()))
+    _assert_bit_equal(whole.state_dict(), resumed.state_dict())
+    assert resumed.selected() == whole.selected() == BEST
+
+
 def test_spos_batches_per_model_trains_each_path_that_many_batches(monkeypatch):
     models = []
     monkeypatch.setattr(SharedTraining, "train",
@@ -247,6 +285,8 @@ def test_bad_arguments_name_the_culprit():
         SPOS(mutation_prob=2.0)
     with pytest.raises(ValueError, match="mode"):
         SPOS(mode="up")
+    with pytest.raises(ValueError, match="fair must be True or False"):
+        SPOS(fair="yes")
     with pytest.raises(ValueError, match="baseline_decay"):
         ENAS(baseline_decay=1.0)
     with pytest.raises(ValueError, match="select_samples"):

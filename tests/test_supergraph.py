@@ -12,6 +12,7 @@ import retiarii as rt
 from retiarii.mutators import OperatorMutator
 from retiarii.optim.supergraph import SuperGraph, SuperGraphError
 from retiarii.optim.weight_keys import weight_keys
+from retiarii.sampler import ReplaySampler
 
 X = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 Y = torch.randint(0, 5, (6,), generator=torch.Generator().manual_seed(1))
@@ -450,6 +451,34 @@ def test_samples_and_models_of_another_space_are_refused():
         sg.path(other.replay({"pick": 0}))
     with pytest.raises(SuperGraphError, match="expected a sample"):
         sg.path(["block0"])
+
+
+class LazyStack(nn.Module):
+    """A LazyConv2d (in_channels settled by the first input) after a choice of block."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = rt.LayerChoice({"conv": nn.Conv2d(3, 4, 3, padding=1),
+                                     "wide": nn.Conv2d(3, 6, 3, padding=1)}, label="block")
+        self.lazy = nn.LazyConv2d(5, 1)
+
+    def forward(self, x):
+        return self.lazy(self.block(x)).mean((2, 3))
+
+
+def test_a_sampled_model_with_lazy_modules_is_its_spaces_model():
+    # space.sample leaves LazyConv2d unsettled; the super-graph's replay settles it on
+    # example_input: the two graphs differ by the settled sizes only, and are the same model
+    space = rt.ModelSpace(LazyStack(), example_input=X[:1])
+    for pick in ("conv", "wide"):
+        model = space.sample(ReplaySampler({"block": pick}))
+        sg = SuperGraph(space)
+        net = sg.path(model)
+        assert net(X).shape == (6, 5)
+        assert sg.path({"block": pick}) is net  # the sample finds the same path
+        ref = space.build({"block": pick})
+        ref.load_state_dict(sg.export_state({"block": pick}))
+        torch.testing.assert_close(net(X), ref(X), rtol=0, atol=1e-6)
 
 
 class Norms(nn.Module):

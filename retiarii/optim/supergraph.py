@@ -279,14 +279,19 @@ class SuperGraph:
             canon = _canonical(model.sample)
             if canon not in self._models:
                 try:
-                    mine = self._replay(model.sample)
+                    mine, unsettled = self._replay(model.sample, with_unsettled_hash=True)
                 except SuperGraphError:
-                    mine = None
-                if mine is None or mine.structural_hash() != model.structural_hash():
+                    mine, unsettled = None, None
+                # space.sample leaves lazy modules (LazyConv2d...) unsettled; the replay here
+                # settles them on example_input: either graph is this space's model
+                if mine is None or model.structural_hash() not in (mine.structural_hash(),
+                                                                   unsettled):
                     raise SuperGraphError(
                         f"the model (sample {model.sample}) is not a model of this space: "
                         f"replaying its sample here builds another graph. Pass models made "
                         f"by this space (space.sample / space.replay) or their samples")
+                if has_lazy(model.graph):
+                    model = mine  # the settled graph: paths are built from known sizes
             return self._remember(canon, model)
         if not isinstance(sample_or_model, dict):
             raise SuperGraphError(f"expected a sample (a dict label -> choice) or a Model, got "
@@ -303,15 +308,18 @@ class SuperGraph:
             self._models.popitem(last=False)
         return model
 
-    def _replay(self, sample: dict) -> Model:
+    def _replay(self, sample: dict, with_unsettled_hash: bool = False):
+        """The model of ``sample`` with its lazy modules settled; with
+        ``with_unsettled_hash``, ``(model, its structural hash before settling)``."""
         try:
             with torch.random.fork_rng(devices=[]):
                 model = self.space.replay(sample)
+                unsettled = model.structural_hash() if with_unsettled_hash else None
                 if self.space.example_input is not None and has_lazy(model.graph):
                     propagate(model, self.space.example_input)
         except SampleError as e:
             raise SuperGraphError(f"the sample is not one of this space's: {e}") from None
-        return model
+        return (model, unsettled) if with_unsettled_hash else model
 
     def path(self, sample_or_model: dict | Model) -> nn.Module:
         """The module that runs this model's graph on the shared operators (same Parameter

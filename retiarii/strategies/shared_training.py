@@ -243,7 +243,8 @@ class SharedTraining:
     def train_split(self, ctx: Any, rngs: list, batches_per_model: int,
                     draw: Callable[[Any], Any]) -> dict:
         """One segment of single-path training under the device budget: every step's model
-        drawn first (``draw(rngs[r])`` for each rank r, in the order a plain loop draws them),
+        drawn first (``draw(rngs[r])`` for each rank r, in the order a plain loop draws them;
+        ``rngs``: each rank's generator or sampler),
         the schedule planned (:meth:`split_segment`), then each rank trains its models on its
         batches (``batches_per_model`` each). Returns the segment's metrics: ``train_loss``,
         ``paths``, ``batches``, ``windows``, ``split`` (0: replicated) and ``held_bytes``

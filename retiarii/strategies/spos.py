@@ -44,6 +44,24 @@ class _CrossoverSampler:
         return self.rng.randrange(len(candidates))
 
 
+class _FairSampler:
+    """FairNAS's strict fairness (Chu et al., ICCV 2021): a choice of K candidates takes each
+    of them once in every K draws of it, in an order shuffled anew for each cycle (one cycle
+    per label; a label whose number of candidates changes starts a new cycle)."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self._left: dict[str, tuple[int, list[int]]] = {}  # label -> (K, indices left)
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        k, left = self._left.get(label, (0, []))
+        if not left or k != len(candidates):
+            k, left = len(candidates), list(range(len(candidates)))
+            self.rng.shuffle(left)
+            self._left[label] = (k, left)
+        return left.pop()
+
+
 class SPOS(ExportsInherited, OneShot):
     """Single-path one-shot: uniform path sampling on a super-graph, then evolutionary search.
 
@@ -81,6 +99,9 @@ class SPOS(ExportsInherited, OneShot):
         calibrate_batches: training batches for that recalibration.
         metric: the validation metric that ranks candidates.
         mode: ``"max"`` (``metric`` higher is better, default) or ``"min"``.
+        fair: FairNAS's strict fairness instead of independent uniform draws: within a
+            segment, each choice of K candidates takes every one of them once per K paths
+            (FairNAS also sums the K paths' gradients into one step; here each path steps).
         seed: seeds the initial weights, the sampling and the search.
         shared: annotate which operators share weights, as ``fnmatch`` patterns of their
             module paths (``["stem", "cells.*"]``); the others are private to each
@@ -92,7 +113,7 @@ class SPOS(ExportsInherited, OneShot):
                  eval_batches: int | None = 1, *, search_parents: int = 10,
                  mutation_prob: float = 0.1, recalibrate_bn: bool = True,
                  calibrate_batches: int = 4, metric: str = "val_acc", mode: str = "max",
-                 seed: int = 0, shared: list[str] | None = None):
+                 fair: bool = False, seed: int = 0, shared: list[str] | None = None):
         check_positive("SPOS", train_segments=train_segments,
                        batches_per_model=batches_per_model, search_population=search_population,
                        search_generations=search_generations, search_parents=search_parents,
@@ -103,6 +124,9 @@ class SPOS(ExportsInherited, OneShot):
             raise ValueError(f"SPOS: mutation_prob must be in [0, 1], got {mutation_prob!r}")
         if not isinstance(seed, int):
             raise ValueError(f"SPOS: seed must be an int, got {seed!r}")
+        if not isinstance(fair, bool):
+            raise ValueError(f"SPOS: fair must be True or False, got {fair!r}")
+        self.fair = fair
         self.train_segments = train_segments
         self.batches_per_model = batches_per_model
         self.search_population = search_population
@@ -142,16 +166,18 @@ class SPOS(ExportsInherited, OneShot):
     def _train(self, shared: SharedTraining, ctx: SegmentContext) -> SegmentResult:
         # each rank its own generator (seeded with the rank) and its own path; see own_path
         rngs = rank_rngs(self.seed, ctx.segment, ctx.world, "train")
+        # (a fair sampler's cycles start at each segment: its draws follow from the segment's
+        # generator alone, so a resumed segment draws what an uninterrupted one does)
+        samplers = [_FairSampler(g) if self.fair else RandomSampler(g) for g in rngs]
         if shared.memory is not None:
-            return self._train_split(shared, ctx, rngs)
+            return self._train_split(shared, ctx, samplers)
         losses: list[float] = []
         model = None
         for i, batch in enumerate(ctx.train_batches()):
             if ctx.should_stop():
                 break
             if i % self.batches_per_model == 0:
-                model = shared.own_path([self._space.sample(RandomSampler(g)) for g in rngs],
-                                        ctx)
+                model = shared.own_path([self._space.sample(s) for s in samplers], ctx)
             losses.append(shared.train(model, batch, ctx))
         shared.end_segment()
         paths = -(-len(losses) // self.batches_per_model)
@@ -159,12 +185,12 @@ class SPOS(ExportsInherited, OneShot):
                               "paths": paths, "batches": len(losses)})
 
     def _train_split(self, shared: SharedTraining, ctx: SegmentContext,
-                     rngs: list) -> SegmentResult:
+                     samplers: list) -> SegmentResult:
         """Phase 1 under a device budget (``device_memory``): the segment's models are drawn
         first (each step's K, as the plain loop draws them) and the packing code decides which
         rank trains and holds which (:mod:`retiarii.optim.split`)."""
-        metrics = shared.train_split(ctx, rngs, self.batches_per_model,
-                                     lambda g: self._space.sample(RandomSampler(g)))
+        metrics = shared.train_split(ctx, samplers, self.batches_per_model,
+                                     lambda s: self._space.sample(s))
         shared.end_segment()
         return SegmentResult(metrics)
 
