@@ -258,7 +258,9 @@ def cmd_resume(args) -> int:
     finally:
         store.close()
     if "nas" in origin:  # `retiarii nas run NAME`: the row rebuilds it
-        return _resume_nas(dict(origin["nas"]), args)
+        from .cli_nas import resume_nas
+
+        return resume_nas(dict(origin["nas"]), args)
     try:
         cli = dict(origin["cli"])
     except (KeyError, TypeError):
@@ -275,28 +277,6 @@ def cmd_resume(args) -> int:
     if args.address:
         cli["address"] = args.address  # the cluster's head may have moved
     exp = _build(space, cli, recorded_space=recorded)
-    summary = exp.resume()
-    print(file=sys.stderr)
-    _print_best(summary)
-    return 0
-
-
-def _resume_nas(recorded: dict, args) -> int:
-    """``retiarii resume`` of a ``retiarii nas run`` store: the row's experiment, rebuilt with
-    the recorded settings (a changed --workers or --max-models as for ``run``)."""
-    from . import nas
-
-    if args.workers:
-        recorded["workers"] = args.workers
-    if args.max_models:
-        recorded["max_models"] = args.max_models
-    if args.address:
-        raise CliError("--address: `retiarii nas run` searches on local workers; leave it out")
-    try:
-        exp = nas.experiment(**recorded, store=args.db, origin={"nas": recorded},
-                             progress=_Progress(recorded.get("max_models") or 8))
-    except (KeyError, nas.RowNotImplemented, ValueError) as err:
-        raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
     summary = exp.resume()
     print(file=sys.stderr)
     _print_best(summary)
@@ -533,62 +513,9 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def cmd_nas_list(args) -> int:
-    from . import nas
-
-    print(_table(nas.table(), ["#", "name", "space", "strategy", "paper", "status"]))
-    return 0
-
-
-def cmd_nas_show(args) -> int:
-    from . import nas
-
-    try:
-        row = nas.get(args.name)
-    except KeyError as err:
-        raise CliError(str(err).strip('"')) from None
-    fields = [("row", f"{row.number}: {row.title} ({row.paper})"), ("space", row.space),
-              ("module", row.module or "(not written yet)"),
-              ("published strategy", row.strategy), ("runs here", nas.runs(row))]
-    if row.module:
-        built = nas.strategy(row.name, seed=0)
-        fields.append(("strategy", f"{type(built).__name__}({json.dumps(built.config())})"))
-        fields.append(("engine", "one-shot: segments of one super-network (--epochs of them)"
-                       if row.one_shot else "multi-trial: each model trained alone"))
-    fields += [("note", row.note), ("stand-in because", row.stand_in),
-               ("presets", ", ".join(p for p, _, _ in row.presets)), ("status", row.status)]
-    for name, value in fields:
-        if value:
-            print(f"{name + ':':20} {value}")
-    return 0
-
-
-def cmd_nas_run(args) -> int:
-    from . import nas
-
-    for value, flag in ((args.max_models, "--max-models"), (args.epochs, "--epochs"),
-                        (args.workers, "--workers")):
-        _positive(value, flag)
-    try:
-        row = nas.get(args.name)
-        if row.one_shot and args.max_models is not None:
-            raise CliError(f"--max-models: {row.name} runs the one-shot {row.runs_with}, whose "
-                           f"segments (--epochs) decide how many models it evaluates; leave "
-                           f"--max-models out")
-        settings = {"name": args.name, "preset": args.preset, "max_models": args.max_models,
-                    "epochs": args.epochs, "workers": args.workers, "seed": args.seed}
-        exp = nas.experiment(**settings, store=args.store, origin={"nas": settings},
-                             progress=_Progress(args.max_models or 8))
-    except (KeyError, nas.RowNotImplemented) as err:
-        raise CliError(str(err).strip('"')) from None
-    summary = exp.run()
-    print(file=sys.stderr)
-    _print_best(summary)
-    print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
-    return 0
-
-
 def parser() -> argparse.ArgumentParser:
+    from .cli_nas import cmd_nas_list, cmd_nas_run, cmd_nas_show
+
     p = argparse.ArgumentParser(prog="retiarii", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 

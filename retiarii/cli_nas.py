@@ -1,0 +1,91 @@
+"""The ``retiarii nas`` commands: list, show and run the NAS solutions of the literature
+(:mod:`retiarii.nas`), and ``retiarii resume`` of a store that ``nas run`` made (it records
+its settings as the experiment's origin, ``{"nas": {...}}``). :mod:`retiarii.cli` calls these.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["cmd_nas_list", "cmd_nas_show", "cmd_nas_run", "resume_nas"]
+
+
+def cmd_nas_list(args) -> int:
+    from . import nas
+    from .cli import _table
+
+    print(_table(nas.table(), ["#", "name", "space", "strategy", "paper", "status"]))
+    return 0
+
+
+def cmd_nas_show(args) -> int:
+    from . import nas
+    from .cli import CliError
+
+    try:
+        row = nas.get(args.name)
+    except KeyError as err:
+        raise CliError(str(err).strip('"')) from None
+    fields = [("row", f"{row.number}: {row.title} ({row.paper})"), ("space", row.space),
+              ("module", row.module or "(not written yet)"),
+              ("published strategy", row.strategy), ("runs here", nas.runs(row))]
+    if row.module:
+        built = nas.strategy(row.name, seed=0)
+        fields.append(("strategy", f"{type(built).__name__}({json.dumps(built.config())})"))
+        fields.append(("engine", "one-shot: segments of one super-network (--epochs of them)"
+                       if row.one_shot else "multi-trial: each model trained alone"))
+    fields += [("note", row.note), ("stand-in because", row.stand_in),
+               ("presets", ", ".join(p for p, _, _ in row.presets)), ("status", row.status)]
+    for name, value in fields:
+        if value:
+            print(f"{name + ':':20} {value}")
+    return 0
+
+
+def cmd_nas_run(args) -> int:
+    from . import nas
+    from .cli import CliError, _Progress, _positive, _print_best
+
+    for value, flag in ((args.max_models, "--max-models"), (args.epochs, "--epochs"),
+                        (args.workers, "--workers")):
+        _positive(value, flag)
+    try:
+        row = nas.get(args.name)
+        if row.one_shot and args.max_models is not None:
+            raise CliError(f"--max-models: {row.name} runs the one-shot {row.runs_with}, whose "
+                           f"segments (--epochs) decide how many models it evaluates; leave "
+                           f"--max-models out")
+        settings = {"name": args.name, "preset": args.preset, "max_models": args.max_models,
+                    "epochs": args.epochs, "workers": args.workers, "seed": args.seed}
+        exp = nas.experiment(**settings, store=args.store, origin={"nas": settings},
+                             progress=_Progress(args.max_models or 8))
+    except (KeyError, nas.RowNotImplemented) as err:
+        raise CliError(str(err).strip('"')) from None
+    summary = exp.run()
+    print(file=sys.stderr)
+    _print_best(summary)
+    print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
+    return 0
+
+
+def resume_nas(recorded: dict, args) -> int:
+    """``retiarii resume`` of a ``retiarii nas run`` store: the row's experiment, rebuilt with
+    the recorded settings (a changed --workers or --max-models as for ``run``)."""
+    from . import nas
+    from .cli import CliError, _Progress, _print_best
+
+    if args.workers:
+        recorded["workers"] = args.workers
+    if args.max_models:
+        recorded["max_models"] = args.max_models
+    if args.address:
+        raise CliError("--address: `retiarii nas run` searches on local workers; leave it out")
+    try:
+        exp = nas.experiment(**recorded, store=args.db, origin={"nas": recorded},
+                             progress=_Progress(recorded.get("max_models") or 8))
+    except (KeyError, nas.RowNotImplemented, ValueError) as err:
+        raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
+    summary = exp.resume()
+    print(file=sys.stderr)
+    _print_best(summary)
+    return 0
