@@ -15,22 +15,20 @@ ModelSpace) and, optionally, ``trainer`` (default: the classifier trainer on dig
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
+from .cli_common import CliError, _Progress, _open, _positive, _print_best
+from .cli_common import _table  # noqa: F401 (cli_nas.py imports it from here)
+from .cli_inspect import cmd_export, cmd_plot, cmd_status
+from .cli_inspect import _optimization_line  # noqa: F401 (tests import it from here)
 from .cli_one_shot import ONE_SHOT
+
+__all__ = ["CliError", "main", "parser"]
 
 STRATEGIES = ("random", "grid", "evolution", "rl", "tpe", "predictor", *ONE_SHOT)
 SCHEDULERS = ("none", "asha", "median")
-
-
-class CliError(Exception):
-    """A problem the user can fix: printed as one line (culprit and fix), exit status 2."""
-
-
-# ---- building an experiment from flags (run) or from the store (resume) -------------------------
 
 
 def _strategy(name: str, seed: int, epochs: int | None = None):
@@ -181,51 +179,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
 _OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize, --fuse: Experiment(...)
 
 
-class _Progress:
-    """A one-line progress bar with the best value so far, redrawn after each trial."""
-
-    def __init__(self, total: int | None):
-        self.total = total
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, summary: dict) -> None:
-        if "one_shot" in summary:
-            from .cli_one_shot import progress_line
-
-            print(progress_line(summary), file=sys.stderr, flush=True)
-            return
-        done = sum(v for k, v in summary["trials"].items() if k in ("TERMINATED", "ERRORED"))
-        total = self.total or max(done, 1)
-        width = 30
-        filled = min(width, int(width * done / total))
-        # summary["best"] ranks finished trials only: the best never goes down
-        best = f"{summary['best'][0]['value']:.4f}" if summary["best"] else "-"
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} trials done, "
-                f"{summary.get('running', 0)} running, best {best}")
-        print(("\r" if self.tty else "") + line, end="" if self.tty else "\n",
-              file=sys.stderr, flush=True)
-
-
-def _table(rows: list[list], headers: list[str]) -> str:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _best_table(best: list[dict]) -> str:
-    rows = [[i + 1, b["model_id"], b["trial_id"], f"{b['value']:.4f}", b["step"],
-             json.dumps(b["sample"])[:90]] for i, b in enumerate(best)]
-    return _table(rows, ["rank", "model", "trial", "value", "epoch", "sample"])
-
-
 # ---- commands ---------------------------------------------------------------------------------
-
-
-def _positive(value: int | None, flag: str) -> None:
-    if value is not None and value < 1:
-        raise CliError(f"{flag} must be 1 or more, got {value}")
 
 
 def cmd_run(args) -> int:
@@ -280,236 +234,6 @@ def cmd_resume(args) -> int:
     summary = exp.resume()
     print(file=sys.stderr)
     _print_best(summary)
-    return 0
-
-
-def _print_best(summary: dict) -> None:
-    if "one_shot" in summary:
-        from .cli_one_shot import print_result
-
-        print_result(summary, _table)
-    else:
-        print(_best_table(summary["best"]))
-
-
-def _open(db: str):
-    """The store ``db`` (which must exist: nothing is created), on its latest experiment."""
-    from .engine.store import Store
-
-    if not os.path.exists(db):
-        raise CliError(f"{db} does not exist: give the SQLite file of a run (retiarii run "
-                       f"... --store FILE)")
-    if not os.path.isfile(db):
-        raise CliError(f"{db} is not a file: give the SQLite file of a run")
-    if not os.access(db, os.R_OK):
-        raise CliError(f"{db}: permission denied: make it readable "
-                       f"(e.g. chmod u+r {db})")
-    store = Store(db)
-    experiments = store.experiments()
-    if not experiments:
-        store.close()
-        raise CliError(f"{db} holds no experiment: start one with `retiarii run`")
-    store.use_experiment(experiments[-1]["id"])
-    return store
-
-
-def _metric(store) -> tuple[str, str]:
-    config = store.get_experiment()["config"]
-    return config.get("metric", "val_acc"), config.get("mode", "max")
-
-
-def cmd_status(args) -> int:
-    from .cli_one_shot import is_one_shot, print_status
-
-    store = _open(args.db)
-    exp = store.get_experiment()
-    if is_one_shot(exp["config"]):
-        print_status(store, args.db, args.json, _table)
-        return 0
-    metric, mode = _metric(store)
-    errored = [t for t in store.trials() if t["state"] == "ERRORED"]
-    out = {"store": args.db, "experiment": exp["id"], "status": exp["status"],
-           "seed": exp["seed"], "trials": store.counts_by_state(),
-           "models": len(store.models()), "best": store.best_models(metric, mode, args.top),
-           "errors": [{"trial_id": t["id"], "model_id": t["model_id"],
-                       "error": t["error"] or ""} for t in errored]}
-    from .engine.plans import PlanTable
-
-    plans = PlanTable(store).summary()
-    if plans["jobs"]:
-        out["optimization"] = plans
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{args.db}: experiment {out['experiment']} ({out['status']}), {out['models']} models")
-    print(_table([[k, v] for k, v in out["trials"].items()], ["state", "trials"]))
-    print(f"\nbest by {metric} ({mode}):")
-    print(_best_table(out["best"]) if out["best"] else "(no finished result yet)")
-    if errored:
-        print(f"\nerrored trials ({len(errored)}):")
-        for e in out["errors"]:
-            lines = e["error"].strip().splitlines() or ["(no reason recorded)"]
-            if args.errors:
-                print(f"- {e['trial_id']} (model {e['model_id']}):")
-                print("    " + "\n    ".join(lines))
-            else:
-                print(f"- {e['trial_id']} (model {e['model_id']}): {_reason(lines)}")
-        if not args.errors:
-            print("(retiarii status --errors shows each whole traceback)")
-    if "optimization" in out:
-        print("\n" + _optimization_line(out["optimization"]))
-    return 0
-
-
-def _optimization_line(plans: dict) -> str:
-    """One paragraph on cross-model optimization: grouped jobs, merged models, speed-up."""
-    jobs = ", ".join(f"{n} {status}" for status, n in sorted(plans["jobs"].items()))
-    text = f"cross-model optimization: grouped jobs {jobs}; {plans['merged_trials']} trials trained merged"
-    if "speedup" in plans:
-        s = plans["speedup"]
-        text += (f"; measured speed-up {s['median']}x (median of {s['measured_jobs']} jobs, "
-                 f"{s['min']}x-{s['max']}x)")
-    if plans.get("fused_trials"):
-        text += f"; {plans['fused_trials']} trained fused"
-    if plans.get("unfused_after_revert"):
-        text += f"; fusion reverted for {plans['unfused_after_revert']}"
-    if plans.get("alone_after_revert_or_failure"):
-        text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
-    for line in plans.get("layouts", []):
-        text += f"\n  layout {line}"
-    packing = plans.get("packing")
-    if packing:
-        text += (f"\n  packing: {packing['packs']} packs, {packing['models_per_pack']} models per "
-                 f"pack (median), slowest slot {packing['balance']}x the mean (median)")
-        if packing.get("unmerged_packs"):
-            text += f"; {packing['unmerged_packs']} packed without merging"
-    for why in plans.get("why_not_merged", []):
-        text += f"\n  apart: {why}"
-    return text
-
-
-def _reason(lines: list[str]) -> str:
-    """The line of an error that says what happened: a traceback's last line, else the
-    first."""
-    if lines[0].startswith("Traceback"):
-        return lines[-1]
-    return lines[0]
-
-
-def cmd_export(args) -> int:
-    import torch
-
-    from .engine.checkpoint import CheckpointError
-    from .engine.checkpoint import load as load_checkpoint
-    from .graph import Graph
-    from .refs import RefError, TrustedRefs, only_trusted
-
-    _positive(args.top, "--top")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise CliError(f"--out {args.out} is a file; give a folder (created if missing)")
-    store = _open(args.db)
-    from .cli_one_shot import export, is_one_shot
-
-    if is_one_shot(store.get_experiment()["config"]):
-        return export(store, args.db, args.out, CliError, _check_attributes)
-    metric, mode = _metric(store)
-    # A store is code: its graphs may name only torch, operator, math and the space's own code.
-    rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
-    best = store.best_models(metric, mode, args.top)
-    if not best:
-        raise CliError(f"{args.db} has no model with a result yet: nothing to export")
-    os.makedirs(args.out, exist_ok=True)
-    for rank, row in enumerate(best, 1):
-        model = store.get_model(row["model_id"])
-        name = f"model_{row['model_id']}"
-        try:
-            with only_trusted(rule):
-                graph = Graph.from_data(model["graph"])
-                _check_attributes(graph, rule)
-                source = graph.to_source(f"Model{row['model_id']}")
-        except RefError as e:
-            raise CliError(f"model {row['model_id']} of {args.db}: {e}") from None
-        with open(os.path.join(args.out, name + ".py"), "w") as f:
-            f.write(source)
-        files = f"{name}.py"
-        ckpt = store.last_checkpoint(row["trial_id"])
-        if ckpt is not None:
-            try:
-                weights = load_checkpoint(ckpt["path"])["model"]
-            except (CheckpointError, OSError, KeyError) as err:
-                print(f"warning: {name}: its checkpoint {ckpt['path']} cannot be read ({err}); "
-                      f"exported without weights", file=sys.stderr)
-            else:
-                torch.save(weights, os.path.join(args.out, name + ".pt"))
-                files += f", {name}.pt"
-        with open(os.path.join(args.out, name + ".json"), "w") as f:
-            json.dump({"rank": rank, metric: row["value"], "sample": row["sample"],
-                       "hash": row["hash"]}, f, indent=2)
-        print(f"{rank}. {files}  ({metric} {row['value']:.4f})")
-    return 0
-
-
-def _check_attributes(graph, rule) -> None:
-    """Refuse the method calls and attribute reads of a stored graph that reach dunders
-    (``x.__class__``...): the way out of the references the trust rule allows."""
-    import builtins
-
-    from .refs import resolve_ref
-
-    for node in graph.nodes:
-        op = node.op
-        if op.kind == "method":
-            rule.check_attribute(op.target, f"node {node.name}: method")
-        elif op.kind == "function" and resolve_ref(op.target) is builtins.getattr:
-            rule.check_attribute(op.args[1] if len(op.args) > 1 else None,
-                                 f"node {node.name}: attribute")
-        elif op.kind == "subgraph" and op.graph is not None:
-            _check_attributes(op.graph, rule)
-
-
-def cmd_plot(args) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    if os.path.isdir(args.out):
-        raise CliError(f"--out {args.out} is a folder; give the PNG file to write")
-    store = _open(args.db)
-    from .cli_one_shot import is_one_shot, plot
-
-    if is_one_shot(store.get_experiment()["config"]):
-        plot(store, args.db, args.out, plt, CliError)
-        print(f"wrote {args.out}")
-        return 0
-    metric, mode = _metric(store)
-    better = max if mode == "max" else min
-    finals = [f for f in store.final_values(metric) if f[2] is not None]
-    curves = {t: c for t, c in store.learning_curves(metric).items() if c}
-    if not finals and not curves:
-        raise CliError(f"{args.db} has no {metric} values yet: nothing to plot")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    best, ys, ts = None, [], []
-    t0 = finals[0][1] if finals else 0.0
-    for _, end, value in finals:
-        best = value if best is None else better(best, value)
-        ys.append(best)
-        ts.append(end - t0)
-    axes[0].plot(range(1, len(ys) + 1), ys, drawstyle="steps-post", marker=".")
-    axes[0].set(xlabel="models trained", ylabel=f"best {metric}", title="best so far")
-    axes[1].plot(ts, ys, drawstyle="steps-post", marker=".")
-    axes[1].set(xlabel="wall time (s)", ylabel=f"best {metric}", title="best so far")
-    for curve in curves.values():
-        # markers: a trial stopped after one epoch is a single point, invisible as a line
-        axes[2].plot([s for s, _ in curve], [v for _, v in curve], alpha=0.4, lw=1,
-                     marker=".", markersize=4)
-    axes[2].set(xlabel="epoch", ylabel=metric, title="learning curves")
-    for ax in (axes[0], axes[2]):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # models and epochs count
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=100)
-    print(f"wrote {args.out}")
     return 0
 
 

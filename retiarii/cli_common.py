@@ -1,0 +1,95 @@
+"""What the ``retiarii`` commands share: the error a user can fix (:class:`CliError`), the
+progress line, tables of the best models, and opening a run's store for reading."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+__all__ = ["CliError"]
+
+
+class CliError(Exception):
+    """A problem the user can fix: printed as one line (culprit and fix), exit status 2."""
+
+
+# ---- building an experiment from flags (run) or from the store (resume) -------------------------
+
+
+class _Progress:
+    """A one-line progress bar with the best value so far, redrawn after each trial."""
+
+    def __init__(self, total: int | None):
+        self.total = total
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, summary: dict) -> None:
+        if "one_shot" in summary:
+            from .cli_one_shot import progress_line
+
+            print(progress_line(summary), file=sys.stderr, flush=True)
+            return
+        done = sum(v for k, v in summary["trials"].items() if k in ("TERMINATED", "ERRORED"))
+        total = self.total or max(done, 1)
+        width = 30
+        filled = min(width, int(width * done / total))
+        # summary["best"] ranks finished trials only: the best never goes down
+        best = f"{summary['best'][0]['value']:.4f}" if summary["best"] else "-"
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} trials done, "
+                f"{summary.get('running', 0)} running, best {best}")
+        print(("\r" if self.tty else "") + line, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+
+
+def _table(rows: list[list], headers: list[str]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _best_table(best: list[dict]) -> str:
+    rows = [[i + 1, b["model_id"], b["trial_id"], f"{b['value']:.4f}", b["step"],
+             json.dumps(b["sample"])[:90]] for i, b in enumerate(best)]
+    return _table(rows, ["rank", "model", "trial", "value", "epoch", "sample"])
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise CliError(f"{flag} must be 1 or more, got {value}")
+
+
+def _print_best(summary: dict) -> None:
+    if "one_shot" in summary:
+        from .cli_one_shot import print_result
+
+        print_result(summary, _table)
+    else:
+        print(_best_table(summary["best"]))
+
+
+def _open(db: str):
+    """The store ``db`` (which must exist: nothing is created), on its latest experiment."""
+    from .engine.store import Store
+
+    if not os.path.exists(db):
+        raise CliError(f"{db} does not exist: give the SQLite file of a run (retiarii run "
+                       f"... --store FILE)")
+    if not os.path.isfile(db):
+        raise CliError(f"{db} is not a file: give the SQLite file of a run")
+    if not os.access(db, os.R_OK):
+        raise CliError(f"{db}: permission denied: make it readable "
+                       f"(e.g. chmod u+r {db})")
+    store = Store(db)
+    experiments = store.experiments()
+    if not experiments:
+        store.close()
+        raise CliError(f"{db} holds no experiment: start one with `retiarii run`")
+    store.use_experiment(experiments[-1]["id"])
+    return store
+
+
+def _metric(store) -> tuple[str, str]:
+    config = store.get_experiment()["config"]
+    return config.get("metric", "val_acc"), config.get("mode", "max")
