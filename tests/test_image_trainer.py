@@ -132,7 +132,10 @@ def _epoch_in_a_spawned_process(folder, out):
     torch.utils.data.DataLoader.__init__ = recording
     batches = list(data.torch_batches(data.scan_folder(folder), data.Augment(size=16),
                                       batch_size=8, seed=0, epoch=0, num_workers=1))
-    out.put((multiprocessing.get_start_method(), contexts, batches))
+    # numpy arrays, pickled by value: torch tensors would travel as shared-memory handles,
+    # which this process may have closed by exiting before the parent reads them
+    out.put((multiprocessing.get_start_method(), contexts,
+             [(x.numpy(), y.numpy()) for x, y in batches]))
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="fork: Linux")
@@ -149,6 +152,7 @@ def test_a_spawned_worker_forks_its_decoding_processes(folder):
     default, contexts, batches = out.get(timeout=120)
     child.join(timeout=60)
     assert default == "spawn" and contexts == ["fork"]
+    batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
     assert _same_batches(batches, data.torch_batches(
         data.scan_folder(folder), data.Augment(size=16), batch_size=8, seed=0, epoch=0,
         num_workers=0))
