@@ -31,7 +31,7 @@ and writes ``benchmarks/out/packing_e2e-<tensors|dataloader|dali>-<device>.csv``
 
 Example::
 
-    .venv/bin/python benchmarks/packing_e2e.py --quick                  # seconds: a smoke test
+    .venv/bin/python benchmarks/packing_e2e.py --quick                  # a minute: a smoke test
     .venv/bin/python benchmarks/packing_e2e.py                          # 200 models, the CPU figure
     .venv/bin/python benchmarks/packing_e2e.py --loader dali            # the same through DALI
     .venv/bin/python benchmarks/packing_e2e.py --device cuda --models 1000 [--loader dali]
@@ -78,6 +78,10 @@ def _digits_folder(size: int, per_class: int) -> str:
     if os.path.exists(stamp):
         return root
     x, y = rt.engine.trainer.load_dataset("digits")
+    fewest = int(torch.bincount(torch.as_tensor(y)).min())
+    if per_class > fewest:
+        raise SystemExit(f"--images-per-class {per_class}: the digits have only {fewest} images "
+                         f"in their smallest class; ask for at most {fewest}")
     written: dict[int, int] = {}
     for i, (img, label) in enumerate(zip(x, y)):
         label = int(label)
@@ -89,10 +93,6 @@ def _digits_folder(size: int, per_class: int) -> str:
         pixels = (img[0].numpy() * 255).astype(np.uint8)  # (8, 8) in [0, 255]
         Image.fromarray(pixels).convert("RGB").resize((size, size), Image.BILINEAR).save(
             os.path.join(folder, f"{i:04d}.jpg"), quality=90)
-    short = {c: n for c, n in written.items() if n < per_class}
-    if short:
-        raise SystemExit(f"--images-per-class {per_class}: the digits have only {short} images "
-                         f"in those classes; ask for at most {min(short.values())}")
     with open(stamp, "w") as f:
         json.dump({"size": size, "per_class": per_class, "images": sum(written.values())}, f)
     return root
@@ -243,7 +243,8 @@ def main() -> None:
         with one_thread():  # as each worker trains (cores // workers threads, 1 here)
             costs = _costs(args)
         print(f"  per image: loading {costs['load_ms_per_image']:.2f} ms, training one model "
-              f"{costs['train_ms_per_image']:.2f} ms (one thread)", flush=True)
+              f"{costs['train_ms_per_image']:.2f} ms"
+              f"{' (one thread)' if args.device == 'cpu' else ''}", flush=True)
     runs = []
     for mode in args.modes:
         runs.append(run_mode(mode, args, folder))
