@@ -13,19 +13,28 @@ on local worker processes (on a CPU-only machine each worker slot is a device):
 - ``even`` (only when asked, ``--modes ... even``): merged, but each batch split over the
   workers as evenly as it goes, without profiles (``packing=False``): what packing adds.
 
-``--data tensors`` feeds the digits from memory (``rt.Trainer(dataset="digits")``);
-``dataloader`` and ``dali`` write them once as JPEG files (``benchmarks/out/digits-jpeg-*``) and
-read them through ``rt.ImageFolderTrainer`` with DataLoader worker processes or a DALI CPU
-pipeline (``retiarii/engine/data.py``), where one pipeline per pack decodes what every model
-of the pack reads. Every mode must give every model the same metrics (exactly on the CPU;
-within ``--rtol`` on a GPU). It prints one line per mode (wall time, ratio to exclusive, what
-the plans table says) and writes ``benchmarks/out/packing_e2e-<data>-<device>.csv`` and ``.png``.
+``--data jpeg`` (the default) writes ``--images-per-class`` digits of each class once as
+``--jpeg-size`` px RGB JPEG files (``benchmarks/out/digits-jpeg-<size>-<per class>``), read by
+``rt.ImageFolderTrainer`` through ``--loader torch`` (DataLoader worker processes decoding with
+PIL) or ``--loader dali`` (a DALI pipeline: on the CPU, or decoding on the GPU with ``--device
+cuda``; ``retiarii/engine/data.py``): every sample decoded, randomly cropped to ``--crop`` px,
+flipped and normalized, each epoch. In a merged pack one pipeline decodes what every model of
+the pack reads. The JPEGs are large next to the crop the models see (as photos are next to a
+224 px crop), so loading costs about what training does: what packing and merging share on a
+CPU, where the models of a pack train one after another. The script measures both per image
+before the runs and prints them. ``--data tensors`` feeds the 8x8 digits from memory
+(``rt.Trainer(dataset="digits")``: nothing to share but the slicing of a tensor).
+
+Every mode must give every model the same metrics (exactly on the CPU; within ``--rtol`` on a
+GPU). It prints one line per mode (wall time, ratio to exclusive, what the plans table says)
+and writes ``benchmarks/out/packing_e2e-<tensors|dataloader|dali>-<device>.csv`` and ``.png``.
 
 Example::
 
-    .venv/bin/python benchmarks/packing_e2e.py --quick                  # seconds: a smoke test
-    .venv/bin/python benchmarks/packing_e2e.py --models 200             # the CPU figure
-    .venv/bin/python benchmarks/packing_e2e.py --device cuda --models 1000 --data dataloader
+    .venv/bin/python benchmarks/packing_e2e.py --quick                  # a minute: a smoke test
+    .venv/bin/python benchmarks/packing_e2e.py                          # 200 models, the CPU figure
+    .venv/bin/python benchmarks/packing_e2e.py --loader dali            # the same through DALI
+    .venv/bin/python benchmarks/packing_e2e.py --device cuda --models 1000 [--loader dali]
 """
 from __future__ import annotations
 
@@ -58,35 +67,85 @@ MODES = {"exclusive": dict(optimize=False, batch_models=1),
          "even": dict(optimize=True, packing=False)}  # merged, batches split evenly (no profiles)
 
 
-def _digits_folder(size: int) -> str:
-    """The digits as ``size`` px RGB JPEGs in the ImageFolder layout (written once)."""
+def _digits_folder(size: int, per_class: int) -> str:
+    """The first ``per_class`` digits of each class as ``size`` px RGB JPEGs in the
+    ImageFolder layout (written once)."""
     import numpy as np
     from PIL import Image
 
-    root = os.path.join(HERE, "out", f"digits-jpeg-{size}")
+    root = os.path.join(HERE, "out", f"digits-jpeg-{size}-{per_class}")
     stamp = os.path.join(root, "made.json")
     if os.path.exists(stamp):
         return root
     x, y = rt.engine.trainer.load_dataset("digits")
+    fewest = int(torch.bincount(torch.as_tensor(y)).min())
+    if per_class > fewest:
+        raise SystemExit(f"--images-per-class {per_class}: the digits have only {fewest} images "
+                         f"in their smallest class; ask for at most {fewest}")
+    written: dict[int, int] = {}
     for i, (img, label) in enumerate(zip(x, y)):
-        folder = os.path.join(root, f"class{int(label)}")
+        label = int(label)
+        if written.get(label, 0) >= per_class:
+            continue
+        written[label] = written.get(label, 0) + 1
+        folder = os.path.join(root, f"class{label}")
         os.makedirs(folder, exist_ok=True)
-        pixels = (img[0].numpy() * 255).astype(np.uint8)
+        pixels = (img[0].numpy() * 255).astype(np.uint8)  # (8, 8) in [0, 255]
         Image.fromarray(pixels).convert("RGB").resize((size, size), Image.BILINEAR).save(
             os.path.join(folder, f"{i:04d}.jpg"), quality=90)
     with open(stamp, "w") as f:
-        json.dump({"size": size, "images": len(y)}, f)
+        json.dump({"size": size, "per_class": per_class, "images": sum(written.values())}, f)
     return root
+
+
+def _label(args) -> str:
+    """The data's name in the output files: tensors, dataloader or dali."""
+    return "tensors" if args.data == "tensors" else "dataloader" if args.loader == "torch" else "dali"
 
 
 def _trainer(args) -> rt.Trainer:
     if args.data == "tensors":
         return rt.Trainer(dataset="digits", epochs=args.epochs, batch_size=args.batch_size)
     return rt.ImageFolderTrainer(
-        dataset=_digits_folder(args.jpeg_size), loader="torch" if args.data == "dataloader" else "dali",
+        dataset=_digits_folder(args.jpeg_size, args.images_per_class), loader=args.loader,
         num_workers=args.loader_workers, dali_threads=args.loader_workers,
         dali_device="gpu" if args.device == "cuda" else "cpu", image_size=args.crop,
         batch_size=args.batch_size, epochs=args.epochs, val_fraction=0.2)
+
+
+def _costs(args) -> dict:
+    """Milliseconds per image of loading (decode and augment, in this process) and of training
+    one model (forward, backward, Adam step on a batch of the crops; the median of 3 models of
+    the space): what one pipeline shared by a pack saves, against what it cannot."""
+    import statistics
+
+    from retiarii.sampler import RandomSampler
+
+    device = torch.device(args.device)
+    trainer, hparams = _trainer(args), {}
+    start = time.perf_counter()
+    images = sum(int(x.shape[0]) for x, _ in trainer.train_dataloader(hparams, 0))
+    load = (time.perf_counter() - start) * 1000 / images
+    x = torch.randn(args.batch_size, 3, args.crop, args.crop, device=device)  # (B, 3, C, C)
+    y = torch.arange(args.batch_size, device=device) % 10
+    train = []
+    for i in range(3):
+        model = SPACE.build(SPACE.sample(RandomSampler(i)).sample).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for step in range(4):  # one warm-up step, three timed
+            if step == 1:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        train.append((time.perf_counter() - start) * 1000 / (3 * args.batch_size))
+    return {"load_ms_per_image": round(load, 3),
+            "train_ms_per_image": round(statistics.median(train), 3), "train_images": images}
 
 
 def run_mode(mode: str, args, folder: str) -> dict:
@@ -97,15 +156,17 @@ def run_mode(mode: str, args, folder: str) -> dict:
                         _trainer(args), store=db, workers=args.workers,
                         devices=[] if args.device == "cpu" else None, max_models=args.models,
                         seed=0, fuse=False, **options)
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     exp.run()
     wall = time.perf_counter() - start
+    load = (load, os.getloadavg()[0])  # before and after: other users of the machine
     with Store(db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         curves = {json.dumps(t["spec"]["choices"], sort_keys=True):
                   [v for _, v in store.learning_curve(t["id"], "val_loss")] for t in store.trials()}
         plans = PlanTable(store).summary()
-    return {"mode": mode, "wall_s": wall, "curves": curves, "plans": plans}
+    return {"mode": mode, "wall_s": wall, "curves": curves, "plans": plans, "load": load}
 
 
 def _largest_difference(a: dict, b: dict) -> float:
@@ -127,9 +188,15 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="worker slots (devices)")
-    p.add_argument("--data", choices=("tensors", "dataloader", "dali"), default="tensors")
-    p.add_argument("--jpeg-size", type=int, default=64, help="side of the digits' JPEG files")
-    p.add_argument("--crop", type=int, default=16, help="side of the crop the models see")
+    p.add_argument("--data", choices=("jpeg", "tensors"), default="jpeg",
+                   help="JPEG files decoded per sample, or the 8x8 digits in memory")
+    p.add_argument("--loader", choices=("torch", "dali"), default="torch",
+                   help="--data jpeg: DataLoader worker processes (PIL) or a DALI pipeline")
+    p.add_argument("--jpeg-size", type=int, default=640, help="side of the digits' JPEG files")
+    p.add_argument("--images-per-class", type=int, default=30,
+                   help="digits of each class written (80%% train, 20%% validation)")
+    p.add_argument("--crop", type=int, default=8,
+                   help="side of the crop the models see (8: the digits' own resolution)")
     p.add_argument("--loader-workers", type=int, default=1,
                    help="DataLoader workers (DALI threads) of each pipeline")
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["exclusive", "pack", "ours"])
@@ -137,32 +204,52 @@ def main() -> None:
     p.add_argument("--rtol", type=float, default=None,
                    help="relative tolerance of val_loss between modes (default: exact on the "
                         "CPU, 1e-2 on cuda, whose kernels are not bit-reproducible)")
-    p.add_argument("--quick", action="store_true", help="4 models, batches of 2: a smoke test")
+    p.add_argument("--quick", action="store_true",
+                   help="4 models, batches of 2, 10 images per class of 64 px: a smoke test")
     args = p.parse_args()
     if args.quick:
-        args.models, args.batch_models = 4, 2
+        args.models, args.batch_models, args.images_per_class, args.jpeg_size = 4, 2, 10, 64
+    for name in ("models", "batch_models", "epochs", "batch_size", "workers", "jpeg_size",
+                 "images_per_class", "crop", "loader_workers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a number >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU")
-    if args.data == "dali":
+    if args.data == "jpeg" and args.loader == "dali":
         from retiarii.engine.data import dali_available
 
         if not dali_available():
-            raise SystemExit("--data dali: NVIDIA DALI is not installed (pip install -e .[dali])")
+            raise SystemExit("--loader dali: NVIDIA DALI is not installed (pip install -e .[dali])")
     image = 0 if args.data == "tensors" else args.crop
     if image != _IMAGE:  # the space's input shape is read at import, by us and the workers
         os.environ["PACKING_E2E_IMAGE"] = str(image)
         os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
     rtol = args.rtol if args.rtol is not None else (0.0 if args.device == "cpu" else 1e-2)
-    folder = os.path.join(HERE, "out", "packing_e2e")
+    # a smoke test writes apart: it never replaces the figures of a real run
+    suffix = "-quick" if args.quick else ""
+    folder = os.path.join(HERE, "out", f"packing_e2e{suffix}")
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
-    print(f"MnasNet small on digits ({args.data}), {args.models} models x {args.epochs} epoch, "
-          f"batches of {args.batch_models}, {args.workers} workers, {args.device}, "
+    label = _label(args)
+    setting = (f"{args.images_per_class * 10} JPEGs of {args.jpeg_size} px, {args.crop} px crops"
+               if args.data == "jpeg" else "8x8 tensors")
+    print(f"MnasNet small on digits ({label}: {setting}), {args.models} models x {args.epochs} "
+          f"epoch, batches of {args.batch_models}, {args.workers} workers, {args.device}, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
+    costs = {}
+    if args.data == "jpeg":
+        from retiarii.threads import one_thread
+
+        with one_thread():  # as each worker trains (cores // workers threads, 1 here)
+            costs = _costs(args)
+        print(f"  per image: loading {costs['load_ms_per_image']:.2f} ms, training one model "
+              f"{costs['train_ms_per_image']:.2f} ms"
+              f"{' (one thread)' if args.device == 'cpu' else ''}", flush=True)
     runs = []
     for mode in args.modes:
         runs.append(run_mode(mode, args, folder))
-        print(f"  {mode}: {runs[-1]['wall_s']:.1f} s", flush=True)
+        print(f"  {mode}: {runs[-1]['wall_s']:.1f} s (load {runs[-1]['load'][0]:.1f} before, "
+              f"{runs[-1]['load'][1]:.1f} after)", flush=True)
     base = next((r for r in runs if r["mode"] == "exclusive"), runs[0])
     rows, failed = [], False
     for r in runs:
@@ -173,19 +260,25 @@ def main() -> None:
         plans = r["plans"]
         packing = plans.get("packing") or {}
         measured = (plans.get("speedup") or {}).get("median")
-        print(f"{args.data} {args.device} {r['mode']:<9} {r['wall_s']:8.1f} s  {ratio:5.2f}x over "
+        print(f"{label} {args.device} {r['mode']:<9} {r['wall_s']:8.1f} s  {ratio:5.2f}x over "
               f"exclusive  models {len(r['curves'])}  same results: {'yes' if same else 'NO'} "
               f"({diff:.1e})  packs {packing.get('packs', 0)}, balance {packing.get('balance')}, "
               f"measured merged speed-up {measured}", flush=True)
-        rows.append({"mode": r["mode"], "data": args.data, "device": args.device,
+        rows.append({"mode": r["mode"], "data": label, "device": args.device,
                      "models": len(r["curves"]), "batch_models": args.batch_models,
+                     "jpeg_size": args.jpeg_size if args.data == "jpeg" else None,
+                     "images": args.images_per_class * 10 if args.data == "jpeg" else None,
+                     "crop": args.crop if args.data == "jpeg" else None,
+                     "load_ms_per_image": costs.get("load_ms_per_image"),
+                     "train_ms_per_image": costs.get("train_ms_per_image"),
                      "workers": args.workers, "wall_s": round(r["wall_s"], 2),
                      "ratio_to_exclusive": round(ratio, 3), "same_results": same,
                      "max_rel_diff": diff, "packs": packing.get("packs", 0),
                      "models_per_pack": packing.get("models_per_pack"),
                      "balance": packing.get("balance"), "measured_speedup": measured,
-                     "jobs": json.dumps(plans["jobs"]), "load": round(os.getloadavg()[0], 2)})
-    name = f"packing_e2e-{args.data}-{args.device}"
+                     "jobs": json.dumps(plans["jobs"]), "load_before": round(r["load"][0], 2),
+                     "load_after": round(r["load"][1], 2)})
+    name = f"packing_e2e-{label}-{args.device}{suffix}"
     print(f"wrote {write_csv(rows, name)}")
     plt = pyplot()
     if plt is not None:
@@ -194,7 +287,7 @@ def main() -> None:
         for i, r in enumerate(rows):
             ax.text(i, r["wall_s"], f"{r['ratio_to_exclusive']:.2f}x", ha="center", va="bottom")
         ax.set_ylabel("wall-clock seconds")
-        ax.set_title(f"{args.models} MnasNets, {args.data}, {args.device}")
+        ax.set_title(f"{args.models} MnasNets, {label}, {args.device}")
         fig.tight_layout()
         fig.savefig(os.path.join(HERE, "out", f"{name}.png"), dpi=120)
     if failed:

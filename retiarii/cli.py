@@ -20,7 +20,6 @@ import sys
 from typing import Any
 
 from .cli_common import CliError, _Progress, _open, _positive, _print_best
-from .cli_common import _table  # noqa: F401 (cli_nas.py imports it from here)
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
 from .cli_inspect import _optimization_line  # noqa: F401 (tests import it from here)
 from .cli_one_shot import ONE_SHOT

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import sys
 
+from .cli_common import CliError, _Progress, _positive, _print_best, _table
+
 __all__ = ["cmd_nas_list", "cmd_nas_show", "cmd_nas_run", "resume_nas"]
 
 
 def cmd_nas_list(args) -> int:
     from . import nas
-    from .cli import _table
 
     print(_table(nas.table(), ["#", "name", "space", "strategy", "paper", "status"]))
     return 0
@@ -20,7 +21,6 @@ def cmd_nas_list(args) -> int:
 
 def cmd_nas_show(args) -> int:
     from . import nas
-    from .cli import CliError
 
     try:
         row = nas.get(args.name)
@@ -44,7 +44,6 @@ def cmd_nas_show(args) -> int:
 
 def cmd_nas_run(args) -> int:
     from . import nas
-    from .cli import CliError, _Progress, _positive, _print_best
 
     for value, flag in ((args.max_models, "--max-models"), (args.epochs, "--epochs"),
                         (args.workers, "--workers")):
@@ -72,7 +71,6 @@ def resume_nas(recorded: dict, args) -> int:
     """``retiarii resume`` of a ``retiarii nas run`` store: the row's experiment, rebuilt with
     the recorded settings (a changed --workers or --max-models as for ``run``)."""
     from . import nas
-    from .cli import CliError, _Progress, _print_best
 
     if args.workers:
         recorded["workers"] = args.workers

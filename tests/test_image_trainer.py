@@ -116,6 +116,48 @@ def test_torch_batches_depend_on_seed_and_epoch_only(folder):
     assert sum(len(y) for _, y in val) == 9 and _same_batches(val, trainer.val_dataloader({"seed": 5}))
 
 
+def _epoch_in_a_spawned_process(folder, out):
+    """What a worker of the local executor (a spawned process) sees: the start method its
+    DataLoaders use for their decoding processes, and the batches of an epoch."""
+    import multiprocessing
+
+    contexts = []
+    loader_init = torch.utils.data.DataLoader.__init__
+
+    def recording(self, *args, **kwargs):
+        context = kwargs.get("multiprocessing_context")
+        contexts.append(context.get_start_method() if context is not None else None)
+        loader_init(self, *args, **kwargs)
+
+    torch.utils.data.DataLoader.__init__ = recording
+    batches = list(data.torch_batches(data.scan_folder(folder), data.Augment(size=16),
+                                      batch_size=8, seed=0, epoch=0, num_workers=1))
+    # numpy arrays, pickled by value: torch tensors would travel as shared-memory handles,
+    # which this process may have closed by exiting before the parent reads them
+    out.put((multiprocessing.get_start_method(), contexts,
+             [(x.numpy(), y.numpy()) for x, y in batches]))
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="fork: Linux")
+def test_a_spawned_worker_forks_its_decoding_processes(folder):
+    """The local executor spawns its workers, whose default start method is then spawn too;
+    their DataLoaders still fork (no fresh interpreter importing torch every epoch), and the
+    batches are those decoded in this process."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_epoch_in_a_spawned_process, args=(folder, out))
+    child.start()
+    default, contexts, batches = out.get(timeout=120)
+    child.join(timeout=60)
+    assert default == "spawn" and contexts == ["fork"]
+    batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+    assert _same_batches(batches, data.torch_batches(
+        data.scan_folder(folder), data.Augment(size=16), batch_size=8, seed=0, epoch=0,
+        num_workers=0))
+
+
 def test_data_key_names_what_the_batches_depend_on(folder, tmp_path):
     trainer = ImageFolderTrainer(**_config(folder))
     key = trainer.data_key({})

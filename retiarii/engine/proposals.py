@@ -21,6 +21,7 @@ from ..mutator import MutationError
 from ..sampler import SampleError, sample_key
 from ..shapes import ShapeMismatchError
 from ..strategies.base import SpaceExhausted, UnknownSample
+from ..threads import one_thread
 from .checkpoint import CheckpointPathError
 from .experiment_support import ExperimentError
 from .plans import PlanTable
@@ -79,10 +80,13 @@ class Proposals:
                 return None
             try:
                 model = self._drawn.take(sample)
-                if model is None:  # not drawn (a strategy that proposes without drawing)
-                    model = self.search_space.instantiate(sample)
-                else:
-                    self.search_space.check_shapes(model)
+                # One torch thread: a one-sample shape check gains nothing from more, and with
+                # the workers on every core more threads only wait for cores (threads.py)
+                with one_thread():
+                    if model is None:  # not drawn (a strategy that proposes without drawing)
+                        model = self.search_space.instantiate(sample)
+                    else:
+                        self.search_space.check_shapes(model)
             except (ShapeMismatchError, MutationError, SampleError) as e:
                 self._count += 1  # a model that cannot be built fails alone, recorded
                 _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)

@@ -4,7 +4,6 @@ al., ENAS, ICML 2018)."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import math
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from ..sampler import ReplaySampler, index_of
+from ..threads import one_thread
 from .base import Draw, Strategy, draw
 
 
@@ -22,22 +22,6 @@ def _uniform_(tensor: torch.Tensor, seed: int, scale: float) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         return tensor.uniform_(-scale, scale, generator=generator)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Runs the controller on one intra-op thread, then restores the setting.
-
-    The controller's tensors are tiny, so torch's thread pool brings no speed, only contention:
-    on a loaded 2-core machine a tell took 7x longer with 2 threads (OpenMP workers spinning).
-    The setting is process-wide; the engine trains models in worker processes, not here.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _head_seed(base_seed: int, head: str) -> int:
@@ -252,14 +236,14 @@ class PolicyBasedRL(Strategy):
         Example: see the class docstring.
         """
         trace = draw(space, ReplaySampler(sample)).trace
-        with torch.no_grad(), _one_thread():
+        with torch.no_grad(), one_thread():
             log_prob, _ = self._log_prob(trace, sample)
         return math.exp(log_prob.item())
 
     # -- the strategy hooks -------------------------------------------------------------------
 
     def _propose(self, space: Any) -> Draw:
-        with _one_thread():
+        with one_thread():
             return draw(space, _ControllerSampler(self))
 
     def _on_tell(self, key: str, score: float | None) -> None:
@@ -277,7 +261,7 @@ class PolicyBasedRL(Strategy):
             self._spread = decay * self._spread + (1 - decay) * advantage ** 2
         if self._spread > 0:
             advantage /= math.sqrt(self._spread)
-        with _one_thread():
+        with one_thread():
             log_prob, entropy = self._log_prob(self._trace(key), self._records[key].sample)
             loss = -advantage * log_prob - self.entropy_weight * entropy
             self._optimizer.zero_grad()
