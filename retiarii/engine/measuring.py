@@ -1,0 +1,244 @@
+"""Measuring a candidate group's layouts on the segment's real first batches (issue #13 item 3).
+
+The first grouped job of a group key and device that has a choice to make (``cse`` or
+``batching``, ``fused`` or not, or apart) trains its first batches in the merged candidates in
+turn, on the trials' own models, and times them: those batches are training that happens
+anyway, so what the measurement costs is only the difference between the layouts over a few
+batches, not a probe paid on top of the segment. Every merged layout trains each model as
+training it alone does (CSE and batching are bit for bit on the CPU: docs/optimization.md),
+so the trials' losses and checkpoints are those of separate training whichever layout a batch
+ran in (``tests/test_measuring.py``).
+
+What cannot train on the real models without changing their values, or would not be training:
+
+- **apart** (``separate``): each model's step alone. A lower bound comes free: every model
+  alone computes the group's shared frozen part, which the real batches time (the group's
+  ``shared`` cell, computed once per batch), so apart costs at least ``N * (shared + load)``
+  per batch. When that bound already puts the best merged layout over the margin (the frozen
+  trunk: 16 trunks apart against one), no model is profiled alone; otherwise one trial per
+  architecture is profiled on copies (:meth:`~.grouped.TrainingGroup._profile`).
+- **fused**: fused kernels round differently, so fusion is measured on copies
+  (:func:`~.layouts.step_times`: a warm-up, then one timed step, stopped at the warm-up when
+  it is far slower than the best merged step), unless the profile rules it out: on a CPU a
+  fused unit of K models computes their frozen part K times (one grouped kernel, K times the
+  arithmetic), so a fused layout whose frozen parts alone would cost over the best merged
+  step (:data:`FUSED_CPU_BOUND`) is not measured. On a GPU, where K trunks in one kernel can
+  cost about one, fusion is always measured.
+
+Schedule: one warm-up batch per merged candidate, then :data:`TIMED` timed batches each,
+interleaved (a machine whose load drifts moves all of them alike); the decision comes before
+the next batch, or at the end of the epoch when the epoch is shorter. The group then trains
+on in the best merged layout; a choice of ``separate`` or ``fused`` applies from the next
+segment (a layout switch that changes which models train together, or their kernels, happens
+at a segment boundary, where each trial's own checkpoint is).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..optim import build_group
+from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups
+from ..optim.plan import LogicalPlan
+from . import checkpoint as ckpt
+from .grouped import TrainingGroup, _sync
+
+__all__ = ["BOUND_SAFETY", "FUSED_CPU_BOUND", "MeasuringGroup", "TIMED"]
+
+# Timed batches per merged candidate, after one warm-up each (the least is kept: a machine's
+# other work only adds).
+TIMED = 2
+# The lower bound of apart must put the best merged layout this much over the margin to skip
+# the alone profiles (the shared part's time is itself measured, with noise).
+BOUND_SAFETY = 1.1
+# On a CPU a fused unit of K models costs at least this share of K times their frozen part
+# (K times the arithmetic in one grouped kernel; half, for what one thread's caches save).
+FUSED_CPU_BOUND = 0.5
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
+class MeasuringGroup(TrainingGroup):
+    """A grouped unit that measures its merged candidate layouts on its first real batches,
+    then decides the group key's layout (see the module docstring).
+
+    Example::
+
+        group = MeasuringGroup({Layout.CSE: cse_plan, Layout.BATCHING: batched_plan}, runs,
+                               trainer, models=models, fusable=[("a", "b")], data_key=key,
+                               alone_s={}, want_alone=["a", "c"], choice=choice)
+        group.train_epoch()       # choice["order"], choice["speedups"] are filled in
+
+    Args:
+        plans: merged layout -> the group's plan in it (each covering every run), the first
+            the one it starts in.
+        runs, trainer: as for :class:`~.grouped.TrainingGroup`.
+        models: trial -> its model (IR), for the fused candidate.
+        fusable: the trials that fuse under ``FUSED`` (empty: fusion is no candidate).
+        data_key: what the trials share.
+        alone_s: trial -> its step time alone, already known (not measured again).
+        want_alone: the trials to profile alone when the bound does not decide (one per
+            architecture; :attr:`twins` spreads their times).
+        choice: the job's choice record (``layouts.group_units``), filled in when decided.
+    """
+
+    def __init__(self, plans: Mapping[Layout, LogicalPlan], runs: Mapping, trainer: Any, *,
+                 models: Mapping, fusable: list[tuple[str, ...]], data_key: str,
+                 alone_s: Mapping[str, float], want_alone: list[str], choice: dict):
+        self._plans = dict(plans)
+        self._layout = next(iter(self._plans))
+        super().__init__(self._plans[self._layout], runs, trainer, profile=[])
+        self._modules: dict[Layout, Any] = {self._layout: self._group}
+        self._models, self._fusable, self._data_key = models, fusable, data_key
+        self._known = dict(alone_s)
+        self._want_alone = list(want_alone)
+        self.choice = choice
+        # one warm-up batch per candidate, then TIMED timed ones each, interleaved
+        self._schedule = list(self._plans) * (1 + TIMED)
+        self._position = 0
+        self._times: dict[Layout, list[float]] = {lay: [] for lay in self._plans}
+        self._warm: dict[Layout, list[float]] = {lay: [] for lay in self._plans}
+        self._shared: list[float] = []  # the shared cell's time per batch (CSE batches)
+        self._due, self._decided = False, False
+        self._last: Any = None
+
+    @property
+    def layout(self) -> Layout:
+        """The merged layout it trains in now."""
+        return self._layout
+
+    def _use(self, layout: Layout) -> None:
+        """Train the next batches in ``layout`` (its module built over the current runs)."""
+        if self._modules.get(layout) is None:
+            self._modules[layout] = build_group(self._plans[layout].restrict(self.runs),
+                                                {t: r.model for t, r in self.runs.items()})
+        self._layout, self._plan, self._group = layout, self._plans[layout], self._modules[layout]
+        self.extra["layout"] = layout.value
+
+    def drop(self, trials) -> None:
+        """:meth:`TrainingGroup.drop`; the other candidates' modules are rebuilt when used."""
+        before = len(self.runs)
+        super().drop(trials)
+        if len(self.runs) != before:
+            self._modules = {self._layout: self._group}
+
+    def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
+        if self._position >= len(self._schedule):
+            return super()._step(batch, sums)
+        layout = self._schedule[self._position]
+        self._use(layout)
+        device = next(iter(self.runs.values())).device
+        _sync(device)
+        t0 = time.perf_counter()
+        failed = super()._step(batch, sums)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        warm = self._position < len(self._plans)
+        if not failed:  # a step with a failed trial measured fewer models
+            (self._warm if warm else self._times)[layout].append(seconds)
+        self._position += 1
+        self._last = batch
+        self._due = self._position >= len(self._schedule)
+        return failed
+
+    def _ahead(self, batch: Any) -> Any:
+        """While measuring in CSE: the shared cell computed here, timed (what every model
+        alone computes too: the lower bound of apart). Exact: the same call the group's
+        forward makes (``GroupModule.forward``), under ``no_grad`` as there."""
+        if self._position >= len(self._schedule) or self._layout is not Layout.CSE:
+            return None
+        group = self._group
+        device = next(iter(self.runs.values())).device
+
+        def common(inputs: tuple) -> tuple:
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = group.shared(*inputs)
+            _sync(device)
+            self._shared.append(time.perf_counter() - t0)
+            return out
+
+        return common
+
+    def _before_step(self, batch: Any) -> bool:
+        did = super()._before_step(batch)
+        if self._due and not self._decided and self.runs:
+            self._decide(batch)
+            return True
+        return did
+
+    def train_epoch(self):
+        outcome = super().train_epoch()
+        if not self._decided and self.runs and self._last is not None:
+            self._decide(self._last)  # a short epoch: what its batches measured
+        return outcome
+
+    def _decide(self, batch: Any) -> None:
+        """Rank the layouts from the batches measured (and copies where needed), record the
+        choice and train on in the best merged layout."""
+        start = time.perf_counter()
+        self._decided, self._due = True, False
+        speedups = self._speedups(batch)
+        if speedups is None:
+            return
+        ranked = choose_layout(speedups)
+        self.choice.update(
+            order=[x.value for x in ranked.order], probed=True, measured_on="first batches",
+            probe_s=time.perf_counter() - start,
+            speedups={k.value: v for k, v in ranked.speedups.items()})
+        self._use(next((x for x in ranked.order if x in self._plans), self._layout))
+
+    def _speedups(self, batch: Any) -> dict[Layout, float] | None:
+        """Each candidate's speed-up over apart per batch: the merged ones from the batches
+        timed, apart from the alone profiles or its lower bound (then ``choice["bound_s"]``),
+        fused on copies unless ruled out (then ``choice["skipped"]`` says why); None when no
+        batch was timed."""
+        from .layouts import step_times  # layouts imports this module
+
+        steps = {lay: min(self._times[lay] or self._warm[lay]) for lay in self._plans
+                 if self._times[lay] or self._warm[lay]}
+        if not steps:
+            return None
+        ids = list(self.runs)
+        load = _median(self._loads)
+        shared = min(self._shared) if self._shared else 0.0
+        best = min(steps.values())
+        alone = {t: self._known[t] for t in ids if t in self._known}
+        # apart costs at least N * (shared + load): every model alone computes the shared part
+        floor = probe_speedups({t: shared for t in ids}, {Layout.CSE: best}, load)
+        bounded = len(alone) < len(ids) and floor.get(Layout.CSE, 0.0) >= MARGIN * BOUND_SAFETY
+        outer = ckpt.native_rng()
+        try:
+            if len(alone) < len(ids) and not bounded:
+                self._to_profile = set(self._want_alone) & set(self.runs)
+                self._profile(batch)  # on copies, RNG streams restored
+                alone.update(self._alone_s)
+                for trial, others in self.twins.items():
+                    if trial in self._alone_s:
+                        alone.update({t: self._alone_s[trial] for t in others})
+            estimate = {t: alone.get(t, shared) for t in ids}
+            skipped = ""
+            if self._fusable:
+                device = next(iter(self.runs.values())).device
+                frozen = FUSED_CPU_BOUND * shared * sum(len(u) for u in self._fusable)
+                if device.type == "cpu" and frozen >= best:
+                    skipped = f"fused not measured: its frozen parts alone {frozen:.3f}s"
+                else:
+                    fused = step_times(ids, self._models, self.runs, self.trainer,
+                                       self._data_key, [Layout.FUSED], self._fusable,
+                                       estimate, batch, best)
+                    steps.update(fused)
+        finally:
+            ckpt.set_native_rng(outer)
+        self.choice["steps_s"] = {k.value: v for k, v in steps.items()}  # per batch, all N
+        if bounded:  # apart was not profiled: the speed-ups are lower bounds
+            self.choice["bound_s"] = shared
+        if skipped:
+            self.choice["skipped"] = skipped
+        return probe_speedups(estimate, steps, load)
