@@ -130,16 +130,20 @@ def _adapter_task(trial, tmp_path, tag):
     return TrialTask(trial, spec, 0, 2, None, str(tmp_path / f"{tag}{trial}.pt"))
 
 
-def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("chosen", [{C: 1.5, Layout.BATCHING: 3.0}, {C: 0.5, Layout.BATCHING: 0.4}])
+def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monkeypatch, chosen):
     """Adapters whose plan the batching pass changes: the first batches train in CSE and
-    batching in turn (one warm-up, two timed each), two epochs; every metric and checkpoint
-    equals each model trained alone, whatever layout the measurement chose."""
+    batching in turn (one warm-up, two timed each), then the rest of the segment in the
+    layout chosen (batching; or, measured slower than apart, each model's own step), and a
+    second epoch; every metric and checkpoint equals each model trained alone."""
     timed = []
     real = measuring.MeasuringGroup._speedups
 
     def spy(group, batch):
         timed.append({k: len(v) for k, v in group._times.items()})
-        return real(group, batch)
+        measured = real(group, batch)  # measured for real, then the choice is forced
+        assert {C, Layout.BATCHING} <= set(measured)
+        return chosen
 
     monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", spy)
     tasks = [_adapter_task(t, tmp_path, "m-") for t in SAMPLES]
@@ -148,8 +152,8 @@ def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monk
     assert isinstance(events[-1], JobFinished), events[-1]
     assert timed == [{C: 2, Layout.BATCHING: 2}]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
-    assert unit["choice"]["measured_on"] == "first batches" and unit["layout"] in ("cse", "batching")
-    assert {"cse", "batching"} <= set(unit["choice"]["speedups"])
+    assert unit["choice"]["measured_on"] == "first batches"
+    assert unit["layout"] == ("batching" if chosen[Layout.BATCHING] > 1 else "separate")
     alone = [_adapter_task(t, tmp_path, "a-") for t in SAMPLES]
     assert g._results(events) == g._alone(alone)  # exact floats
     for m, a in zip(tasks, alone):

@@ -227,9 +227,19 @@ class TrainingGroup:
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
                 "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
-                "spread": relative_spread(self._steps[1:]),
+                "spread": relative_spread(self._steps[1:]), "warm_s": self._warm_up_s(),
                 "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
                 **self.extra}
+
+    def _warm_up_s(self) -> float:
+        """What the segment's first step took beyond a typical one (allocations, kernel
+        choice, optimizer state): each model alone pays its own first step too, which its
+        profiled step time leaves out, so the cost model leaves the group's out as well."""
+        steps = self._steps
+        if len(steps) < 2:
+            return 0.0
+        typical = sorted(steps[1:])[len(steps[1:]) // 2]
+        return max(0.0, steps[0] - typical)
 
     @property
     def trials(self) -> tuple[str, ...]:

@@ -221,6 +221,9 @@ class GroupedJobs:
                         unfused.extend(unit["trials"])
         if self.profile or "auto" in (self.fuse, self.batching):
             for unit, s in zip(merged, speedups):  # the layout measured slower is reverted
+                if not _judged(unit):
+                    unit["slower"] = bool(unit.get("fusion_reverted"))
+                    continue
                 verdict = judge_segment(s, unit.get("spread"), held(unit, unit.get("layout")))
                 if self.profile:
                     unit["verdict"] = verdict.reason
@@ -300,6 +303,18 @@ class GroupedJobs:
         self._move(trial, TrialState.ERRORED, f"group error: {first}")
         step, _ = trial.resume_point()
         self._move(trial, TrialState.PENDING, f"retry {trial.attempts} alone from step {step}")
+
+
+def _judged(unit: dict) -> bool:
+    """Whether a unit's segment says anything of its layout: not when it trained apart
+    (its models' own steps in turn), nor when the segment measured the layouts on its first
+    batches and ended in one that is not the choice (it trained there only until the next
+    segment's switch: measuring.py)."""
+    choice = unit.get("choice") or {}
+    if unit.get("layout") == Layout.SEPARATE.value:
+        return False
+    return not (choice.get("measured_on") and choice.get("order")
+                and unit.get("layout") != choice["order"][0])
 
 
 def key_id(key: Hashable) -> str:

@@ -38,6 +38,7 @@ import torch
 from ..optim import batching as batching_pass
 from ..optim import fusion_key
 from ..optim.cost import Layout, choose_layout, probe_speedups
+from ..optim.plan import Role
 from . import checkpoint as ckpt
 from .fused import FusedGroup, fusable_sets
 from .grouped import TrainingGroup, plan_group, step_seconds
@@ -245,6 +246,21 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
     return min(times[1:])
 
 
+def _batching_candidate(result: Any, device: torch.device) -> bool:
+    """Whether the batching pass's plan is worth measuring: it changed the plan and, on a
+    CPU, batches a frozen layer with weights (one call of a weighted layer on N models'
+    inputs saves per-call work; batching only weightless operations, a ReLU or a pooling,
+    saves nothing on a CPU and pays the concatenations: benchmarks/README.md, "Operator
+    batching"). On a GPU, where N small kernel launches cost more than one, any change is
+    measured."""
+    if not result.modified:
+        return False
+    if torch.device(device).type != "cpu":
+        return True
+    plan = result.plan
+    return any(plan.nodes[key].role is Role.FROZEN for batch in plan.batches for _, key in batch)
+
+
 def _live_plans(merged: list[Layout], ids: list[str], models: Mapping, runs: Mapping,
                 data_key: str, dedicated: bool) -> dict[Layout, Any] | None:
     """Merged layout -> the group's plan in it, when the candidates can be measured on the
@@ -285,8 +301,9 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     fusable = (fusable_sets({t: models[t] for t in ids}, meta.get("unfused") or ())
                if fuse in ("auto", True) else [])
     merged = [Layout.BATCHING] if batch is True else [Layout.CSE]
-    if batch == "auto" and batching_pass(plan_group(
-            {t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids})).modified:
+    if batch == "auto" and _batching_candidate(batching_pass(plan_group(
+            {t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids})),
+            runs[ids[0]].device):
         merged = [Layout.CSE, Layout.BATCHING]
     given = (meta.get("layouts") or {}).get(device)
     choice: dict[str, Any] = {"device": device, "probed": False}

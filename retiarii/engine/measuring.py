@@ -27,10 +27,11 @@ What cannot train on the real models without changing their values, or would not
 
 Schedule: one warm-up batch per merged candidate, then :data:`TIMED` timed batches each,
 interleaved (a machine whose load drifts moves all of them alike); the decision comes before
-the next batch, or at the end of the epoch when the epoch is shorter. The group then trains
-on in the best merged layout; a choice of ``separate`` or ``fused`` applies from the next
-segment (a layout switch that changes which models train together, or their kernels, happens
-at a segment boundary, where each trial's own checkpoint is).
+the next batch, or at the end of the epoch when the epoch is shorter. segment. The rest of the segment
+trains in the best layout that keeps every model's values (``cse``, ``batching``, or each
+model's own step in turn for ``separate``); a choice of ``fused`` applies from the next
+segment (fusion changes the kernels: a switch at a segment boundary, where each trial's own
+checkpoint is).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups
 from ..optim.plan import LogicalPlan
 from . import checkpoint as ckpt
 from .grouped import TrainingGroup, _sync
+from .trial_run import TrainingError, _batch_size
 
 __all__ = ["BOUND_SAFETY", "FUSED_CPU_BOUND", "MeasuringGroup", "TIMED"]
 
@@ -113,7 +115,13 @@ class MeasuringGroup(TrainingGroup):
         return self._layout
 
     def _use(self, layout: Layout) -> None:
-        """Train the next batches in ``layout`` (its module built over the current runs)."""
+        """Train the next batches in ``layout`` (its module built over the current runs);
+        ``SEPARATE``: each model's own step in turn (validation still runs through the
+        merged module: one forward of each model, as alone)."""
+        if layout is Layout.SEPARATE:
+            self._layout = layout
+            self.extra["layout"] = layout.value
+            return
         if self._modules.get(layout) is None:
             self._modules[layout] = build_group(self._plans[layout].restrict(self.runs),
                                                 {t: r.model for t, r in self.runs.items()})
@@ -128,6 +136,8 @@ class MeasuringGroup(TrainingGroup):
             self._modules = {self._layout: self._group}
 
     def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
+        if self._layout is Layout.SEPARATE:
+            return self._step_apart(batch, sums)
         if self._position >= len(self._schedule):
             return super()._step(batch, sums)
         layout = self._schedule[self._position]
@@ -144,6 +154,32 @@ class MeasuringGroup(TrainingGroup):
         self._position += 1
         self._last = batch
         self._due = self._position >= len(self._schedule)
+        return failed
+
+    def _step_apart(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
+        """One batch of every trial, each alone: what ``TrialRun.train_epoch`` does per
+        batch (its step in its own RNG streams), so the rest of a segment whose measurement
+        chose ``separate`` trains as apart does."""
+        failed: dict[str, Exception] = {}
+        n = _batch_size(batch)
+        for trial, run in self.runs.items():
+            try:
+                with run._own_rng():
+                    loss = self.trainer.training_step(run.model, batch, run.hparams)
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise TrainingError(f"trial {trial}: training_step must return a "
+                                            f"scalar loss tensor, got {type(loss).__name__}")
+                    run.optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    run.optimizer.step()
+                    if run.scheduler is not None and run.interval == "step":
+                        run.scheduler.step()
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
+                failed[trial] = err
+                continue
+            sums[trial][0] += loss.detach().reshape(()) * n
+            sums[trial][1] += n
+            run.batch += 1
         return failed
 
     def _ahead(self, batch: Any) -> Any:
@@ -192,7 +228,10 @@ class MeasuringGroup(TrainingGroup):
             order=[x.value for x in ranked.order], probed=True, measured_on="first batches",
             probe_s=time.perf_counter() - start,
             speedups={k.value: v for k, v in ranked.speedups.items()})
-        self._use(next((x for x in ranked.order if x in self._plans), self._layout))
+        # the rest of the segment: the best layout that keeps every model's values (fused
+        # changes its kernels: from the next segment)
+        self._use(next((x for x in ranked.order if x is Layout.SEPARATE or x in self._plans),
+                       self._layout))
 
     def _speedups(self, batch: Any) -> dict[Layout, float] | None:
         """Each candidate's speed-up over apart per batch: the merged ones from the batches
@@ -229,10 +268,11 @@ class MeasuringGroup(TrainingGroup):
                 frozen = FUSED_CPU_BOUND * shared * sum(len(u) for u in self._fusable)
                 if device.type == "cpu" and frozen >= best:
                     skipped = f"fused not measured: its frozen parts alone {frozen:.3f}s"
-                else:
+                else:  # stopped at its warm-up when far slower than the best so far
+                    apart = sum(estimate.values()) + (len(ids) - 1) * load
                     fused = step_times(ids, self._models, self.runs, self.trainer,
                                        self._data_key, [Layout.FUSED], self._fusable,
-                                       estimate, batch, best)
+                                       estimate, batch, min(best, apart))
                     steps.update(fused)
         finally:
             ckpt.set_native_rng(outer)

@@ -1,7 +1,8 @@
 """The cost model of a merged job: is training these models as one group faster than apart?
 
 Pure arithmetic over what a worker measured (a :class:`~retiarii.engine.executors.base.JobProfiled`
-unit) and each model's profiled separate step time; the engine reverts a group whose
+unit) and each model's profiled separate step time (its warm step: the unit's ``compute_s``
+is counted without its first step's warm-up, ``warm_s``, for the same reason); the engine reverts a group whose
 estimated speed-up is below 1 (paper §5.2, §6: a merged job slower than its models trained
 separately is reverted for the rest of the search).
 
@@ -63,6 +64,13 @@ def _measured(unit: Mapping, alone_s: Mapping[str, float]) -> tuple[list[str], i
     return trials, batches
 
 
+def _compute(unit: Mapping) -> float:
+    """The unit's compute over its segment without its first step's warm-up (``warm_s``:
+    what the first step took beyond a typical one), which each model alone pays too and its
+    profiled step time leaves out: on a short segment it would outweigh the rest."""
+    return max(0.0, float(unit["compute_s"]) - float(unit.get("warm_s") or 0.0))
+
+
 def fused_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
     """Estimated time of the unit's models grouped unfused / fused (see the module
     docstring); None for a unit that was not fused, or when something is missing.
@@ -77,7 +85,7 @@ def fused_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
         return None
     trials, batches = measured
     load = float(unit["load_s"])
-    fused = load + float(unit["compute_s"])
+    fused = load + _compute(unit)
     if fused <= 0.0:
         return None
     return (load + batches * sum(float(alone_s[t]) for t in trials)) / fused
@@ -110,7 +118,7 @@ def merged_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
         return None
     trials, batches = measured
     load = float(unit["load_s"])
-    merged = float(unit.get("setup_s") or 0.0) + load + float(unit["compute_s"])
+    merged = float(unit.get("setup_s") or 0.0) + load + _compute(unit)
     if merged <= 0.0:
         return None
     separate = batches * sum(float(alone_s[t]) for t in trials) + len(trials) * load
