@@ -250,6 +250,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
         {**speedups, C: 99.0}))  # CSE, whatever was measured (on copies or first batches)
     monkeypatch.setattr(measuring, "choose_layout", layouts.choose_layout)
     monkeypatch.setattr(layouts, "ABORT", float("inf"))  # every layout timed, however slow
+    monkeypatch.setattr(layouts, "ABORT_CPU", float("inf"))
     probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
     meta = {"group": True, "fuse": "auto", "batching": "auto", "profile": list("adeb")}
     events = g._run(Job("p", probed, meta=meta))
@@ -350,6 +351,7 @@ def test_a_layout_whose_warm_up_is_far_too_slow_is_not_timed(tmp_path, monkeypat
     from retiarii.engine.executors.base import Job
 
     monkeypatch.setattr(layouts, "ABORT", 0.0)  # every warm-up is "far too slow"
+    monkeypatch.setattr(layouts, "ABORT_CPU", 0.0)
     tasks = [f._task(t, tmp_path) for t in "adeb"]
     events = g._run(Job("p", tasks, meta={"group": True, "fuse": "auto", "profile": list("adeb")}))
     assert isinstance(events[-1], JobFinished), events[-1]

@@ -43,16 +43,19 @@ import torch
 
 from ..optim import build_group
 from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups
-from ..optim.plan import LogicalPlan
+from ..optim.plan import LogicalPlan, Role
 from . import checkpoint as ckpt
 from .grouped import TrainingGroup, _sync
 from .trial_run import TrainingError, _batch_size
 
-__all__ = ["BOUND_SAFETY", "FUSED_CPU_BOUND", "MeasuringGroup", "TIMED"]
+__all__ = ["ABORT_REAL", "BOUND_SAFETY", "FUSED_CPU_BOUND", "MeasuringGroup", "TIMED"]
 
 # Timed batches per merged candidate, after one warm-up each (the least is kept: a machine's
 # other work only adds).
 TIMED = 2
+# A candidate whose warm-up batch takes over this many times apart's batch gets no timed
+# batches: a first step seldom costs more than twice a later one, so it could not win.
+ABORT_REAL = 2.0
 # The lower bound of apart must put the best merged layout this much over the margin to skip
 # the alone profiles (the shared part's time is itself measured, with noise).
 BOUND_SAFETY = 1.1
@@ -108,6 +111,13 @@ class MeasuringGroup(TrainingGroup):
         self._shared: list[float] = []  # the shared cell's time per batch (CSE batches)
         self._due, self._decided = False, False
         self._last: Any = None
+        # A plan that shares no frozen layer cannot bound apart (its shared part is the data
+        # alone): the alone profiles are taken before the first step, so a candidate far
+        # slower than apart stops at its warm-up batch.
+        cse = self._plans.get(Layout.CSE)
+        if cse is not None and not any(cse.nodes[k].role is Role.FROZEN for k in cse.shared):
+            missing = set(self._want_alone) - set(self._known)
+            self._to_profile = missing & set(self.runs)
 
     @property
     def layout(self) -> Layout:
@@ -151,6 +161,12 @@ class MeasuringGroup(TrainingGroup):
         warm = self._position < len(self._plans)
         if not failed:  # a step with a failed trial measured fewer models
             (self._warm if warm else self._times)[layout].append(seconds)
+        apart = self._apart_s()
+        if warm and apart is not None and seconds > ABORT_REAL * apart:
+            # far slower than apart at its warm-up: it cannot win; no timed batches for it
+            rest = self._schedule[self._position + 1:]
+            self._schedule = self._schedule[:self._position + 1] + [
+                x for x in rest if x is not layout]
         self._position += 1
         self._last = batch
         self._due = self._position >= len(self._schedule)
@@ -181,6 +197,24 @@ class MeasuringGroup(TrainingGroup):
             sums[trial][1] += n
             run.batch += 1
         return failed
+
+    def _alone_now(self) -> dict[str, float]:
+        """Each trial's step time alone known so far (given, or profiled here: one trial
+        per architecture, its twins sharing its time)."""
+        alone = {t: self._known[t] for t in self.runs if t in self._known}
+        alone.update({t: s for t, s in self._alone_s.items() if t in self.runs})
+        for trial, others in self.twins.items():
+            if trial in self._alone_s:
+                alone.update({t: self._alone_s[trial] for t in others if t in self.runs})
+        return alone
+
+    def _apart_s(self) -> float | None:
+        """One batch of every trial apart (their alone steps and N - 1 more loads than the
+        group's one), when every trial's alone time is known."""
+        alone = self._alone_now()
+        if len(alone) < len(self.runs):
+            return None
+        return sum(alone.values()) + (len(self.runs) - 1) * _median(self._loads)
 
     def _ahead(self, batch: Any) -> Any:
         """While measuring in CSE: the shared cell computed here, timed (what every model
@@ -248,7 +282,7 @@ class MeasuringGroup(TrainingGroup):
         load = _median(self._loads)
         shared = min(self._shared) if self._shared else 0.0
         best = min(steps.values())
-        alone = {t: self._known[t] for t in ids if t in self._known}
+        alone = self._alone_now()
         # apart costs at least N * (shared + load): every model alone computes the shared part
         floor = probe_speedups({t: shared for t in ids}, {Layout.CSE: best}, load)
         bounded = len(alone) < len(ids) and floor.get(Layout.CSE, 0.0) >= MARGIN * BOUND_SAFETY
@@ -257,10 +291,7 @@ class MeasuringGroup(TrainingGroup):
             if len(alone) < len(ids) and not bounded:
                 self._to_profile = set(self._want_alone) & set(self.runs)
                 self._profile(batch)  # on copies, RNG streams restored
-                alone.update(self._alone_s)
-                for trial, others in self.twins.items():
-                    if trial in self._alone_s:
-                        alone.update({t: self._alone_s[trial] for t in others})
+                alone = self._alone_now()
             estimate = {t: alone.get(t, shared) for t in ids}
             skipped = ""
             if self._fusable:
