@@ -239,7 +239,7 @@ class _SaysFusedSlower:
                 n = len(unit["trials"])
                 unit = {**unit, "batches": 1, "load_s": 0.0, "compute_s": 0.1 * n / self.speedup,
                         "setup_s": 0.0, "alone_s": {t: 0.1 for t in unit["trials"]},
-                        "spread": 0.01}  # a quiet machine: a segment's verdict is not noise
+                        "spread": 0.01, "step_s": None}  # a quiet machine: a segment's verdict is not noise
             units.append(unit)
         return JobProfiled(event.job_id, tuple(units))
 

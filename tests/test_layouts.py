@@ -101,7 +101,7 @@ class Measured(o.Recording):
                 if unit.get("merged"):
                     n = len(unit["trials"])
                     unit = {**unit, "batches": 1, "load_s": 0.0, "setup_s": 0.0,
-                            "compute_s": 0.1 * n / speedup, "spread": self.spread,
+                            "compute_s": 0.1 * n / speedup, "spread": self.spread, "step_s": None,
                             "alone_s": {t: 0.1 for t in unit["trials"]}}
                 units.append(unit)
             return JobProfiled(event.job_id, tuple(units))

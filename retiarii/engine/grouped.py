@@ -227,19 +227,17 @@ class TrainingGroup:
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
                 "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
-                "spread": relative_spread(self._steps[1:]), "warm_s": self._warm_up_s(),
+                "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
                 "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
                 **self.extra}
 
-    def _warm_up_s(self) -> float:
-        """What the segment's first step took beyond a typical one (allocations, kernel
-        choice, optimizer state): each model alone pays its own first step too, which its
-        profiled step time leaves out, so the cost model leaves the group's out as well."""
-        steps = self._steps
-        if len(steps) < 2:
-            return 0.0
-        typical = sorted(steps[1:])[len(steps[1:]) // 2]
-        return max(0.0, steps[0] - typical)
+    def _typical_step_s(self) -> float | None:
+        """The median of the segment's steps after the first (None before two steps): its
+        first step's warm-up (allocations, kernel choice, optimizer state) is paid by each
+        model alone too and left out of its profiled step time, and a step the machine's
+        other work delayed says nothing of the layout; the cost model counts this per batch."""
+        steps = self._steps[1:]
+        return sorted(steps)[len(steps) // 2] if steps else None
 
     @property
     def trials(self) -> tuple[str, ...]:
@@ -447,11 +445,20 @@ class TrainingGroup:
             return run.end_training(total, count)
 
 
+# A step timed once or twice on a shared machine is at the mercy of one preemption when it
+# lasts a millisecond: short steps are repeated until the timed ones add up to MIN_TIMED_S
+# (at most MAX_REPEATS), which costs next to nothing for them.
+MIN_TIMED_S = 0.05
+MAX_REPEATS = 10
+
+
 def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
     """Seconds of one training step of ``run``'s model alone on ``batch`` (forward, loss,
     backward, optimizer step), on a copy of its model and optimizer: a warm-up step (caches,
-    allocators), then the least of ``repeats`` (the machine's other work only adds). The
-    caller restores the RNG streams (dropout draws from them).
+    allocators), then the least of ``repeats`` (the machine's other work only adds), more
+    for a step so short that a preempted one would decide (up to :data:`MAX_REPEATS`, until
+    the timed steps add up to :data:`MIN_TIMED_S`). The caller restores the RNG streams
+    (dropout draws from them).
 
     Args:
         trainer: its ``training_step`` computes the loss.
@@ -460,8 +467,9 @@ def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
         batch: on the run's device.
     """
     model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> the copies
-    times = []
-    for _ in range(1 + repeats):
+    times: list[float] = []
+    while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S
+                                       and len(times) < 1 + MAX_REPEATS):
         _sync(run.device)
         t0 = time.perf_counter()
         loss = trainer.training_step(model, batch, run.hparams)

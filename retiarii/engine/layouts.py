@@ -42,7 +42,7 @@ from ..optim.plan import Role
 from ..rng import swapped_in
 from . import checkpoint as ckpt
 from .fused import FusedGroup, fusable_sets
-from .grouped import TrainingGroup, plan_group, step_seconds
+from .grouped import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
 from .measuring import MeasuringGroup
 from .trial_run import _to_device
 
@@ -239,11 +239,12 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
     """One batch of a group (every trial's forward, loss, backward and optimizer step): a
     warm-up step, then the least of ``repeats`` (the machine's other work only adds; one by
     default: each costs a step of every model, and a segment measured slower reverts a
-    choice a noisy step got wrong); None when the warm-up alone took over ``limit``."""
+    choice a noisy step got wrong; more for a short step, as ``grouped.step_seconds``
+    does); None when the warm-up alone took over ``limit``."""
     sums = {t: [torch.zeros((), device=r.device), 0] for t, r in group.runs.items()}
     device = next(iter(group.runs.values())).device
-    times = []
-    for _ in range(1 + repeats):
+    times: list[float] = []
+    while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S and len(times) < 1 + MAX_REPEATS):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()

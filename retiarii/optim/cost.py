@@ -1,9 +1,10 @@
 """The cost model of a merged job: is training these models as one group faster than apart?
 
 Pure arithmetic over what a worker measured (a :class:`~retiarii.engine.executors.base.JobProfiled`
-unit) and each model's profiled separate step time (its warm step: the unit's ``compute_s``
-is counted without its first step's warm-up, ``warm_s``, for the same reason); the engine reverts a group whose
-estimated speed-up is below 1 (paper §5.2, §6: a merged job slower than its models trained
+unit) and each model's profiled separate step time (a warm step: the unit's compute is
+counted as its typical step, ``step_s``, times its batches, for the same reason); the
+engine reverts a group whose estimated speed-up is below the margin, on evidence
+(:func:`judge_segment`; paper §5.2, §6: a merged job slower than its models trained
 separately is reverted for the rest of the search).
 
 A merged segment costs what the worker measured: planning and building the group once
@@ -65,10 +66,14 @@ def _measured(unit: Mapping, alone_s: Mapping[str, float]) -> tuple[list[str], i
 
 
 def _compute(unit: Mapping) -> float:
-    """The unit's compute over its segment without its first step's warm-up (``warm_s``:
-    what the first step took beyond a typical one), which each model alone pays too and its
-    profiled step time leaves out: on a short segment it would outweigh the rest."""
-    return max(0.0, float(unit["compute_s"]) - float(unit.get("warm_s") or 0.0))
+    """The unit's compute over its segment: its typical step (``step_s``, the median after
+    the first) times its batches when the worker measured one, else ``compute_s``. The
+    first step's warm-up is paid by each model alone too and left out of its profiled step
+    time (on a short segment it would outweigh the rest), and a step the machine's other
+    work delayed says nothing of the layout."""
+    if unit.get("step_s") is not None:
+        return float(unit["step_s"]) * int(unit["batches"])
+    return float(unit["compute_s"])
 
 
 def fused_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
