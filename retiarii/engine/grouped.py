@@ -282,12 +282,13 @@ class TrainingGroup:
                 break
             batch = _to_device(batch, first.device)
             t1 = time.perf_counter()
+            load = t1 - t0  # before any work on copies, which is neither load nor compute
             if self._before_step(batch):  # measured on copies: not the group's time
                 t1 = time.perf_counter()
             failed = self._step(batch, sums)
             sync(first.device)
             self._batches += 1
-            self._loads.append(t1 - t0)
+            self._loads.append(load)
             self._steps.append(time.perf_counter() - t1)
             self._compute_s += self._steps[-1]
             outcome.update(failed)
