@@ -9,11 +9,13 @@ in between resets the count, and a resumed search counts on from the stored choi
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 import retiarii as rt
 import test_grouped_jobs as g
 import test_optimize as o
-from exp_space import mlp_space
+from exp_space import EXAMPLE, mlp_space
 from retiarii.engine import grouped, measuring
 from retiarii.engine.executors.base import Job, JobFinished, JobProfiled, TrialTask
 from retiarii.engine.plans import PlanTable
@@ -176,3 +178,42 @@ def test_a_decisive_bound_skips_the_alone_profiles_and_fusion(tmp_path, monkeypa
     assert not calls and not unit["alone_s"] and choice["bound_s"] >= 0.0
     assert "fused" not in choice["speedups"] and choice["skipped"].startswith("fused not measured")
     assert g._results(events) == g._alone([g._task(t, tmp_path, tag="c-") for t in "adb"])
+
+
+class FrozenTrunkMLP(nn.Module):
+    """A frozen trunk (computed once for every model of a group) and a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        width = 768  # the trunk outweighs the heads many times: the bound decides
+        self.trunk = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(),
+                                   nn.Linear(width, width), nn.ReLU(),
+                                   nn.Linear(width, width), nn.ReLU())
+        self.trunk.requires_grad_(False)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+
+torch.manual_seed(0)
+frozen_space = rt.ModelSpace(FrozenTrunkMLP(), example_input=EXAMPLE)
+
+
+def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monkeypatch):
+    """A search whose first job's bound decides (four models of a frozen trunk that costs
+    far more than their heads): later jobs are told to profile nobody alone, and every
+    segment is still judged, on the bound (a lower bound of apart: the shared trunk every
+    model alone computes)."""
+    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion ruled out: no timing
+    ex = o.Recording()
+    db = tmp_path / "bound.db"
+    exp = rt.Experiment(frozen_space, rt.strategies.Random(seed=0), lr3_trainer, store=str(db),
+                        executor=ex, seed=0, max_models=4)
+    exp.run()
+    grouped = [j for j in ex.submitted if j.meta.get("group")]
+    assert len(grouped) >= 2 and all(j.meta["profile"] == [] for j in grouped[1:])
+    units = _cse_units(db)
+    assert units[0]["choice"]["bound_s"] > 0.0 and not any(u.get("alone_s") for u in units)
+    assert all(u["decision"]["bound_s"] == units[0]["choice"]["bound_s"] for u in units)
+    assert all(u.get("verdict") for u in units[1:])  # judged on the bound
