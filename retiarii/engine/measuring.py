@@ -288,9 +288,14 @@ class MeasuringGroup(TrainingGroup):
         bounded = len(alone) < len(ids) and floor.get(Layout.CSE, 0.0) >= MARGIN * BOUND_SAFETY
         outer = ckpt.native_rng()
         try:
-            if len(alone) < len(ids) and not bounded:
+            early = dict(self._alone_s)  # profiled before the first step, if it was
+            if (len(alone) < len(ids) and not bounded) or early:
+                # profiled now, next to the steps it is compared with (a shared machine's
+                # load moves between the first batch and this one): the least of the two
                 self._to_profile = set(self._want_alone) & set(self.runs)
                 self._profile(batch)  # on copies, RNG streams restored
+                self._alone_s.update({t: min(s, self._alone_s.get(t, s))
+                                      for t, s in early.items()})
                 alone = self._alone_now()
             estimate = {t: alone.get(t, shared) for t in ids}
             skipped = ""
