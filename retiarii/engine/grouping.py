@@ -107,10 +107,13 @@ class GroupedJobs:
             strikes = {**(held or {}).get("strikes", {}), **counted}
             bound = choice.get("bound_s") if choice.get("probed") else (held or {}).get("bound_s")
             ranked = choose_layout({Layout(k): v for k, v in speedups.items()}, reverted)
+            strikes = {k: v for k, v in strikes.items() if v}
+            counted_now = ", ".join(f"{k} {v}" for k, v in sorted(strikes.items()))
             self.layouts.setdefault(key, {})[device] = {
                 "order": [x.value for x in ranked.order], "speedups": speedups,
-                "reverted": sorted(reverted), "reason": ranked.reason,
-                "strikes": {k: v for k, v in strikes.items() if v},
+                "reverted": sorted(reverted), "reason": ranked.reason + (
+                    f"; slower segments in a row: {counted_now}" if strikes else ""),
+                "strikes": strikes,
                 **({"bound_s": bound} if bound is not None else {})}
         for unit in units:
             decided = self.layouts.get(key, {}).get((unit.get("choice") or {}).get("device"))
