@@ -251,6 +251,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     monkeypatch.setattr(measuring, "choose_layout", layouts.choose_layout)
     monkeypatch.setattr(layouts, "ABORT", float("inf"))  # every layout timed, however slow
     monkeypatch.setattr(layouts, "ABORT_CPU", float("inf"))
+    monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 0.0)  # fusion measured, even for these
     probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
     meta = {"group": True, "fuse": "auto", "batching": "auto", "profile": list("adeb")}
     events = g._run(Job("p", probed, meta=meta))

@@ -217,3 +217,20 @@ def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monk
     assert units[0]["choice"]["bound_s"] > 0.0 and not any(u.get("alone_s") for u in units)
     assert all(u["decision"]["bound_s"] == units[0]["choice"]["bound_s"] for u in units)
     assert all(u.get("verdict") for u in units[1:])  # judged on the bound
+
+
+def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, monkeypatch):
+    """A fused step pays each model's share of a grouped step (proxies, RNG streams): when
+    what the CSE step costs beyond the models' own steps is over the best step (forced
+    here by weighting it), no fused copy is built or stepped."""
+    from retiarii.engine import layouts
+
+    monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 1e9)
+    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
+    monkeypatch.setattr(layouts, "step_times", lambda *a, **k: pytest.fail("fused measured"))
+    tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
+    events = g._run(Job("f", tasks, meta={"group": True, "fuse": "auto", "profile": list("adb")}))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit["choice"]["skipped"].startswith("fused not measured: a grouped step's per-model")
+    assert "fused" not in unit["choice"]["speedups"] and set(unit["alone_s"]) == set("adb")

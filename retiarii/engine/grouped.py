@@ -448,8 +448,8 @@ class TrainingGroup:
 
 # A step timed once or twice on a shared machine is at the mercy of one preemption when it
 # lasts a millisecond: short steps are repeated until the timed ones add up to MIN_TIMED_S
-# (at most MAX_REPEATS), which costs next to nothing for them.
-MIN_TIMED_S = 0.05
+# (at most MAX_REPEATS): a few milliseconds for them.
+MIN_TIMED_S = 0.02
 MAX_REPEATS = 10
 
 

@@ -23,7 +23,12 @@ What cannot train on the real models without changing their values, or would not
   fused unit of K models computes their frozen part K times (one grouped kernel, K times the
   arithmetic), so a fused layout whose frozen parts alone would cost over the best merged
   step (:data:`FUSED_CPU_BOUND`) is not measured. On a GPU, where K trunks in one kernel can
-  cost about one, fusion is always measured.
+  cost about one, that bound does not hold. On any device, fusion is not measured either
+  when its per-model work rules it out: every fused
+  step pays each model's share of a grouped step (its ``training_step`` through a proxy,
+  its RNG streams), at least what the CSE step costs beyond the models' steps alone and
+  the shared part, and that alone is over the best step (tiny models, whose grouped steps
+  are mostly that work).
 
 Schedule: one warm-up batch per merged candidate, then :data:`TIMED` timed batches each,
 interleaved (a machine whose load drifts moves all of them alike); the decision comes before
@@ -48,7 +53,8 @@ from . import checkpoint as ckpt
 from .grouped import TrainingGroup, _sync
 from .trial_run import TrainingError, _batch_size
 
-__all__ = ["ABORT_REAL", "BOUND_SAFETY", "FUSED_CPU_BOUND", "MeasuringGroup", "TIMED"]
+__all__ = ["ABORT_REAL", "BOUND_SAFETY", "FUSED_CPU_BOUND", "MeasuringGroup", "PER_MODEL_BOUND",
+           "TIMED"]
 
 # Timed batches per merged candidate, after one warm-up each (the least is kept: a machine's
 # other work only adds).
@@ -62,6 +68,9 @@ BOUND_SAFETY = 1.1
 # On a CPU a fused unit of K models costs at least this share of K times their frozen part
 # (K times the arithmetic in one grouped kernel; half, for what one thread's caches save).
 FUSED_CPU_BOUND = 0.5
+# A fused step costs at least this share of the per-model work a CSE step measured beyond
+# the models' own steps (proxies, RNG streams; the whole of it: a fused step pays it too).
+PER_MODEL_BOUND = 1.0
 
 
 def _median(values: list[float]) -> float:
@@ -302,10 +311,18 @@ class MeasuringGroup(TrainingGroup):
             if self._fusable:
                 device = next(iter(self.runs.values())).device
                 frozen = FUSED_CPU_BOUND * shared * sum(len(u) for u in self._fusable)
+                apart = sum(estimate.values()) + (len(ids) - 1) * load
+                # A fused step pays each model's own share of a grouped step too (its
+                # training_step through a proxy, its RNG streams): at least what the CSE step
+                # costs beyond the models' steps alone and the shared part.
+                per_model = (steps[Layout.CSE] - sum(estimate.values()) - shared
+                             if Layout.CSE in steps and not bounded else 0.0)
                 if device.type == "cpu" and frozen >= best:
                     skipped = f"fused not measured: its frozen parts alone {frozen:.3f}s"
+                elif PER_MODEL_BOUND * per_model >= min(best, apart):
+                    skipped = (f"fused not measured: a grouped step's per-model work alone "
+                               f"{per_model:.3f}s")
                 else:  # stopped at its warm-up when far slower than the best so far
-                    apart = sum(estimate.values()) + (len(ids) - 1) * load
                     fused = step_times(ids, self._models, self.runs, self.trainer,
                                        self._data_key, [Layout.FUSED], self._fusable,
                                        estimate, batch, min(best, apart))
