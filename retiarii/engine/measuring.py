@@ -32,11 +32,11 @@ What cannot train on the real models without changing their values, or would not
 
 Schedule: one warm-up batch per merged candidate, then :data:`TIMED` timed batches each,
 interleaved (a machine whose load drifts moves all of them alike); the decision comes before
-the next batch, or at the end of the epoch when the epoch is shorter. segment. The rest of the segment
-trains in the best layout that keeps every model's values (``cse``, ``batching``, or each
-model's own step in turn for ``separate``); a choice of ``fused`` applies from the next
-segment (fusion changes the kernels: a switch at a segment boundary, where each trial's own
-checkpoint is).
+the next batch, or at the end of the epoch when the epoch is shorter. The rest of the
+segment trains in the best layout that keeps every model's values (``cse``, ``batching``,
+or, for ``separate``, each model's own ``TrialRun.train_epoch``, carrying its loss so far);
+a choice of ``fused`` applies from the next segment (fusion changes the kernels: a switch
+at a segment boundary, where each trial's own checkpoint is).
 """
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups
 from ..optim.plan import LogicalPlan, Role
 from . import checkpoint as ckpt
 from .grouped import TrainingGroup, _sync
-from .trial_run import TrainingError, _batch_size
 
 __all__ = ["ABORT_REAL", "BOUND_SAFETY", "FUSED_CPU_BOUND", "MeasuringGroup", "PER_MODEL_BOUND",
            "TIMED"]
@@ -71,6 +70,10 @@ FUSED_CPU_BOUND = 0.5
 # A fused step costs at least this share of the per-model work a CSE step measured beyond
 # the models' own steps (proxies, RNG streams; the whole of it: a fused step pays it too).
 PER_MODEL_BOUND = 1.0
+
+
+class _Apart(Exception):
+    """Raised out of the group's batch loop when the measurement chose ``separate``."""
 
 
 def _median(values: list[float]) -> float:
@@ -135,8 +138,7 @@ class MeasuringGroup(TrainingGroup):
 
     def _use(self, layout: Layout) -> None:
         """Train the next batches in ``layout`` (its module built over the current runs);
-        ``SEPARATE``: each model's own step in turn (validation still runs through the
-        merged module: one forward of each model, as alone)."""
+        ``SEPARATE``: each trial's own ``train_epoch`` (:meth:`train_epoch`)."""
         if layout is Layout.SEPARATE:
             self._layout = layout
             self.extra["layout"] = layout.value
@@ -155,8 +157,12 @@ class MeasuringGroup(TrainingGroup):
             self._modules = {self._layout: self._group}
 
     def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
-        if self._layout is Layout.SEPARATE:
-            return self._step_apart(batch, sums)
+        self._sums = sums  # the epoch's losses so far, carried when it ends apart
+        failed = self._step_in(batch, sums)
+        self._failures.update(failed)  # reported with the epoch's outcome
+        return failed
+
+    def _step_in(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
         if self._position >= len(self._schedule):
             return super()._step(batch, sums)
         layout = self._schedule[self._position]
@@ -179,32 +185,6 @@ class MeasuringGroup(TrainingGroup):
         self._position += 1
         self._last = batch
         self._due = self._position >= len(self._schedule)
-        return failed
-
-    def _step_apart(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
-        """One batch of every trial, each alone: what ``TrialRun.train_epoch`` does per
-        batch (its step in its own RNG streams), so the rest of a segment whose measurement
-        chose ``separate`` trains as apart does."""
-        failed: dict[str, Exception] = {}
-        n = _batch_size(batch)
-        for trial, run in self.runs.items():
-            try:
-                with run._own_rng():
-                    loss = self.trainer.training_step(run.model, batch, run.hparams)
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise TrainingError(f"trial {trial}: training_step must return a "
-                                            f"scalar loss tensor, got {type(loss).__name__}")
-                    run.optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    run.optimizer.step()
-                    if run.scheduler is not None and run.interval == "step":
-                        run.scheduler.step()
-            except Exception as err:  # noqa: BLE001 (fails this trial only)
-                failed[trial] = err
-                continue
-            sums[trial][0] += loss.detach().reshape(()) * n
-            sums[trial][1] += n
-            run.batch += 1
         return failed
 
     def _alone_now(self) -> dict[str, float]:
@@ -249,13 +229,38 @@ class MeasuringGroup(TrainingGroup):
         did = super()._before_step(batch)
         if self._due and not self._decided and self.runs:
             self._decide(batch)
+            if self._layout is Layout.SEPARATE:
+                raise _Apart  # the rest of the epoch: each model alone (train_epoch)
             return True
         return did
 
     def train_epoch(self):
-        outcome = super().train_epoch()
+        """One epoch of every trial (:meth:`TrainingGroup.train_epoch`); once the
+        measurement chose ``separate``, the rest of it, and any later epoch of the job,
+        is each trial's own ``TrialRun.train_epoch`` (its streams swapped in once, as
+        alone), carrying the loss its batches in the group summed."""
+        self._failures: dict[str, Exception] = {}
+        self._sums: dict[str, list] = {}
+        if self._decided and self._layout is Layout.SEPARATE:
+            return self._train_apart()
+        try:
+            outcome = super().train_epoch()
+        except _Apart:
+            return self._train_apart()
         if not self._decided and self.runs and self._last is not None:
             self._decide(self._last)  # a short epoch: what its batches measured
+        return outcome
+
+    def _train_apart(self) -> dict[str, Any]:
+        outcome: dict[str, Any] = dict(self._failures)
+        for trial, run in list(self.runs.items()):
+            carried = self._sums.get(trial)
+            try:
+                outcome[trial] = run.train_epoch(
+                    carry=(carried[0], carried[1]) if carried else None)
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
+                outcome[trial] = err
+        self.drop([t for t, o in outcome.items() if isinstance(o, Exception)])
         return outcome
 
     def _decide(self, batch: Any) -> None:
