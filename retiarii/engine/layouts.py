@@ -329,7 +329,8 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     measured = {t: by_arch[arch[t]] for t in ids if known.get(t) is None and arch[t] in by_arch}
     live = None  # merged layout -> plan, when measured on the real first batches
     if given is None and profile is not None and fuse is not True and (len(merged) > 1 or (
-            fuse == "auto" and fusable)):
+            fuse == "auto" and fusable) or "auto" in (fuse, batch)):
+        # under "auto" a group with one merged layout still chooses between it and apart
         live = _live_plans(merged, ids, models, runs, data_key, bool(meta.get("dedicated")))
     if live is not None:  # measured while training (measuring.py): decided after a few batches
         order = list(live)
