@@ -11,9 +11,10 @@ the code a search runs, one job per segment), three ways, one after the other:
   (``fuse=True`` for the same-architecture workloads, ``batching=True`` for the adapters,
   plain CSE for the frozen trunk);
 - **auto**: grouped jobs with ``profile=True, fuse="auto", batching="auto"``: the first job
-  measures the layouts on its first batch and trains in the one it chooses; the next epochs'
-  jobs are told the choice (as a search's later jobs are), and a segment measured slower
-  than apart is reverted.
+  measures the layouts on its first real batches (engine/measuring.py) and trains the rest
+  of its segment in the best that keeps every model's values; the next epochs' jobs are told
+  the choice (as a search's later jobs are), and a layout is reverted on evidence only (a
+  segment slower than apart beyond its noise, or two slower in a row).
 
 The workloads are the other cross-model benchmarks' building blocks:
 
@@ -21,9 +22,10 @@ The workloads are the other cross-model benchmarks' building blocks:
 - ``adapters``: :mod:`batching`'s frozen backbone, model i's adapter after block i % depth;
 - ``frozen``: :mod:`frozen_prefix`'s frozen CNN trunk and five heads.
 
-It prints, per workload, each way's seconds, the layout auto chose and auto / best of
-(separate, merged), checks every model's final metrics against separate training (exact for
-CSE and batching on the CPU, rel 1e-4 fused), and writes ``benchmarks/out/auto-DEVICE.csv``
+It prints, per workload, each way's seconds, the layout auto chose, what measuring on
+copies cost, how many reverts the plans table recorded, and auto / best of (separate,
+merged), checks every model's final metrics against separate training (exact for CSE and
+batching on the CPU, rel 1e-4 fused), and writes ``benchmarks/out/auto-DEVICE.csv``
 and ``.png``. One torch thread unless ``--threads`` says otherwise.
 
 Example::
@@ -151,6 +153,11 @@ def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str)
         auto_s, auto, records = search(configs, "auto", merged, epochs, n)
         decisions = [u["decision"] for r in records for u in r["units"] if u.get("decision")]
         chosen = decisions[-1]["reason"] if decisions else "not measured (cse)"
+        # what measuring cost on copies, and what was reverted (the plans table's reasons)
+        probed = {id(u["choice"]): u["choice"].get("probe_s") or 0.0 for r in records
+                  for u in r["units"] if (u.get("choice") or {}).get("probed")}
+        reverts = [r["reason"] for r in records if r["status"] == "reverted"
+                   or r["reason"].startswith("fusion reverted")]
         ratio = min(sep_s, mer_s) / auto_s  # >= 0.95: auto within 5% of the best
         tol = 1e-4 if "fused" in chosen.split(" ")[0] or merged.get("fuse") else 0.0
         diff = _largest_difference(auto, sep)
@@ -162,9 +169,12 @@ def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str)
                      "separate_s": round(sep_s, 3), "merged_s": round(mer_s, 3),
                      "auto_s": round(auto_s, 3), "merged_speedup": round(sep_s / mer_s, 3),
                      "auto_over_best": round(ratio, 3), "auto_chose": chosen,
+                     "measured_on_copies_s": round(sum(probed.values()), 3),
+                     "reverts": len(reverts),
                      "max_rel_diff": f"{diff:.1e}", "load": round(os.getloadavg()[0], 2)})
         print(f"{workload:9s} {groups}x{n} models {device}: separate {sep_s:.2f}s, merged {mer_s:.2f}s "
-              f"({sep_s / mer_s:.2f}x), auto {auto_s:.2f}s [{chosen}]: auto / best "
+              f"({sep_s / mer_s:.2f}x), auto {auto_s:.2f}s [{chosen}; on copies "
+              f"{sum(probed.values()):.2f}s, {len(reverts)} reverted]: auto / best "
               f"{ratio:.2f} (target >= 0.95{'' if ratio >= 0.95 else ': MISSED'}); "
               f"metrics vs separate {diff:.1e}; load {os.getloadavg()[0]:.1f}", flush=True)
     return rows

@@ -238,19 +238,23 @@ class _SaysFusedSlower:
             if unit.get("fused"):
                 n = len(unit["trials"])
                 unit = {**unit, "batches": 1, "load_s": 0.0, "compute_s": 0.1 * n / self.speedup,
-                        "setup_s": 0.0, "alone_s": {t: 0.1 for t in unit["trials"]}}
+                        "setup_s": 0.0, "alone_s": {t: 0.1 for t in unit["trials"]},
+                        "spread": 0.01, "step_s": None}  # a quiet machine: a segment's verdict is not noise
             units.append(unit)
         return JobProfiled(event.job_id, tuple(units))
 
 
 @pytest.fixture
 def fused_chosen(monkeypatch):
-    """The first job's measurement of the layouts (timing-free): fused 2x, CSE 1.5x."""
-    from retiarii.engine import layouts
+    """The first job's measurement of the layouts (timing-free): fused 2x, CSE 1.5x (on
+    copies, ``layouts.probe``, or on the first batches, ``MeasuringGroup._speedups``)."""
+    from retiarii.engine import layouts, measuring
     from retiarii.optim.cost import Layout
 
     monkeypatch.setattr(layouts, "probe", lambda *a, **k: (
         {Layout.FUSED: 2.0, Layout.CSE: 1.5}, {}))
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", lambda group, batch: {
+        Layout.FUSED: 2.0, Layout.CSE: 1.5})
 
 
 def test_fusion_measured_slower_is_reverted(tmp_path, fused_chosen):

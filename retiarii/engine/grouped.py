@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..optim import batching, build_group, build_plan, cse
+from ..optim.cost import relative_spread
 from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
 from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
@@ -201,6 +202,7 @@ class TrainingGroup:
         self._to_profile = set(profile or ()) & set(self.runs)
         self._batches, self._compute_s = 0, 0.0
         self._loads: list[float] = []  # seconds waiting for each batch
+        self._steps: list[float] = []  # seconds of each batch's step (their spread: the noise)
         self._alone_s: dict[str, float] = {}
         self.setup_s = 0.0  # planning and building it, as the worker measured
         self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
@@ -211,7 +213,8 @@ class TrainingGroup:
         """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
         unit): batches, seconds waiting for the loader and computing (the shared part once,
         every model's own part, backward, optimizer steps), and each profiled trial's separate
-        step time."""
+        step time, and the relative spread of its step times (the first, a warm-up, left
+        out: :func:`~retiarii.optim.cost.relative_spread`): how noisy the measurement is."""
         # A loader's first batch of an epoch also pays what is paid once, not per model (a data
         # set read into memory and cached, worker processes starting): every batch is counted
         # at the median wait of the others, so N models apart are not charged it N times.
@@ -224,8 +227,17 @@ class TrainingGroup:
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
                 "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
+                "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
                 "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
                 **self.extra}
+
+    def _typical_step_s(self) -> float | None:
+        """The median of the segment's steps after the first (None before two steps): its
+        first step's warm-up (allocations, kernel choice, optimizer state) is paid by each
+        model alone too and left out of its profiled step time, and a step the machine's
+        other work delayed says nothing of the layout; the cost model counts this per batch."""
+        steps = self._steps[1:]
+        return sorted(steps)[len(steps) // 2] if steps else None
 
     @property
     def trials(self) -> tuple[str, ...]:
@@ -270,14 +282,15 @@ class TrainingGroup:
                 break
             batch = _to_device(batch, first.device)
             t1 = time.perf_counter()
-            if self._to_profile:
-                self._profile(batch)
+            load = t1 - t0  # before any work on copies, which is neither load nor compute
+            if self._before_step(batch):  # measured on copies: not the group's time
                 t1 = time.perf_counter()
             failed = self._step(batch, sums)
             sync(first.device)
             self._batches += 1
-            self._loads.append(t1 - t0)
-            self._compute_s += time.perf_counter() - t1
+            self._loads.append(load)
+            self._steps.append(time.perf_counter() - t1)
+            self._compute_s += self._steps[-1]
             outcome.update(failed)
             self.drop(failed)
             if not self.runs:
@@ -308,6 +321,14 @@ class TrainingGroup:
     def _ahead(self, batch: Any) -> Any:
         """For one batch: ``inputs -> the shared part's outputs`` computed ahead, or None."""
         return None
+
+    def _before_step(self, batch: Any) -> bool:
+        """Work on copies before a batch's step, not counted as the group's time (the alone
+        profiles: :meth:`_profile`); whether there was any."""
+        if not self._to_profile:
+            return False
+        self._profile(batch)
+        return True
 
     def _profile(self, batch: Any) -> None:
         """Each trial to profile, trained alone for a few steps on ``batch``: a copy of its
@@ -425,11 +446,20 @@ class TrainingGroup:
             return run.end_training(total, count)
 
 
+# A step timed once or twice on a shared machine is at the mercy of one preemption when it
+# lasts a millisecond: short steps are repeated until the timed ones add up to MIN_TIMED_S
+# (at most MAX_REPEATS): a few milliseconds for them.
+MIN_TIMED_S = 0.02
+MAX_REPEATS = 10
+
+
 def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
     """Seconds of one training step of ``run``'s model alone on ``batch`` (forward, loss,
     backward, optimizer step), on a copy of its model and optimizer: a warm-up step (caches,
-    allocators), then the least of ``repeats`` (the machine's other work only adds). The
-    caller restores the RNG streams (dropout draws from them).
+    allocators), then the least of ``repeats`` (the machine's other work only adds), more
+    for a step so short that a preempted one would decide (up to :data:`MAX_REPEATS`, until
+    the timed steps add up to :data:`MIN_TIMED_S`). The caller restores the RNG streams
+    (dropout draws from them).
 
     Args:
         trainer: its ``training_step`` computes the loss.
@@ -438,8 +468,9 @@ def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
         batch: on the run's device.
     """
     model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> the copies
-    times = []
-    for _ in range(1 + repeats):
+    times: list[float] = []
+    while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S
+                                       and len(times) < 1 + MAX_REPEATS):
         _sync(run.device)
         t0 = time.perf_counter()
         loss = trainer.training_step(model, batch, run.hparams)

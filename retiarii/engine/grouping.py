@@ -58,9 +58,13 @@ class GroupedJobs:
             unfused = sorted(t.trial_id for t in tasks if t.trial_id in self.unfused)
             if unfused:
                 meta["unfused"] = unfused
+        key = self.group_key(self.trials[tasks[0].trial_id]) if self.group_key else None
+        chosen = self.layouts.get(key_id(key)) if key is not None else None
+        # a key whose apart is bounded from below (measuring.py) profiles nobody alone
+        bounded = any(c.get("bound_s") is not None for c in (chosen or {}).values())
         if self.profile or "auto" in (self.fuse, self.batching):  # measure the group
-            meta["profile"] = [t.trial_id for t in tasks  # and each member never profiled
-                               if t.trial_id not in self.alone_s]
+            meta["profile"] = [] if bounded else [  # and each member never profiled
+                t.trial_id for t in tasks if t.trial_id not in self.alone_s]
             known = {t.trial_id: self.alone_s[t.trial_id] for t in tasks
                      if t.trial_id in self.alone_s}
             if known:
@@ -68,8 +72,6 @@ class GroupedJobs:
             if self.alone_arch:  # step times alone per architecture: not measured again
                 meta["alone_by_arch"] = {d: dict(list(a.items())[-512:])
                                          for d, a in self.alone_arch.items()}
-        key = self.group_key(self.trials[tasks[0].trial_id]) if self.group_key else None
-        chosen = self.layouts.get(key_id(key)) if key is not None else None
         if chosen:
             meta["layouts"] = {device: {"order": c["order"], "speedups": c["speedups"]}
                                for device, c in chosen.items()}
@@ -78,31 +80,41 @@ class GroupedJobs:
     def _choose(self, key: str, units: list[dict]) -> None:
         """Keep the layout choices of a job's units for group key ``key``: a choice the
         worker measured replaces the one held for its device (the layouts reverted stay
-        reverted), and a layout measured slower over the segment (``"slower": True``) is
-        reverted; each unit's ``"decision"`` is then the choice now in force. A job that
-        measured nothing and reverted nothing leaves the key undecided (a later job, with
-        other trials, may have a choice to measure)."""
+        reverted), and a layout whose segment's verdict reverts it (``"slower": True``,
+        :func:`~retiarii.optim.cost.judge_segment`) is reverted; the slower segments in a
+        row per layout (``"strikes"``) are kept with the choice, so a resumed search counts
+        on. Each unit's ``"decision"`` is then the choice now in force. A job that measured
+        nothing, reverted nothing and counted no slower segment leaves the key undecided (a
+        later job, with other trials, may have a choice to measure)."""
         for unit in units:
             choice = unit.get("choice")
             if not choice:
                 continue
             device = choice["device"]
             held = self.layouts.get(key, {}).get(device)
+            counted = unit.get("strikes") or {}
             if choice.get("probed"):
                 speedups = dict(choice.get("speedups") or {})
             elif held is not None:
                 speedups = dict(held["speedups"])
-            elif unit.get("slower"):
+            elif unit.get("slower") or any(counted.values()):
                 speedups = {}
             else:
                 continue
             reverted = set(held["reverted"]) if held else set()
             if unit.get("slower") and unit.get("layout"):
                 reverted.add(unit["layout"])
+            strikes = {**(held or {}).get("strikes", {}), **counted}
+            bound = choice.get("bound_s") if choice.get("probed") else (held or {}).get("bound_s")
             ranked = choose_layout({Layout(k): v for k, v in speedups.items()}, reverted)
+            strikes = {k: v for k, v in strikes.items() if v}
+            counted_now = ", ".join(f"{k} {v}" for k, v in sorted(strikes.items()))
             self.layouts.setdefault(key, {})[device] = {
                 "order": [x.value for x in ranked.order], "speedups": speedups,
-                "reverted": sorted(reverted), "reason": ranked.reason}
+                "reverted": sorted(reverted), "reason": ranked.reason + (
+                    f"; slower segments in a row: {counted_now}" if strikes else ""),
+                "strikes": strikes,
+                **({"bound_s": bound} if bound is not None else {})}
         for unit in units:
             decided = self.layouts.get(key, {}).get((unit.get("choice") or {}).get("device"))
             if decided is not None:
@@ -180,7 +192,7 @@ class GroupedJobs:
     def _group_record(self, event, job: Any, group_failed: bool) -> dict:
         """What the plans table keeps of a grouped job (see :meth:`_end_group`);
         ``group_failed``: the job failed as a group, not by its models' own errors."""
-        from ..optim.cost import fused_speedup, fusion_slower, merged_speedup, slower_than_apart
+        from ..optim.cost import fused_speedup, judge_segment, merged_speedup
 
         for unit in job.units:
             self.alone_s.update(unit.get("alone_s") or {})
@@ -189,22 +201,40 @@ class GroupedJobs:
                     unit["alone_by_arch"])
         units = [dict(u) for u in job.units]
         merged = [u for u in units if u.get("merged")]
-        speedups = [merged_speedup(u, self.alone_s) for u in merged]
-        # A fused unit measured slower than its models grouped unfused is not reverted to
-        # alone: its trials train unfused from now on, and that grouping is measured in turn.
+        key = self.group_key(self.trials[job.trials[0]]) if self.group_key else None
+        alone = {id(u): self._alone_or_bound(key, u) for u in merged}
+        speedups = [merged_speedup(u, alone[id(u)]) for u in merged]
+        held = self._held_strikes(key_id(key) if key is not None else None)
+        # A layout is reverted on evidence only (cost.judge_segment): a segment slower than
+        # apart beyond its measured noise, or two slower segments in a row; one noisy
+        # segment counts a strike and keeps the layout. A fused unit measured slower than
+        # its models grouped unfused is not reverted to alone: its trials train unfused from
+        # now on, and that grouping is measured in turn.
         unfused: list[str] = []
         for unit in merged:
             if unit.get("fused"):
-                unit["fused_speedup"] = fused_speedup(unit, self.alone_s)
-                if self.fuse == "auto" and fusion_slower(unit["fused_speedup"]):
-                    unit["fusion_reverted"] = True
-                    unfused.extend(unit["trials"])
-        judged = [s for u, s in zip(merged, speedups) if not u.get("fusion_reverted")]
+                unit["fused_speedup"] = fused_speedup(unit, alone[id(unit)])
+                if self.fuse == "auto":
+                    verdict = judge_segment(unit["fused_speedup"], unit.get("spread"),
+                                            held(unit, "fusion"), margin=1.0)
+                    unit["fusion_verdict"] = verdict.reason
+                    unit.setdefault("strikes", {})["fusion"] = verdict.strikes
+                    if verdict.revert:
+                        unit["fusion_reverted"] = True
+                        unfused.extend(unit["trials"])
         if self.profile or "auto" in (self.fuse, self.batching):
             for unit, s in zip(merged, speedups):  # the layout measured slower is reverted
-                unit["slower"] = bool(unit.get("fusion_reverted")) or (
-                    self.profile and slower_than_apart(s))
-        key = self.group_key(self.trials[job.trials[0]]) if self.group_key else None
+                if not _judged(unit):
+                    unit["slower"] = bool(unit.get("fusion_reverted"))
+                    continue
+                verdict = judge_segment(s, unit.get("spread"), held(unit, unit.get("layout")))
+                if self.profile:
+                    unit["verdict"] = verdict.reason
+                    if unit.get("layout"):
+                        unit.setdefault("strikes", {})[unit["layout"]] = verdict.strikes
+                unit["slower"] = bool(unit.get("fusion_reverted")) or bool(
+                    self.profile and verdict.revert)
+        judged = [s for u, s in zip(merged, speedups) if not u.get("fusion_reverted")]
         if key is not None:
             self._choose(key_id(key), units)
         known = [s for s in speedups if s is not None]
@@ -220,11 +250,14 @@ class GroupedJobs:
         elif not merged and job.units:
             status, reason = "not merged", "; ".join(
                 sorted({u.get("reason", "") for u in job.units}))[:500]
-        elif self.profile and any(slower_than_apart(s) for s in judged):
+        elif self.profile and any(u.get("slower") for u in merged
+                                  if not u.get("fusion_reverted")):
             status = "reverted"
             worst = min(s for s in judged if s is not None)
-            reason = (f"measured {worst:.2f}x of training its models apart: they train "
-                      f"alone from now on")
+            why = next(u["verdict"] for u in merged if u.get("slower")
+                       and not u.get("fusion_reverted"))
+            reason = (f"measured {worst:.2f}x of training its models apart ({why}): they "
+                      f"train alone from now on")
         if status == "not merged" and all(u.get("layout") == Layout.SEPARATE.value
                                           and u.get("decision") for u in units):
             reason = f"layout: {units[0]['decision']['reason']}"[:500]
@@ -242,6 +275,29 @@ class GroupedJobs:
                     for u in merged) else [])
                 + (["fusion"] if any(u.get("fused") for u in merged) else [])}
 
+    def _alone_or_bound(self, key: Any, unit: dict) -> dict[str, float]:
+        """Each of the unit's trials' step time alone: profiled, else the lower bound its
+        layout choice measured (``bound_s``: the shared part every model alone computes;
+        measuring.py), so a bounded key's segments are judged on a lower bound of apart."""
+        choice = unit.get("choice") or {}
+        bound = choice.get("bound_s")
+        if bound is None and key is not None:
+            bound = (self.layouts.get(key_id(key), {}).get(choice.get("device")) or {}).get(
+                "bound_s")
+        if bound is None:
+            return self.alone_s
+        return {**{t: bound for t in unit.get("trials") or ()}, **self.alone_s}
+
+    def _held_strikes(self, key: str | None):
+        """``strikes(unit, name)``: the slower segments in a row held for ``name`` (a layout,
+        or ``"fusion"``) on the unit's device under group key ``key`` (0 when none)."""
+        held = self.layouts.get(key, {}) if key is not None else {}
+
+        def strikes(unit: dict, name: str | None) -> int:
+            device = (unit.get("choice") or {}).get("device")
+            return int(((held.get(device) or {}).get("strikes") or {}).get(name, 0))
+        return strikes
+
     def _retry_alone(self, trial: Trial, error: str) -> None:
         """A trial that did not finish its segment in a failed grouped job: back to PENDING
         from its last checkpoint, to train alone; not counted as its failure."""
@@ -250,6 +306,18 @@ class GroupedJobs:
         self._move(trial, TrialState.ERRORED, f"group error: {first}")
         step, _ = trial.resume_point()
         self._move(trial, TrialState.PENDING, f"retry {trial.attempts} alone from step {step}")
+
+
+def _judged(unit: dict) -> bool:
+    """Whether a unit's segment says anything of its layout: not when it trained apart
+    (its models' own steps in turn), nor when the segment measured the layouts on its first
+    batches and ended in one that is not the choice (it trained there only until the next
+    segment's switch: measuring.py)."""
+    choice = unit.get("choice") or {}
+    if unit.get("layout") == Layout.SEPARATE.value:
+        return False
+    return not (choice.get("measured_on") and choice.get("order")
+                and unit.get("layout") != choice["order"][0])
 
 
 def key_id(key: Hashable) -> str:

@@ -38,12 +38,15 @@ import torch
 from ..optim import batching as batching_pass
 from ..optim import fusion_key
 from ..optim.cost import Layout, choose_layout, probe_speedups
+from ..optim.plan import Role
+from ..rng import swapped_in
 from . import checkpoint as ckpt
 from .fused import FusedGroup, fusable_sets
-from .grouped import TrainingGroup, plan_group, step_seconds
+from .grouped import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
+from .measuring import MeasuringGroup
 from .trial_run import _to_device
 
-__all__ = ["ABORT", "device_label", "group_units", "probe"]
+__all__ = ["ABORT", "ABORT_CPU", "device_label", "group_units", "probe", "step_times"]
 
 _END = object()
 _MERGED = (Layout.CSE, Layout.BATCHING)  # the layouts of the trials that do not fuse
@@ -68,9 +71,16 @@ class _Copy:
         self.model, self.optimizer = copy.deepcopy((run.model, run.optimizer))  # one memo
         self.hparams, self.device = run.hparams, run.device
         self.epoch, self.batch = run.epoch, run.batch
+        # the trial's streams as they are (a snapshot: what the copy draws stays here)
+        self._rng = getattr(run, "_rng", None)
 
     def _own_rng(self):
-        return contextlib.nullcontext()  # the probe restores the process's streams after
+        # Swapped in per step as a grouped step swaps each trial's: that swap is part of
+        # what a layout costs per model (a few tiny models' steps cost little more), so a
+        # copy that skipped it measured fused 16 MLPs 1.3x faster than their real segment.
+        if self._rng is None:
+            return contextlib.nullcontext()
+        return swapped_in(self)
 
 
 def _first_batch(trainer: Any, run: Any) -> tuple[Any, float] | None:
@@ -152,34 +162,55 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
                 # one architecture, one step time: its twins are not measured again
                 measured.update(_twins(t, ids, models, measured[t], alone_s))
         alone = {t: alone_s.get(t, measured.get(t)) for t in ids}
-        steps: dict[Layout, float] = {}
         apart = sum(alone.values()) + (len(ids) - 1) * load  # a step's worth, apart
-        for layout in candidates:
-            if layout is Layout.SEPARATE:
-                continue
-            copies = {t: _Copy(runs[t]) for t in ids}
-            try:
-                groups, lone = _units_of(layout, ids, models, copies, trainer, data_key,
-                                         fusable, Layout.CSE, None)
-                # a layout whose warm-up is far slower than the best so far is not timed
-                limit = ABORT * min([apart, *steps.values()]) / max(len(groups), 1)
-                times: list[float] = []
-                for group in groups:  # stop at the first group over the limit
-                    seconds = _group_step_seconds(group, batch, limit=limit)
-                    if seconds is None:
-                        break
-                    times.append(seconds)
-                else:
-                    steps[layout] = sum(times) + sum(alone[t] for t in lone)
-            except Exception:  # noqa: BLE001 (this layout stays unmeasured)
-                pass
-            finally:
-                ckpt.set_native_rng(outer)
-                del copies  # one layout's copies at a time (device memory)
-                groups = []
+        steps = step_times(ids, models, runs, trainer, data_key, candidates, fusable, alone,
+                           batch, apart)
         return probe_speedups(alone, steps, load), measured
     finally:
         ckpt.set_native_rng(outer)
+
+
+def step_times(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key: str,
+               candidates: list[Layout], fusable: list[tuple[str, ...]],
+               alone: Mapping[str, float], batch: Any, best_s: float) -> dict[Layout, float]:
+    """Seconds of one step of every trial of the group in each of ``candidates`` on
+    ``batch``, on **copies** of the trials' models and optimizers (a warm-up, then one timed
+    step); a candidate whose warm-up takes over :data:`ABORT` times ``best_s`` (or the best
+    measured so far) is left out, and so is one that fails to build or step. The caller
+    saves and restores the RNG streams; each layout's are restored here too.
+
+    Args:
+        alone: every trial's step time alone (for the trials a layout leaves alone).
+        best_s: the best step of the group known so far (apart, or a merged layout).
+    """
+    outer = ckpt.native_rng()
+    steps: dict[Layout, float] = {}
+    for layout in candidates:
+        if layout is Layout.SEPARATE:
+            continue
+        copies = {t: _Copy(runs[t]) for t in ids}
+        groups: list = []
+        try:
+            groups, lone = _units_of(layout, ids, models, copies, trainer, data_key,
+                                     fusable, Layout.CSE, None)
+            # a layout whose warm-up is far slower than the best so far is not timed
+            abort = ABORT_CPU if torch.device(runs[ids[0]].device).type == "cpu" else ABORT
+            limit = abort * min([best_s, *steps.values()]) / max(len(groups), 1)
+            times: list[float] = []
+            for group in groups:  # stop at the first group over the limit
+                seconds = _group_step_seconds(group, batch, limit=limit)
+                if seconds is None:
+                    break
+                times.append(seconds)
+            else:
+                steps[layout] = sum(times) + sum(alone[t] for t in lone)
+        except Exception:  # noqa: BLE001 (this layout stays unmeasured)
+            pass
+        finally:
+            ckpt.set_native_rng(outer)
+            del copies  # one layout's copies at a time (device memory)
+            groups = []
+    return steps
 
 
 def _twins(trial: str, ids: list[str], models: Mapping, seconds: float,
@@ -198,6 +229,9 @@ def _twins(trial: str, ids: list[str], models: Mapping, seconds: float,
 # much slower could not win, and timing it costs most of the probe (K frozen trunks fused
 # where CSE computes one).
 ABORT = 4.0
+# The same on a CPU, where no kernel is selected or compiled at the first step (allocations
+# and optimizer state only): a warm-up over twice the best step cannot win.
+ABORT_CPU = 2.0
 
 
 def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
@@ -205,11 +239,12 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
     """One batch of a group (every trial's forward, loss, backward and optimizer step): a
     warm-up step, then the least of ``repeats`` (the machine's other work only adds; one by
     default: each costs a step of every model, and a segment measured slower reverts a
-    choice a noisy step got wrong); None when the warm-up alone took over ``limit``."""
+    choice a noisy step got wrong; more for a short step, as ``grouped.step_seconds``
+    does); None when the warm-up alone took over ``limit``."""
     sums = {t: [torch.zeros((), device=r.device), 0] for t, r in group.runs.items()}
     device = next(iter(group.runs.values())).device
-    times = []
-    for _ in range(1 + repeats):
+    times: list[float] = []
+    while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S and len(times) < 1 + MAX_REPEATS):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -222,6 +257,39 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
         if limit is not None and times[0] > limit:
             return None
     return min(times[1:])
+
+
+def _batching_candidate(result: Any, device: torch.device) -> bool:
+    """Whether the batching pass's plan is worth measuring: it changed the plan and, on a
+    CPU, batches a frozen layer with weights (one call of a weighted layer on N models'
+    inputs saves per-call work; batching only weightless operations, a ReLU or a pooling,
+    saves nothing on a CPU and pays the concatenations: benchmarks/README.md, "Operator
+    batching"). On a GPU, where N small kernel launches cost more than one, any change is
+    measured."""
+    if not result.modified:
+        return False
+    if torch.device(device).type != "cpu":
+        return True
+    plan = result.plan
+    return any(plan.nodes[key].role is Role.FROZEN for batch in plan.batches for _, key in batch)
+
+
+def _live_plans(merged: list[Layout], ids: list[str], models: Mapping, runs: Mapping,
+                data_key: str, dedicated: bool) -> dict[Layout, Any] | None:
+    """Merged layout -> the group's plan in it, when the candidates can be measured on the
+    real first batches (:class:`~.measuring.MeasuringGroup`): a plain group (not one with
+    a dedicated device: ``meta["dedicated"]``), every candidate plan one group of every
+    trial; else None (the probe on copies measures them)."""
+    if dedicated:
+        return None
+    plans = {}
+    for layout in merged:
+        plan = plan_group({t: models[t] for t in ids}, data_key,
+                          {t: runs[t].hparams for t in ids}, batch_ops=layout is Layout.BATCHING)
+        if plan.groups() != [tuple(ids)]:
+            return None
+        plans[layout] = plan
+    return plans
 
 
 def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, trainer: Any,
@@ -246,8 +314,9 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     fusable = (fusable_sets({t: models[t] for t in ids}, meta.get("unfused") or ())
                if fuse in ("auto", True) else [])
     merged = [Layout.BATCHING] if batch is True else [Layout.CSE]
-    if batch == "auto" and batching_pass(plan_group(
-            {t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids})).modified:
+    if batch == "auto" and _batching_candidate(batching_pass(plan_group(
+            {t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids})),
+            runs[ids[0]].device):
         merged = [Layout.CSE, Layout.BATCHING]
     given = (meta.get("layouts") or {}).get(device)
     choice: dict[str, Any] = {"device": device, "probed": False}
@@ -258,7 +327,15 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     known = dict(meta.get("alone_s") or {})
     by_arch.update({arch[t]: known[t] for t in ids if t in known})
     measured = {t: by_arch[arch[t]] for t in ids if known.get(t) is None and arch[t] in by_arch}
-    if given is not None:
+    live = None  # merged layout -> plan, when measured on the real first batches
+    if given is None and profile is not None and fuse is not True and (len(merged) > 1 or (
+            fuse == "auto" and fusable) or "auto" in (fuse, batch)):
+        # under "auto" a group with one merged layout still chooses between it and apart
+        live = _live_plans(merged, ids, models, runs, data_key, bool(meta.get("dedicated")))
+    if live is not None:  # measured while training (measuring.py): decided after a few batches
+        order = list(live)
+        choice.update(order=[x.value for x in order], speedups={})
+    elif given is not None:
         order = [Layout(x) for x in given["order"]]
         choice.update(order=given["order"], speedups=given.get("speedups") or {})
     elif profile is not None and (len(merged) > 1 or (fuse == "auto" and fusable)):
@@ -288,6 +365,14 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
             if rep != t:
                 twins.setdefault(rep, []).append(t)
         profile = list(reps.values())
+    if live is not None:
+        group = MeasuringGroup(live, runs, trainer, models=models, fusable=fusable if fuse == "auto"
+                               else [], data_key=data_key, alone_s={**known, **measured},
+                               want_alone=list(profile or ()), choice=choice)
+        group._alone_s.update({t: measured[t] for t in group.members if t in measured})
+        group.twins, group.arch = twins, arch
+        group.extra = {"layout": group.layout.value, "choice": choice}
+        return [group]
     usable = [x for x in order if x is Layout.SEPARATE or x in merged
               or (x is Layout.FUSED and fusable)]
     layout = usable[0] if usable else merged[0]

@@ -95,15 +95,22 @@ class TrialRun:
         with swapped_in(self):
             yield
 
-    def train_epoch(self) -> dict[str, float]:
-        """Train the rest of the current epoch, validate, and return the epoch's metrics."""
+    def train_epoch(self, carry: tuple[torch.Tensor, int] | None = None) -> dict[str, float]:
+        """Train the rest of the current epoch, validate, and return the epoch's metrics.
+
+        Args:
+            carry: ``(loss total, examples)`` of this epoch's batches already trained
+                elsewhere in this process (a grouped job that hands the rest of a segment to
+                each model alone: engine/measuring.py), accumulated as here; None: from 0.
+        """
         trainer, model, opt = self.trainer, self.model, self.optimizer
         with self._own_rng():
             batches: Iterable = trainer.train_dataloader(self.hparams, self.epoch)
             if self.batch:  # resuming mid-epoch: the order is a function of the epoch, so skip
                 batches = itertools.islice(iter(batches), self.batch, None)
             model.train()
-            total, count = torch.zeros((), device=self.device), 0
+            total, count = carry if carry is not None else (
+                torch.zeros((), device=self.device), 0)
             for batch in batches:
                 batch = _to_device(batch, self.device)
                 loss = trainer.training_step(model, batch, self.hparams)

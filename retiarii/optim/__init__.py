@@ -5,7 +5,7 @@ differentiable one-shot strategies search (relax.py), and mixed parallelism of
 weight-sharing training (docs/weight_sharing.md)."""
 from .batching import batch_independent, batching
 from .build import GroupError, GroupModule, build_group
-from .cost import Layout, LayoutChoice, choose_layout
+from .cost import Layout, LayoutChoice, Verdict, choose_layout, judge_segment
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_key
@@ -48,6 +48,7 @@ __all__ = [
            "Role",
            "SuperGraph",
            "SuperGraphError",
+           "Verdict",
            "average_used_gradients",
            "batch_independent",
            "batching",
@@ -59,6 +60,7 @@ __all__ = [
            "fuse_models",
            "fusion_key",
            "gather_segment",
+           "judge_segment",
            "run_segment_on_ranks",
            "segment_rank",
            "spawn",

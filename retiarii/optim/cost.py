@@ -1,8 +1,10 @@
 """The cost model of a merged job: is training these models as one group faster than apart?
 
 Pure arithmetic over what a worker measured (a :class:`~retiarii.engine.executors.base.JobProfiled`
-unit) and each model's profiled separate step time; the engine reverts a group whose
-estimated speed-up is below 1 (paper §5.2, §6: a merged job slower than its models trained
+unit) and each model's profiled separate step time (a warm step: the unit's compute is
+counted as its typical step, ``step_s``, times its batches, for the same reason); the
+engine reverts a group whose estimated speed-up is below the margin, on evidence
+(:func:`judge_segment`; paper §5.2, §6: a merged job slower than its models trained
 separately is reverted for the rest of the search).
 
 A merged segment costs what the worker measured: planning and building the group once
@@ -47,8 +49,9 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Layout", "LayoutChoice", "choose_layout", "describe", "fused_speedup", "fusion_slower",
-           "merged_speedup", "probe_speedups", "slower_than_apart"]
+__all__ = ["Layout", "LayoutChoice", "Verdict", "choose_layout", "describe", "fused_speedup",
+           "fusion_slower", "judge_segment", "merged_speedup", "probe_speedups", "relative_spread",
+           "slower_than_apart"]
 
 
 def _measured(unit: Mapping, alone_s: Mapping[str, float]) -> tuple[list[str], int] | None:
@@ -60,6 +63,17 @@ def _measured(unit: Mapping, alone_s: Mapping[str, float]) -> tuple[list[str], i
     if any(alone_s.get(t) is None for t in trials):
         return None
     return trials, batches
+
+
+def _compute(unit: Mapping) -> float:
+    """The unit's compute over its segment: its typical step (``step_s``, the median after
+    the first) times its batches when the worker measured one, else ``compute_s``. The
+    first step's warm-up is paid by each model alone too and left out of its profiled step
+    time (on a short segment it would outweigh the rest), and a step the machine's other
+    work delayed says nothing of the layout."""
+    if unit.get("step_s") is not None:
+        return float(unit["step_s"]) * int(unit["batches"])
+    return float(unit["compute_s"])
 
 
 def fused_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
@@ -76,7 +90,7 @@ def fused_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
         return None
     trials, batches = measured
     load = float(unit["load_s"])
-    fused = load + float(unit["compute_s"])
+    fused = load + _compute(unit)
     if fused <= 0.0:
         return None
     return (load + batches * sum(float(alone_s[t]) for t in trials)) / fused
@@ -109,7 +123,7 @@ def merged_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
         return None
     trials, batches = measured
     load = float(unit["load_s"])
-    merged = float(unit.get("setup_s") or 0.0) + load + float(unit["compute_s"])
+    merged = float(unit.get("setup_s") or 0.0) + load + _compute(unit)
     if merged <= 0.0:
         return None
     separate = batches * sum(float(alone_s[t]) for t in trials) + len(trials) * load
@@ -263,3 +277,93 @@ def probe_speedups(alone_s: Mapping[str, float], steps_s: Mapping[Layout, float]
     apart = sum(float(s) for s in alone_s.values()) + len(alone_s) * load_s
     return {Layout(k): apart / (float(v) + load_s) for k, v in steps_s.items()
             if float(v) + load_s > 0.0}
+
+
+# ---- reverting on evidence ------------------------------------------------------------------
+
+# The least relative noise a segment's measurement is credited with, whatever its batches'
+# spread says: a segment's speed-up divides two measurements (the group's segment and each
+# model's step alone, profiled once), and on a shared machine either moves by a few percent
+# from one minute to the next (benchmarks/README.md: +-15% between two runs of one search).
+NOISE_FLOOR = 0.05
+# A segment is *clearly* slower when its speed-up is below 1 (apart) by more than this many
+# times its noise: one such segment reverts at once.
+CLEAR = 2.0
+# Segments in a row measured slower (below the margin, within the noise) that revert.
+STRIKES = 2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :func:`judge_segment` decided of one segment: revert the layout or keep it, the
+    slower segments now counted in a row (``strikes``), and why (for the plans table)."""
+
+    revert: bool
+    strikes: int
+    reason: str
+
+
+def judge_segment(speedup: float | None, spread: float | None = None, strikes: int = 0,
+                  margin: float = MARGIN) -> Verdict:
+    """Whether a layout measured at ``speedup`` over one segment is reverted: only on
+    evidence beyond the measurement's noise (``noise = max(spread, NOISE_FLOOR)``):
+
+    - at or over ``margin``: kept, the count of slower segments back to 0;
+    - below ``1 - CLEAR * noise`` (slower than apart, beyond the noise): reverted at once;
+    - otherwise below the margin (not worth it, or slower within the noise): one more
+      slower segment in a row, reverted at :data:`STRIKES` (two) in a row;
+    - unknown (nothing measured): kept, the count unchanged.
+
+    Example::
+
+        >>> judge_segment(0.97, 0.02).revert       # one noisy slower segment: kept
+        False
+        >>> judge_segment(0.97, 0.02, strikes=1)   # the second in a row: reverted
+        Verdict(revert=True, strikes=2, reason='2 segments in a row below 1.10x (0.97x)')
+        >>> judge_segment(0.5, 0.02).reason        # clearly slower: at once
+        '0.50x: slower than apart beyond the noise (5%)'
+
+    Args:
+        speedup: the segment's measured speed-up (:func:`merged_speedup`, or
+            :func:`fused_speedup` against the models grouped unfused).
+        spread: the relative spread of the segment's step times (:func:`relative_spread`);
+            None counts as :data:`NOISE_FLOOR`.
+        strikes: the slower segments in a row before this one.
+        margin: what the layout must reach to count as faster (:data:`MARGIN` for a group
+            against apart; 1 for fusion against the models grouped unfused).
+    """
+    if speedup is None:
+        return Verdict(False, strikes, "not measured")
+    noise = max(float(spread or 0.0), NOISE_FLOOR)
+    if speedup >= margin:
+        return Verdict(False, 0, f"{speedup:.2f}x")
+    if speedup < 1.0 - CLEAR * noise:
+        return Verdict(True, strikes + 1, f"{speedup:.2f}x: slower than apart beyond the "
+                                          f"noise ({noise:.0%})")
+    strikes += 1
+    if strikes >= STRIKES:
+        return Verdict(True, strikes, f"{strikes} segments in a row below {margin:.2f}x "
+                                      f"({speedup:.2f}x)")
+    return Verdict(False, strikes, f"{speedup:.2f}x, below {margin:.2f}x within the noise "
+                                   f"({noise:.0%}): kept until {STRIKES} in a row")
+
+
+def relative_spread(times: Iterable[float]) -> float | None:
+    """The spread of a segment's step times relative to their median: the median absolute
+    deviation over the median (robust to the one step a machine's other work delays); None
+    with fewer than three times. The first step (warm-up: allocations, kernel choice) is the
+    caller's to leave out.
+
+    Example::
+
+        >>> round(relative_spread([1.0, 1.1, 0.9, 1.0, 3.0]), 6)   # |dev| 0, .1, .1, 0, 2
+        0.1
+    """
+    values = sorted(float(t) for t in times)
+    if len(values) < 3:
+        return None
+    middle = values[len(values) // 2]
+    if middle <= 0.0:
+        return None
+    deviations = sorted(abs(v - middle) for v in values)
+    return deviations[len(deviations) // 2] / middle

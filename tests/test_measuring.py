@@ -1,0 +1,236 @@
+"""Measuring the layouts on a segment's real first batches, and reverting on evidence only
+(issue #13 item 3; retiarii/engine/measuring.py, ``cost.judge_segment``).
+
+The first-batch measurement trains the trials' own models in CSE and batching in turn: every
+metric and checkpoint must equal training each model alone, bit for bit on the CPU. The
+revert rule is checked on hand-computed cases, then in a search whose segments' measurements
+are injected (one noisy slower segment keeps the layout, two in a row revert it, a faster one
+in between resets the count, and a resumed search counts on from the stored choice)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import retiarii as rt
+import test_grouped_jobs as g
+import test_optimize as o
+from exp_space import EXAMPLE, mlp_space
+from retiarii.engine import grouped, measuring
+from retiarii.engine.executors.base import Job, JobFinished, JobProfiled, TrialTask
+from retiarii.engine.plans import PlanTable
+from retiarii.engine.store import Store
+from retiarii.optim.cost import NOISE_FLOOR, Layout, Verdict, judge_segment
+from test_layouts import Measured
+
+C, F = Layout.CSE, Layout.FUSED
+
+# three segments (epochs) per trial: room for a strike, a second one and a reset
+lr3_trainer = rt.Trainer(dataset="digits", epochs=3, batch_size=256,
+                         lr=rt.ValueChoice([0.01, 0.02, 0.03, 0.05], label="lr"))
+
+
+# ---- the revert rule, by hand ----------------------------------------------------------------
+
+
+def test_one_noisy_slower_segment_keeps_the_layout_and_two_revert():
+    # 0.97x with 2% spread: noise 5% (the floor), clearly slower below 1 - 2 * 0.05 = 0.9
+    first = judge_segment(0.97, 0.02, strikes=0)
+    assert first == Verdict(False, 1, first.reason) and "kept until 2 in a row" in first.reason
+    second = judge_segment(0.97, 0.02, strikes=first.strikes)
+    assert second.revert and second.strikes == 2
+    # a segment over the margin (1.1) resets the count
+    assert judge_segment(1.3, 0.02, strikes=1) == Verdict(False, 0, "1.30x")
+    # over 1 but under the margin: not worth it, a strike (not a revert) the first time
+    assert judge_segment(1.05, 0.0).revert is False and judge_segment(1.05, 0.0, 1).revert
+
+
+def test_a_clearly_slower_segment_reverts_at_once():
+    assert judge_segment(0.5, 0.02).revert  # 0.5 < 0.9
+    assert judge_segment(0.89, 0.0).revert  # just below 1 - 2 * NOISE_FLOOR
+    assert not judge_segment(0.91, 0.0).revert  # just above: a strike
+    # a noisier machine widens what counts as noise: 0.7x with 20% spread is a strike
+    assert not judge_segment(0.7, 0.2).revert and judge_segment(0.55, 0.2).revert
+    assert NOISE_FLOOR == 0.05
+
+
+def test_unknown_and_fusion_margins():
+    assert judge_segment(None, None, strikes=1) == Verdict(False, 1, "not measured")
+    # fusion against the models grouped unfused: margin 1
+    assert not judge_segment(1.0, 0.0, margin=1.0).revert
+    assert judge_segment(0.97, 0.0, strikes=1, margin=1.0).revert
+
+
+# ---- in a search (measurements injected) ----------------------------------------------------
+
+
+@pytest.fixture
+def cse_chosen(monkeypatch):
+    """The first job's measurement: CSE 2x, fused 0.6x (no timing involved)."""
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups",
+                        lambda group, batch: {C: 2.0, F: 0.6})
+
+
+def _search(tmp_path, name, executor):
+    db = tmp_path / f"{name}.db"
+    exp = rt.Experiment(mlp_space, rt.strategies.Random(seed=0), lr3_trainer, store=str(db),
+                        executor=executor, seed=0, max_models=4, fuse=False)
+    return db, exp
+
+
+def _cse_units(db):
+    return [u for r in o._plans(db) for u in r["units"] if u.get("merged")]
+
+
+def test_in_a_search_one_slower_segment_is_a_strike_and_two_revert(tmp_path, cse_chosen):
+    ex = Measured([0.97, 0.97])
+    db, exp = _search(tmp_path, "two", ex)
+    exp.run()
+    rows = o._plans(db)
+    assert [r["status"] for r in rows][:2] == ["merged", "reverted"]
+    first, second = (r["units"][0] for r in rows[:2])
+    assert first["decision"]["strikes"] == {"cse": 1} and first["decision"]["reverted"] == []
+    assert second["decision"]["reverted"] == ["cse"]
+    assert "2 segments in a row" in rows[1]["reason"]
+
+
+def test_a_faster_segment_between_two_slower_ones_resets_the_count(tmp_path, cse_chosen):
+    ex = Measured([0.97, 1.5, 0.97])
+    db, exp = _search(tmp_path, "reset", ex)
+    exp.run()
+    rows = o._plans(db)
+    assert len(rows) == 3 and [r["status"] for r in rows] == ["merged"] * 3
+    assert [r["units"][0]["decision"].get("strikes") for r in rows] == [{"cse": 1}, {}, {"cse": 1}]
+
+
+def test_a_resumed_search_counts_on_from_the_stored_strikes(tmp_path, cse_chosen):
+    ex = Measured([0.97], stop_after=1)
+    db, first = _search(tmp_path, "resume", ex)
+    with pytest.raises(KeyboardInterrupt):
+        first.run()
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        (_, devices), = PlanTable(store).layout_decisions().items()
+    assert devices["cpu"]["strikes"] == {"cse": 1} and devices["cpu"]["order"][0] == "cse"
+    ex.stop_after, ex.done, ex.profiled = None, 0, 0
+    _, again = _search(tmp_path, "resume", ex)
+    again.resume()
+    rows = o._plans(db)
+    assert rows[1]["status"] == "reverted" and "2 segments in a row" in rows[1]["reason"]
+
+
+# ---- the first-batch measurement in the worker ------------------------------------------------
+
+
+SAMPLES = {"p": ("ad", "id"), "q": ("id", "ad"), "r": ("ad", "ad"), "s": ("ad", "id")}
+
+
+def _adapter_task(trial, tmp_path, tag):
+    spec = {"space": g._ref("ADAPTERS"), "sample": {f"s{d}/slots.{d}": c for d, c in
+                                                     enumerate(SAMPLES[trial])},
+            "trainer": g.TRAINER, "hparams": {}, "seed": ord(trial)}
+    return TrialTask(trial, spec, 0, 2, None, str(tmp_path / f"{tag}{trial}.pt"))
+
+
+@pytest.mark.parametrize("chosen", [{C: 1.5, Layout.BATCHING: 3.0}, {C: 0.5, Layout.BATCHING: 0.4}])
+def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monkeypatch, chosen):
+    """Adapters whose plan the batching pass changes: the first batches train in CSE and
+    batching in turn (one warm-up, two timed each), then the rest of the segment in the
+    layout chosen (batching; or, measured slower than apart, each model's own step), and a
+    second epoch; every metric and checkpoint equals each model trained alone."""
+    timed = []
+    real = measuring.MeasuringGroup._speedups
+
+    def spy(group, batch):
+        timed.append({k: len(v) for k, v in group._times.items()})
+        measured = real(group, batch)  # measured for real, then the choice is forced
+        assert {C, Layout.BATCHING} <= set(measured)
+        return chosen
+
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", spy)
+    tasks = [_adapter_task(t, tmp_path, "m-") for t in SAMPLES]
+    meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list(SAMPLES)}
+    events = g._run(Job("m", tasks, meta=meta))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    assert timed == [{C: 2, Layout.BATCHING: 2}]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit["choice"]["measured_on"] == "first batches"
+    assert unit["layout"] == ("batching" if chosen[Layout.BATCHING] > 1 else "separate")
+    alone = [_adapter_task(t, tmp_path, "a-") for t in SAMPLES]
+    assert g._results(events) == g._alone(alone)  # exact floats
+    for m, a in zip(tasks, alone):
+        assert g._same_checkpoint(m.checkpoint_out, a.checkpoint_out), m.trial_id
+
+
+def test_a_decisive_bound_skips_the_alone_profiles_and_fusion(tmp_path, monkeypatch):
+    """When N times the shared part already puts CSE over the margin, no model is profiled
+    alone (the speed-ups are lower bounds: ``bound_s``), and on a CPU a fused layout whose
+    frozen parts alone would cost more than the CSE step is not measured."""
+    calls = []
+    monkeypatch.setattr(grouped, "step_seconds", lambda *a, **k: calls.append(a) or 0.1)
+    monkeypatch.setattr(measuring, "BOUND_SAFETY", 0.0)  # any bound decides
+    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion always ruled out
+    tasks = [g._task(t, tmp_path, tag="b-") for t in "adb"]  # a and d: one architecture
+    events = g._run(Job("b", tasks, meta={"group": True, "fuse": "auto", "profile": list("adb")}))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    choice = unit["choice"]
+    assert not calls and not unit["alone_s"] and choice["bound_s"] >= 0.0
+    assert "fused" not in choice["speedups"] and choice["skipped"].startswith("fused not measured")
+    assert g._results(events) == g._alone([g._task(t, tmp_path, tag="c-") for t in "adb"])
+
+
+class FrozenTrunkMLP(nn.Module):
+    """A frozen trunk (computed once for every model of a group) and a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        width = 768  # the trunk outweighs the heads many times: the bound decides
+        self.trunk = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(),
+                                   nn.Linear(width, width), nn.ReLU(),
+                                   nn.Linear(width, width), nn.ReLU())
+        self.trunk.requires_grad_(False)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+
+torch.manual_seed(0)
+frozen_space = rt.ModelSpace(FrozenTrunkMLP(), example_input=EXAMPLE)
+
+
+def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monkeypatch):
+    """A search whose first job's bound decides (four models of a frozen trunk that costs
+    far more than their heads): later jobs are told to profile nobody alone, and every
+    segment is still judged, on the bound (a lower bound of apart: the shared trunk every
+    model alone computes)."""
+    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion ruled out: no timing
+    ex = o.Recording()
+    db = tmp_path / "bound.db"
+    exp = rt.Experiment(frozen_space, rt.strategies.Random(seed=0), lr3_trainer, store=str(db),
+                        executor=ex, seed=0, max_models=4)
+    exp.run()
+    grouped = [j for j in ex.submitted if j.meta.get("group")]
+    assert len(grouped) >= 2 and all(j.meta["profile"] == [] for j in grouped[1:])
+    units = _cse_units(db)
+    assert units[0]["choice"]["bound_s"] > 0.0 and not any(u.get("alone_s") for u in units)
+    assert all(u["decision"]["bound_s"] == units[0]["choice"]["bound_s"] for u in units)
+    assert all(u.get("verdict") for u in units[1:])  # judged on the bound
+
+
+def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, monkeypatch):
+    """A fused step pays each model's share of a grouped step (proxies, RNG streams): when
+    what the CSE step costs beyond the models' own steps is over the best step (forced
+    here by weighting it), no fused copy is built or stepped."""
+    from retiarii.engine import layouts
+
+    monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 1e9)
+    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
+    monkeypatch.setattr(layouts, "step_times", lambda *a, **k: pytest.fail("fused measured"))
+    tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
+    events = g._run(Job("f", tasks, meta={"group": True, "fuse": "auto", "profile": list("adb")}))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit["choice"]["skipped"].startswith("fused not measured: a grouped step's per-model")
+    assert "fused" not in unit["choice"]["speedups"] and set(unit["alone_s"]) == set("adb")
