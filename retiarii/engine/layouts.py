@@ -368,7 +368,8 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     if live is not None:
         group = MeasuringGroup(live, runs, trainer, models=models, fusable=fusable if fuse == "auto"
                                else [], data_key=data_key, alone_s={**known, **measured},
-                               want_alone=list(profile or ()), choice=choice)
+                               want_alone=list(profile or ()), choice=choice,
+                               step_times=step_times)
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
         group.twins, group.arch = twins, arch
         group.extra = {"layout": group.layout.value, "choice": choice}

@@ -106,7 +106,11 @@ class MeasuringGroup(TrainingGroup):
 
     def __init__(self, plans: Mapping[Layout, LogicalPlan], runs: Mapping, trainer: Any, *,
                  models: Mapping, fusable: list[tuple[str, ...]], data_key: str,
-                 alone_s: Mapping[str, float], want_alone: list[str], choice: dict):
+                 alone_s: Mapping[str, float], want_alone: list[str], choice: dict,
+                 step_times: Any = None):
+        # how fused is timed on copies (layouts.step_times, handed in: layouts imports this
+        # module, so this one does not import it back); None: fused is never measured
+        self._step_times = step_times
         self._plans = dict(plans)
         self._layout = next(iter(self._plans))
         super().__init__(self._plans[self._layout], runs, trainer, profile=[])
@@ -286,8 +290,6 @@ class MeasuringGroup(TrainingGroup):
         timed, apart from the alone profiles or its lower bound (then ``choice["bound_s"]``),
         fused on copies unless ruled out (then ``choice["skipped"]`` says why); None when no
         batch was timed."""
-        from .layouts import step_times  # layouts imports this module
-
         steps = {lay: min(self._times[lay] or self._warm[lay]) for lay in self._plans
                  if self._times[lay] or self._warm[lay]}
         if not steps:
@@ -327,10 +329,12 @@ class MeasuringGroup(TrainingGroup):
                 elif PER_MODEL_BOUND * per_model >= min(best, apart):
                     skipped = (f"fused not measured: a grouped step's per-model work alone "
                                f"{per_model:.3f}s")
+                elif self._step_times is None:
+                    skipped = "fused not measured: the group was given no way to time copies"
                 else:  # stopped at its warm-up when far slower than the best so far
-                    fused = step_times(ids, self._models, self.runs, self.trainer,
-                                       self._data_key, [Layout.FUSED], self._fusable,
-                                       estimate, batch, min(best, apart))
+                    fused = self._step_times(ids, self._models, self.runs, self.trainer,
+                                             self._data_key, [Layout.FUSED], self._fusable,
+                                             estimate, batch, min(best, apart))
                     steps.update(fused)
         finally:
             ckpt.set_native_rng(outer)
