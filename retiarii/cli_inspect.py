@@ -7,6 +7,7 @@ import os
 import sys
 
 from .cli_common import CliError, _best_table, _metric, _open, _positive, _table
+from .cli_source import trusted_source
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_status"]
 
@@ -94,8 +95,7 @@ def cmd_export(args) -> int:
 
     from .engine.checkpoint import CheckpointError
     from .engine.checkpoint import load as load_checkpoint
-    from .graph import Graph
-    from .refs import RefError, TrustedRefs, only_trusted
+    from .refs import TrustedRefs
 
     _positive(args.top, "--top")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -104,7 +104,7 @@ def cmd_export(args) -> int:
     from .cli_one_shot import export, is_one_shot
 
     if is_one_shot(store.get_experiment()["config"]):
-        return export(store, args.db, args.out, CliError, _check_attributes)
+        return export(store, args.db, args.out, CliError)
     metric, mode = _metric(store)
     # A store is code: its graphs may name only torch, operator, math and the space's own code.
     rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
@@ -115,13 +115,8 @@ def cmd_export(args) -> int:
     for rank, row in enumerate(best, 1):
         model = store.get_model(row["model_id"])
         name = f"model_{row['model_id']}"
-        try:
-            with only_trusted(rule):
-                graph = Graph.from_data(model["graph"])
-                _check_attributes(graph, rule)
-                source = graph.to_source(f"Model{row['model_id']}")
-        except RefError as e:
-            raise CliError(f"model {row['model_id']} of {args.db}: {e}") from None
+        source = trusted_source(model["graph"], f"Model{row['model_id']}", rule,
+                                f"model {row['model_id']} of {args.db}", CliError)
         with open(os.path.join(args.out, name + ".py"), "w") as f:
             f.write(source)
         files = f"{name}.py"
@@ -140,24 +135,6 @@ def cmd_export(args) -> int:
                        "hash": row["hash"]}, f, indent=2)
         print(f"{rank}. {files}  ({metric} {row['value']:.4f})")
     return 0
-
-
-def _check_attributes(graph, rule) -> None:
-    """Refuse the method calls and attribute reads of a stored graph that reach dunders
-    (``x.__class__``...): the way out of the references the trust rule allows."""
-    import builtins
-
-    from .refs import resolve_ref
-
-    for node in graph.nodes:
-        op = node.op
-        if op.kind == "method":
-            rule.check_attribute(op.target, f"node {node.name}: method")
-        elif op.kind == "function" and resolve_ref(op.target) is builtins.getattr:
-            rule.check_attribute(op.args[1] if len(op.args) > 1 else None,
-                                 f"node {node.name}: attribute")
-        elif op.kind == "subgraph" and op.graph is not None:
-            _check_attributes(op.graph, rule)
 
 
 def cmd_plot(args) -> int:

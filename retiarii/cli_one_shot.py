@@ -107,18 +107,18 @@ def print_status(store, db: str, as_json: bool, table) -> None:
         print(f"\nfailed: {lines[0]}")
 
 
-def export(store, db: str, out: str, error: type[Exception], check_attributes) -> int:
+def export(store, db: str, out: str, error: type[Exception]) -> int:
     """``retiarii export`` of a one-shot search: the selected architecture as a standalone
     ``.py``, its ``.json``, and a ``.pt`` of the weights it inherits from the super-network
-    when the strategy's last unit holds them (``export_state``). ``check_attributes(graph,
-    rule)`` refuses a stored graph's attribute reads that reach dunders, as for any export."""
+    when the strategy's last unit holds them (``export_state``); the source under the store's
+    trust rule, as for any export (:mod:`retiarii.cli_source`)."""
     import torch
 
     from .engine.checkpoint import CheckpointError
     from .engine.checkpoint import load as load_checkpoint
     from .engine.segments import SegmentTable
-    from .graph import Graph
-    from .refs import RefError, TrustedRefs, only_trusted
+    from .cli_source import trusted_source
+    from .refs import TrustedRefs
 
     table = SegmentTable(store)
     result = table.result()
@@ -129,13 +129,8 @@ def export(store, db: str, out: str, error: type[Exception], check_attributes) -
                     f"(retiarii resume {db})")
     rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
     name = f"model_{result['id']}"
-    try:
-        with only_trusted(rule):
-            graph = Graph.from_data(result["graph"])
-            check_attributes(graph, rule)
-            source = graph.to_source(f"Model{result['id']}")
-    except RefError as e:
-        raise error(f"model {result['id']} of {db}: {e}") from None
+    source = trusted_source(result["graph"], f"Model{result['id']}", rule,
+                            f"model {result['id']} of {db}", error)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, name + ".py"), "w") as f:
         f.write(source)
