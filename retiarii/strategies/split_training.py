@@ -190,8 +190,9 @@ def average_named_gradients(layout: list[tuple[str, tuple, torch.dtype]],
     for dtype in sorted(by_dtype, key=str):
         members = by_dtype[dtype]
         sizes = [int(torch.Size(layout[i][1]).numel()) for i in members]
+        numel = dict(zip(members, sizes))
         for bucket in _buckets(members, sizes, BUCKET_ELEMENTS):
-            numels = [int(torch.Size(layout[i][1]).numel()) for i in bucket]
+            numels = [numel[i] for i in bucket]
             flat = torch.zeros(sum(numels) + len(bucket), dtype=dtype, device=device)
             grads = flat[:sum(numels)].split(numels)
             flags = flat[sum(numels):]
@@ -250,6 +251,7 @@ class SplitRun:
         self.parked_on: dict[str, int] = {}
         self.window: Window | None = None
         self.layout: list = []
+        self._params: dict[str, torch.nn.Parameter] = {}
         self._next = 0
 
     def path(self, step: int) -> dict:
@@ -311,10 +313,14 @@ class SplitRun:
                               for shape in shared.supergraph.parameter_shapes(self.ops[k])})
         if self.world > 1:
             _check_layout(self.layout, self.ctx.group, self.ctx.device)
+        # the pool holds the window's operators until the next window: named once per window,
+        # not once per step
+        self._params = dict(shared.supergraph.named_parameters())
         self.window = window
 
     def params(self) -> dict[str, torch.nn.Parameter]:
-        return dict(self.shared.supergraph.named_parameters())
+        """This rank's parameters by name during the current window."""
+        return self._params
 
     def finish(self) -> None:
         """Rank 0 gathers every weight's latest value into a whole unit, and every rank takes

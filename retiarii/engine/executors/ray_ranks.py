@@ -279,15 +279,10 @@ def run_segment_on_actors(build: Callable[[], tuple[Any, Any]], state: dict | No
     Returns:
         ``(result, state)`` exactly as ``run_segment_on_ranks`` returns them.
     """
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds or None, got {timeout}")
     group = RankGroup(world, num_cpus=num_cpus, num_gpus=num_gpus, backend=backend,
                       sys_path=sys_path, placement_timeout=placement_timeout,
                       group_prefix=group_prefix, runtime_env=runtime_env)
-    if not ray.is_initialized():
-        raise RuntimeError("run_segment_on_actors needs a connected Ray: call ray.init(address=...) "
-                           "or retiarii.engine.executors.ray.start_local_ray() first")
-    try:
+    try:  # (run checks the timeout and that Ray is connected before starting anything)
         return group.run(build, state, timeout)
     finally:
         group.close()
