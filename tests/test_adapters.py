@@ -68,6 +68,14 @@ def test_frozen_blocks_and_residual_adds_are_batched(space):
     only_cse = cse(build_plan([PlanModel(f"t{i}", space.replay(s), "d")
                                for i, s in enumerate(samples)])).plan.executions()
     assert plan.executions() < only_cse < separate
+    # regions.py: chains of batched operators over the same models run as one call each
+    group = build_group(plan, {f"t{i}": space.build(s, check=False)
+                               for i, s in enumerate(samples)})
+    assert len(group._batches) < len(plan.batches)
+    assert sum(b.operators for b in group._batches) == len(plan.batches)
+    assert max(b.operators for b in group._batches) > 1
+    group.graph.lint()
+    assert rt.Graph.from_json(group.graph.to_json()).to_json() == group.graph.to_json()
 
 
 def _train(space, samples, steps, stop=None):
@@ -193,22 +201,36 @@ def test_two_input_element_wise_functions_batch_and_equal_each_model_alone():
 
 def test_batched_add_gradcheck():
     """A batched residual add (concatenate each operand, one add, split) passes each model's
-    gradient back to its own operands: float64 gradcheck of the batched call."""
+    gradient back to its own operands: float64 gradcheck of the batched call. Since batched
+    operators in a chain run as one region (regions.py), ``x + lin(x)`` is one call."""
     space = _residual_space()
     samples = [{f"s{d}/slots.{d}": "ad" if d == 0 else "id" for d in range(4)}] * 2
     plan = batching(cse(build_plan([PlanModel(t, space.replay(s), "d")
                                     for t, s in zip("ab", samples)])).plan).plan
     group = build_group(plan, {t: space.build(s, check=False) for t, s in zip("ab", samples)})
-    add = next(b for b in group._batches
-               if any(n.kind == "function" and n.op.target == "_operator:add"
-                      for n in b.graph.nodes))
+    region = next(b for b in group._batches  # x -> lins.1 -> + x: the region of add_1
+                  if any(n.kind == "function" and n.op.target == "_operator:add"
+                         for n in b.graph.nodes) and b.operators == 2)
+    lin = region.module.get_submodule("lins.1").double()
+    xs = [torch.randn(n, 6, dtype=torch.float64, requires_grad=True) for n in (3, 2)]
+
+    def batched(x0, x1):  # models 0 and 1: x_i + lin(x_i), as one call
+        return tuple(y for (y,) in _call(region, [[x0], [x1]], [[True]] * 2, {}))
+
+    assert torch.autograd.gradcheck(batched, xs)
+    outs = batched(*xs)
+    for out, x in zip(outs, xs):
+        torch.testing.assert_close(out, x + lin(x), rtol=0, atol=0)
+
+    add = next(b for b in group._batches  # add_2: two operands from outside the region
+               if any(n.name == "add_2" for n in b.graph.nodes))
     ops = [torch.randn(n, 6, dtype=torch.float64, requires_grad=True) for n in (3, 3, 2, 2)]
 
-    def batched(a0, b0, a1, b1):  # models 0 and 1: a_i + b_i, as one call
-        return tuple(_call(add, [[a0, b0], [a1, b1]], [[True, True]] * 2, {}))
+    def two(a0, b0, a1, b1):
+        return tuple(y for (y,) in _call(add, [[a0, b0], [a1, b1]], [[True, True]] * 2, {}))
 
-    assert torch.autograd.gradcheck(batched, ops)
-    outs = batched(*ops)
+    assert torch.autograd.gradcheck(two, ops)
+    outs = two(*ops)
     torch.testing.assert_close(outs[0], ops[0] + ops[1], rtol=0, atol=0)
     torch.testing.assert_close(outs[1], ops[2] + ops[3], rtol=0, atol=0)
 

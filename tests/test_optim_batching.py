@@ -226,7 +226,8 @@ def test_training_through_batched_frozen_layers_equals_training_alone():
     g.lint()
     assert rt.Graph.from_json(g.to_json()).to_json() == g.to_json()
     assert {n.name for n in g.nodes if n.name.startswith("batch_") and n.kind == "subgraph"} \
-        == {f"batch_{b}" for b in range(len(plan.batches))}
+        == {f"batch_{b}" for b in range(len(group._batches))}  # one per region (regions.py)
+    assert sum(b.operators for b in group._batches) == len(plan.batches)
     opts = {t: torch.optim.SGD(m.parameters(), lr=0.05 * (1 + i), momentum=0.9)
             for i, (t, m) in enumerate(models.items())}
     alone_opts = {t: torch.optim.SGD(m.parameters(), lr=0.05 * (1 + i), momentum=0.9)

@@ -57,7 +57,8 @@ from ..codec import PortRef, encode
 from ..codegen import to_module
 from ..graph import Graph, Node, Operation
 from .group_graph import Batch, Cell, merged_graph
-from .plan import LogicalPlan, PlanError, Role
+from .plan import LogicalPlan, PlanError, Role, may_draw_random
+from .regions import Region, batch_regions
 
 __all__ = ["GroupError", "GroupModule", "build_group"]
 
@@ -127,7 +128,8 @@ class GroupModule(nn.Module):
                     args = [a.clone() if isinstance(a, torch.Tensor) and not own else a
                             for a, own in zip(args, cell.own_reads)]
                 try:
-                    with rng[cell.trial]() if rng is not None else contextlib.nullcontext():
+                    with rng[cell.trial]() if rng is not None and cell.random \
+                            else contextlib.nullcontext():
                         result = cell.module(*args)
                 except Exception as err:
                     if errors is None:
@@ -155,17 +157,16 @@ class GroupModule(nn.Module):
 
 
 def _run_batch(batch: Batch, common: dict, env: dict, failed: set[str], joined: dict) -> None:
-    """Concatenate the live models' inputs (per input position), call once, split by each
-    model's batch size.
+    """Concatenate the live models' inputs (per input position), call the region once, split
+    each exported output by each model's batch size.
 
     Frozen weights get no gradient (``requires_grad=False``), but a model's trainable part
     upstream (an adapter before this layer) must get one *through* it: the models with an
     input that needs a gradient run as one call with autograd, the others as one call under
     ``no_grad`` (a model whose adapter comes later must not pay for a backward pass here).
     ``joined`` maps the ids of an earlier call's split outputs to their concatenation, so a
-    chain of batched operators (conv -> relu -> conv, a residual add of two batched values)
-    concatenates once."""
-    live = [(t, srcs, out) for t, srcs, out in batch.pairs if t not in failed]
+    value split by one region and read whole by the next is not concatenated again."""
+    live = [(t, srcs, outs) for t, srcs, outs in batch.pairs if t not in failed]
     xs = [[env[t][k] if k in env[t] else common[k] for k in srcs] for t, srcs, _ in live]
     grad = [torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                             for x in args) for args in xs]
@@ -177,17 +178,27 @@ def _run_batch(batch: Batch, common: dict, env: dict, failed: set[str], joined: 
             ys = _call(batch, [xs[i] for i in part],
                        [[k in env[live[i][0]] for k in live[i][1]] for i in part], joined)
         for i, y in zip(part, ys):
-            env[live[i][0]][live[i][2]] = y
+            env[live[i][0]].update(zip(live[i][2], y))
 
 
-def _call(batch: Batch, xs: list[list], mine: list[list[bool]], joined: dict) -> list:
-    """``xs[i]``: model i's inputs; ``mine[i][j]``: whether input j is model i's own value
-    (a shared one must not change under the others)."""
+def _concatenable(xs: list[list]) -> bool:
+    """Whether the models' inputs concatenate into one call that computes each model's values:
+    tensors of one dtype and device, per input position the same shape past dim 0, and per
+    model every input of the same rank and dim 0 (its batch: no broadcasting over it)."""
     first = xs[0][0]
-    same = all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.dtype == first.dtype
-               and x.device == first.device and x.shape == args[0].shape  # no broadcasting
-               and x.shape[1:] == first.shape[1:] for args in xs for x in args)
-    if not same:  # shapes that cannot be concatenated: one call per model, as alone
+    if not all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.dtype == first.dtype
+               and x.device == first.device for args in xs for x in args):
+        return False
+    return all(x.dim() == args[0].dim() and x.shape[0] == args[0].shape[0]
+               and x.shape[1:] == xs[0][j].shape[1:]
+               for args in xs for j, x in enumerate(args))
+
+
+def _call(batch: Batch, xs: list[list], mine: list[list[bool]], joined: dict) -> list[tuple]:
+    """``xs[i]``: model i's inputs; ``mine[i][j]``: whether input j is model i's own value
+    (a shared one must not change under the others). Returns per model its exported
+    outputs."""
+    if not _concatenable(xs):  # one call per model, as alone: the region acts per example
         return [batch.module(*[x if own or not batch.mutates else x.clone()
                                for x, own in zip(args, owns)]) for args, owns in zip(xs, mine)]
     wholes = []
@@ -196,13 +207,17 @@ def _call(batch: Batch, xs: list[list], mine: list[list[bool]], joined: dict) ->
         if whole is None or batch.mutates:
             whole = torch.cat([args[j] for args in xs])
         wholes.append(whole)
-    out = batch.module(*wholes)
+    sizes = [args[0].shape[0] for args in xs]
+    per_model: list[list] = [[] for _ in xs]
     # -> n x (B_i, ...): split's views, whose backward is one concatenation (narrow views
     # would each build a full-size zero gradient). Nothing writes them in place: the pass
     # batches no operator whose output a reader writes.
-    ys = list(out.split([args[0].shape[0] for args in xs]))
-    joined[tuple(id(y) for y in ys)] = out
-    return ys
+    for out in batch.module(*wholes):
+        ys = out.split(sizes)
+        joined[tuple(id(y) for y in ys)] = out
+        for i, y in enumerate(ys):
+            per_model[i].append(y)
+    return [tuple(y) for y in per_model]
 
 
 # ---- building -----------------------------------------------------------------------------
@@ -352,8 +367,9 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
     def shared_at(trial: str, key: str) -> bool:
         return key in plan.shared or (len(trials) == 1 and key in roots)
 
-    batches: list[Batch] = []
-    for b, pairs in enumerate(plan.batches):
+    srcs: list[Node] = []  # per plan batch: its operator's node in its first model
+    mutates: list[bool] = []  # per plan batch: writes its input in place (inside a Sequential too)
+    for pairs in plan.batches:
         first, fkey = pairs[0]
         src = graphs[first].node_by_uid(inv[first][fkey])
         keep = _get(models[first], src.attr) if src.kind == "module" else None
@@ -364,23 +380,10 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                     raise GroupError(f"frozen {src.name!r} has different values in trials "
                                      f"{first} and {other}: build both from one space")
                 _set(models[other], attr, keep)
-        cell = Graph()
-        op = src.op.copy()
-        ins = [cell.add_node(f"x{j}" if len(src.inputs) > 1 else "x",
-                             Operation("input", target=f"x{j}" if len(src.inputs) > 1 else "x"))
-               for j in range(len(src.inputs))]
-        node = cell.add_node(src.name if src.name not in [n.name for n in ins] else "op", op)
-        for j, x in enumerate(ins):
-            cell.connect(x, node, j)
-        out = cell.add_node("output", Operation("output", args=[encode(PortRef(0))]))
-        cell.connect(node, out, 0)
-        cell.lint()
-        module = _emit(cell, lambda n, t=first: (models[t], n.attr), _device(models))
-        # in place anywhere inside (a Sequential's ReLU(inplace=True)): never on a joined input
-        mutates = plan.nodes[fkey].mutates or any(getattr(m, "inplace", False) is True
-                                                  for m in module.modules())
-        batches.append(Batch(f"batch_{b}", 0, module,
-                             [(t, plan.nodes[k].inputs, k) for t, k in pairs], mutates, cell))
+        srcs.append(src)
+        mutates.append(plan.nodes[fkey].mutates or (keep is not None and any(
+            getattr(m, "inplace", False) is True for m in keep.modules())))
+    levels = [0] * len(plan.batches)  # per plan batch: the stage before which it runs
 
     # 4. Stages: a model's own nodes between two batched calls form one cell. A node's stage
     # is at least its inputs' (a batched output's: the batch's level) and its predecessor's in
@@ -396,13 +399,13 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                 k = keys[node.uid]
                 if shared_at(trial, k):
                     continue
-                need = max([prev] + [_level(stage, batches, plan, trial, keys[f.uid])
+                need = max([prev] + [_level(stage, levels, plan, trial, keys[f.uid])
                                      for f in node.inputs])
                 b = plan.batched.get((trial, k))
                 if b is not None:
-                    if need + 1 > batches[b].level:
-                        batches[b].level, changed = need + 1, True
-                    prev = max(prev, batches[b].level)
+                    if need + 1 > levels[b]:
+                        levels[b], changed = need + 1, True
+                    prev = max(prev, levels[b])
                     continue
                 if stage.get((trial, k)) != need:
                     stage[(trial, k)], changed = need, True
@@ -412,6 +415,11 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
     else:
         raise GroupError(f"the batched operators of trials {list(trials)} cannot be ordered "
                          f"consistently in every model: plan them without batching")
+
+    # 4b. Batched regions (regions.py): a chain of batched operators over the same models is
+    # one call, split back only where something outside it reads.
+    batches = [_region_batch(f"batch_{i}", r, plan, srcs, mutates, models)
+               for i, r in enumerate(batch_regions(plan, levels, stage, shared_at, mutates))]
 
     # 5. One cell per model and stage: its own nodes of that stage, in its own order.
     frontier: list[str] = [k for bt in batches for t, srcs, _ in bt.pairs for k in srcs
@@ -466,7 +474,8 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
             cells.append(Cell(name, trial, s, _emit(cell, lambda n, t=trial: (models[t], n.attr),
                                                      _device(models)),
                                needed, own_reads, exports, final,
-                               any(plan.nodes[keys[n.uid]].mutates for n in nodes)))
+                               any(plan.nodes[keys[n.uid]].mutates for n in nodes),
+                               may_draw_random(cell)))
             cell_graphs.append(cell)
     out = shared_cell.add_node("output", Operation("output", args=[encode(
         tuple(PortRef(i) for i in range(len(frontier))))]))
@@ -482,12 +491,45 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                        {t: models[t] for t in trials})
 
 
-def _level(stage: dict, batches: list[Batch], plan: LogicalPlan, trial: str, key: str) -> int:
+def _region_batch(name: str, region: Region, plan: LogicalPlan, srcs: list[Node],
+                  mutates: list[bool], models: Mapping[str, nn.Module]) -> Batch:
+    """One batched call of ``region``: its operators (each as in its first model, whose
+    modules every model of the region now holds) in one cell graph, ``(x_0, ..., x_m) ->
+    (the exported members' outputs)``, emitted through codegen."""
+    cell = Graph()
+    taken = {srcs[m].name for m in region.members}
+    ins = []
+    for j in range(len(region.inputs)):
+        label = "x" if len(region.inputs) == 1 else f"x{j}"
+        while label in taken:
+            label = "_" + label
+        taken.add(label)
+        ins.append(cell.add_node(label, Operation("input", target=label)))
+    ops: dict[int, Node] = {}
+    for m, ports in zip(region.members, region.wiring):
+        ops[m] = node = cell.add_node(srcs[m].name, srcs[m].op.copy())
+        for port, (kind, value) in enumerate(ports):
+            cell.connect(ins[value] if kind == "in" else ops[value], node, port)
+    out = cell.add_node(_fresh(cell, "output"), Operation("output", args=[encode(
+        tuple(PortRef(p) for p in range(len(region.exports))))]))
+    for p, m in enumerate(region.exports):
+        cell.connect(ops[m], out, p)
+    cell.lint()
+    first = region.trials[0]
+    module = _emit(cell, lambda n: (models[first], n.attr), _device(models))
+    pairs = [(t, tuple(keys[i] for keys in region.inputs),
+              tuple(dict(plan.batches[m])[t] for m in region.exports))
+             for i, t in enumerate(region.trials)]
+    return Batch(name, region.level, module, pairs, any(mutates[m] for m in region.members),
+                 cell, len(region.members))
+
+
+def _level(stage: dict, levels: list[int], plan: LogicalPlan, trial: str, key: str) -> int:
     """When a value of ``trial`` is ready: a shared value at once (0), an own value at its
     node's stage, a batched output at its batch's level."""
     b = plan.batched.get((trial, key))
     if b is not None:
-        return batches[b].level
+        return levels[b]
     return stage.get((trial, key), 0)
 
 

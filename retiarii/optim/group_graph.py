@@ -26,19 +26,22 @@ class Cell:
     exports: list[str]  # keys of what it returns (a tuple), read by later cells or batches
     final: bool  # holds the model's output node: returns the model's output
     clones: bool  # writes a value in place: gets copies of shared and batched values
+    random: bool = True  # may draw random numbers (plan.may_draw_random): runs in its streams
 
 
 @dataclass
 class Batch:
-    """One batched call (batching.py): a frozen or weightless per-example operator run on its
-    models' inputs concatenated along dim 0 (per input position), in trial order."""
+    """One batched call (batching.py, regions.py): a region of frozen or weightless
+    per-example operators run once on its models' inputs concatenated along dim 0 (per input
+    position), in trial order; the outputs read outside it are split back per model."""
 
     name: str
     level: int  # runs before the cells of this stage
-    module: nn.Module
-    pairs: list[tuple[str, tuple[str, ...], str]]  # (trial, input keys, output key)
+    module: nn.Module  # (x_0, ..., x_m) -> a tuple: each exported output
+    pairs: list[tuple[str, tuple[str, ...], tuple[str, ...]]]  # (trial, input keys, output keys)
     mutates: bool  # writes its input in place (ReLU(inplace=True))
-    graph: Graph  # the operator as a one-node cell (the IR of ``module``)
+    graph: Graph  # the region as a cell (the IR of ``module``)
+    operators: int = 1  # batched operators (plan.batches entries) it runs
 
 
 def merged_graph(shared: Graph, frontier: list[str], cells: list[Cell],
@@ -74,7 +77,8 @@ def merged_graph(shared: Graph, frontier: list[str], cells: list[Cell],
     for stage in range(stages):
         for bt in (b for b in batches if b.level == stage):
             n, arity = len(bt.pairs), len(bt.pairs[0][1])
-            # per input position j: n x (B_i, ...) -cat-> (sum B_i, ...); -op-> -split-> n x
+            # per input position j: n x (B_i, ...) -cat-> (sum B_i, ...); -region-> per
+            # exported output e: -split-> n x (B_i, ...)
             cats = []
             for j in range(arity):
                 cat = g.add_node(f"{bt.name}_cat" + (f"{j}" if arity > 1 else ""), Operation(
@@ -94,13 +98,16 @@ def merged_graph(shared: Graph, frontier: list[str], cells: list[Cell],
                                                  graph=bt.graph, attr=f"batched.{bt.name}"))
             for j, cat in enumerate(cats):
                 g.connect(cat, call, j)
-            split = g.add_node(f"{bt.name}_split", Operation("method", target="split", args=[
-                encode(PortRef(0)), encode([PortRef(p + 1) for p in range(n)])]))
-            g.connect(call, split, 0)
-            for p, size in enumerate(sizes):
-                g.connect(size, split, p + 1)
-            for p, (t, _, out) in enumerate(bt.pairs):
-                values[t][out] = item(split, f"{bt.name}_{p}", p)
+            for e in range(len(bt.pairs[0][2])):
+                whole = item(call, f"{bt.name}_out{e}", e)
+                split = g.add_node(f"{bt.name}_split{e}", Operation("method", target="split",
+                                   args=[encode(PortRef(0)),
+                                         encode([PortRef(p + 1) for p in range(n)])]))
+                g.connect(whole, split, 0)
+                for p, size in enumerate(sizes):
+                    g.connect(size, split, p + 1)
+                for p, (t, _, keys) in enumerate(bt.pairs):
+                    values[t][keys[e]] = item(split, f"{bt.name}_{e}_{p}", p)
         for c, graph in zip(cells, cell_graphs):
             if c.stage != stage:
                 continue
