@@ -403,56 +403,58 @@ class TrainingGroup:
         for batch in self.trainer.val_dataloader(first.hparams):
             batch = _to_device(batch, first.device)
             n = _batch_size(batch)
-            streams = _Streams(self.runs)
-            forward = _Forward(self._group, self.runs, batch, streams)
-            try:
-                for trial, run in self.runs.items():
-                    if trial in failed:
-                        continue
-                    forward.active = trial
-                    try:
-                        streams.use(trial)
-                        values = self.trainer.validation_step(
-                            _Proxy(trial, run.model, forward), batch)
-                        for name, value in values.items():
-                            sums[trial][name] = sums[trial].get(name, 0.0) + float(value) * n
-                    except Exception as err:  # noqa: BLE001 (fails this trial only)
-                        failed[trial] = err
-                    finally:
-                        forward.active = None
-            finally:
-                streams.release()
+            forward = _Forward(self._group, self.runs, batch, _Streams(self.runs))
+
+            def validate(trial: str, run: Any) -> None:
+                values = self.trainer.validation_step(_Proxy(trial, run.model, forward), batch)
+                for name, value in values.items():
+                    sums[trial][name] = sums[trial].get(name, 0.0) + float(value) * n
+
+            failed.update(self._each_trial(forward, validate, skip=failed))
             count += n
         return {t: failed[t] if t in failed else
                 {name: total / max(count, 1) for name, total in sums[t].items()}
                 for t in self.runs}
 
-    def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
-        """One batch for every trial; the trials that failed in it."""
-        streams = _Streams(self.runs)
-        forward = _Forward(self._group, self.runs, batch, streams, self._ahead(batch))
-        losses: dict[str, torch.Tensor] = {}
+    def _each_trial(self, forward: _Forward, step: Any,
+                    skip: Mapping[str, Exception] | None = None) -> dict[str, Exception]:
+        """``step(trial, run)`` for every trial not in ``skip``, in its RNG streams (switched
+        lazily: :class:`_Streams`) and as the active trial of ``forward``; the trials whose
+        step raised, with what they raised (it fails that trial only)."""
         failed: dict[str, Exception] = {}
         try:
             for trial, run in self.runs.items():
-                proxy = _Proxy(trial, run.model, forward)
+                if skip is not None and trial in skip:
+                    continue
                 forward.active = trial
                 try:
-                    streams.use(trial)
-                    loss = self.trainer.training_step(proxy, batch, run.hparams)
-                    if trial not in forward.calls:
-                        raise TrainingError(f"trial {trial}: training_step never called the "
-                                            "model")
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise TrainingError(f"trial {trial}: training_step must return a "
-                                            f"scalar loss tensor, got {type(loss).__name__}")
-                    losses[trial] = loss
+                    forward.streams.use(trial)
+                    step(trial, run)
                 except Exception as err:  # noqa: BLE001 (fails this trial only)
                     failed[trial] = err
                 finally:
                     forward.active = None
         finally:
-            streams.release()
+            forward.streams.release()
+        return failed
+
+    def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
+        """One batch for every trial; the trials that failed in it."""
+        forward = _Forward(self._group, self.runs, batch, _Streams(self.runs),
+                           self._ahead(batch))
+        losses: dict[str, torch.Tensor] = {}
+
+        def train(trial: str, run: Any) -> None:
+            loss = self.trainer.training_step(_Proxy(trial, run.model, forward), batch,
+                                              run.hparams)
+            if trial not in forward.calls:
+                raise TrainingError(f"trial {trial}: training_step never called the model")
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TrainingError(f"trial {trial}: training_step must return a scalar "
+                                    f"loss tensor, got {type(loss).__name__}")
+            losses[trial] = loss
+
+        failed = self._each_trial(forward, train)
         try:
             failed.update(self._optimize(losses))
         except Exception as err:  # noqa: BLE001 (not attributable: fails the group's step)
