@@ -8,6 +8,8 @@ are injected (one noisy slower segment keeps the layout, two in a row revert it,
 in between resets the count, and a resumed search counts on from the stored choice)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -228,6 +230,18 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
     monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 1e9)
     monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
     monkeypatch.setattr(layouts, "step_times", lambda *a, **k: pytest.fail("fused measured"))
+    # Per-model work a grouped step pays and a model alone does not (switching its RNG streams
+    # in): made heavy, so that it shows above the noise of the steps measured alone.
+    from retiarii.engine import grouped
+    use = grouped._Streams.use
+
+    def heavy_use(self, trial):
+        end = time.process_time() + 0.005
+        while time.process_time() < end:  # CPU work, not a sleep: process time is measured
+            pass
+        use(self, trial)
+
+    monkeypatch.setattr(grouped._Streams, "use", heavy_use)
     tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
     events = g._run(Job("f", tasks, meta={"group": True, "fuse": "auto", "profile": list("adb")}))
     assert isinstance(events[-1], JobFinished), events[-1]
