@@ -320,3 +320,31 @@ def test_a_grouped_job_with_batched_frozen_layers_equals_each_task_alone(tmp_pat
     assert _results(events) == _alone(alone)  # exact floats
     for g, s in zip(grouped, alone):
         assert _same_checkpoint(g.checkpoint_out, s.checkpoint_out), g.trial_id
+
+
+class _FrozenStats(nn.Module):
+    """Overrides ``train``: its BatchNorm stays in eval mode (a user's frozen statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn, self.lin = nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+
+def test_set_training_sets_every_module_as_module_train_does():
+    from retiarii.engine.trial_run import set_training
+
+    def make():
+        return nn.Sequential(nn.Linear(4, 4), _FrozenStats(), nn.Sequential(nn.Dropout(0.1)))
+
+    for mode in (True, False, True):
+        ours, ref = make(), make()
+        ours.train(not mode), ref.train(not mode)
+        set_training(ours.modules(), mode)
+        ref.train(mode)
+        assert [m.training for m in ours.modules()] == [m.training for m in ref.modules()]
+        assert ours[1].bn.training is False  # the override ran

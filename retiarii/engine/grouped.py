@@ -42,7 +42,7 @@ from ..optim import batching, build_group, build_plan, cse
 from ..optim.cost import relative_spread
 from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
-from .trial_run import TrainingError, TrialRun, _batch_size, _to_device
+from .trial_run import TrainingError, TrialRun, _batch_size, _to_device, set_training
 
 __all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
 
@@ -89,10 +89,13 @@ class _Streams:
     and back out around each of them costs four state copies (about 0.35 ms: NumPy's legacy
     state dominates); switching only when the owner changes costs two, and none while one
     trial goes on drawing. :meth:`release` saves the last owner's streams and puts back the
-    ones the step started with."""
+    ones the step started with. A trainer whose steps draw nothing
+    (:meth:`~.trainer.Trainer.steps_draw_random`) has its steps run in whichever streams are
+    held: then only the cells that may draw switch."""
 
-    def __init__(self, runs: Mapping[str, Any]):
+    def __init__(self, runs: Mapping[str, Any], steps_draw: bool = True):
         self.runs = runs
+        self.steps_draw = steps_draw
         self.current: str | None = None  # the trial whose streams the process holds (None:
         # the step's own, saved in ``outer`` while a trial's are held)
         self.outer: Any = None
@@ -117,6 +120,12 @@ class _Streams:
         """``use(trial)`` for a block; on the way out nothing is switched back (lazily)."""
         self.use(trial)
         yield
+
+    def step(self, trial: str | None) -> None:
+        """Before ``trial``'s training or validation step (or back to it after the group's
+        forward): its streams when the trainer's steps may draw; else nothing switches."""
+        if self.steps_draw:
+            self.use(trial)
 
     def release(self) -> None:
         """Save the last owner's streams and hold the ones the step started with."""
@@ -156,7 +165,7 @@ class _Forward:
                                                      for t in self.runs},
                                        errors=self.errors, **extra)
             finally:  # back to the streams of the trial whose training_step called it
-                self.streams.use(self.active)
+                self.streams.step(self.active)
         elif len(inputs) != len(self.inputs) or any(a is not b for a, b in zip(inputs, self.inputs)):
             raise TrainingError(f"trial {trial}: training_step called the model with other "
                                 "inputs than the group's other trials on the same batch")
@@ -238,6 +247,7 @@ class TrainingGroup:
         self.runs = {t: runs[t] for t in order}
         self.members = tuple(self.runs)  # every trial it started with (the report names them)
         self._group = self._build()
+        self._steps_draw = trainer.steps_draw_random()  # else steps switch no streams
         self._measure = profile is not None
         self._to_profile = set(profile or ()) & set(self.runs)
         self._batches, self._compute_s = 0, 0.0
@@ -299,14 +309,22 @@ class TrainingGroup:
         returns {trial: its output} (a :class:`~retiarii.optim.GroupModule`)."""
         return build_group(self._plan.restrict(self.runs), {t: r.model for t, r in self.runs.items()})
 
+    def _set_training(self, mode: bool) -> None:
+        """Every model's and the group's modules in train (True) or eval mode, each once (the
+        models share their frozen modules, and the group holds theirs)."""
+        if self.__dict__.get("_modes_of") is not self._group:  # built (again): list them
+            roots = [*(run.model for run in self.runs.values()), self._group]
+            self._mode_modules = list({id(m): m for root in roots
+                                       for m in root.modules()}.values())
+            self._modes_of = self._group
+        set_training(self._mode_modules, mode)
+
     def train_epoch(self) -> dict[str, dict[str, float] | Exception]:
         """One epoch of every trial (what ``TrialRun.train_epoch`` does for each alone):
         trial -> its metrics, or the exception that failed it (it has left the group)."""
         outcome: dict[str, dict[str, float] | Exception] = {}
         first = next(iter(self.runs.values()))
-        for run in self.runs.values():
-            run.model.train()
-        self._group.train()
+        self._set_training(True)
         sums = {t: [torch.zeros((), device=r.device), 0] for t, r in self.runs.items()}
         # The data key promises the batches do not depend on the trial or its RNG streams.
         batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
@@ -394,16 +412,14 @@ class TrainingGroup:
         the group (the shared part once), and each trial's ``validation_step`` gets a proxy of
         its output, in its own RNG streams; trial -> its metrics, or what failed it."""
         first = next(iter(self.runs.values()))
-        for run in self.runs.values():
-            run.model.eval()
-        self._group.eval()
+        self._set_training(False)
         sums: dict[str, dict[str, float]] = {t: {} for t in self.runs}
         failed: dict[str, Exception] = {}
         count = 0
         for batch in self.trainer.val_dataloader(first.hparams):
             batch = _to_device(batch, first.device)
             n = _batch_size(batch)
-            forward = _Forward(self._group, self.runs, batch, _Streams(self.runs))
+            forward = _Forward(self._group, self.runs, batch, _Streams(self.runs, self._steps_draw))
 
             def validate(trial: str, run: Any) -> None:
                 values = self.trainer.validation_step(_Proxy(trial, run.model, forward), batch)
@@ -428,7 +444,7 @@ class TrainingGroup:
                     continue
                 forward.active = trial
                 try:
-                    forward.streams.use(trial)
+                    forward.streams.step(trial)
                     step(trial, run)
                 except Exception as err:  # noqa: BLE001 (fails this trial only)
                     failed[trial] = err
@@ -440,7 +456,7 @@ class TrainingGroup:
 
     def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
         """One batch for every trial; the trials that failed in it."""
-        forward = _Forward(self._group, self.runs, batch, _Streams(self.runs),
+        forward = _Forward(self._group, self.runs, batch, _Streams(self.runs, self._steps_draw),
                            self._ahead(batch))
         losses: dict[str, torch.Tensor] = {}
 

@@ -58,6 +58,14 @@ class Trainer(abc.ABC):
 
     epochs: int = 1  # steps of a full trial; a trial's hparams["epochs"] overrides it
 
+    def steps_draw_random(self) -> bool:
+        """Whether ``training_step`` or ``validation_step`` may draw random numbers besides
+        what the model draws (a random augmentation, a sampled loss). A grouped job runs each
+        trial's steps in that trial's RNG streams only when they may (swapping streams costs
+        about 0.2 ms); the model's own draws are found by the engine itself. True by default:
+        say False only when your steps draw nothing, or trials' draws would mix."""
+        return True
+
     def num_epochs(self, hparams: dict) -> int:
         """Epochs of a full trial under ``hparams``."""
         return int(hparams.get("epochs", self.epochs))
@@ -307,6 +315,13 @@ class ClassifierTrainer(Trainer):
             raise ValueError(f"unknown lr_schedule {schedule!r}; use None or 'cosine'")
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.num_epochs(hparams))
         return optimizer, sched
+
+    def steps_draw_random(self) -> bool:
+        """False: these steps draw nothing (a subclass that overrides a step is asked again:
+        True unless it says otherwise)."""
+        cls = type(self)
+        return not (cls.training_step is ClassifierTrainer.training_step
+                    and cls.validation_step is ClassifierTrainer.validation_step)
 
     def training_step(self, model: nn.Module, batch: Any, hparams: dict) -> torch.Tensor:
         x, y = batch

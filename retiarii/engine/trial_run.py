@@ -27,7 +27,7 @@ from ..training import batch_size as _batch_size  # noqa: F401 (engine modules i
 from ..training import parse_optimizers as _parse_optimizers
 from ..training import to_device as _to_device
 
-__all__ = ["TrialRun", "TrainingError", "train_trial", "check_segment"]
+__all__ = ["TrialRun", "TrainingError", "train_trial", "check_segment", "set_training"]
 
 
 class TrainingError(RuntimeError):
@@ -108,7 +108,7 @@ class TrialRun:
             batches: Iterable = trainer.train_dataloader(self.hparams, self.epoch)
             if self.batch:  # resuming mid-epoch: the order is a function of the epoch, so skip
                 batches = itertools.islice(iter(batches), self.batch, None)
-            model.train()
+            set_training(model.modules(), True)
             total, count = carry if carry is not None else (
                 torch.zeros((), device=self.device), 0)
             for batch in batches:
@@ -150,7 +150,7 @@ class TrialRun:
 
     @torch.no_grad()
     def _validate(self) -> dict[str, float]:
-        self.model.eval()
+        set_training(self.model.modules(), False)
         sums: dict[str, float] = {}
         count = 0
         for batch in self.trainer.val_dataloader(self.hparams):
@@ -206,6 +206,24 @@ class TrialRun:
         self.epoch = int(state["data_position"]["epoch"])
         self.batch = int(state["data_position"]["batch"])
         self._rng = ckpt.native_from_portable(state["rng"])
+
+
+def set_training(modules: Iterable[nn.Module], mode: bool) -> None:
+    """``module.train(mode)`` for each of ``modules`` (all to set, children included, each
+    once: ``model.modules()``). The flag is written directly, and ``train`` itself called only
+    where a class overrides it: ``Module.train`` pays ``__setattr__``'s checks on every module
+    of the tree (8 ms for 8 MobileNetV2s, 0.1 ms this way). ``modules`` in pre-order (as
+    ``modules()`` gives them): an override sets its own subtree (a BatchNorm it keeps in eval
+    mode stays so), which is then left alone."""
+    done: set[int] = set()  # the subtrees of overrides
+    for module in modules:
+        if id(module) in done:
+            continue
+        if type(module).train is nn.Module.train:
+            module.__dict__["training"] = mode
+        else:
+            module.train(mode)
+            done.update(id(m) for m in module.modules())
 
 
 def train_trial(build: Callable[[], nn.Module], trainer: Any, hparams: dict | None = None, *,

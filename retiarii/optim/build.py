@@ -88,6 +88,11 @@ class GroupModule(nn.Module):
         self.trials = trials
         self._frontier, self._cells, self._batches = frontier, cells, batches
         self._stages = max([c.stage for c in cells] + [b.level for b in batches] + [0]) + 1
+        # The run order, stage by stage: a stage's batches, then its cells (Batch or Cell).
+        self._order: list[Batch | Cell] = [
+            part for stage in range(self._stages)
+            for part in ([b for b in batches if b.level == stage]
+                         + [c for c in cells if c.stage == stage])]
         self.__dict__["_models"] = dict(models)  # not submodules: their modules are ours
 
     def forward(self, *inputs: Any,
@@ -115,32 +120,31 @@ class GroupModule(nn.Module):
         outs: dict[str, Any] = {}
         failed: set[str] = set()
         joined: dict[tuple[int, ...], torch.Tensor] = {}  # see _run_batch
-        for stage in range(self._stages):
-            for batch in self._batches:  # batches of this level run before the stage's cells
-                if batch.level == stage:
-                    _run_batch(batch, common, env, failed, joined)
-            for cell in self._cells:
-                if cell.stage != stage or cell.trial in failed:
-                    continue
-                args = [env[cell.trial][k] if k in env[cell.trial] else common[k]
-                        for k in cell.reads]
-                if cell.clones:  # the cell writes in place: not into values others read
-                    args = [a.clone() if isinstance(a, torch.Tensor) and not own else a
-                            for a, own in zip(args, cell.own_reads)]
-                try:
-                    with rng[cell.trial]() if rng is not None and cell.random \
-                            else contextlib.nullcontext():
-                        result = cell.module(*args)
-                except Exception as err:
-                    if errors is None:
-                        raise
-                    errors[cell.trial] = err
-                    failed.add(cell.trial)
-                    continue
-                if cell.final:
-                    outs[cell.trial] = result
-                else:
-                    env[cell.trial].update(zip(cell.exports, result))
+        for cell in self._order:
+            if isinstance(cell, Batch):
+                _run_batch(cell, common, env, failed, joined)
+                continue
+            if cell.trial in failed:
+                continue
+            args = [env[cell.trial][k] if k in env[cell.trial] else common[k]
+                    for k in cell.reads]
+            if cell.clones:  # the cell writes in place: not into values others read
+                args = [a.clone() if isinstance(a, torch.Tensor) and not own else a
+                        for a, own in zip(args, cell.own_reads)]
+            try:
+                with rng[cell.trial]() if rng is not None and cell.random \
+                        else contextlib.nullcontext():
+                    result = cell.module(*args)
+            except Exception as err:
+                if errors is None:
+                    raise
+                errors[cell.trial] = err
+                failed.add(cell.trial)
+                continue
+            if cell.final:
+                outs[cell.trial] = result
+            else:
+                env[cell.trial].update(zip(cell.exports, result))
         return outs
 
     def model(self, trial: str) -> nn.Module:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 from ..graph import Graph, Node
@@ -244,15 +245,66 @@ def _random_module(m: nn.Module) -> bool:
 _KNOWN_CODE = ("torch", "retiarii", "_operator", "operator", "math", "builtins")
 
 
+def _known(obj: Any) -> bool:
+    """Whether ``obj`` (a class or function) is code this engine knows (``_KNOWN_CODE``)."""
+    return str(getattr(obj, "__module__", None)).split(".")[0] in _KNOWN_CODE
+
+
 @functools.lru_cache(maxsize=4096)
 def _module_may_draw(spec_json: str) -> bool:
-    """Whether a module spec's module may draw random numbers in train mode: random by type
-    (dropout, RReLU, attention with dropout), or of a class whose code is not torch's or
-    retiarii's (a user's leaf: unknown, so assumed to draw)."""
+    """Whether a module spec's module may draw random numbers (train or eval mode): random by
+    type (dropout, RReLU, attention with dropout); a module of torch's or retiarii's is known
+    otherwise. A user's module (an adapter, a block inserted by a mutator) is traced
+    (:func:`_traced_may_draw`); one that cannot be is assumed to draw."""
     with torch.device("meta"):
         module = build_module(json.loads(spec_json))
-    return any(_random_module(m) or type(m).__module__.split(".")[0] not in _KNOWN_CODE
-               for m in module.modules())
+    if any(_random_module(m) for m in module.modules()):
+        return True
+    if all(_known(type(m)) for m in module.modules()):
+        return False
+    return _traced_may_draw(module)
+
+
+def _traced_may_draw(module: nn.Module) -> bool:
+    """Whether a user's module (on the meta device) may draw, from its torch.fx traces in
+    train and in eval mode: False only when both trace, every traced node is known not to
+    draw (a torch module, function or tensor method whose name is not a random one) and
+    tracing drew nothing itself (a Python-level ``random.random()`` runs *during* the trace
+    and leaves no node: its draw shows in the streams). Anything else: True."""
+    from ..rng import native_rng  # the engine's stream snapshot (rng.py)
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a, b)
+        if hasattr(a, "shape"):  # NumPy's key array
+            return bool((a == b).all())
+        return a == b
+
+    for mode in (True, False):
+        module.train(mode)
+        before = native_rng()
+        try:
+            traced = torch.fx.symbolic_trace(module)
+        except Exception:  # noqa: BLE001 (untraceable: unknown, so it may draw)
+            return True
+        finally:
+            after = native_rng()
+        if not same(before, after):
+            return True
+        for node in traced.graph.nodes:
+            if node.op == "call_module":
+                sub = traced.get_submodule(node.target)
+                if any(_random_module(m) or not _known(type(m)) for m in sub.modules()):
+                    return True
+            elif node.op == "call_function":
+                if not _known(node.target) or _random_name(getattr(node.target, "__name__", "")):
+                    return True
+            elif node.op == "call_method":
+                if _random_name(str(node.target)):
+                    return True
+    return False
 
 
 def may_draw_random(graph: Graph) -> bool:
