@@ -247,6 +247,7 @@ class TrainingGroup:
         self.runs = {t: runs[t] for t in order}
         self.members = tuple(self.runs)  # every trial it started with (the report names them)
         self._group = self._build()
+        self._mode_list()  # listed with the build, not in the first epoch
         self._steps_draw = trainer.steps_draw_random()  # else steps switch no streams
         self._measure = profile is not None
         self._to_profile = set(profile or ()) & set(self.runs)
@@ -312,12 +313,17 @@ class TrainingGroup:
     def _set_training(self, mode: bool) -> None:
         """Every model's and the group's modules in train (True) or eval mode, each once (the
         models share their frozen modules, and the group holds theirs)."""
-        if self.__dict__.get("_modes_of") is not self._group:  # built (again): list them
+        set_training(self._mode_list(), mode)
+
+    def _mode_list(self) -> list[nn.Module]:
+        """The modules of the models and of the group, each once, in pre-order (listed when
+        the group is built, and again after it is rebuilt)."""
+        if self.__dict__.get("_modes_of") is not self._group:
             roots = [*(run.model for run in self.runs.values()), self._group]
             self._mode_modules = list({id(m): m for root in roots
                                        for m in root.modules()}.values())
             self._modes_of = self._group
-        set_training(self._mode_modules, mode)
+        return self._mode_modules
 
     def train_epoch(self) -> dict[str, dict[str, float] | Exception]:
         """One epoch of every trial (what ``TrialRun.train_epoch`` does for each alone):

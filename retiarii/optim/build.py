@@ -284,7 +284,34 @@ def _emit(graph: Graph, adopt: Callable[[Node], tuple[nn.Module, str] | None],
             for name, buffer in owner._buffers.items():
                 if buffer is not None and buffer.device != device:
                     owner._buffers[name] = buffer.to(device)
+    _direct_calls(module)
     return module
+
+
+def _direct_calls(module: nn.Module) -> None:
+    """Let each fx module of the cell call its submodules by one flat name.
+
+    fx's code reaches a submodule ``backbone.layers.5.body.0.0`` by one lookup per part, each
+    a ``Module.__getattr__`` (six per call; about a hundred per call of a batched region of
+    MobileNetV2 blocks). Each called submodule whose target has a dot is also put in the fx
+    module's instance dict under a flat name (found by plain attribute lookup, before
+    ``__getattr__``) and called by it. Not registered: the hierarchy alone holds the modules
+    for ``modules()``, ``state_dict()`` and ``.to()``, which move tensors, never modules, so
+    the flat names keep pointing at the right objects."""
+    for gm in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:
+        flat: dict[str, str] = {}  # target -> its flat name
+        for node in gm.graph.nodes:
+            if node.op != "call_module" or "." not in node.target:
+                continue
+            if node.target not in flat:
+                name = "_call_" + node.target.replace(".", "_")
+                while hasattr(gm, name):  # taken (by another target's flat name): another
+                    name += "_"
+                gm.__dict__[name] = gm.get_submodule(node.target)
+                flat[node.target] = name
+            node.target = flat[node.target]
+        if flat:
+            gm.recompile()
 
 
 def _device(models: Mapping[str, nn.Module]) -> torch.device | None:
