@@ -78,6 +78,31 @@ def test_frozen_blocks_and_residual_adds_are_batched(space):
     assert rt.Graph.from_json(group.graph.to_json()).to_json() == group.graph.to_json()
 
 
+def test_emitted_cells_call_their_modules_by_flat_names_and_copy_and_move(space):
+    """build._direct_calls: the nested MobileNetV2 modules are called by one flat name (no
+    ``getattr`` chains in the code), which neither the state dict nor ``modules()`` lists; a
+    deep copy and a dtype move compute what the original does."""
+    samples = [{"block": b} for b in (0, 2, 4)]
+    plan = plan_group({f"t{i}": space.replay(s) for i, s in enumerate(samples)}, "d",
+                      {f"t{i}": {} for i in range(3)}, batch_ops=True)
+    group = build_group(plan, {f"t{i}": space.build(s, check=False)
+                               for i, s in enumerate(samples)})
+    cells = [b.module for b in group._batches] + [c.module for c in group._cells]
+    assert any("self._call_backbone_layers_" in m.code for m in cells)
+    for m in cells:
+        assert "getattr(" not in m.code
+        assert not any("_call_" in k for k in m.state_dict())
+        assert not any("_call_" in n for n, _ in m.named_modules())
+    x = torch.randn(2, 3, 16, 16)
+    before = group(x)
+    twin = copy.deepcopy(group)
+    assert all(torch.equal(twin(x)[t], before[t]) for t in before)
+    group.double()  # moves tensors, keeps the module objects the flat names point at
+    after = group(x.double())
+    for t in before:
+        torch.testing.assert_close(after[t].float(), before[t], rtol=1e-5, atol=1e-6)
+
+
 def _train(space, samples, steps, stop=None):
     """Train the models separately and as one batched group on the same batches; ``stop``:
     (trial, step) after which that trial leaves the group. Returns per trial the losses and
