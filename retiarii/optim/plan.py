@@ -310,8 +310,9 @@ def _traced_may_draw(module: nn.Module) -> bool:
 def may_draw_random(graph: Graph) -> bool:
     """Whether running ``graph`` may draw random numbers (from any stream: torch's, Python's
     or NumPy's). False only when every node is known not to: an input, output, constant or
-    parameter; a module of torch's or retiarii's that is not random (:func:`_random_module`);
-    a function or method of torch, ``operator``, ``math`` or builtins whose name is not a
+    parameter; a module of torch's or retiarii's that is not random (:func:`_random_module`),
+    or a user's module whose torch.fx traces show no draw (:func:`_traced_may_draw`); a
+    function or method of torch, ``operator``, ``math`` or builtins whose name is not a
     random one; a subgraph of such nodes. A group swaps a model's RNG streams in only around
     the cells that may draw (build.py): swapping costs about 0.2 ms (NumPy's state)."""
     for node in graph.nodes:
