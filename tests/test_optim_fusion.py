@@ -349,6 +349,35 @@ def test_fusion_key_from_the_ir():
     assert fused(torch.randn(3, 12)).shape == (2, 3, 5)
 
 
+def test_generated_models_of_one_architecture_are_traced_once(monkeypatch):
+    """fuse_models traces one of several generated models whose code, layers and tensors
+    agree (fusion._generated_signature) and reads the others' weights by the same paths: the
+    fused model computes each model's own output; a model that differs (a frozen layer) is
+    traced and refused as before."""
+    space = rt.ModelSpace(mlp(), [rt.apply_mutator("3", rt.mutators.OperatorMutator(
+        {"a": nn.Linear(32, 32), "b": nn.Linear(32, 32, bias=False)}, label="m"))],
+        example_input=torch.randn(2, 12))
+    built = []
+    for seed in range(3):
+        torch.manual_seed(seed)  # own weights
+        built.append(space.build({"m/3": "a"}, check=False))
+    x = torch.randn(5, 12)
+    alone = [m(x) for m in built]
+    traces = []
+    real = torch.fx.symbolic_trace
+    monkeypatch.setattr(torch.fx, "symbolic_trace", lambda m, *a, **k: traces.append(m) or real(m, *a, **k))
+    fused = fuse_models(built)
+    assert len(traces) == 1
+    out = fused(x)
+    for k in range(3):
+        torch.testing.assert_close(out[k], alone[k], rtol=1e-6, atol=1e-7)
+    other = [space.build({"m/3": "a"}, check=False) for _ in range(2)]
+    other[1].get_submodule("0").requires_grad_(False)
+    with pytest.raises(FusionError, match="differs from model 0"):
+        fuse_models(other)
+    assert len(traces) == 3  # the differing model was traced, not assumed equal
+
+
 def test_unsupported_layer_optimizer_and_mismatch_give_clear_errors():
     class WithEmbedding(nn.Module):
         def __init__(self):
