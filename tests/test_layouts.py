@@ -160,9 +160,10 @@ def test_a_search_of_same_architecture_mlps_ends_up_fused(tmp_path, probes):
     assert "layouts" not in grouped[0].meta
     assert all(j.meta["layouts"]["cpu"]["order"][0] == "fused" for j in grouped[1:])
     units = [u for u in _units(db) if u.get("merged")]
-    # the first job measures on its real batches (CSE: bit for bit) and fuses from the next
-    # segment on (fusion changes the kernels: a switch at a segment boundary)
+    # the first job measures on its real batches (CSE: bit for bit), then fuses every trial
+    # for the rest of its segment (from the batch after the measured ones); later jobs fuse
     assert units[0]["layout"] == "cse" and units[0]["choice"]["measured_on"] == "first batches"
+    assert units[0]["choice"]["fused_from"] == "batch 3 of this segment"
     assert len(units) > 1 and all(u["fused"] and u["layout"] == "fused" for u in units[1:])
     assert all(u["decision"]["reason"] == "fused 2.40x (cse 1.20x)" for u in units)
     summary = exp.summary()["optimization"]

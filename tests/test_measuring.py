@@ -8,6 +8,7 @@ are injected (one noisy slower segment keeps the layout, two in a row revert it,
 in between resets the count, and a resumed search counts on from the stored choice)."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -248,3 +249,58 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     assert unit["choice"]["skipped"].startswith("fused not measured: a grouped step's per-model")
     assert "fused" not in unit["choice"]["speedups"] and set(unit["alone_s"]) == set("adb")
+
+
+# ---- a fused choice takes the rest of the measuring segment ----------------------------------
+
+
+def _mlp_tasks(tmp_path, tag, frozen):
+    """Four trials of one architecture, own seeds and learning rates: exp_space's MLP, or
+    (``frozen``) the frozen trunk with a linear head, whose CSE group makes the models share
+    the trunk's module (tied weights: not fusable)."""
+    if frozen:
+        return [g._task(t, tmp_path, head="lin", tag=tag) for t in "abcd"]
+    import exp_space
+
+    space = f"{os.path.abspath(exp_space.__file__)}:mlp_space"
+    return [TrialTask(t, {"space": space, "sample": {}, "trainer": g.TRAINER,
+                          "hparams": {"lr": 0.01 * (i + 1)}, "seed": i + 1}, 0, 2, None,
+                      str(tmp_path / f"{tag}{t}.pt")) for i, t in enumerate("abcd")]
+
+
+@pytest.mark.parametrize("fusable", [True, False])
+def test_a_fused_choice_fuses_the_rest_of_the_measuring_segment(tmp_path, monkeypatch, fusable):
+    """The first job measures CSE on its first batches; fused chosen for all four trials: a
+    FusedGroup over the same runs trains from the next batch on, carrying each trial's loss,
+    and every metric and checkpoint is separate training's within fused tolerance (1e-4
+    relative: fused kernels round otherwise). When fusing fails there (models that share a
+    frozen trunk after CSE), the segment goes on in CSE, bit for bit."""
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups",
+                        lambda group, batch: {C: 1.5, F: 3.0})
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=not fusable)
+    meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list("abcd")}
+    events = g._run(Job("m", tasks, meta=meta))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit["choice"]["order"][0] == "fused" and unit["layout"] == "cse"
+    alone = _mlp_tasks(tmp_path, "a-", frozen=not fusable)
+    expected = g._alone(alone)
+    got = g._results(events)
+    assert got.keys() == expected.keys()
+    if fusable:
+        assert unit["choice"]["fused_from"] == "batch 3 of this segment"
+        for key, metrics in expected.items():
+            for name, value in metrics.items():
+                assert got[key][name] == pytest.approx(value, rel=1e-4), (key, name)
+        assert got != expected  # fused from batch 3: not bit for bit (else nothing fused)
+        from retiarii.engine import checkpoint as ckpt
+        for m, a in zip(tasks, alone):
+            mine, theirs = ckpt.load(m.checkpoint_out), ckpt.load(a.checkpoint_out)
+            for name, t in theirs["model"].items():
+                torch.testing.assert_close(mine["model"][name], t, rtol=1e-4, atol=1e-6)
+    else:
+        assert unit["choice"]["fused_from"].startswith("the next segment: fusing failed")
+        assert "weights tied" in unit["choice"]["fused_from"]
+        assert got == expected  # exact floats: every batch in CSE
+        for m, a in zip(tasks, alone):
+            assert g._same_checkpoint(m.checkpoint_out, a.checkpoint_out), m.trial_id

@@ -35,8 +35,11 @@ interleaved (a machine whose load drifts moves all of them alike); the decision 
 the next batch, or at the end of the epoch when the epoch is shorter. The rest of the
 segment trains in the best layout that keeps every model's values (``cse``, ``batching``,
 or, for ``separate``, each model's own ``TrialRun.train_epoch``, carrying its loss so far);
-a choice of ``fused`` applies from the next segment (fusion changes the kernels: a switch
-at a segment boundary, where each trial's own checkpoint is).
+a choice of ``fused`` that fuses every trial into one unit takes the rest of the segment
+too: a :class:`~.fused.FusedGroup` over the same runs goes on from the next batch, carrying
+each trial's loss so far (fused kernels round otherwise: from that batch on the values are
+those of fused training, within its tolerance, as any fused segment's). A choice of
+``fused`` for part of the trials applies from the next segment.
 """
 from __future__ import annotations
 
@@ -74,6 +77,10 @@ PER_MODEL_BOUND = 1.0
 
 class _Apart(Exception):
     """Raised out of the group's batch loop when the measurement chose ``separate``."""
+
+
+class _Fuse(Exception):
+    """Raised out of the group's batch loop when the measurement chose ``fused`` for all."""
 
 
 def _median(values: list[float]) -> float:
@@ -127,6 +134,8 @@ class MeasuringGroup(TrainingGroup):
         self._shared: list[float] = []  # the shared cell's time per batch (CSE batches)
         self._due, self._decided = False, False
         self._last: Any = None
+        self._fuse_pending = False  # fused chosen for every trial: from the next batch
+        self._fused: Any = None  # the FusedGroup training the rest (once fused)
         # A plan that shares no frozen layer cannot bound apart (its shared part is the data
         # alone): the alone profiles are taken before the first step, so a candidate far
         # slower than apart stops at its warm-up batch.
@@ -155,6 +164,11 @@ class MeasuringGroup(TrainingGroup):
 
     def drop(self, trials) -> None:
         """:meth:`TrainingGroup.drop`; the other candidates' modules are rebuilt when used."""
+        if self._fused is not None:  # the fused unit trains them now: it unfuses the gone
+            self._fused.drop(trials)
+            for t in set(trials) & set(self.runs):
+                del self.runs[t]
+            return
         before = len(self.runs)
         super().drop(trials)
         if len(self.runs) != before:
@@ -235,6 +249,8 @@ class MeasuringGroup(TrainingGroup):
             self._decide(batch)
             if self._layout is Layout.SEPARATE:
                 raise _Apart  # the rest of the epoch: each model alone (train_epoch)
+            if self._fuse_pending:
+                raise _Fuse  # the rest of the epoch: one fused unit (train_epoch)
             return True
         return did
 
@@ -247,12 +263,46 @@ class MeasuringGroup(TrainingGroup):
         self._sums: dict[str, list] = {}
         if self._decided and self._layout is Layout.SEPARATE:
             return self._train_apart()
+        if self._fused is not None or (self._fuse_pending and self._start_fused()):
+            return self._train_fused()
         try:
             outcome = super().train_epoch()
         except _Apart:
             return self._train_apart()
+        except _Fuse:
+            if self._start_fused():
+                return self._train_fused()
+            outcome = super().train_epoch(carry=self._sums)  # not fusable: on in this layout
         if not self._decided and self.runs and self._last is not None:
             self._decide(self._last)  # a short epoch: what its batches measured
+        return outcome
+
+    def _start_fused(self) -> bool:
+        """Fuse the trials for the rest of the job (:class:`~.fused.FusedGroup` over the same
+        runs, their optimizers' state stacked); whether it could. Not fusable after all: each
+        model keeps storage of its own and the job goes on in its merged layout."""
+        from .fused import FusedGroup  # fused.py imports grouped.py, as this module does
+
+        self._fuse_pending = False
+        live = {t: r for t, r in self.runs.items() if t not in self._failures}
+        for run in live.values():  # last step's gradients: each step sets its own anew
+            for p in run.model.parameters():
+                p.grad = None
+        try:
+            self._fused = FusedGroup(live, self.trainer)
+        except Exception as err:  # noqa: BLE001 (FusedGroup gave their storage back)
+            self.choice["fused_from"] = f"the next segment: fusing failed here ({err})"[:300]
+            return False
+        self.choice["fused_from"] = f"batch {next(iter(live.values())).batch} of this segment"
+        return True
+
+    def _train_fused(self) -> dict[str, Any]:
+        """The rest of the epoch (and the job's later epochs) in the fused unit, carrying
+        each trial's loss of the batches trained here."""
+        outcome: dict[str, Any] = dict(self._failures)
+        outcome.update(self._fused.train_epoch(carry=self._sums or None))
+        for t in [t for t in self.runs if t not in self._fused.runs]:
+            del self.runs[t]  # failed in the fused unit, which has let it go
         return outcome
 
     def _train_apart(self) -> dict[str, Any]:
@@ -280,8 +330,13 @@ class MeasuringGroup(TrainingGroup):
             order=[x.value for x in ranked.order], probed=True, measured_on="first batches",
             probe_s=time.perf_counter() - start,
             speedups={k.value: v for k, v in ranked.speedups.items()})
-        # the rest of the segment: the best layout that keeps every model's values (fused
-        # changes its kernels: from the next segment)
+        # the rest of the segment: fused from the next batch when it takes every trial
+        # (train_epoch); else the best layout that keeps every model's values (a fused
+        # choice for part of them applies from the next segment)
+        if ranked.order[0] is Layout.FUSED and len(self._fusable) == 1 \
+                and set(self._fusable[0]) == set(self.runs):
+            self._fuse_pending = True
+            return
         self._use(next((x for x in ranked.order if x is Layout.SEPARATE or x in self._plans),
                        self._layout))
 
