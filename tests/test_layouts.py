@@ -7,6 +7,8 @@ those of training each model alone (fused: within the tolerance of tests/test_fu
 ``rel=1e-4`` on every metric; unfused: bit for bit)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import retiarii as rt
@@ -163,7 +165,9 @@ def test_a_search_of_same_architecture_mlps_ends_up_fused(tmp_path, probes):
     # the first job measures on its real batches (CSE: bit for bit), then fuses every trial
     # for the rest of its segment (from the batch after the measured ones); later jobs fuse
     assert units[0]["layout"] == "cse" and units[0]["choice"]["measured_on"] == "first batches"
-    assert units[0]["choice"]["fused_from"] == "batch 3 of this segment"
+    # (batch 3 after a warm-up and two timed CSE batches; batch 1 when a loaded machine made
+    # the warm-up so slow that the timed ones were skipped: measuring.ABORT_REAL)
+    assert re.fullmatch(r"batch [13] of this segment", units[0]["choice"]["fused_from"])
     assert len(units) > 1 and all(u["fused"] and u["layout"] == "fused" for u in units[1:])
     assert all(u["decision"]["reason"] == "fused 2.40x (cse 1.20x)" for u in units)
     summary = exp.summary()["optimization"]

@@ -247,6 +247,7 @@ class TrainingGroup:
         self.runs = {t: runs[t] for t in order}
         self.members = tuple(self.runs)  # every trial it started with (the report names them)
         self._group = self._build()
+        self._modes_of: nn.Module | None = None  # the group _mode_modules were listed for
         self._mode_list()  # listed with the build, not in the first epoch
         self._steps_draw = trainer.steps_draw_random()  # else steps switch no streams
         self._measure = profile is not None
@@ -318,7 +319,7 @@ class TrainingGroup:
     def _mode_list(self) -> list[nn.Module]:
         """The modules of the models and of the group, each once, in pre-order (listed when
         the group is built, and again after it is rebuilt)."""
-        if self.__dict__.get("_modes_of") is not self._group:
+        if self._modes_of is not self._group:
             roots = [*(run.model for run in self.runs.values()), self._group]
             self._mode_modules = list({id(m): m for root in roots
                                        for m in root.modules()}.values())

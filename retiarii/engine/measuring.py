@@ -301,8 +301,7 @@ class MeasuringGroup(TrainingGroup):
         each trial's loss of the batches trained here."""
         outcome: dict[str, Any] = dict(self._failures)
         outcome.update(self._fused.train_epoch(carry=self._sums or None))
-        for t in [t for t in self.runs if t not in self._fused.runs]:
-            del self.runs[t]  # failed in the fused unit, which has let it go
+        self.drop([t for t in self.runs if t not in self._fused.runs])  # failed in it
         return outcome
 
     def _train_apart(self) -> dict[str, Any]:

@@ -245,9 +245,14 @@ def _random_module(m: nn.Module) -> bool:
 _KNOWN_CODE = ("torch", "retiarii", "_operator", "operator", "math", "builtins")
 
 
+def _known_module(name: str) -> bool:
+    """Whether the Python module ``name`` ("torch.nn.functional") is code this engine knows."""
+    return name.split(".")[0] in _KNOWN_CODE
+
+
 def _known(obj: Any) -> bool:
     """Whether ``obj`` (a class or function) is code this engine knows (``_KNOWN_CODE``)."""
-    return str(getattr(obj, "__module__", None)).split(".")[0] in _KNOWN_CODE
+    return _known_module(str(getattr(obj, "__module__", None)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -327,8 +332,8 @@ def may_draw_random(graph: Graph) -> bool:
                 return True
         elif kind in ("function", "method"):
             target = str(node.op.target)
-            if _random_name(_short(target)) or (kind == "function" and target.partition(":")[0]
-                                                .split(".")[0] not in _KNOWN_CODE):
+            if _random_name(_short(target)) or (
+                    kind == "function" and not _known_module(target.partition(":")[0])):
                 return True
         else:
             return True
