@@ -21,7 +21,7 @@ import test_grouped_jobs as g
 import test_optimize as o
 from exp_space import EXAMPLE, mlp_space
 from retiarii.engine import grouped, measuring
-from retiarii.engine.executors.base import Job, JobFinished, JobProfiled, TrialTask
+from retiarii.engine.executors.base import Job, JobFailed, JobFinished, JobProfiled, TrialTask
 from retiarii.engine.plans import PlanTable
 from retiarii.engine.store import Store
 from retiarii.optim.cost import NOISE_FLOOR, Layout, Verdict, judge_segment
@@ -146,7 +146,7 @@ def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monk
     real = measuring.MeasuringGroup._speedups
 
     def spy(group, batch):
-        timed.append({k: len(v) for k, v in group._times.items()})
+        timed.append({k: len(v) for k, v in group._times.items() if v})
         measured = real(group, batch)  # measured for real, then the choice is forced
         assert {C, Layout.BATCHING} <= set(measured)
         return chosen
@@ -255,54 +255,150 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
 # ---- a fused choice takes the rest of the measuring segment ----------------------------------
 
 
-def _mlp_tasks(tmp_path, tag, frozen):
-    """Four trials of one architecture, own seeds and learning rates: exp_space's MLP, or
-    (``frozen``) the frozen trunk with a linear head, whose CSE group makes the models share
-    the trunk's module (tied weights: not fusable)."""
+def _mlp_tasks(tmp_path, tag, frozen, space="mlp_space", trainer=g.TRAINER, extra=None):
+    """Four trials of one architecture, own seeds and learning rates: exp_space's MLP (or
+    ``space``), or (``frozen``) the frozen trunk with a linear head, whose CSE group makes the
+    models share the trunk's module (tied weights: not fusable)."""
     if frozen:
         return [g._task(t, tmp_path, head="lin", tag=tag) for t in "abcd"]
     import exp_space
 
-    space = f"{os.path.abspath(exp_space.__file__)}:mlp_space"
-    return [TrialTask(t, {"space": space, "sample": {}, "trainer": g.TRAINER,
-                          "hparams": {"lr": 0.01 * (i + 1)}, "seed": i + 1}, 0, 2, None,
-                      str(tmp_path / f"{tag}{t}.pt")) for i, t in enumerate("abcd")]
+    ref = f"{os.path.abspath(exp_space.__file__)}:{space}"
+    return [TrialTask(t, {"space": ref, "sample": {}, "trainer": trainer,
+                          "hparams": {"lr": 0.01 * (i + 1), **(extra or {}).get(t, {})},
+                          "seed": i + 1}, 0, 2, None, str(tmp_path / f"{tag}{t}.pt"))
+            for i, t in enumerate("abcd")]
 
 
-@pytest.mark.parametrize("fusable", [True, False])
-def test_a_fused_choice_fuses_the_rest_of_the_measuring_segment(tmp_path, monkeypatch, fusable):
-    """The first job measures CSE on its first batches; fused chosen for all four trials: a
-    FusedGroup over the same runs trains from the next batch on, carrying each trial's loss,
-    and every metric and checkpoint is separate training's within fused tolerance (1e-4
-    relative: fused kernels round otherwise). When fusing fails there (models that share a
-    frozen trunk after CSE), the segment goes on in CSE, bit for bit."""
+def _close_to_alone(events, tasks, alone_tasks):
+    """Every metric within fused tolerance of training alone (1e-4 relative), and not equal
+    to it (something trained fused); every checkpoint within rtol 1e-4, atol 1e-6."""
+    from retiarii.engine import checkpoint as ckpt
+
+    expected, got = g._alone(alone_tasks), g._results(events)
+    assert got.keys() == expected.keys()
+    for key, metrics in expected.items():
+        for name, value in metrics.items():
+            assert got[key][name] == pytest.approx(value, rel=1e-4), (key, name)
+    assert got != expected  # fused kernels round otherwise: else nothing trained fused
+    for m, a in zip(tasks, alone_tasks):
+        mine, theirs = ckpt.load(m.checkpoint_out), ckpt.load(a.checkpoint_out)
+        for name, t in theirs["model"].items():
+            torch.testing.assert_close(mine["model"][name], t, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused_wins", [True, False, "after cse"])
+def test_one_architecture_measures_fused_first_on_its_own_models(tmp_path, monkeypatch,
+                                                                  fused_wins):
+    """Four MLPs of one architecture, sharing nothing frozen: the segment's first batches
+    train fused on the trials' own models (no copies), then the choice. Fused ahead of CSE's
+    bound: fused on from batch 0, CSE never built. Else CSE is measured on the next batches
+    (the models unfused) and chosen, or, measured slower than fused after all, the models
+    are fused again from the next batch. Either way each trial's metrics and checkpoint are
+    separate training's within fused tolerance."""
+    seen = []
+
+    def fake(group, batch):
+        seen.append(set(group._stepped))
+        assert group.fuse_first
+        if fused_wins == "after cse":  # CSE's bound first, then measured under fused
+            return {F: 2.0, C: 3.0} if len(seen) == 1 else {F: 2.0, C: 1.2}
+        return {F: 3.0, C: 1.5} if fused_wins else {F: 0.5, C: 1.5}
+
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", fake)
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=False)
+    meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list("abcd")}
+    events = g._run(Job("m", tasks, meta=meta))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    choice = unit["choice"]
+    if fused_wins == "after cse":
+        assert seen == [{F}, {F, C}] and unit["layout"] == "fused"
+        assert choice["order"][:2] == ["fused", "cse"] and "bounds" not in choice
+        # fused again after three fused and three CSE batches (one of each when a loaded
+        # machine's warm-ups skipped the timed batches: ABORT_REAL)
+        assert re.fullmatch(r"batch [26] of this segment", choice["fused_from"])
+    elif fused_wins:
+        assert seen == [{F}] and unit["layout"] == "fused" and choice["order"][0] == "fused"
+        assert choice["fused_from"] == "batch 0 of this segment"
+        assert choice["bounds"] == {"cse": 1.5}  # CSE never measured: its bound, kept apart
+    else:
+        assert seen == [{F}, {F, C}] and unit["layout"] == "cse" and choice["order"][0] == "cse"
+        assert "fused_from" not in choice and "bounds" not in choice
+    _close_to_alone(events, tasks, _mlp_tasks(tmp_path, "a-", frozen=False))
+
+
+def test_a_fused_choice_that_cannot_fuse_here_goes_on_in_cse_bit_for_bit(tmp_path, monkeypatch):
+    """Models sharing a frozen trunk measure CSE first (fused is no first candidate: the
+    trunk would run K times); fused chosen for all four cannot fuse their real models (the
+    CSE group made them share the trunk's module: tied weights): the segment goes on in CSE,
+    bit for bit, and fusion applies from the next segment."""
     monkeypatch.setattr(measuring.MeasuringGroup, "_speedups",
                         lambda group, batch: {C: 1.5, F: 3.0})
-    tasks = _mlp_tasks(tmp_path, "m-", frozen=not fusable)
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=True)
     meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list("abcd")}
     events = g._run(Job("m", tasks, meta=meta))
     assert isinstance(events[-1], JobFinished), events[-1]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     assert unit["choice"]["order"][0] == "fused" and unit["layout"] == "cse"
-    alone = _mlp_tasks(tmp_path, "a-", frozen=not fusable)
-    expected = g._alone(alone)
-    got = g._results(events)
-    assert got.keys() == expected.keys()
-    if fusable:
-        # batch 1 when a loaded machine's warm-up skipped the timed batches (ABORT_REAL)
-        assert re.fullmatch(r"batch [13] of this segment", unit["choice"]["fused_from"])
-        for key, metrics in expected.items():
-            for name, value in metrics.items():
-                assert got[key][name] == pytest.approx(value, rel=1e-4), (key, name)
-        assert got != expected  # fused from batch 3: not bit for bit (else nothing fused)
-        from retiarii.engine import checkpoint as ckpt
-        for m, a in zip(tasks, alone):
-            mine, theirs = ckpt.load(m.checkpoint_out), ckpt.load(a.checkpoint_out)
-            for name, t in theirs["model"].items():
-                torch.testing.assert_close(mine["model"][name], t, rtol=1e-4, atol=1e-6)
-    else:
-        assert unit["choice"]["fused_from"].startswith("the next segment: fusing failed")
-        assert "weights tied" in unit["choice"]["fused_from"]
-        assert got == expected  # exact floats: every batch in CSE
-        for m, a in zip(tasks, alone):
-            assert g._same_checkpoint(m.checkpoint_out, a.checkpoint_out), m.trial_id
+    assert unit["choice"]["fused_from"].startswith("the next segment: fusing failed")
+    assert "weights tied" in unit["choice"]["fused_from"]
+    alone = _mlp_tasks(tmp_path, "a-", frozen=True)
+    assert g._results(events) == g._alone(alone)  # exact floats: every batch in CSE
+    for m, a in zip(tasks, alone):
+        assert g._same_checkpoint(m.checkpoint_out, a.checkpoint_out), m.trial_id
+
+
+PENALTY = f"{os.path.dirname(os.path.abspath(__file__))}/test_fused_jobs.py:PENALTY"
+
+
+def test_a_first_fused_step_that_fails_every_trial_is_undone_and_run_again(tmp_path,
+                                                                            monkeypatch):
+    """A trainer whose ``training_step`` reads the parameters (a weight penalty) cannot train
+    fused: the first fused step fails for every trial before the fused optimizer steps. It is
+    undone (weights, BatchNorm statistics, optimizer state, RNG streams as before it) and the
+    batch trains again in CSE; fused is no candidate any more. Every metric and checkpoint
+    then equals separate training bit for bit: nothing of the fused attempt is left."""
+    calls = []
+    real = measuring.MeasuringGroup._speedups
+
+    def spy(group, batch):
+        calls.append(set(group._stepped))
+        return real(group, batch)
+
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", spy)
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=False, space="cnn_space", trainer=PENALTY)
+    meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list("abcd")}
+    events = g._run(Job("m", tasks, meta=meta))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    choice = unit["choice"]
+    assert choice["fused_failed"].startswith("fused training failed on its first batch")
+    assert "outside its forward" in choice["fused_failed"]
+    assert "fused" not in choice["speedups"] and choice["skipped"].startswith("fused not measured")
+    assert calls == [{C}] and unit["layout"] in ("cse", "separate")
+    alone = _mlp_tasks(tmp_path, "a-", frozen=False, space="cnn_space", trainer=PENALTY)
+    assert g._results(events) == g._alone(alone)  # exact floats
+    for m, a in zip(tasks, alone):
+        assert g._same_checkpoint(m.checkpoint_out, a.checkpoint_out), m.trial_id
+
+
+def test_a_trial_failing_while_fused_first_leaves_and_the_others_train_on(tmp_path,
+                                                                        monkeypatch):
+    """A trial whose ``training_step`` raises in the second fused batch of the measurement
+    fails alone (its tensors unfused); the other three are fused again, the measurement
+    goes on, and they end as they do alone, within fused tolerance."""
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups",
+                        lambda group, batch: {F: 3.0, C: 1.5})
+    g.DieTrainer.calls.clear()
+    die = {"d": {"die_at": 2, "tag": f"measuring-{tmp_path.name}"}}
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=False, trainer=g._ref("DIE"), extra=die)
+    meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list("abcd")}
+    events = g._run(Job("m", tasks, meta=meta))
+    assert isinstance(events[-1], JobFailed) and events[-1].trial_id == "d"
+    assert "boom in training_step" in events[-1].error
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit["layout"] == "fused" and unit["choice"]["fused_from"] == "batch 0 of this segment"
+    events = [e for e in events if getattr(e, "trial_id", None) != "d"]
+    alone = _mlp_tasks(tmp_path, "a-", frozen=False, trainer=g._ref("DIE"))
+    _close_to_alone(events, tasks[:3], alone[:3])

@@ -39,7 +39,7 @@ from ..optim import FusedOptimizer, fuse_models, fusion_key, unfuse
 from .grouped import TrainingGroup
 from .trial_run import TrainingError, TrialRun
 
-__all__ = ["FusedGroup", "fusable_sets"]
+__all__ = ["FusedGroup", "fusable_sets", "fused_backward", "fused_step", "fused_unit"]
 
 
 def fusable_sets(models: Mapping[str, Any], excluded: Iterable[str] = ()) -> list[tuple[str, ...]]:
@@ -126,44 +126,73 @@ class FusedGroup(TrainingGroup):
         super().drop(gone)
 
     def _build(self) -> nn.Module:
-        self._fopt = None
-        if len(self.runs) == 1:
-            (trial, run), = self.runs.items()
-            unfuse(run.model, run.optimizer)
-            return _One(trial, run.model)
-        try:
-            fused = fuse_models([run.model for run in self.runs.values()])
-            self._fopt = FusedOptimizer(fused, [run.optimizer for run in self.runs.values()])
-        except Exception:
-            # Not fusable after all; fuse_models may have stacked some layers before the one
-            # it refused: give every model and optimizer storage of its own again.
-            for run in self.runs.values():
-                unfuse(run.model, run.optimizer)
-            raise
-        return _Fused(fused, list(self.runs))
+        module, self._fopt = fused_unit(self.runs)
+        return module
 
     def _optimize(self, losses: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
         """Backward over the sum of ``losses``, one fused step of every model, then each
-        trial's per-step LR scheduler. A trial without a loss in this step (its
-        ``training_step`` failed) leaves the group right after it."""
+        trial's per-step LR scheduler (:func:`fused_backward`, :func:`fused_step`). A trial
+        without a loss in this step (its ``training_step`` failed) leaves the group right
+        after it."""
         if self._fopt is None:
             return super()._optimize(losses)
-        self._fopt.zero_grad()
-        if losses:
-            # Model k's output depends only on slice k: loss k alone gives slice k its gradient.
-            sum(losses.values()).backward()
-        if any(p.grad is not None for t in losses for p in self.runs[t].model.parameters()):
-            # One error for the whole unit: the runner then reruns its trials alone.
-            raise TrainingError("training_step used the model's parameters outside its forward "
-                                "(a weight penalty, say): their gradients never reach a fused "
-                                "step; run this trainer with fuse=False")
-        self._fopt.step()
-        failed: dict[str, Exception] = {}
-        for trial in losses:
-            run = self.runs[trial]
-            try:
-                if run.scheduler is not None and run.interval == "step":
-                    run.scheduler.step()
-            except Exception as err:  # noqa: BLE001 (fails this trial only)
-                failed[trial] = err
-        return failed
+        fused_backward(self._fopt, self.runs, losses)
+        return fused_step(self._fopt, self.runs, losses)
+
+
+def fused_unit(runs: Mapping[str, TrialRun]) -> tuple[nn.Module, FusedOptimizer | None]:
+    """The module training ``runs`` as one fused model (``module(*inputs, rng=, errors=)``,
+    the interface of a :class:`~retiarii.optim.GroupModule`) and its
+    :class:`~retiarii.optim.FusedOptimizer`; one run: its model alone (its storage its own
+    again) and None.
+
+    Raises:
+        FusionError: not fusable after all (every model and optimizer then has storage of
+            its own again: :func:`~retiarii.optim.fuse_models` may have stacked some layers
+            before the one it refused).
+    """
+    if len(runs) == 1:
+        (trial, run), = runs.items()
+        unfuse(run.model, run.optimizer)
+        return _One(trial, run.model), None
+    try:
+        fused = fuse_models([run.model for run in runs.values()])
+        fopt = FusedOptimizer(fused, [run.optimizer for run in runs.values()])
+    except Exception:
+        for run in runs.values():
+            unfuse(run.model, run.optimizer)
+        raise
+    return _Fused(fused, list(runs)), fopt
+
+
+def fused_backward(fopt: FusedOptimizer, runs: Mapping[str, TrialRun],
+                   losses: Mapping[str, torch.Tensor]) -> None:
+    """Backward over the sum of ``losses`` into the stacked parameters (nothing is stepped).
+
+    Raises:
+        TrainingError: ``training_step`` used the models' parameters outside their forward
+            (one error for the whole unit: the runner then reruns its trials alone)."""
+    fopt.zero_grad()
+    if losses:
+        # Model k's output depends only on slice k: loss k alone gives slice k its gradient.
+        sum(losses.values()).backward()
+    if any(p.grad is not None for t in losses for p in runs[t].model.parameters()):
+        raise TrainingError("training_step used the model's parameters outside its forward "
+                            "(a weight penalty, say): their gradients never reach a fused "
+                            "step; run this trainer with fuse=False")
+
+
+def fused_step(fopt: FusedOptimizer, runs: Mapping[str, TrialRun],
+               losses: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
+    """One fused optimizer step of every model (after :func:`fused_backward`), then the
+    per-step LR scheduler of each trial with a loss; the trials whose scheduler failed."""
+    fopt.step()
+    failed: dict[str, Exception] = {}
+    for trial in losses:
+        run = runs[trial]
+        try:
+            if run.scheduler is not None and run.interval == "step":
+                run.scheduler.step()
+        except Exception as err:  # noqa: BLE001 (fails this trial only)
+            failed[trial] = err
+    return failed

@@ -23,7 +23,7 @@ import hashlib
 import json
 from typing import Any, Hashable
 
-from ..optim.cost import Layout, choose_layout
+from ..optim.cost import Layout, choose_layout, describe
 from .executors.base import FailureKind, JobFailed, TrialTask
 from .trial import Trial, TrialState
 
@@ -106,15 +106,20 @@ class GroupedJobs:
                 reverted.add(unit["layout"])
             strikes = {**(held or {}).get("strikes", {}), **counted}
             bound = choice.get("bound_s") if choice.get("probed") else (held or {}).get("bound_s")
+            # layouts not measured because their upper bound lost (measuring.py, fused first)
+            bounds = choice.get("bounds") if choice.get("probed") else (held or {}).get("bounds")
             ranked = choose_layout({Layout(k): v for k, v in speedups.items()}, reverted)
+            reason = (describe(ranked.layout, ranked.speedups, reverted, bounds) if bounds
+                      else ranked.reason)
             strikes = {k: v for k, v in strikes.items() if v}
             counted_now = ", ".join(f"{k} {v}" for k, v in sorted(strikes.items()))
             self.layouts.setdefault(key, {})[device] = {
                 "order": [x.value for x in ranked.order], "speedups": speedups,
-                "reverted": sorted(reverted), "reason": ranked.reason + (
+                "reverted": sorted(reverted), "reason": reason + (
                     f"; slower segments in a row: {counted_now}" if strikes else ""),
                 "strikes": strikes,
-                **({"bound_s": bound} if bound is not None else {})}
+                **({"bound_s": bound} if bound is not None else {}),
+                **({"bounds": bounds} if bounds else {})}
         for unit in units:
             decided = self.layouts.get(key, {}).get((unit.get("choice") or {}).get("device"))
             if decided is not None:
@@ -273,7 +278,8 @@ class GroupedJobs:
                 "passes": [] if not self.merge else ["cse"] + (["batching"] if any(
                     u.get("layout") == "batching" or (self.batching is True and "layout" not in u)
                     for u in merged) else [])
-                + (["fusion"] if any(u.get("fused") for u in merged) else [])}
+                + (["fusion"] if any(u.get("fused") or u.get("layout") == Layout.FUSED.value
+                                     for u in merged) else [])}
 
     def _alone_or_bound(self, key: Any, unit: dict) -> dict[str, float]:
         """Each of the unit's trials' step time alone: profiled, else the lower bound its

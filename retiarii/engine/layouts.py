@@ -274,6 +274,20 @@ def _batching_candidate(result: Any, device: torch.device) -> bool:
     return any(plan.nodes[key].role is Role.FROZEN for batch in plan.batches for _, key in batch)
 
 
+def _batching_matters(given: Mapping | None) -> bool:
+    """Whether a group's layout can depend on batching being a candidate: always unless a
+    choice is given whose order ranks ``batching`` after ``separate`` or ``cse`` (one of
+    those is then used before it; planning the batching pass costs milliseconds a job)."""
+    if given is None:
+        return True
+    for layout in given["order"]:
+        if layout == Layout.BATCHING.value:
+            return True
+        if layout in (Layout.SEPARATE.value, Layout.CSE.value):
+            return False
+    return True
+
+
 def _live_plans(merged: list[Layout], ids: list[str], models: Mapping, runs: Mapping,
                 data_key: str, dedicated: bool) -> dict[Layout, Any] | None:
     """Merged layout -> the group's plan in it, when the candidates can be measured on the
@@ -314,11 +328,11 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     fusable = (fusable_sets({t: models[t] for t in ids}, meta.get("unfused") or ())
                if fuse in ("auto", True) else [])
     merged = [Layout.BATCHING] if batch is True else [Layout.CSE]
-    if batch == "auto" and _batching_candidate(batching_pass(plan_group(
-            {t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids})),
+    given = (meta.get("layouts") or {}).get(device)
+    if batch == "auto" and _batching_matters(given) and _batching_candidate(batching_pass(
+            plan_group({t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids})),
             runs[ids[0]].device):
         merged = [Layout.CSE, Layout.BATCHING]
-    given = (meta.get("layouts") or {}).get(device)
     choice: dict[str, Any] = {"device": device, "probed": False}
     # One architecture, one step time alone: a trial whose architecture was measured (in
     # this job or an earlier one on this kind of device) is not measured again.

@@ -231,15 +231,20 @@ def choose_layout(speedups: Mapping[Layout, float | None], reverted: Iterable[La
     return LayoutChoice(order, shown, describe(order[0], shown, gone))
 
 
-def describe(layout: Layout | str, speedups: Mapping, reverted: Iterable = ()) -> str:
+def describe(layout: Layout | str, speedups: Mapping, reverted: Iterable = (),
+             bounds: Mapping | None = None) -> str:
     """One line for the plans table and ``retiarii status``: the layout kept and its measured
     speed-up over apart, and the others measured (``"fused 2.40x (cse 1.30x)"``,
-    ``"separate: cse 1.02x, fused 0.64x"``), fastest first; a reverted one reads ``reverted``.
+    ``"separate: cse 1.02x, fused 0.64x"``), fastest first; a reverted one reads ``reverted``;
+    one not measured because its upper bound already lost (``bounds``: layout -> the most
+    it could reach) reads ``at most``.
 
     Example::
 
         >>> describe("separate", {"fused": 0.64, "cse": 1.02, "separate": 1.0})
         'separate: cse 1.02x, fused 0.64x'
+        >>> describe("fused", {"fused": 2.4}, bounds={"cse": 1.11})
+        'fused 2.40x (cse at most 1.11x)'
     """
     layout = Layout(layout)
     gone = {Layout(r) for r in reverted}
@@ -247,6 +252,8 @@ def describe(layout: Layout | str, speedups: Mapping, reverted: Iterable = ()) -
     others = [f"{lay.value} {values[lay]:.2f}x" + (" reverted" if lay in gone else "")
               for lay in sorted(values, key=lambda lay: -(values[lay] or 0.0))
               if lay is not layout and lay is not Layout.SEPARATE and values[lay] is not None]
+    others += [f"{Layout(k).value} at most {v:.2f}x" for k, v in (bounds or {}).items()
+               if values.get(Layout(k)) is None and Layout(k) not in gone]
     others += [f"{lay.value} reverted" for lay in gone if values.get(lay) is None]
     if layout is Layout.SEPARATE:
         return "separate" + (": " + ", ".join(others) if others else "")
