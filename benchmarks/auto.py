@@ -11,10 +11,12 @@ the code a search runs, one job per segment), three ways, one after the other:
   (``fuse=True`` for the same-architecture workloads, ``batching=True`` for the adapters,
   plain CSE for the frozen trunk);
 - **auto**: grouped jobs with ``profile=True, fuse="auto", batching="auto"``: the first job
-  measures the layouts on its first real batches (engine/measuring.py) and trains the rest
-  of its segment in the best that keeps every model's values; the next epochs' jobs are told
-  the choice (as a search's later jobs are), and a layout is reverted on evidence only (a
-  segment slower than apart beyond its noise, or two slower in a row).
+  measures the layouts on its first real batches (engine/measuring.py: one architecture
+  sharing nothing frozen, the MLPs and CNNs here, measures fused first on its own models,
+  and CSE only when its upper bound could win) and trains the rest of its segment in the
+  best; the next epochs' jobs are told the choice (as a search's later jobs are), and a
+  layout is reverted on evidence only (a segment slower than apart beyond its noise, or two
+  slower in a row).
 
 The workloads are the other cross-model benchmarks' building blocks:
 
@@ -23,9 +25,10 @@ The workloads are the other cross-model benchmarks' building blocks:
 - ``frozen``: :mod:`frozen_prefix`'s frozen CNN trunk and five heads.
 
 It prints, per workload, each way's seconds, the layout auto chose, what measuring on
-copies cost, how many reverts the plans table recorded, and auto / best of (separate,
-merged), checks every model's final metrics against separate training (exact for CSE and
-batching on the CPU, rel 1e-4 fused), and writes ``benchmarks/out/auto-DEVICE.csv``
+copies cost (the alone profiles; fused on copies where it is not measured on the models),
+how many reverts the plans table recorded, and auto / best of (separate, merged), checks
+every model's final metrics against separate training (exact for CSE and batching on the
+CPU, rel 1e-4 where the first batches or the choice were fused), and writes ``benchmarks/out/auto-DEVICE.csv``
 and ``.png``. One torch thread unless ``--threads`` says otherwise.
 
 Example::

@@ -93,7 +93,10 @@ PER_MODEL_BOUND = 1.0
 # at least this share of their steps alone: measured 0.98-0.99 for 16 MLPs and 16 small CNNs
 # on a CPU (one backward over the summed losses saves N - 1 autograd calls, the proxies and
 # RNG switches add about as much). So CSE can gain at most the loader and this much on apart,
-# and a fused layout measured above that needs no CSE batch to win.
+# and a fused layout measured above that needs no CSE batch to win. Assumed on a GPU too
+# (unmeasured there), where fused same-shape models usually beat CSE by far more (6-7x for
+# 16 MLPs or small CNNs on an H100: benchmarks/README.md), and a fused segment slower than
+# apart is reverted all the same.
 CSE_FLOOR = 0.9
 # A choice measured fused-first stands on the alone profiles taken before the first batch
 # when it beats its rival (apart by the margin, CSE's bound) by this factor; closer, the
