@@ -402,3 +402,45 @@ def test_a_trial_failing_while_fused_first_leaves_and_the_others_train_on(tmp_pa
     events = [e for e in events if getattr(e, "trial_id", None) != "d"]
     alone = _mlp_tasks(tmp_path, "a-", frozen=False, trainer=g._ref("DIE"))
     _close_to_alone(events, tasks[:3], alone[:3])
+
+
+def test_fused_and_cse_bound_speedups_by_hand():
+    """Fused first: apart = 4 alone steps of 10 ms + 4 loads of 1 ms = 44 ms per batch;
+    fused 20 ms + one load -> 44 / 21; CSE at least CSE_FLOOR (0.9) of the alone steps plus
+    one load -> at most 44 / 37."""
+    import types
+
+    fake = types.SimpleNamespace(_alone_now=lambda: {t: 0.01 for t in "abcd"})
+    got = measuring.MeasuringGroup._fused_rivals(fake, {F: 0.02}, list("abcd"), 0.001)
+    assert got == {F: pytest.approx(0.044 / 0.021), C: pytest.approx(0.044 / 0.037)}
+    fake = types.SimpleNamespace(_alone_now=lambda: {"a": 0.01})  # apart unknown: measure CSE
+    assert measuring.MeasuringGroup._fused_rivals(fake, {F: 0.02}, list("ab"), 0.0) == {
+        C: float("inf")}
+
+
+@pytest.mark.parametrize("decisive", [1.0, 1e9])
+def test_a_fused_first_call_profiles_alone_again_only_when_close(tmp_path, monkeypatch,
+                                                                  decisive):
+    """Measured for real (nothing injected): one alone profile before the first batch (one
+    architecture), and a second next to the fused batches only when the call is within
+    DECISIVE of its rival (1: never close; 1e9: always). Whatever it chose, every metric is
+    separate training's within fused tolerance, and the choice says what it measured."""
+    calls = []
+    real = grouped.step_seconds
+    monkeypatch.setattr(grouped, "step_seconds", lambda trainer, run, batch: (
+        calls.append(run), real(trainer, run, batch))[1])
+    monkeypatch.setattr(measuring, "DECISIVE", decisive)
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=False)
+    meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list("abcd")}
+    events = g._run(Job("m", tasks, meta=meta))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    choice = unit["choice"]
+    assert "fused" in choice["steps_s"] and choice["measured_on"] == "first batches"
+    # fused decided on its own (CSE's bound kept), or CSE measured next (its bound won)
+    assert ("bounds" in choice) != ("cse" in choice["steps_s"])
+    profiles = 1 if decisive == 1.0 else 2
+    if "cse" in choice["steps_s"]:
+        profiles += 1  # the CSE decision profiles again next to its batches
+    assert len(calls) == profiles
+    _close_to_alone(events, tasks, _mlp_tasks(tmp_path, "a-", frozen=False))
