@@ -418,3 +418,46 @@ def test_a_cuda_out_of_memory_fails_only_its_trial_and_the_worker_trains_on(tmp_
         ["local-0"] * 3
     assert [e.step for e in second if isinstance(e, TrialResult)] == [1, 2]
     assert os.path.exists(tmp_path / "after-2.pt")
+
+
+
+def _metrics_close(got: dict, expected: dict, rel: float, trainer) -> None:
+    """Every metric within ``rel`` (and ATOL) of the reference; val_acc within one of the
+    trainer's validation images."""
+    validation = sum(len(y) for _, y in trainer.val_dataloader({}))
+    assert got.keys() == expected.keys()
+    for key, metrics in expected.items():
+        for name, value in metrics.items():
+            if name == "val_acc":
+                assert abs(got[key][name] - value) <= 1 / validation + 1e-9, (key, name)
+            else:
+                assert math.isclose(got[key][name], value, rel_tol=rel, abs_tol=ATOL), \
+                    (key, name, got[key][name], value)
+
+
+def test_one_architecture_measures_fused_first_on_the_gpu(tmp_path):
+    """Four MLPs of one architecture under ``fuse="auto"`` on the GPU: the first batches
+    train fused on the trials' own models (measured for real: fused decided against CSE's
+    bound, or CSE measured next), and every metric is training alone's within fused
+    tolerance (rel 1e-4; val_acc within one validation image). A weight-penalty trainer's
+    first fused step is undone and the segment trains in CSE (rtol 1e-5 on a GPU)."""
+    import test_fused_jobs
+    import test_measuring as m
+
+    tasks = m._mlp_tasks(tmp_path, "m-", frozen=False)
+    events, unit = m._measured_job(tasks)
+    assert isinstance(events[-1], JobFinished), events[-1]
+    choice = unit["choice"]
+    assert choice["device"].startswith("cuda") and "fused" in choice["steps_s"]
+    alone = grouped_jobs._alone(m._mlp_tasks(tmp_path, "a-", frozen=False))
+    _metrics_close(grouped_jobs._results(events), alone, 1e-4,
+                   WorkerContext().trainer(grouped_jobs.TRAINER))
+
+    def penalty(tag):
+        return m._mlp_tasks(tmp_path, tag, frozen=False, space="cnn_space", trainer=m.PENALTY)
+
+    events, unit = m._measured_job(penalty("p-"))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    assert unit["choice"]["fused_failed"].startswith("fused training failed on its first batch")
+    _metrics_close(grouped_jobs._results(events), grouped_jobs._alone(penalty("q-")), RTOL,
+                   test_fused_jobs.PENALTY)
