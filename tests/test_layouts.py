@@ -174,6 +174,25 @@ def test_a_search_of_same_architecture_mlps_ends_up_fused(tmp_path, probes):
     f._curves_close(o._curves(db), o._curves(off_db))  # fused: within rel 1e-4
 
 
+def test_a_real_search_of_one_architecture_measures_fused_first(tmp_path, capsys):
+    """Nothing injected: a search over the learning rate of one MLP under
+    ``optimize="auto"`` measures fused first on the first job's own models (whatever this
+    machine then chooses), ``retiarii status`` shows the choice, and every curve is the
+    unoptimized search's within fused tolerance."""
+    from retiarii import cli
+
+    off_db, off = _search(tmp_path, "off", mlp_space, InProcessExecutor(), optimize=False)
+    off.run()
+    db, exp = _search(tmp_path, "auto", mlp_space, InProcessExecutor())
+    exp.run()
+    units = [u for u in _units(db) if u.get("merged")]
+    first = units[0]["choice"]
+    assert first["measured_on"] == "first batches" and "fused" in first["steps_s"]
+    assert cli.main(["status", str(db)]) == 0  # the choice in force (a revert may move it)
+    assert f"layout cpu: {units[-1]['decision']['reason']}" in capsys.readouterr().out
+    f._curves_close(o._curves(db), o._curves(off_db))
+
+
 def test_small_cnns_measured_slower_fused_do_not_fuse(tmp_path, probes):
     probes.speedups = {F: 0.64, C: 1.3}
     off_db, off = _search(tmp_path, "off", cnn_space, InProcessExecutor(), optimize=False)
