@@ -283,6 +283,21 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu_and_back(tmp_path):
 # ---- 3. Grouped jobs on the GPU ---------------------------------------------------------------
 
 
+def _metrics_close(got: dict, expected: dict, rel: float, trainer) -> None:
+    """Every metric within ``rel`` (and ATOL) of the reference; val_acc within one of the
+    trainer's validation images."""
+    validation = sum(len(y) for _, y in trainer.val_dataloader({}))
+    assert got.keys() == expected.keys()
+    for key, metrics in expected.items():
+        assert got[key].keys() == metrics.keys(), key
+        for name, value in metrics.items():
+            if name == "val_acc":
+                assert abs(got[key][name] - value) <= 1 / validation + 1e-9, (key, name)
+            else:
+                assert math.isclose(got[key][name], value, rel_tol=rel, abs_tol=ATOL), \
+                    (key, name, got[key][name], value)
+
+
 def test_a_grouped_job_on_the_gpu_equals_each_task_alone(tmp_path):
     """Four tasks over the frozen conv trunk of tests/test_grouped_jobs.py (dropout and
     train-mode BatchNorm in the heads, cosine LR, two epochs): each trial's metrics and final
@@ -302,16 +317,7 @@ def test_a_grouped_job_on_the_gpu_equals_each_task_alone(tmp_path):
     assert [e.trial_id for e in events if isinstance(e, TrialCheckpointed)] == list(heads)
     got, expected = grouped_jobs._results(events), grouped_jobs._alone(alone)
     assert sorted(got) == sorted(expected) == sorted((t, s) for t in heads for s in (1, 2))
-    trainer = WorkerContext().trainer(grouped_jobs.TRAINER)
-    validation = sum(len(y) for _, y in trainer.val_dataloader({}))
-    for key, metrics in expected.items():
-        assert got[key].keys() == metrics.keys(), key
-        for name, value in metrics.items():
-            if name == "val_acc":
-                assert abs(got[key][name] - value) <= 1 / validation + 1e-9, (key, name)
-            else:
-                assert math.isclose(got[key][name], value, rel_tol=RTOL, abs_tol=ATOL), \
-                    (key, name, got[key][name], value)
+    _metrics_close(got, expected, RTOL, WorkerContext().trainer(grouped_jobs.TRAINER))
     for g, s in zip(grouped, alone):
         _close(ckpt.load(g.checkpoint_out), ckpt.load(s.checkpoint_out), exact=False,
                where=g.trial_id)
@@ -419,20 +425,6 @@ def test_a_cuda_out_of_memory_fails_only_its_trial_and_the_worker_trains_on(tmp_
     assert [e.step for e in second if isinstance(e, TrialResult)] == [1, 2]
     assert os.path.exists(tmp_path / "after-2.pt")
 
-
-
-def _metrics_close(got: dict, expected: dict, rel: float, trainer) -> None:
-    """Every metric within ``rel`` (and ATOL) of the reference; val_acc within one of the
-    trainer's validation images."""
-    validation = sum(len(y) for _, y in trainer.val_dataloader({}))
-    assert got.keys() == expected.keys()
-    for key, metrics in expected.items():
-        for name, value in metrics.items():
-            if name == "val_acc":
-                assert abs(got[key][name] - value) <= 1 / validation + 1e-9, (key, name)
-            else:
-                assert math.isclose(got[key][name], value, rel_tol=rel, abs_tol=ATOL), \
-                    (key, name, got[key][name], value)
 
 
 def test_one_architecture_measures_fused_first_on_the_gpu(tmp_path):
