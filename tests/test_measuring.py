@@ -444,3 +444,24 @@ def test_a_fused_first_call_profiles_alone_again_only_when_close(tmp_path, monke
         profiles += 1  # the CSE decision profiles again next to its batches
     assert len(calls) == profiles
     _close_to_alone(events, tasks, _mlp_tasks(tmp_path, "a-", frozen=False))
+
+
+@pytest.mark.parametrize("abort_real", [0.0, float("inf")])
+def test_a_fused_warm_up_far_slower_than_apart_gets_no_timed_batches_on_a_cpu(tmp_path,
+                                                                             monkeypatch,
+                                                                             abort_real):
+    """On a CPU a fused warm-up batch over ABORT_REAL times apart's batch ends fused's
+    measurement there (0: always over; inf: never); the GPU's own allowance for a first
+    fused step (ABORT_REAL_FUSED_GPU, 0 here: always over) does not apply on a CPU."""
+    timed = []
+
+    def fake(group, batch):
+        timed.append((len(group._warm[F]), len(group._times[F])))
+        return {F: 3.0, C: 1.5}
+
+    monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", fake)
+    monkeypatch.setattr(measuring, "ABORT_REAL", abort_real)
+    monkeypatch.setattr(measuring, "ABORT_REAL_FUSED_GPU", 0.0)
+    events, unit = _measured_job(_mlp_tasks(tmp_path, "m-", frozen=False))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    assert timed == [(1, 0) if abort_real == 0.0 else (1, measuring.TIMED)]

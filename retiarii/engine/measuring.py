@@ -71,7 +71,7 @@ from . import checkpoint as ckpt
 from .fused import fused_backward, fused_step, fused_unit
 from .grouped import TrainingGroup, _sync
 
-__all__ = ["ABORT_REAL", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
+__all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
            "MeasuringGroup", "PER_MODEL_BOUND", "TIMED"]
 
 # Timed batches per merged candidate, after one warm-up each (the least is kept: a machine's
@@ -80,6 +80,9 @@ TIMED = 2
 # A candidate whose warm-up batch takes over this many times apart's batch gets no timed
 # batches: a first step seldom costs more than twice a later one, so it could not win.
 ABORT_REAL = 2.0
+# The same for a fused warm-up batch on a GPU, whose first fused step also selects and
+# compiles the kernels of its grouped layers (as layouts.ABORT allows fused copies there).
+ABORT_REAL_FUSED_GPU = 4.0
 # The lower bound of apart must put the best merged layout this much over the margin to skip
 # the alone profiles (the shared part's time is itself measured, with noise).
 BOUND_SAFETY = 1.1
@@ -345,7 +348,9 @@ class MeasuringGroup(TrainingGroup):
         if not failed:  # a step with a failed trial measured fewer models
             (self._warm if warm else self._times)[layout].append(seconds)
         apart = self._apart_s()
-        if warm and apart is not None and seconds > ABORT_REAL * apart:
+        abort = (ABORT_REAL_FUSED_GPU if layout is Layout.FUSED and device.type != "cpu"
+                 else ABORT_REAL)
+        if warm and apart is not None and seconds > abort * apart:
             # far slower than apart at its warm-up: it cannot win; no timed batches for it
             rest = self._schedule[self._position + 1:]
             self._schedule = self._schedule[:self._position + 1] + [
