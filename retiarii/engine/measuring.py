@@ -204,7 +204,7 @@ class MeasuringGroup(TrainingGroup):
     def _build(self) -> nn.Module:
         """The module of the current layout and runs. Fused before the first fused batch is
         due: nothing yet (the alone profiles copy the models unfused first); fusing that
-        fails leaves the layout for the first merged one (:meth:`_fusion_failed`)."""
+        fails goes back to the merged layout it left, or the first (:meth:`_fusion_failed`)."""
         if self._layout is Layout.FUSED:
             if not getattr(self, "_schedule", None):  # constructing: fused when first used
                 return nn.Module()
@@ -264,8 +264,8 @@ class MeasuringGroup(TrainingGroup):
         self._fopt, self._guard, self._built = None, None, False
 
     def _fusion_failed(self, why: str) -> None:
-        """Fusing these runs failed: fused is no candidate any more; the layout goes to the
-        first merged one (measured next, when fused was first)."""
+        """Fusing these runs failed: fused is no candidate any more; the layout goes back to
+        the merged one it left, or the first (measured next, when fused was first)."""
         self.choice["fused_failed"] = why[:300]
         self._fopt, self._guard = None, None
         self._layout, self._built = self._fallback, False
