@@ -311,7 +311,7 @@ def test_bad_fuse_argument_is_refused():
 
 
 class PenaltyTrainer(_g.ClassifierTrainer):
-    """Adds a weight penalty read from ``model.parameters()``: not fusable."""
+    """Adds a weight penalty read from ``model.parameters()`` (outside the fused forward)."""
 
     def training_step(self, model, batch, hparams):
         loss = super().training_step(model, batch, hparams)
@@ -321,13 +321,21 @@ class PenaltyTrainer(_g.ClassifierTrainer):
 PENALTY = PenaltyTrainer(batch_size=128, epochs=2)
 
 
-def test_a_trainer_using_the_parameters_fails_the_fused_unit_loudly(tmp_path):
-    tasks = [_g._task(t, tmp_path, head="drop", seed=SEED[t], trainer=_g._ref("PENALTY")
-                      .replace("test_grouped_jobs", "test_fused_jobs"), hparams=HP[t])
-             for t in "ad"]
-    events = _g._run(_job(tasks))
-    end = events[-1]
-    assert isinstance(end, JobFailed) and end.trial_id is None
-    assert {t for t, _, _ in end.failures} == {"a", "d"}
-    assert len({e for _, _, e in end.failures}) == 1 and "fuse=False" in end.error
-    assert isinstance(_g._run(_job(tasks, fuse=False))[-1], JobFinished)
+def test_a_trainer_with_a_weight_penalty_trains_fused_as_alone(tmp_path):
+    """The penalty's gradients reach the models' own parameters, outside the fused forward:
+    they are added to the fused step's (``FusedOptimizer.fold_grads``), and every metric and
+    checkpoint is training alone's within the fused tolerance."""
+    trainer = _g._ref("PENALTY").replace("test_grouped_jobs", "test_fused_jobs")
+
+    def tasks(tag):
+        return [_g._task(t, tmp_path, head="drop", seed=SEED[t], trainer=trainer, tag=tag,
+                         hparams=HP[t]) for t in "ad"]
+
+    fused = tasks("f-")
+    units = _units(_job(fused), fused, {t.trial_id: _g._open(t) for t in fused}, WorkerContext())
+    assert [type(u) for u in units] == [FusedGroup]
+    events = _g._run(_job(fused))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    alone = tasks("s-")
+    _same_metrics(_g._results(events), _g._alone(alone))
+    _checkpoints_close(fused, alone)

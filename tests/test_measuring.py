@@ -355,16 +355,17 @@ def test_a_fused_choice_that_cannot_fuse_here_goes_on_in_cse_bit_for_bit(tmp_pat
         assert g._same_checkpoint(m.checkpoint_out, a.checkpoint_out), m.trial_id
 
 
-PENALTY = f"{os.path.dirname(os.path.abspath(__file__))}/test_fused_jobs.py:PENALTY"
-
-
+@pytest.mark.parametrize("where", ["forward", "backward"])
 def test_a_first_fused_step_that_fails_every_trial_is_undone_and_run_again(tmp_path,
-                                                                            monkeypatch):
-    """A trainer whose ``training_step`` reads the parameters (a weight penalty) cannot train
-    fused: the first fused step fails for every trial before the fused optimizer steps. It is
-    undone (weights, BatchNorm statistics, optimizer state, RNG streams as before it) and the
-    batch trains again in CSE; fused is no candidate any more. Every metric and checkpoint
-    then equals separate training bit for bit: nothing of the fused attempt is left."""
+                                                                            monkeypatch, where):
+    """The first fused step fails for every trial before the fused optimizer steps (made to
+    here: the fused forward raises, or the joint backward raises after it ran, BatchNorm
+    statistics and gradients already written, as running out of memory fused would). It
+    is undone (weights, BatchNorm statistics, optimizer state, RNG streams as before it)
+    and the batch trains again in CSE; fused is no candidate any more. Every metric and
+    checkpoint then equals separate training bit for bit: nothing of the attempt is left."""
+    from retiarii.optim import fusion
+
     calls = []
     real = measuring.MeasuringGroup._speedups
 
@@ -372,16 +373,29 @@ def test_a_first_fused_step_that_fails_every_trial_is_undone_and_run_again(tmp_p
         calls.append(set(group._stepped))
         return real(group, batch)
 
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("simulated: out of memory in the fused forward")
+
+    def backward(fopt, losses):
+        backward_for_real(fopt, losses)
+        raise RuntimeError("simulated: out of memory in the joint backward")
+
+    backward_for_real = measuring.fused_backward
     monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", spy)
-    tasks = _mlp_tasks(tmp_path, "m-", frozen=False, space="cnn_space", trainer=PENALTY)
+    if where == "forward":
+        monkeypatch.setattr(fusion.FusedModel, "forward", forward)
+    else:
+        monkeypatch.setattr(measuring, "fused_backward", backward)
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=False, space="cnn_space")
     events, unit = _measured_job(tasks)
     assert isinstance(events[-1], JobFinished), events[-1]
     choice = unit["choice"]
     assert choice["fused_failed"].startswith("fused training failed on its first batch")
-    assert "outside its forward" in choice["fused_failed"]
+    assert f"out of memory in the {'fused forward' if where == 'forward' else 'joint'}" in \
+        choice["fused_failed"]
     assert "fused" not in choice["speedups"] and choice["skipped"].startswith("fused not measured")
     assert calls == [{C}] and unit["layout"] in ("cse", "separate")
-    alone = _mlp_tasks(tmp_path, "a-", frozen=False, space="cnn_space", trainer=PENALTY)
+    alone = _mlp_tasks(tmp_path, "a-", frozen=False, space="cnn_space")
     assert g._results(events) == g._alone(alone)  # exact floats
     for m, a in zip(tasks, alone):
         assert g._same_checkpoint(m.checkpoint_out, a.checkpoint_out), m.trial_id

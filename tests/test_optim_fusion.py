@@ -327,6 +327,43 @@ def test_loading_a_checkpoint_into_a_fused_model(tmp_path):
         _same_state(fopt.state_dict_of(k), aopts[k].state_dict(), f"optimizer {k}")
 
 
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_a_weight_penalty_outside_the_forward_is_folded_into_the_fused_gradients(kind):
+    """A loss term that reads each model's own parameters (an L2 penalty over
+    ``model.parameters()``) gives them gradients outside the fused forward:
+    ``FusedOptimizer.fold_grads`` adds them to the models' slices, so every stacked
+    gradient equals the model's gradient alone (forward and penalty summed) within RTOL."""
+    models = _models(kind)
+    alone = copy.deepcopy(models)
+    x, y = next(_batches(kind, 1))
+    expected = []
+    for model in alone:
+        model.train()
+        penalty = 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        (F.cross_entropy(model(x), y) + penalty).backward()
+        expected.append({n: p.grad for n, p in model.named_parameters()})
+    fused = fuse_models(models)
+    opt = FusedOptimizer(fused, [_optimizer("sgd", m, k) for k, m in enumerate(models)])
+    fused.train()
+    out = fused(x)
+    loss = sum(F.cross_entropy(out[k], y) + 1e-3 * sum(p.pow(2).sum() for p in m.parameters())
+               for k, m in enumerate(models))
+    loss.backward()
+    assert any(p.grad is not None for m in models for p in m.parameters())  # outside the forward
+    assert opt.fold_grads() and not opt.fold_grads()  # folded once, then nothing left
+    names = [{id(p): n for n, p in m.named_parameters()} for m in models]
+    checked = 0
+    for stacked, slices in fused.slices:
+        if not stacked.requires_grad:
+            continue
+        for k, p in enumerate(slices):
+            torch.testing.assert_close(stacked.grad[k], expected[k][names[k][id(p)]],
+                                       rtol=RTOL, atol=ATOL)
+            checked += 1
+    assert checked == sum(1 for m in models for p in m.parameters() if p.requires_grad)
+    assert all(p.grad is None for m in models for p in m.parameters())
+
+
 def test_no_scheduler_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..optim import FusedOptimizer, fuse_models, fusion_key, unfuse
 from .grouped import TrainingGroup
-from .trial_run import TrainingError, TrialRun
+from .trial_run import TrialRun
 
 __all__ = ["FusedGroup", "fusable_sets", "fused_backward", "fused_step", "fused_unit"]
 
@@ -136,7 +136,7 @@ class FusedGroup(TrainingGroup):
         after it."""
         if self._fopt is None:
             return super()._optimize(losses)
-        fused_backward(self._fopt, self.runs, losses)
+        fused_backward(self._fopt, losses)
         return fused_step(self._fopt, self.runs, losses)
 
 
@@ -165,21 +165,16 @@ def fused_unit(runs: Mapping[str, TrialRun]) -> tuple[nn.Module, FusedOptimizer 
     return _Fused(fused, list(runs)), fopt
 
 
-def fused_backward(fopt: FusedOptimizer, runs: Mapping[str, TrialRun],
-                   losses: Mapping[str, torch.Tensor]) -> None:
-    """Backward over the sum of ``losses`` into the stacked parameters (nothing is stepped).
-
-    Raises:
-        TrainingError: ``training_step`` used the models' parameters outside their forward
-            (one error for the whole unit: the runner then reruns its trials alone)."""
+def fused_backward(fopt: FusedOptimizer, losses: Mapping[str, torch.Tensor]) -> None:
+    """Backward over the sum of ``losses`` into the stacked parameters (nothing is stepped);
+    the gradients a ``training_step`` gave the models' own parameters outside their forward
+    (a weight penalty) are added to their slices (:meth:`~retiarii.optim.FusedOptimizer.
+    fold_grads`), as training each model alone sums them."""
     fopt.zero_grad()
     if losses:
         # Model k's output depends only on slice k: loss k alone gives slice k its gradient.
         sum(losses.values()).backward()
-    if any(p.grad is not None for t in losses for p in runs[t].model.parameters()):
-        raise TrainingError("training_step used the model's parameters outside its forward "
-                            "(a weight penalty, say): their gradients never reach a fused "
-                            "step; run this trainer with fuse=False")
+    fopt.fold_grads()
 
 
 def fused_step(fopt: FusedOptimizer, runs: Mapping[str, TrialRun],

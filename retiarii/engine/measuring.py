@@ -17,8 +17,8 @@ built, else the models are unfused and CSE is measured on the next batches. Such
 first batches train fused: its values are separate training's within the fused tolerance
 whatever the choice (what ``fuse="auto"`` admits; ``fuse=False`` keeps them bit for bit).
 Its first fused step is guarded: when every trial fails in it before the fused optimizer
-steps (a forward that cannot run fused; a ``training_step`` reading the parameters), it is
-undone exactly (fusing gave the models new storage and left the old untouched: weights,
+steps (a forward or backward that cannot run fused: out of memory for K models at once,
+say), it is undone exactly (fusing gave the models new storage and left the old untouched: weights,
 BatchNorm statistics and optimizer state come back from it, RNG streams from their saved
 states) and the batch trains again in CSE; fused is then no candidate.
 
@@ -277,7 +277,7 @@ class MeasuringGroup(TrainingGroup):
 
     def _undo_fused_step(self) -> None:
         """The first fused step failed for every trial (fusion's failure, not theirs: a
-        forward fused cannot run, a ``training_step`` reading the parameters): every model,
+        forward or backward that cannot run fused, out of memory, say): every model,
         optimizer and RNG stream back to before it (their storage from before fusing:
         nothing fused ever wrote to it), so the batch runs again in another layout."""
         guard = self._guard
@@ -312,7 +312,7 @@ class MeasuringGroup(TrainingGroup):
             return super()._optimize(losses)
         if not losses:
             return {}
-        fused_backward(self._fopt, self.runs, losses)
+        fused_backward(self._fopt, losses)
         self._moved = True
         return fused_step(self._fopt, self.runs, losses)
 

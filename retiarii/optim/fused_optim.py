@@ -175,6 +175,33 @@ class FusedOptimizer:
                     stacked.grad.zero_()
 
     @torch.no_grad()
+    def fold_grads(self) -> bool:
+        """Add the gradients that reached the models' own parameters into their slices of the
+        stacked gradients, and clear them; whether there were any. A loss term that reads a
+        model's parameters outside the fused forward (a weight penalty over
+        ``model.parameters()``) gives its gradient to model k's parameter, a view of slice k
+        that the fused step never reads; the sum is what training model k alone
+        accumulates (in another order: rounding differs). Call it after ``backward`` and
+        before :meth:`step`.
+
+        Example::
+
+            loss = sum(F.cross_entropy(out[k], y) + 1e-4 * sum(p.pow(2).sum()
+                       for p in models[k].parameters()) for k in range(K))
+            loss.backward(); opt.fold_grads(); opt.step()
+        """
+        folded = False
+        for (stacked, _), slices in zip(self.params, self._slices):
+            for k, p in enumerate(slices):
+                if p.grad is None:
+                    continue
+                if stacked.grad is None:
+                    stacked.grad = torch.zeros_like(stacked)
+                stacked.grad[k].add_(p.grad)
+                p.grad, folded = None, True
+        return folded
+
+    @torch.no_grad()
     def step(self) -> None:
         """One step of every model, each with its optimizer's current settings."""
         for (param, groups), entry, slices in zip(self.params, self.state, self._slices):
