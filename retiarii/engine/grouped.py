@@ -326,18 +326,13 @@ class TrainingGroup:
             self._modes_of = self._group
         return self._mode_modules
 
-    def train_epoch(self, carry: Mapping[str, list] | None = None
-                    ) -> dict[str, dict[str, float] | Exception]:
+    def train_epoch(self) -> dict[str, dict[str, float] | Exception]:
         """One epoch of every trial (what ``TrialRun.train_epoch`` does for each alone):
-        trial -> its metrics, or the exception that failed it (it has left the group).
-        ``carry``: per trial, ``[loss total, examples]`` of this epoch's batches already
-        trained elsewhere in this process (another layout of the same job: measuring.py),
-        accumulated as here; None: from 0."""
+        trial -> its metrics, or the exception that failed it (it has left the group)."""
         outcome: dict[str, dict[str, float] | Exception] = {}
         first = next(iter(self.runs.values()))
         self._set_training(True)
-        sums = {t: list(carry[t]) if carry and t in carry else
-                [torch.zeros((), device=r.device), 0] for t, r in self.runs.items()}
+        sums = {t: [torch.zeros((), device=r.device), 0] for t, r in self.runs.items()}
         # The data key promises the batches do not depend on the trial or its RNG streams.
         batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
         if first.batch:  # resuming mid-epoch: every run is at the same position

@@ -109,8 +109,7 @@ class GroupedJobs:
             # layouts not measured because their upper bound lost (measuring.py, fused first)
             bounds = choice.get("bounds") if choice.get("probed") else (held or {}).get("bounds")
             ranked = choose_layout({Layout(k): v for k, v in speedups.items()}, reverted)
-            reason = (describe(ranked.layout, ranked.speedups, reverted, bounds) if bounds
-                      else ranked.reason)
+            reason = describe(ranked.layout, ranked.speedups, reverted, bounds)
             strikes = {k: v for k, v in strikes.items() if v}
             counted_now = ", ".join(f"{k} {v}" for k, v in sorted(strikes.items()))
             self.layouts.setdefault(key, {})[device] = {

@@ -169,6 +169,7 @@ class MeasuringGroup(TrainingGroup):
         self._plan_first = first
         self._fallback = first  # where a fused layout that cannot fuse goes instead
         self._modules: dict[Layout, Any] = {}  # merged layout -> its module, once built
+        self._schedule: list[Layout] = []  # set below (empty: constructing)
         super().__init__(self._plans[first], runs, trainer, profile=[])
         if not self.fuse_first:
             self._modules[first] = self._group
@@ -206,29 +207,39 @@ class MeasuringGroup(TrainingGroup):
         due: nothing yet (the alone profiles copy the models unfused first); fusing that
         fails goes back to the merged layout it left, or the first (:meth:`_fusion_failed`)."""
         if self._layout is Layout.FUSED:
-            if not getattr(self, "_schedule", None):  # constructing: fused when first used
+            if not self._schedule:  # constructing: fused when first used
                 return nn.Module()
-            self._built = True
-            tensors = [(t, t.data) for run in self.runs.values()
-                       for t in itertools.chain(run.model.parameters(), run.model.buffers())]
-            states = [(run.optimizer, dict(run.optimizer.state)) for run in self.runs.values()]
-            for tensor, _ in tensors:  # a merged step's gradients: each step sets its own
-                tensor.grad = None
-            try:
-                module, self._fopt = fused_unit(self.runs)
-            except Exception as err:  # noqa: BLE001 (fused_unit gave their storage back)
-                self._fusion_failed(f"fusing failed here ({err})")
-                if self._modules.get(self._layout) is not None:
-                    self._built = True
-                    return self._modules[self._layout]
-            else:
-                if not self._fused_ok:  # fusing only swapped their storage: undoable
-                    self._guard = {"tensors": tensors, "states": states}
+            module = self._build_fused()
+            if module is not None:
                 return module
+            if self._modules.get(self._layout) is not None:  # fell back to a built one
+                self._built = True
+                return self._modules[self._layout]
         self._fopt = None
         self._built = self._layout is not Layout.SEPARATE
         plan = self._plans[self._layout] if self._layout in self._plans else self._plan
         return build_group(plan.restrict(self.runs), {t: r.model for t, r in self.runs.items()})
+
+    def _build_fused(self) -> nn.Module | None:
+        """The runs fused, or None when they cannot fuse (:meth:`_fusion_failed`). Before
+        the first fused step of these runs, what fusing replaces is kept for
+        :meth:`_undo_fused_step`: fusing gives the models new storage and leaves the old
+        untouched, so keeping the old tensors (and optimizer state entries) costs no copy."""
+        tensors = [(t, t.data) for run in self.runs.values()
+                   for t in itertools.chain(run.model.parameters(), run.model.buffers())]
+        for tensor, _ in tensors:  # a merged step's gradients: each step sets its own
+            tensor.grad = None
+        states = [] if self._fused_ok else [(run.optimizer, dict(run.optimizer.state))
+                                            for run in self.runs.values()]
+        try:
+            module, self._fopt = fused_unit(self.runs)
+        except Exception as err:  # noqa: BLE001 (fused_unit gave their storage back)
+            self._fusion_failed(f"fusing failed here ({err})")
+            return None
+        self._built = True
+        if not self._fused_ok:
+            self._guard = {"tensors": tensors, "states": states}
+        return module
 
     def _use(self, layout: Layout) -> None:
         """Train the next batches in ``layout`` (its module built over the current runs);
@@ -577,20 +588,16 @@ class MeasuringGroup(TrainingGroup):
         times the models' steps alone: they share nothing frozen), which :meth:`_decide`
         measures when it ranks first. The alone profiles taken before the first batch are
         taken again next to these batches only when the call is close (within
-        :data:`DECISIVE` of its rival)."""
-        outer = ckpt.native_rng()
-        try:
-            early = dict(self._alone_s)
-            if len(self._alone_now()) < len(ids):
-                self._reprofile(batch, early)
-                early = {}
+        :data:`DECISIVE` of its rival). (The profiles restore the RNG streams themselves.)"""
+        early = dict(self._alone_s)
+        if len(self._alone_now()) < len(ids):
+            self._reprofile(batch, early)
+            early = {}
+        out = self._fused_rivals(steps, ids, load)
+        rival = max(MARGIN, out.get(Layout.CSE, 0.0))
+        if early and Layout.FUSED in out and rival / DECISIVE < out[Layout.FUSED] < rival * DECISIVE:
+            self._reprofile(batch, early)
             out = self._fused_rivals(steps, ids, load)
-            rival = max(MARGIN, out.get(Layout.CSE, 0.0))
-            if early and Layout.FUSED in out and rival / DECISIVE < out[Layout.FUSED] < rival * DECISIVE:
-                self._reprofile(batch, early)
-                out = self._fused_rivals(steps, ids, load)
-        finally:
-            ckpt.set_native_rng(outer)
         self.choice["steps_s"] = {k.value: v for k, v in steps.items()}
         return out
 
