@@ -14,6 +14,8 @@ from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
 from .modspec import leaf
 from .mutator import MutationError, Mutator, apply_mutator
+from .optim.config import OptimizeConfig
+from .optim.passes import Pass, register_pass
 from .sampler import SampleError
 from .shapes import ShapeMismatchError
 from .space import Model, ModelSpace, SpaceError
@@ -23,6 +25,8 @@ __version__ = "0.1.0"
 
 __all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "FrozenBatchNorm",
            "Graph", "GraphError", "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
-           "MutationError", "Mutator", "Node", "Operation", "Pattern", "Repeat", "SampleError",
+           "MutationError", "Mutator", "Node", "Operation", "OptimizeConfig", "Pass", "Pattern",
+           "Repeat", "SampleError",
            "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
-           "apply_mutator", "engine", "freeze", "leaf", "mutators", "nn", "ops", "strategies", "trace"]
+           "apply_mutator", "engine", "freeze", "leaf", "mutators", "nn", "ops", "register_pass",
+           "strategies", "trace"]

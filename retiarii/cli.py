@@ -23,6 +23,7 @@ from .cli_common import CliError, _Progress, _open, _positive, _print_best
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
 from .cli_inspect import _optimization_line  # noqa: F401 (tests import it from here)
 from .cli_one_shot import ONE_SHOT
+from .optim.passes import parse_settings
 
 __all__ = ["CliError", "main", "parser"]
 
@@ -169,6 +170,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       # left out (None): "auto" under --optimize auto, else off
                       fuse=_OPTIMIZE[flags["fuse"]] if flags.get("fuse") else None,
                       batching=_OPTIMIZE[flags["batching"]] if flags.get("batching") else None,
+                      passes=_passes(flags.get("passes")),
                       progress=_Progress(max_models),
                       weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
@@ -176,6 +178,17 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
 
 
 _OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize, --fuse: Experiment(...)
+
+
+def _passes(text: str | None) -> dict | None:
+    """``--passes batching=auto,mine=on`` -> the Experiment's ``passes`` (refused naming the
+    registered passes when a name or setting is unknown)."""
+    if not text:
+        return None
+    try:
+        return parse_settings(text)
+    except Exception as err:  # noqa: BLE001 (PlanError or ValueError: the message says why)
+        raise CliError(f"--passes {text!r}: {err}") from None
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -192,7 +205,7 @@ def cmd_run(args) -> int:
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
-             "batching": args.batching, "packing": args.packing,
+             "batching": args.batching, "passes": args.passes, "packing": args.packing,
              "device_memory": args.device_memory, "shared": args.shared}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
@@ -295,6 +308,10 @@ def parser() -> argparse.ArgumentParser:
                           "on their inputs concatenated, when measured faster (auto: the default "
                           "under --optimize auto), always (on), or never (off; the default under "
                           "--optimize on): see docs/optimization.md")
+    run.add_argument("--passes", default=None, metavar="NAME=SETTING,...",
+                     help="with --optimize: settings of the optional plan passes, each on, off "
+                          "or auto (e.g. batching=auto,mypass=on; a pass registered by a module "
+                          "the space file imports): see docs/optimization.md, 'Adding a pass'")
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")

@@ -13,6 +13,7 @@ from retiarii.engine.executors.base import Job, JobFailed, JobFinished, JobProfi
 from retiarii.engine.grouped import plan_group
 from retiarii.engine.worker import WorkerContext, _units
 from retiarii.optim import build_group
+from retiarii.engine.job_contract import GroupOrder
 
 
 def _group_module():
@@ -62,7 +63,7 @@ def test_a_dedicated_group_trains_exactly_as_the_group_without_it(tmp_path, devi
     events = g._run(Job("p", plain, meta={"group": True}))
     assert isinstance(events[-1], JobFinished)
     tasks = [g._task(t, tmp_path, tag="d-") for t in "abc"]
-    meta = {"group": True, "dedicated": ["conv"], "dedicated_device": device, "profile": []}
+    meta = {"group": GroupOrder(dedicated=("conv",), dedicated_device=device, profile=())}
     units = _units(Job("d", tasks, meta=meta), tasks, {t.trial_id: g._open(t) for t in tasks},
                    WorkerContext())
     assert [type(u) for u in units] == [DedicatedGroup] and units[0].dedicated == ["conv"]
@@ -82,8 +83,8 @@ def test_a_trial_failing_mid_epoch_rebuilds_the_dedicated_group_and_the_others_a
     tasks = [g._task(t, tmp_path, trainer=g._ref("DIE"), tag="d-",
                      hparams={"die_at": 5, "tag": "dedicated-b"} if t == "b" else None)
              for t in "abc"]
-    events = g._run(Job("d", tasks, meta={"group": True, "dedicated": ["conv"],
-                                          "dedicated_device": "thread"}))
+    events = g._run(Job("d", tasks, meta={"group": GroupOrder(dedicated=("conv",),
+                                                              dedicated_device="thread")}))
     end = events[-1]
     assert isinstance(end, JobFailed) and end.trial_id == "b" and "boom" in end.error
     alone = [g._task(t, tmp_path, trainer=g._ref("DIE"), tag="s-") for t in "ac"]
@@ -97,15 +98,15 @@ def test_every_trial_failing_mid_epoch_ends_the_job_at_once(tmp_path):
     g.DieTrainer.calls.clear()
     tasks = [g._task(t, tmp_path, trainer=g._ref("DIE"), tag="x-",
                      hparams={"die_at": 4, "tag": f"all-{t}"}) for t in "ab"]
-    events = g._run(Job("x", tasks, meta={"group": True, "dedicated": ["conv"],
-                                          "dedicated_device": "thread"}))
+    events = g._run(Job("x", tasks, meta={"group": GroupOrder(dedicated=("conv",),
+                                                              dedicated_device="thread")}))
     end = events[-1]
     assert isinstance(end, JobFailed) and "boom" in end.error and end.trial_id is None
 
 
 def test_a_group_whose_shared_cell_holds_no_dedicated_module_trains_as_before(tmp_path):
     tasks = [g._task(t, tmp_path, tag="n-") for t in "ab"]
-    units = _units(Job("n", tasks, meta={"group": True, "dedicated": ["encoder"]}), tasks,
+    units = _units(Job("n", tasks, meta={"group": GroupOrder(dedicated=("encoder",))}), tasks,
                    {t.trial_id: g._open(t) for t in tasks}, WorkerContext())
     assert units[0].dedicated == [] and units[0]._worker is None
     units[0].drop(units[0].trials)

@@ -12,6 +12,7 @@ from retiarii.engine.executors.base import Job, JobFailed, JobFinished, TrialChe
 from retiarii.engine.fused import FusedGroup, fusable_sets
 from retiarii.engine.grouped import TrainingGroup
 from retiarii.engine.worker import WorkerContext, _units
+from retiarii.engine.job_contract import GroupOrder, HeldLayout
 
 import test_grouped_jobs as _g
 
@@ -29,7 +30,7 @@ def _task(trial, tmp, opt="adam", tag="", **kw):
 
 
 def _job(tasks, fuse=True, **meta):
-    return Job("f", tasks, meta={"group": True, "fuse": fuse, **meta})
+    return Job("f", tasks, meta={"group": GroupOrder(fuse=fuse, **meta)})
 
 
 def _close(a, b, what):
@@ -164,7 +165,7 @@ def test_fuse_off_and_unfused_trials_group_as_before(tmp_path):
     assert [type(u) for u in _units(_job(tasks, fuse=False), tasks, runs, WorkerContext())] \
         == [TrainingGroup]
     runs = {t.trial_id: _g._open(t) for t in tasks}  # fresh: the group above adopted modules
-    units = _units(_job(tasks, unfused=["d"]), tasks, runs, WorkerContext())
+    units = _units(_job(tasks, unfused=("d",)), tasks, runs, WorkerContext())
     assert [type(u).__name__ for u in units] == ["FusedGroup", "_Alone"]
     assert units[1].trials == ("d",)
     assert units[0].trials == ("a", "e")
@@ -177,8 +178,8 @@ def test_fuse_off_and_unfused_trials_group_as_before(tmp_path):
 def test_fused_report_is_measured(tmp_path):
     tasks = [_task(t, tmp_path) for t in "ade"]
     # the layout chosen already (no probe: its timing would decide between fused and apart)
-    chosen = {"cpu": {"order": ["fused", "cse", "separate"]}}
-    events = _g._run(_job(tasks, fuse="auto", profile=["a", "d", "e"], layouts=chosen))
+    chosen = {"cpu": HeldLayout(order=("fused", "cse", "separate"))}
+    events = _g._run(_job(tasks, fuse="auto", profile=("a", "d", "e"), layouts=chosen))
     from retiarii.engine.executors.base import JobProfiled
 
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
@@ -212,7 +213,7 @@ def test_a_fused_search_trains_the_same_models_to_the_same_results(tmp_path):
     ex = o.Recording()
     on_db, exp = o._run(tmp_path, "on", executor=ex, optimize=True, fuse=True)
     _curves_close(o._curves(on_db), o._curves(off_db))
-    assert all(j.meta.get("fuse") is True for j in ex.submitted if j.meta.get("group"))
+    assert all(j.meta["group"].fuse is True for j in ex.submitted if j.meta.get("group"))
     rows = o._plans(on_db)
     fused = _fused_units(rows)
     assert fused and all(len(u["trials"]) >= 2 for u in fused)  # the plans table shows them
@@ -278,7 +279,7 @@ def test_fusion_measured_slower_is_reverted(tmp_path, fused_chosen):
     gone = {t for u in reverted for t in u["trials"]}
     assert exp.runner.unfused == gone
     later = ex.submitted[[j.job_id for j in ex.submitted].index(first["job_id"]) + 1:]
-    assert later and all(set(j.meta.get("unfused", ())) == gone & {t.trial_id for t in j.tasks}
+    assert later and all(set(j.meta["group"].unfused) == gone & {t.trial_id for t in j.tasks}
                          for j in later if j.meta.get("group"))
     # never fused again, and read back on a resume
     assert not any(u.get("fused") for r in rows[rows.index(first) + 1:] for u in r["units"]

@@ -16,6 +16,7 @@ from retiarii.engine.executors.local import LocalExecutor
 from retiarii.engine.grouped import GroupCandidate, TrainingGroup, group_tasks, plan_group
 from retiarii.engine.trainer import ClassifierTrainer
 from retiarii.engine.worker import WorkerContext, _units, run_job
+from retiarii.engine.job_contract import GroupOrder
 
 import test_optim_build as _optim_build
 
@@ -310,11 +311,11 @@ def test_a_grouped_job_with_batched_frozen_layers_equals_each_task_alone(tmp_pat
     plan = plan_group({t: ADAPTERS.replay(dict(g.spec["sample"])) for t, g in zip(samples, grouped)},
                       "d", {t: {} for t in samples}, batch_ops=True)
     assert {plan.nodes[k].name for b in plan.batches for _, k in b} == {"convs.1", "act@1", "pool"}
-    units = _units(Job("g", grouped, meta={"group": True, "batching": True}), grouped,
+    units = _units(Job("g", grouped, meta={"group": GroupOrder(passes={"batching": True})}), grouped,
                    {t.trial_id: _open(t) for t in grouped}, WorkerContext())
     assert [type(u) for u in units] == [TrainingGroup] and units[0].trials == tuple(samples)
     assert units[0]._plan.batches  # the job asked for the batching pass
-    events = _run(Job("g", grouped, meta={"group": True, "batching": True}))
+    events = _run(Job("g", grouped, meta={"group": GroupOrder(passes={"batching": True})}))
     assert isinstance(events[-1], JobFinished)
     alone = [task(t, "s-") for t in samples]
     assert _results(events) == _alone(alone)  # exact floats

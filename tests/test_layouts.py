@@ -18,6 +18,7 @@ from retiarii.engine.executors.base import JobFailed, JobFinished, JobProfiled, 
 from retiarii.engine.plans import PlanTable
 from retiarii.engine.store import Store
 from retiarii.optim.cost import Layout, choose_layout, describe, probe_speedups
+from retiarii.engine.job_contract import GroupOrder, HeldLayout
 
 import test_fused_jobs as f
 import test_optimize as o
@@ -156,10 +157,10 @@ def test_a_search_of_same_architecture_mlps_ends_up_fused(tmp_path, probes):
     db, exp = _search(tmp_path, "auto", mlp_space, ex)  # optimize="auto": fuse="auto"
     exp.run()
     grouped = [j for j in ex.submitted if j.meta.get("group")]
-    assert grouped and all(j.meta["fuse"] == "auto" for j in grouped)
+    assert grouped and all(j.meta["group"].fuse == "auto" for j in grouped)
     assert probes.calls == 1  # the first job measured; the others were told
     assert "layouts" not in grouped[0].meta
-    assert all(j.meta["layouts"]["cpu"]["order"][0] == "fused" for j in grouped[1:])
+    assert all(j.meta["group"].layouts["cpu"].order[0] == "fused" for j in grouped[1:])
     units = [u for u in _units(db) if u.get("merged")]
     # the first job measures fused first on its real batches (one architecture, nothing
     # frozen shared), fused ahead of CSE's bound: fused on from its first batch, CSE never
@@ -234,7 +235,7 @@ def test_a_layout_measured_slower_over_a_segment_is_reverted(tmp_path, probes):
     assert first["layout"] == "cse" and first["decision"]["reverted"] == ["cse"]
     assert first["decision"]["order"][0] == "fused" and "beyond the noise" in first["verdict"]
     later = [j for j in ex.submitted[1:] if j.meta.get("group")]
-    assert all(j.meta["layouts"]["cpu"]["order"][0] == "fused" for j in later)
+    assert all(j.meta["group"].layouts["cpu"].order[0] == "fused" for j in later)
     assert probes.calls == 2  # fused first, then CSE (its bound ranked first): one job
 
 
@@ -252,13 +253,13 @@ def test_a_resumed_search_reuses_the_choices_without_measuring(tmp_path, probes)
     with Store(db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         (key, devices), = PlanTable(store).layout_decisions().items()
-    assert devices["cpu"]["order"][0] == "fused"
+    assert devices["cpu"].order[0] == "fused"
     ex.submitted.clear()
     ex.stop_after, ex.done = None, 0
     _, again = exp()
     again.resume()
     grouped = [j for j in ex.submitted if j.meta.get("group")]
-    assert grouped and all(j.meta["layouts"]["cpu"]["order"][0] == "fused" for j in grouped)
+    assert grouped and all(j.meta["group"].layouts["cpu"].order[0] == "fused" for j in grouped)
     assert probes.calls == 1  # not measured again
     assert all(u.get("fused") for u in _units(db)[1:] if u.get("merged"))  # after the first
 
@@ -281,7 +282,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     monkeypatch.setattr(layouts, "ABORT_CPU", float("inf"))
     monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 0.0)  # fusion measured, even for these
     probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
-    meta = {"group": True, "fuse": "auto", "batching": "auto", "profile": list("adeb")}
+    meta = {"group": GroupOrder(fuse="auto", passes={"batching": "auto"}, profile=tuple("adeb"))}
     events = g._run(Job("p", probed, meta=meta))
     assert isinstance(events[-1], JobFinished), events[-1]
     plain = [f._task(t, tmp_path, tag="c-") for t in "adeb"]
@@ -302,9 +303,9 @@ def test_a_given_choice_is_applied_without_measuring(tmp_path, monkeypatch):
 
     monkeypatch.setattr(layouts, "probe", lambda *a: pytest.fail("measured again"))
     tasks = [f._task(t, tmp_path) for t in "adeb"]
-    chosen = {"cpu": {"order": ["separate", "cse", "fused"], "speedups": {"fused": 0.6}}}
-    events = g._run(Job("s", tasks, meta={"group": True, "fuse": "auto", "profile": [],
-                                          "layouts": chosen}))
+    chosen = {"cpu": HeldLayout(order=("separate", "cse", "fused"), speedups={"fused": 0.6})}
+    events = g._run(Job("s", tasks, meta={"group": GroupOrder(fuse="auto", profile=(),
+                                                              layouts=chosen)}))
     assert isinstance(events[-1], JobFinished), events[-1]
     units = next(e for e in events if isinstance(e, JobProfiled)).units
     assert [u["layout"] for u in units] == ["separate"] * 4 and not any(u["merged"] for u in units)
@@ -340,14 +341,14 @@ def test_one_alone_profile_per_architecture(tmp_path, monkeypatch):
     monkeypatch.setattr(grouped, "step_seconds", lambda trainer, run, batch: (
         calls.append(run), real(trainer, run, batch))[1])
     tasks = [f._task(t, tmp_path) for t in "adeb"]
-    events = g._run(Job("p", tasks, meta={"group": True, "profile": list("adeb")}))
+    events = g._run(Job("p", tasks, meta={"group": GroupOrder(profile=tuple("adeb"))}))
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     assert len(calls) == 2 and set(unit["alone_s"]) == set("adeb")
     assert unit["alone_s"]["a"] == unit["alone_s"]["d"] == unit["alone_s"]["e"]
     assert len(unit["alone_by_arch"]) == 2
     calls.clear()
     again = [f._task(t, tmp_path, tag="2-") for t in "adeb"]
-    meta = {"group": True, "profile": list("adeb"), "alone_by_arch": {"cpu": unit["alone_by_arch"]}}
+    meta = {"group": GroupOrder(profile=tuple("adeb"), alone_by_arch={"cpu": unit["alone_by_arch"]})}
     unit, = next(e for e in g._run(Job("q", again, meta=meta)) if isinstance(e, JobProfiled)).units
     assert not calls and set(unit["alone_s"]) == set("adeb")
 
@@ -382,7 +383,7 @@ def test_a_layout_whose_warm_up_is_far_too_slow_is_not_timed(tmp_path, monkeypat
     monkeypatch.setattr(layouts, "ABORT", 0.0)  # every warm-up is "far too slow"
     monkeypatch.setattr(layouts, "ABORT_CPU", 0.0)
     tasks = [f._task(t, tmp_path) for t in "adeb"]
-    events = g._run(Job("p", tasks, meta={"group": True, "fuse": "auto", "profile": list("adeb")}))
+    events = g._run(Job("p", tasks, meta={"group": GroupOrder(fuse="auto", profile=tuple("adeb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     # fused is not timed; CSE is, on the real batches (no copy to abort); the rest of the

@@ -25,6 +25,7 @@ from retiarii.engine.executors.base import Job, JobFailed, JobFinished, JobProfi
 from retiarii.engine.plans import PlanTable
 from retiarii.engine.store import Store
 from retiarii.optim.cost import NOISE_FLOOR, Layout, Verdict, judge_segment
+from retiarii.engine.job_contract import GroupOrder
 from test_layouts import Measured
 
 C, F = Layout.CSE, Layout.FUSED
@@ -115,7 +116,7 @@ def test_a_resumed_search_counts_on_from_the_stored_strikes(tmp_path, cse_chosen
     with Store(db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         (_, devices), = PlanTable(store).layout_decisions().items()
-    assert devices["cpu"]["strikes"] == {"cse": 1} and devices["cpu"]["order"][0] == "cse"
+    assert devices["cpu"].strikes == {"cse": 1} and devices["cpu"].order[0] == "cse"
     ex.stop_after, ex.done, ex.profiled = None, 0, 0
     _, again = _search(tmp_path, "resume", ex)
     again.resume()
@@ -153,7 +154,7 @@ def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monk
 
     monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", spy)
     tasks = [_adapter_task(t, tmp_path, "m-") for t in SAMPLES]
-    meta = {"group": True, "batching": "auto", "fuse": "auto", "profile": list(SAMPLES)}
+    meta = {"group": GroupOrder(passes={"batching": "auto"}, fuse="auto", profile=tuple(SAMPLES))}
     events = g._run(Job("m", tasks, meta=meta))
     assert isinstance(events[-1], JobFinished), events[-1]
     assert timed == [{C: 2, Layout.BATCHING: 2}]
@@ -175,7 +176,7 @@ def test_a_decisive_bound_skips_the_alone_profiles_and_fusion(tmp_path, monkeypa
     monkeypatch.setattr(measuring, "BOUND_SAFETY", 0.0)  # any bound decides
     monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion always ruled out
     tasks = [g._task(t, tmp_path, tag="b-") for t in "adb"]  # a and d: one architecture
-    events = g._run(Job("b", tasks, meta={"group": True, "fuse": "auto", "profile": list("adb")}))
+    events = g._run(Job("b", tasks, meta={"group": GroupOrder(fuse="auto", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     choice = unit["choice"]
@@ -216,7 +217,7 @@ def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monk
                         executor=ex, seed=0, max_models=4)
     exp.run()
     grouped = [j for j in ex.submitted if j.meta.get("group")]
-    assert len(grouped) >= 2 and all(j.meta["profile"] == [] for j in grouped[1:])
+    assert len(grouped) >= 2 and all(j.meta["group"].profile == () for j in grouped[1:])
     units = _cse_units(db)
     assert units[0]["choice"]["bound_s"] > 0.0 and not any(u.get("alone_s") for u in units)
     assert all(u["decision"]["bound_s"] == units[0]["choice"]["bound_s"] for u in units)
@@ -245,7 +246,7 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
 
     monkeypatch.setattr(grouped._Streams, "use", heavy_use)
     tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
-    events = g._run(Job("f", tasks, meta={"group": True, "fuse": "auto", "profile": list("adb")}))
+    events = g._run(Job("f", tasks, meta={"group": GroupOrder(fuse="auto", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     assert unit["choice"]["skipped"].startswith("fused not measured: a grouped step's per-model")
@@ -273,8 +274,8 @@ def _mlp_tasks(tmp_path, tag, frozen, space="mlp_space", trainer=g.TRAINER, extr
 def _measured_job(tasks):
     """The tasks as one grouped job under ``fuse="auto", batching="auto"``, every trial to
     profile: (its events, its one unit's report)."""
-    meta = {"group": True, "batching": "auto", "fuse": "auto",
-            "profile": [t.trial_id for t in tasks]}
+    meta = {"group": GroupOrder(passes={"batching": "auto"}, fuse="auto",
+                                profile=tuple(t.trial_id for t in tasks))}
     events = g._run(Job("m", tasks, meta=meta))
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     return events, unit

@@ -313,7 +313,7 @@ def test_a_group_measured_slower_is_reverted_and_stays_apart_after_a_resume(tmp_
     with pytest.raises(KeyboardInterrupt):
         exp().run()
     assert [len(j.tasks) for j in ex.submitted][:2] == [4, 1]
-    assert ex.submitted[0].meta["profile"]  # the group asked its models to be profiled
+    assert ex.submitted[0].meta["group"].profile  # the group asked its models to be profiled
     rows = _plans(db)
     assert [r["status"] for r in rows] == ["reverted"] and "0.50x" in rows[0]["reason"]
     ex.submitted.clear()
@@ -331,7 +331,7 @@ def test_a_group_measured_faster_is_kept(tmp_path):
     assert [r["status"] for r in rows] == ["merged"] * 3
     assert [r["speedup"] for r in rows] == [pytest.approx(2.0)] * 3
     # profiled once: later segments do not profile the same models again
-    assert ex.submitted[0].meta["profile"] and ex.submitted[1].meta["profile"] == []
+    assert ex.submitted[0].meta["group"].profile and ex.submitted[1].meta["group"].profile == ()
     summary = exp.summary()["optimization"]
     assert summary["merged_trials"] == 4 and summary["speedup"]["median"] == pytest.approx(2.0)
 

@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable
 
 from ..enums import Mode, ModelStatus
+from ..optim.config import OptimizeConfig
 from ..refs import ref_of, resolve_ref
 from ..sampler import sample_key
 from ..strategies.one_shot import OneShot
@@ -103,6 +104,9 @@ class Experiment(Proposals):
             default under ``optimize=True``): never, so a search's results are those of
             training alone bit for bit on CPU; fused results equal training alone within
             float rounding (1e-6 relative on CPU).
+        passes: the optional plan passes (:mod:`retiarii.optim.passes`: ``batching`` and any
+            registered one), name -> True, False or ``"auto"``; ``batching=`` is the same as
+            ``passes={"batching": ...}``. docs/optimization.md, "Adding a pass".
         batching: grouped jobs also batch frozen per-example layers that the models feed with
             different values (an adapter before a frozen layer; docs/optimization.md,
             "batching"). ``"auto"`` (the default under ``optimize="auto"``): when measured
@@ -141,6 +145,10 @@ class Experiment(Proposals):
             #14 item 5). The strategy must support it (SPOS, ENAS; WeightSharing offloads
             on its one rank). None: no limit.
 
+    The optimization options (``optimize`` to ``passes``, ``packing``, ``dedicated``,
+    ``dedicated_device``) may instead be given as one :class:`~retiarii.OptimizeConfig` in
+    ``optimize`` (then leave the others out).
+
     A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
     ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
     multi-trial searches use (scheduler, max_models, optimize=True or "pack", fuse, batching,
@@ -153,40 +161,26 @@ class Experiment(Proposals):
                  scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
-                 optimize: bool | str = "auto", batch_models: int = 8,
+                 optimize: bool | str | OptimizeConfig = "auto", batch_models: int = 8,
                  fuse: bool | str | None = None, batching: bool | str | None = None,
+                 passes: dict | None = None,
                  weight_sharing: bool | list[str] = False, ranks: int = 1,
                  device_memory: float | str | None = None, packing: bool | str = "auto",
                  dedicated: list[str] | None = None, dedicated_device: str | None = None):
-        if optimize not in ("auto", True, False, "pack"):
-            raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
-        if packing not in ("auto", True, False):
-            raise ExperimentError(f"packing={packing!r}: give 'auto', True or False")
-        self.packing = packing  # "auto": decided in _loop, once the executor is known
-        if dedicated is not None and (isinstance(dedicated, str) or not all(
-                isinstance(p, str) and p for p in dedicated)):
-            raise ExperimentError(f"dedicated={dedicated!r}: give a list of module names or "
-                                  f"class names, e.g. ['encoder']")
-        if dedicated_device not in (None, "process", "thread") and not str(
-                dedicated_device).startswith("cuda"):
-            raise ExperimentError(f"dedicated_device={dedicated_device!r}: give 'process', "
-                                  f"'thread' or 'cuda:N' (None: chosen per worker)")
-        self.dedicated = {"dedicated": list(dedicated)} if dedicated else {}
-        if dedicated and dedicated_device:
-            self.dedicated["dedicated_device"] = dedicated_device
-        for name, value in (("fuse", fuse), ("batching", batching)):
-            if value not in ("auto", True, False, None) or isinstance(value, (int, float)) \
-                    and not isinstance(value, bool):
-                raise ExperimentError(f"{name}={value!r}: give 'auto', True or False (or leave "
-                                      f"it out: 'auto' under optimize='auto', else False)")
+        self.optimization = _optimize_config(optimize, batch_models=batch_models, fuse=fuse,
+                                             batching=batching, passes=passes, packing=packing,
+                                             dedicated=dedicated,
+                                             dedicated_device=dedicated_device)
+        opt = self.optimization
+        self.optimize, self.batch_models = opt.mode, opt.batch_models
+        self.packing = opt.packing  # "auto": decided in _loop, once the executor is known
+        self.dedicated = {"dedicated": list(opt.dedicated)} if opt.dedicated else {}
+        if opt.dedicated and opt.dedicated_device:
+            self.dedicated["dedicated_device"] = opt.dedicated_device
         # Left out: chosen by measurement when the search measures (optimize="auto"), off when
         # it groups by keys alone (optimize=True: nothing measured, results bit for bit).
-        default = "auto" if optimize == "auto" else False
-        self.fuse = default if fuse is None else fuse
-        self.batching = default if batching is None else batching
-        if not isinstance(batch_models, int) or batch_models < 1:
-            raise ExperimentError(f"batch_models={batch_models!r}: give a number of trials >= 1")
-        self.optimize, self.batch_models = optimize, batch_models
+        self.fuse = opt.effective_fuse
+        self.passes = opt.effective_passes
         self.space_ref = object_ref(space, "space")
         self.space = space if not isinstance(space, str) else resolve_ref(space)
         self.strategy, self.trainer = strategy, trainer
@@ -221,11 +215,14 @@ class Experiment(Proposals):
         self.device_memory = one_shot.check_device_memory(strategy, device_memory,
                                                           self.one_shot, ExperimentError)
         if self.one_shot:
+            shown = (dict(optimize=optimize, fuse=fuse, batching=batching, passes=passes,
+                          packing=packing, dedicated=dedicated)
+                     if not isinstance(optimize, OptimizeConfig) else
+                     dict(optimize=opt.mode, fuse=opt.fuse, passes=opt.passes,
+                          packing=opt.packing, dedicated=list(opt.dedicated)))
             one_shot.check_options(strategy, ExperimentError, scheduler=scheduler,
-                                   optimize=optimize, fuse=fuse, batching=batching,
                                    max_models=max_models, model_retries=model_retries,
-                                   trainer_hparams=hp, executor=executor, packing=packing,
-                                   dedicated=dedicated)
+                                   trainer_hparams=hp, executor=executor, **shown)
             one_shot.check_shared(strategy, self.space, ExperimentError)
         self.store: Store | None = None
         self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
@@ -236,6 +233,11 @@ class Experiment(Proposals):
         self._data_keys: dict[str, Any] = {}  # hparams (JSON) -> the trainer's data key
 
     # ---- public ---------------------------------------------------------------------------
+    @property
+    def batching(self) -> bool | str:
+        """The batching pass's setting in force (``passes["batching"]``)."""
+        return self.passes.get("batching", False)
+
     def config(self) -> dict:
         """What a resume must match (budgets may change between runs)."""
         if self.one_shot:
@@ -362,7 +364,7 @@ class Experiment(Proposals):
         if self.optimize:
             kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
                           profile=self.optimize == "auto", on_group=self._on_group,
-                          fuse=self.fuse, batching=self.batching, packing=self._packs(executor),
+                          fuse=self.fuse, passes=self.passes, packing=self._packs(executor),
                           merge=self.optimize != "pack", dedicated=self.dedicated,
                           slot_memory=getattr(
                               executor, "slot_memory", lambda: float("inf"))())
@@ -501,3 +503,32 @@ class Experiment(Proposals):
         if plans["jobs"]:
             out["optimization"] = plans
         return out
+
+
+def _optimize_config(optimize, **given) -> OptimizeConfig:
+    """The experiment's :class:`OptimizeConfig`: ``optimize`` itself, or one made of the
+    keyword arguments; a bad value raises :class:`ExperimentError` naming it."""
+    defaults = {"batch_models": 8, "packing": "auto"}
+    if isinstance(optimize, OptimizeConfig):
+        clash = [k for k, v in given.items() if v != defaults.get(k)]
+        if clash:
+            raise ExperimentError(f"optimize= is an OptimizeConfig: give {', '.join(clash)} "
+                                  f"inside it (OptimizeConfig({clash[0]}=...)), not beside it")
+        return optimize
+    passes = dict(given.pop("passes") or {})
+    batching = given.pop("batching")
+    if batching is not None:
+        if "batching" in passes and passes["batching"] != batching:
+            raise ExperimentError(f"batching={batching!r} and passes={passes!r} disagree: "
+                                  f"give it once")
+        passes["batching"] = batching
+    for name, value in passes.items():
+        if value is None:
+            raise ExperimentError(f"{name}=None: give 'auto', True or False (or leave it out: "
+                                  f"'auto' under optimize='auto', else False)")
+    if given["dedicated"] is None:
+        given["dedicated"] = ()
+    try:
+        return OptimizeConfig(mode=optimize, passes=passes, **given)
+    except (ValueError, TypeError) as err:
+        raise ExperimentError(str(err)) from None

@@ -31,14 +31,15 @@ import contextlib
 import copy
 import itertools
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
 from torch import nn
 
-from ..optim import batching, build_group, build_plan, cse
+from ..optim import build_group, build_plan
+from ..optim.passes import PassManager
 from ..optim.cost import relative_spread
 from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
@@ -281,6 +282,9 @@ class TrainingGroup:
                 "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
                 "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
                 "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
+                # what the plan's passes left it: nodes computed once, evaluations per step
+                **({"shared_nodes": len(self._plan.shared),
+                    "executions": self._plan.executions()} if self._plan is not None else {}),
                 **self.extra}
 
     def _typical_step_s(self) -> float | None:
@@ -557,8 +561,9 @@ def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
 
 
 def plan_group(models: Mapping[str, Any], data_key: str,
-               hparams: Mapping[str, dict], batch_ops: bool = False) -> LogicalPlan:
-    """The plan of one candidate group after the passes (``build_plan``, ``cse``, then, with
+               hparams: Mapping[str, dict], batch_ops: bool = False,
+               passes: Sequence[str] | None = None) -> LogicalPlan:
+    """The plan of one candidate group after the passes (by default ``cse``, then, with
     ``batch_ops``, ``batching``: a frozen per-example layer the models feed with other values
     runs once on their concatenated inputs); its ``groups()`` say which models really share
     the pipeline.
@@ -567,9 +572,12 @@ def plan_group(models: Mapping[str, Any], data_key: str,
         models: trial id -> its :class:`~retiarii.space.Model` (``space.replay(sample)``).
         data_key: the trainer's data key, the same for every trial.
         hparams: trial id -> its hparams.
-        batch_ops: run the batching pass too (``Job.meta["batching"]``; opt-in: on a CPU it
-            saves per-call overhead only, and costs concatenations: benchmarks/README.md).
+        batch_ops: run the batching pass too (opt-in: on a CPU it saves per-call overhead
+            only, and costs concatenations: benchmarks/README.md).
+        passes: the registered passes to run (:mod:`retiarii.optim.passes`; they run in the
+            registry's order); given, it replaces ``batch_ops``.
     """
-    plan = cse(build_plan([PlanModel(t, m, data_key, dict(hparams[t]))
-                           for t, m in models.items()])).plan
-    return batching(plan).plan if batch_ops else plan
+    if passes is None:
+        passes = ["cse", "batching"] if batch_ops else ["cse"]
+    plan = build_plan([PlanModel(t, m, data_key, dict(hparams[t])) for t, m in models.items()])
+    return PassManager(passes).run(plan).plan

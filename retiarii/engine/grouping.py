@@ -24,7 +24,9 @@ import json
 from typing import Any, Hashable
 
 from ..optim.cost import Layout, choose_layout, describe
+from ..optim.passes import LayoutPasses, get_pass, pass_ref
 from .executors.base import FailureKind, JobFailed, TrialTask
+from .job_contract import GroupOrder, HeldLayout
 from .trial import Trial, TrialState
 
 __all__ = ["GroupedJobs"]
@@ -42,40 +44,38 @@ class GroupedJobs:
         if key is None:
             return None
         chosen = self.layouts.get(key_id(key))
-        if chosen and all(c["order"][0] == Layout.SEPARATE.value for c in chosen.values()):
+        if chosen and all(c.order[0] == Layout.SEPARATE.value for c in chosen.values()):
             return None  # measured faster apart on every device: each model its own job
         return (key, trial.resume_point()[0])
 
     def _group_meta(self, tasks: list[TrialTask]) -> dict[str, Any]:
-        """What a grouped job of ``tasks`` is told: batching and fusion settings, the trials
-        whose fusion was reverted, whom to profile, and the layouts already chosen for their
-        group key (``meta["layouts"]``: device -> choice; the worker measures the others)."""
-        meta: dict[str, Any] = {"group": True}
-        if self.batching:
-            meta["batching"] = self.batching
-        if self.fuse:
-            meta["fuse"] = self.fuse
-            unfused = sorted(t.trial_id for t in tasks if t.trial_id in self.unfused)
-            if unfused:
-                meta["unfused"] = unfused
+        """What a grouped job of ``tasks`` is told (``meta["group"]``, a
+        :class:`~.job_contract.GroupOrder`): the passes and fusion settings, the trials whose
+        fusion was reverted, whom to profile, and the layouts already chosen for their group
+        key (device -> :class:`~.job_contract.HeldLayout`; the worker measures the others)."""
+        refs = {n: pass_ref(get_pass(n)) for n in self.passes}
         key = self.group_key(self.trials[tasks[0].trial_id]) if self.group_key else None
-        chosen = self.layouts.get(key_id(key)) if key is not None else None
+        chosen = self.layouts.get(key_id(key), {}) if key is not None else {}
         # a key whose apart is bounded from below (measuring.py) profiles nobody alone
-        bounded = any(c.get("bound_s") is not None for c in (chosen or {}).values())
-        if self.profile or "auto" in (self.fuse, self.batching):  # measure the group
-            meta["profile"] = [] if bounded else [  # and each member never profiled
-                t.trial_id for t in tasks if t.trial_id not in self.alone_s]
-            known = {t.trial_id: self.alone_s[t.trial_id] for t in tasks
-                     if t.trial_id in self.alone_s}
-            if known:
-                meta["alone_s"] = known
-            if self.alone_arch:  # step times alone per architecture: not measured again
-                meta["alone_by_arch"] = {d: dict(list(a.items())[-512:])
+        bounded = any(c.bound_s is not None for c in chosen.values())
+        measured: dict[str, Any] = {}
+        if self.profile or self._measures():  # measure the group
+            measured["profile"] = () if bounded else tuple(  # each member never profiled
+                t.trial_id for t in tasks if t.trial_id not in self.alone_s)
+            measured["alone_s"] = {t.trial_id: self.alone_s[t.trial_id] for t in tasks
+                                   if t.trial_id in self.alone_s}
+            # step times alone per architecture: not measured again
+            measured["alone_by_arch"] = {d: dict(list(a.items())[-512:])
                                          for d, a in self.alone_arch.items()}
-        if chosen:
-            meta["layouts"] = {device: {"order": c["order"], "speedups": c["speedups"]}
-                               for device, c in chosen.items()}
-        return meta
+        order = GroupOrder(
+            passes=dict(self.passes), pass_refs={n: r for n, r in refs.items() if r},
+            fuse=self.fuse, unfused=tuple(sorted(t.trial_id for t in tasks
+                                                 if self.fuse and t.trial_id in self.unfused)),
+            layouts={device: HeldLayout(order=c.order, speedups=c.speedups)
+                     for device, c in chosen.items()},
+            dedicated=tuple(self.dedicated.get("dedicated") or ()),
+            dedicated_device=self.dedicated.get("dedicated_device"), **measured)
+        return {"group": order}
 
     def _choose(self, key: str, units: list[dict]) -> None:
         """Keep the layout choices of a job's units for group key ``key``: a choice the
@@ -96,33 +96,32 @@ class GroupedJobs:
             if choice.get("probed"):
                 speedups = dict(choice.get("speedups") or {})
             elif held is not None:
-                speedups = dict(held["speedups"])
+                speedups = dict(held.speedups)
             elif unit.get("slower") or any(counted.values()):
                 speedups = {}
             else:
                 continue
-            reverted = set(held["reverted"]) if held else set()
+            reverted = set(held.reverted) if held else set()
             if unit.get("slower") and unit.get("layout"):
                 reverted.add(unit["layout"])
-            strikes = {**(held or {}).get("strikes", {}), **counted}
-            bound = choice.get("bound_s") if choice.get("probed") else (held or {}).get("bound_s")
+            strikes = {**(held.strikes if held else {}), **counted}
+            probed = bool(choice.get("probed"))
+            bound = choice.get("bound_s") if probed else (held.bound_s if held else None)
             # layouts not measured because their upper bound lost (measuring.py, fused first)
-            bounds = choice.get("bounds") if choice.get("probed") else (held or {}).get("bounds")
+            bounds = choice.get("bounds") if probed else (held.bounds if held else None)
             ranked = choose_layout({Layout(k): v for k, v in speedups.items()}, reverted)
             reason = describe(ranked.layout, ranked.speedups, reverted, bounds)
             strikes = {k: v for k, v in strikes.items() if v}
             counted_now = ", ".join(f"{k} {v}" for k, v in sorted(strikes.items()))
-            self.layouts.setdefault(key, {})[device] = {
-                "order": [x.value for x in ranked.order], "speedups": speedups,
-                "reverted": sorted(reverted), "reason": reason + (
+            self.layouts.setdefault(key, {})[device] = HeldLayout(
+                order=tuple(x.value for x in ranked.order), speedups=speedups,
+                reverted=tuple(sorted(reverted)), reason=reason + (
                     f"; slower segments in a row: {counted_now}" if strikes else ""),
-                "strikes": strikes,
-                **({"bound_s": bound} if bound is not None else {}),
-                **({"bounds": bounds} if bounds else {})}
+                strikes=strikes, bound_s=bound, bounds=bounds or None)
         for unit in units:
             decided = self.layouts.get(key, {}).get((unit.get("choice") or {}).get("device"))
             if decided is not None:
-                unit["decision"] = {"group_key": key, **decided}
+                unit["decision"] = {"group_key": key, **decided.to_json()}
 
     def _companions(self, batch: list[Trial], limit: int | None = None) -> list[Trial]:
         """Trials to train with ``batch`` (same key), until there are ``limit`` in all
@@ -226,7 +225,7 @@ class GroupedJobs:
                     if verdict.revert:
                         unit["fusion_reverted"] = True
                         unfused.extend(unit["trials"])
-        if self.profile or "auto" in (self.fuse, self.batching):
+        if self.profile or self._measures():
             for unit, s in zip(merged, speedups):  # the layout measured slower is reverted
                 if not _judged(unit):
                     unit["slower"] = bool(unit.get("fusion_reverted"))
@@ -274,11 +273,24 @@ class GroupedJobs:
                 "reason": reason, "speedup": min(known) if known else None,
                 "seconds": seconds, "units": units, "errors": errors,
                 "alone": [], "unfused": unfused, "packing": job.extra.get("packing"),
-                "passes": [] if not self.merge else ["cse"] + (["batching"] if any(
-                    u.get("layout") == "batching" or (self.batching is True and "layout" not in u)
-                    for u in merged) else [])
-                + (["fusion"] if any(u.get("fused") or u.get("layout") == Layout.FUSED.value
-                                     for u in merged) else [])}
+                "passes": [] if not self.merge else self._passes_of(merged)}
+
+    def _measures(self) -> bool:
+        """Whether grouped jobs measure a layout choice (fusion or a pass set ``"auto"``)."""
+        return self.fuse == "auto" or "auto" in self.passes.values()
+
+    def _passes_of(self, merged: list[dict]) -> list[str]:
+        """The passes a grouped job's merged units ran, in order (the plans row's
+        ``passes``): the required ones; those set True when a unit merged; those set
+        ``"auto"`` when a unit trained in their layout (``batching``); ``fusion`` when a unit
+        trained fused."""
+        lp = LayoutPasses(self.passes)
+        names = list(lp.of(Layout.BATCHING) if any(u.get("layout") == Layout.BATCHING.value
+                                                    for u in merged)
+                     else lp.forced if merged else lp.required)
+        if any(u.get("fused") or u.get("layout") == Layout.FUSED.value for u in merged):
+            names.append("fusion")
+        return names
 
     def _alone_or_bound(self, key: Any, unit: dict) -> dict[str, float]:
         """Each of the unit's trials' step time alone: profiled, else the lower bound its
@@ -287,8 +299,8 @@ class GroupedJobs:
         choice = unit.get("choice") or {}
         bound = choice.get("bound_s")
         if bound is None and key is not None:
-            bound = (self.layouts.get(key_id(key), {}).get(choice.get("device")) or {}).get(
-                "bound_s")
+            held = self.layouts.get(key_id(key), {}).get(choice.get("device"))
+            bound = held.bound_s if held is not None else None
         if bound is None:
             return self.alone_s
         return {**{t: bound for t in unit.get("trials") or ()}, **self.alone_s}
@@ -300,7 +312,8 @@ class GroupedJobs:
 
         def strikes(unit: dict, name: str | None) -> int:
             device = (unit.get("choice") or {}).get("device")
-            return int(((held.get(device) or {}).get("strikes") or {}).get(name, 0))
+            layout = held.get(device)
+            return int(layout.strikes.get(name, 0)) if layout is not None else 0
         return strikes
 
     def _retry_alone(self, trial: Trial, error: str) -> None:

@@ -4,12 +4,13 @@ A candidate group (tasks with one space, trainer, data key and start: :func:`~.g
 group_tasks`) can train in one of the :class:`~retiarii.optim.cost.Layout` s: each model alone
 (``separate``), one CSE-planned group (``cse``), the same with the batching pass
 (``batching``), or its same-architecture trials fused and the others in the best of the rest
-(``fused``). :func:`group_units` builds the units of the layout the job's ``meta`` asks for:
+(``fused``). :func:`group_units` builds the units of the layout the job's
+:class:`~.job_contract.GroupOrder` (``told``) asks for:
 
-- ``meta["layouts"][device]``: a choice the runner already holds for this group key on this
+- ``told.layouts[device]``: a decision the runner already holds for this group key on this
   kind of device (from an earlier job, or read back from the plans table on a resume): its
   ``order`` is applied, nothing is measured again;
-- else, when the job may measure (``meta["profile"]``) and there is a choice to make
+- else, when the job may measure (``told.profile``) and there is a choice to make
   (``fuse="auto"`` with two or more trials of one architecture, or ``batching="auto"`` with a
   plan the batching pass changes), :func:`probe` measures the candidates on the group's first
   batch: each layout is built over **copies** of the trials' models and optimizers and steps a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import time
 from collections.abc import Callable, Mapping
@@ -35,18 +37,18 @@ from typing import Any
 
 import torch
 
-from ..optim import batching as batching_pass
 from ..optim import fusion_key
 from ..optim.cost import Layout, choose_layout, probe_speedups
-from ..optim.plan import Role
+from ..optim.passes import LayoutPasses, PassManager, get_pass
 from ..rng import swapped_in
 from . import checkpoint as ckpt
 from .fused import FusedGroup, fusable_sets
+from .job_contract import GroupOrder, HeldLayout
 from .grouped import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
 from .measuring import MeasuringGroup
 from .trial_run import _to_device
 
-__all__ = ["ABORT", "ABORT_CPU", "device_label", "group_units", "probe", "step_times"]
+__all__ = ["ABORT", "ABORT_CPU", "device_label", "group_units", "job_passes", "probe", "step_times"]
 
 _END = object()
 _MERGED = (Layout.CSE, Layout.BATCHING)  # the layouts of the trials that do not fuse
@@ -100,10 +102,11 @@ def _first_batch(trainer: Any, run: Any) -> tuple[Any, float] | None:
 
 def _units_of(layout: Layout, ids: list[str], models: Mapping, runs: Mapping, trainer: Any,
               data_key: str, fusable: list[tuple[str, ...]], rest: Layout,
-              profile: Any, make_group: Callable = TrainingGroup
-              ) -> tuple[list[TrainingGroup], dict[str, str]]:
+              profile: Any, make_group: Callable = TrainingGroup,
+              passes: LayoutPasses = LayoutPasses()) -> tuple[list[TrainingGroup], dict[str, str]]:
     """The groups of ``layout`` over ``ids`` and the trials it leaves alone (-> why).
-    ``rest``: the layout of the trials that do not fuse under ``FUSED``."""
+    ``rest``: the layout of the trials that do not fuse under ``FUSED``; ``passes``: what
+    each merged layout's plan runs."""
     groups: list[TrainingGroup] = []
     lone: dict[str, str] = {}
     if layout is Layout.SEPARATE:
@@ -125,7 +128,7 @@ def _units_of(layout: Layout, ids: list[str], models: Mapping, runs: Mapping, tr
     if not todo:
         return groups, lone
     plan = plan_group({t: models[t] for t in todo}, data_key, {t: runs[t].hparams for t in todo},
-                      batch_ops=layout is Layout.BATCHING)
+                      passes=passes.of(layout))
     for members in plan.groups():
         if len(members) == 1:
             lone[members[0]] = "the plan gives it no input in common with the others"
@@ -136,7 +139,8 @@ def _units_of(layout: Layout, ids: list[str], models: Mapping, runs: Mapping, tr
 
 def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key: str,
           candidates: list[Layout], fusable: list[tuple[str, ...]],
-          alone_s: Mapping[str, float]) -> tuple[dict[Layout, float], dict[str, float]] | None:
+          alone_s: Mapping[str, float], passes: LayoutPasses = LayoutPasses()
+          ) -> tuple[dict[Layout, float], dict[str, float]] | None:
     """Measure ``candidates`` on the group's first batch: (layout -> speed-up over apart,
     the alone step times it measured), or None when there is no batch. Each layout steps
     copies of the trials (a warm-up, then the least of a few timed steps); a layout that fails
@@ -148,6 +152,7 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
         candidates: the layouts to measure (``SEPARATE`` is measured by the alone steps).
         fusable: the trials that fuse under ``FUSED``.
         alone_s: alone step times already known (not measured again).
+        passes: what each merged layout's plan runs.
     """
     outer = ckpt.native_rng()
     try:
@@ -164,7 +169,7 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
         alone = {t: alone_s.get(t, measured.get(t)) for t in ids}
         apart = sum(alone.values()) + (len(ids) - 1) * load  # a step's worth, apart
         steps = step_times(ids, models, runs, trainer, data_key, candidates, fusable, alone,
-                           batch, apart)
+                           batch, apart, passes)
         return probe_speedups(alone, steps, load), measured
     finally:
         ckpt.set_native_rng(outer)
@@ -172,7 +177,8 @@ def probe(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key
 
 def step_times(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, data_key: str,
                candidates: list[Layout], fusable: list[tuple[str, ...]],
-               alone: Mapping[str, float], batch: Any, best_s: float) -> dict[Layout, float]:
+               alone: Mapping[str, float], batch: Any, best_s: float,
+               passes: LayoutPasses = LayoutPasses()) -> dict[Layout, float]:
     """Seconds of one step of every trial of the group in each of ``candidates`` on
     ``batch``, on **copies** of the trials' models and optimizers (a warm-up, then one timed
     step); a candidate whose warm-up takes over :data:`ABORT` times ``best_s`` (or the best
@@ -182,6 +188,7 @@ def step_times(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, dat
     Args:
         alone: every trial's step time alone (for the trials a layout leaves alone).
         best_s: the best step of the group known so far (apart, or a merged layout).
+        passes: what each merged layout's plan runs.
     """
     outer = ckpt.native_rng()
     steps: dict[Layout, float] = {}
@@ -192,7 +199,7 @@ def step_times(ids: list[str], models: Mapping, runs: Mapping, trainer: Any, dat
         groups: list = []
         try:
             groups, lone = _units_of(layout, ids, models, copies, trainer, data_key,
-                                     fusable, Layout.CSE, None)
+                                     fusable, Layout.CSE, None, passes=passes)
             # a layout whose warm-up is far slower than the best so far is not timed
             abort = ABORT_CPU if torch.device(runs[ids[0]].device).type == "cpu" else ABORT
             limit = abort * min([best_s, *steps.values()]) / max(len(groups), 1)
@@ -259,28 +266,14 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
     return min(times[1:])
 
 
-def _batching_candidate(result: Any, device: torch.device) -> bool:
-    """Whether the batching pass's plan is worth measuring: it changed the plan and, on a
-    CPU, batches a frozen layer with weights (one call of a weighted layer on N models'
-    inputs saves per-call work; batching only weightless operations, a ReLU or a pooling,
-    saves nothing on a CPU and pays the concatenations: benchmarks/README.md, "Operator
-    batching"). On a GPU, where N small kernel launches cost more than one, any change is
-    measured."""
-    if not result.modified:
-        return False
-    if torch.device(device).type != "cpu":
-        return True
-    plan = result.plan
-    return any(plan.nodes[key].role is Role.FROZEN for batch in plan.batches for _, key in batch)
-
-
-def _batching_matters(given: Mapping | None) -> bool:
-    """Whether a group's layout can depend on batching being a candidate: always unless a
-    choice is given whose order ranks ``batching`` after ``separate`` or ``cse`` (one of
-    those is then used before it; planning the batching pass costs milliseconds a job)."""
+def _measured_matters(given: HeldLayout | None) -> bool:
+    """Whether a group's layout can depend on the ``"auto"`` passes' layout (``BATCHING``)
+    being a candidate: always unless a choice is given whose order ranks it after
+    ``separate`` or ``cse`` (one of those is then used before it; planning the passes costs
+    milliseconds a job)."""
     if given is None:
         return True
-    for layout in given["order"]:
+    for layout in given.order:
         if layout == Layout.BATCHING.value:
             return True
         if layout in (Layout.SEPARATE.value, Layout.CSE.value):
@@ -289,32 +282,33 @@ def _batching_matters(given: Mapping | None) -> bool:
 
 
 def _live_plans(merged: list[Layout], ids: list[str], models: Mapping, runs: Mapping,
-                data_key: str, dedicated: bool) -> dict[Layout, Any] | None:
+                data_key: str, dedicated: bool, passes: LayoutPasses) -> dict[Layout, Any] | None:
     """Merged layout -> the group's plan in it, when the candidates can be measured on the
     real first batches (:class:`~.measuring.MeasuringGroup`): a plain group (not one with
-    a dedicated device: ``meta["dedicated"]``), every candidate plan one group of every
+    a dedicated device: ``GroupOrder.dedicated``), every candidate plan one group of every
     trial; else None (the probe on copies measures them)."""
     if dedicated:
         return None
     plans = {}
     for layout in merged:
         plan = plan_group({t: models[t] for t in ids}, data_key,
-                          {t: runs[t].hparams for t in ids}, batch_ops=layout is Layout.BATCHING)
+                          {t: runs[t].hparams for t in ids}, passes=passes.of(layout))
         if plan.groups() != [tuple(ids)]:
             return None
         plans[layout] = plan
     return plans
 
 
-def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, trainer: Any,
+def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping, trainer: Any,
                 data_key: str, profile: list[str] | None,
                 alone: Callable[[str, str, dict], Any],
                 make_group: Callable = TrainingGroup) -> list:
-    """The units of one candidate group (two or more trials) in the layout ``meta`` asks
+    """The units of one candidate group (two or more trials) in the layout ``told`` asks
     for or the probe chooses (see the module docstring).
 
     Args:
-        meta: the job's meta (``fuse``, ``batching``, ``unfused``, ``layouts``, ``alone_s``,
+        told: the job's :class:`~.job_contract.GroupOrder` (``fuse``, ``passes``, ``unfused``,
+            ``layouts``, ``alone_s``,
             ``alone_by_arch``: device -> architecture (``fusion_key``) -> step time alone).
         ids, models, runs: the group's trials, their models (IR) and runs.
         trainer, data_key: what they share.
@@ -323,40 +317,43 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
         make_group: ``make_group(plan, runs, trainer, profile)`` -> the unit training a merged
             group (a :class:`TrainingGroup`, or the worker's dedicated-device group).
     """
-    fuse, batch = meta.get("fuse", False), meta.get("batching", False)
+    fuse = told.fuse
+    passes = job_passes(told)
     device = device_label(runs[ids[0]].device)
-    fusable = (fusable_sets({t: models[t] for t in ids}, meta.get("unfused") or ())
+    fusable = (fusable_sets({t: models[t] for t in ids}, told.unfused)
                if fuse in ("auto", True) else [])
-    merged = [Layout.BATCHING] if batch is True else [Layout.CSE]
-    given = (meta.get("layouts") or {}).get(device)
-    if batch == "auto" and _batching_matters(given) and _batching_candidate(batching_pass(
-            plan_group({t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids})),
-            runs[ids[0]].device):
-        merged = [Layout.CSE, Layout.BATCHING]
+    merged = passes.merged()
+    given = told.layouts.get(device)
+    if passes.measured and _measured_matters(given):
+        base = plan_group({t: models[t] for t in ids}, data_key,
+                          {t: runs[t].hparams for t in ids}, passes=passes.of(Layout.CSE))
+        if passes.worth_measuring(PassManager(passes.measured).run(base), runs[ids[0]].device):
+            merged = [Layout.CSE, Layout.BATCHING]
     choice: dict[str, Any] = {"device": device, "probed": False}
     # One architecture, one step time alone: a trial whose architecture was measured (in
     # this job or an earlier one on this kind of device) is not measured again.
     arch = {t: fusion_key(models[t]) for t in ids}
-    by_arch = dict(((meta.get("alone_by_arch") or {}).get(device)) or {})
-    known = dict(meta.get("alone_s") or {})
+    by_arch = dict(told.alone_by_arch.get(device) or {})
+    known = dict(told.alone_s)
     by_arch.update({arch[t]: known[t] for t in ids if t in known})
     measured = {t: by_arch[arch[t]] for t in ids if known.get(t) is None and arch[t] in by_arch}
     live = None  # merged layout -> plan, when measured on the real first batches
     if given is None and profile is not None and fuse is not True and (len(merged) > 1 or (
-            fuse == "auto" and fusable) or "auto" in (fuse, batch)):
+            fuse == "auto" and fusable) or fuse == "auto" or passes.measured):
         # under "auto" a group with one merged layout still chooses between it and apart
-        live = _live_plans(merged, ids, models, runs, data_key, bool(meta.get("dedicated")))
+        live = _live_plans(merged, ids, models, runs, data_key, bool(told.dedicated),
+                           passes)
     if live is not None:  # measured while training (measuring.py): decided after a few batches
         order = list(live)
         choice.update(order=[x.value for x in order], speedups={})
     elif given is not None:
-        order = [Layout(x) for x in given["order"]]
-        choice.update(order=given["order"], speedups=given.get("speedups") or {})
+        order = [Layout(x) for x in given.order]
+        choice.update(order=list(given.order), speedups=dict(given.speedups))
     elif profile is not None and (len(merged) > 1 or (fuse == "auto" and fusable)):
         candidates = [Layout.SEPARATE, *merged] + ([Layout.FUSED] if fuse == "auto" and fusable else [])
         start = time.perf_counter()
         result = probe(ids, models, runs, trainer, data_key, candidates, fusable,
-                       {**known, **measured})
+                       {**known, **measured}, passes)
         speedups, probed = result if result is not None else ({}, {})
         measured.update(probed)
         ranked = choose_layout(speedups)
@@ -383,7 +380,7 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
         group = MeasuringGroup(live, runs, trainer, models=models, fusable=fusable if fuse == "auto"
                                else [], data_key=data_key, alone_s={**known, **measured},
                                want_alone=list(profile or ()), choice=choice,
-                               step_times=step_times)
+                               step_times=functools.partial(step_times, passes=passes))
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
         group.twins, group.arch = twins, arch
         group.extra = {"layout": group.layout.value, "choice": choice}
@@ -393,7 +390,7 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
     layout = usable[0] if usable else merged[0]
     rest = next((x for x in usable if x is not Layout.FUSED), merged[0])
     groups, lone = _units_of(layout, ids, models, runs, trainer, data_key, fusable, rest, profile,
-                             make_group)
+                             make_group, passes)
     units: list = []
     for group in groups:
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
@@ -407,3 +404,14 @@ def group_units(meta: Mapping, ids: list[str], models: Mapping, runs: Mapping, t
                                         "alone_s": mine, "alone_by_arch": {
                                             arch[t]: v for t, v in mine.items()}}))
     return units
+
+
+def job_passes(order: GroupOrder) -> LayoutPasses:
+    """The optional passes' settings a grouped job's order carries (``order.passes``: name ->
+    True or ``"auto"``), each pass registered in this process first when the driver sent its
+    reference (``order.pass_refs``: a pass registered outside the package)."""
+    settings = dict(order.passes)
+    refs = order.pass_refs
+    for name in settings:
+        get_pass(name, refs.get(name))
+    return LayoutPasses(settings)

@@ -123,6 +123,8 @@ def check_options(strategy: Any, error: type[Exception], **given: Any) -> None:
                       "a dedicated device runs the frozen part that grouped trials share"),
         "fuse": (given.get("fuse") not in (False, None), "fusion merges separate trials"),
         "batching": (bool(given.get("batching")), "batching merges separate trials"),
+        "passes": (any(v not in (False, None) for v in (given.get("passes") or {}).values()),
+                   "the plan passes merge separate trials"),
         "max_models": (given.get("max_models") is not None,
                        "the strategy's segments decide how many models it evaluates"),
         "model_retries": (bool(given.get("model_retries")),

@@ -27,6 +27,8 @@ import json
 import statistics
 import time
 
+from .job_contract import HeldLayout
+
 __all__ = ["PlanTable"]
 
 PASSES = ["cse"]  # the default passes (plan_group; docs/optimization.md); records name theirs
@@ -76,17 +78,17 @@ class PlanTable:
         return {t for row in self.rows() for unit in row["units"] if unit.get("fusion_reverted")
                 for t in unit["trials"]}
 
-    def layout_decisions(self) -> dict[str, dict[str, dict]]:
-        """Group key -> device -> the layout choice in force (the last one a unit's
-        ``"decision"`` records: ``order``, measured ``speedups``, ``reverted``, ``reason``):
-        a resumed search applies them without measuring again."""
-        out: dict[str, dict[str, dict]] = {}
+    def layout_decisions(self) -> dict[str, dict[str, HeldLayout]]:
+        """Group key -> device -> the layout decision in force (the last one a unit's
+        ``"decision"`` records, read through :meth:`HeldLayout.from_json`): a resumed search
+        applies them without measuring again."""
+        out: dict[str, dict[str, HeldLayout]] = {}
         for row in self.rows():
             for unit in row["units"]:
                 decision = unit.get("decision")
                 if decision:
-                    kept = {k: v for k, v in decision.items() if k != "group_key"}
-                    out.setdefault(decision["group_key"], {})[unit["choice"]["device"]] = kept
+                    out.setdefault(decision["group_key"], {})[unit["choice"]["device"]] = (
+                        HeldLayout.from_json(decision))
         return out
 
     def alone_profiles(self) -> dict[str, float]:
@@ -126,7 +128,7 @@ class PlanTable:
                               "measured_jobs": len(speedups)}
         layouts = self.layout_decisions()
         if layouts:  # "cpu: fused 2.40x (cse 1.30x)" per group key and device
-            out["layouts"] = [f"{device}: {c['reason']}" for key in sorted(layouts)
+            out["layouts"] = [f"{device}: {c.reason}" for key in sorted(layouts)
                               for device, c in sorted(layouts[key].items())]
         reasons = sorted({row["reason"] for row in rows
                           if row["status"] != "merged" and row["reason"]})

@@ -23,14 +23,17 @@ beyond :class:`~retiarii.strategies.scheduler.Scheduler`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Callable, Hashable
 
+from ..optim.passes import parse_settings
 from ..strategies.scheduler import Scheduler, Spawn
 from .checkpoint import CheckpointDir, CheckpointPathError, check_trial_id
 from .executors.base import Executor, FailureKind, Job, TrialTask
 from .flights import Flight, JobFlight, Outcome, failure_of, result_dict
 from .grouping import GroupedJobs
 from .placing import PackedJobs
+from .job_contract import HeldLayout
 from .journal import Journal, MemoryJournal
 from .trial import ALLOWED, IllegalTransition, Trial, TrialState
 from .trial_events import TrialEvents
@@ -96,13 +99,13 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
             then on. False: grouped jobs are kept whatever they measure.
         on_group: called with a record of every grouped job once it ends (trials, status
             ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
-        batching: grouped jobs also run the batching pass (``meta["batching"]``): a frozen
-            per-example layer the models feed with other values runs once on their
-            concatenated inputs (docs/optimization.md). ``"auto"``: when measured faster.
+        passes: the optional optimization passes grouped jobs run (name -> True, or
+            ``"auto"``: when measured faster; :mod:`retiarii.optim.passes`), sent as
+            ``meta["passes"]``. ``batching``: the same as ``passes={"batching": batching}``.
         packing, slot_memory, merge: how a batch is split over free slots (:mod:`~.placing`);
             ``merge=False``: a job of several trials trains each alone (no ``meta["group"]``).
-        dedicated: added to a grouped job's meta (``{"dedicated": patterns,
-            "dedicated_device": ...}``: engine/dedicated.py).
+        dedicated: ``{"dedicated": patterns, "dedicated_device": ...}`` told to grouped jobs
+            (engine/dedicated.py).
         fuse: whether a grouped job may train its same-architecture trials fused
             (``meta["fuse"]``; docs/optimization.md): ``"auto"`` when measured faster (the
             first job of a group key and device measures the layouts; a fused unit measured
@@ -122,7 +125,8 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
                  spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None,
                  batch_models: int = 1, group_key: Callable[[Trial], Hashable | None] | None = None,
                  profile: bool = False, on_group: Callable[[dict], None] | None = None,
-                 fuse: bool | str = False, batching: bool = False, packing: bool = False,
+                 fuse: bool | str = False, batching: bool | str = False,
+                 passes: Mapping[str, Any] | None = None, packing: bool = False,
                  merge: bool = True, slot_memory: float = float("inf"),
                  dedicated: dict | None = None):
         if segment < 1:
@@ -158,10 +162,13 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
         self.batch_models, self.group_key = batch_models, group_key
         self.profile, self.on_group = profile, on_group
         self.alone: set[str] = set()  # trials of reverted or failed groups: alone from now on
-        self.fuse, self.batching = fuse, batching
+        self.fuse = fuse
+        # optional pass -> True | "auto" (those set False are left out)
+        self.passes = {k: v for k, v in parse_settings(
+            {**({"batching": batching} if batching else {}), **(passes or {})}).items() if v}
         self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
         self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
-        self.layouts: dict[str, dict[str, dict]] = {}  # group key -> device -> layout choice
+        self.layouts: dict[str, dict[str, HeldLayout]] = {}  # group key -> device -> decision
         self.alone_arch: dict[str, dict[str, float]] = {}  # device -> architecture -> step time
         self.merge, self.dedicated = merge, dict(dedicated or {})
         self._init_packing(packing, slot_memory)
@@ -515,7 +522,7 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
             self._flights[task.trial_id] = Flight(task.trial_id, task, job_id, mark=now)
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
         if grouped and self.merge:
-            meta.update({**self._group_meta(tasks), **self.dedicated})
+            meta.update(self._group_meta(tasks))
         attempt = max(self.trials[t.trial_id].attempts for t in tasks)
         self.executor.submit(Job(job_id, tasks, attempt=attempt, meta=meta))
 

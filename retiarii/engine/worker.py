@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from ..refs import resolve_ref  # the one resolver: the references the driver made (refs.py)
 from .checkpoint import CheckpointError
+from .job_contract import GroupOrder, group_order
 from .executors.base import (
     Event, FailureKind, Job, JobFailed, JobFinished, JobProfiled, JobStarted, TrialCheckpointed,
     TrialResult, TrialTask, combined_kind,
@@ -234,7 +235,7 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
             if not unit.trials:
                 units.remove(unit)
     _release_cuda_cache()
-    if job.meta.get("group"):
+    if group_order(job.meta) is not None:
         emit(JobProfiled(job.job_id, tuple(unit.report() for unit in reports)))
     every = tuple((t, kinds[t], e) for t, e in failures.items())
     if not failures:
@@ -316,7 +317,8 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
     """What the job trains, in task order: each task alone, or, when ``job.meta["group"]``
     asks, the tasks that :func:`~.grouped.group_tasks` and the plan group as one
     :class:`~.grouped.TrainingGroup` (planning that fails falls back to training alone)."""
-    if not job.meta.get("group"):
+    order = group_order(job.meta)
+    if order is None:
         return [_Alone(task, runs[task.trial_id]) for task in tasks]
     from .grouped import GroupCandidate, TrainingGroup, group_tasks
     from .layouts import group_units
@@ -334,7 +336,8 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
         _trainer_key(t.spec["trainer"]), keys[t.trial_id],
         (runs[t.trial_id].epoch, runs[t.trial_id].batch), t.stop_step - runs[t.trial_id].step)
         for t in tasks]
-    profile = job.meta.get("profile")  # None: not measured; a list: measured, these alone too
+    # None: not measured; a list: measured, these alone too
+    profile = None if order.profile is None else list(order.profile)
     units: list = []
     for ids in group_tasks(candidates):
         if len(ids) == 1:
@@ -349,10 +352,10 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             space = context.space(by_id[ids[0]].spec["space"])
             models = {t: space.replay(by_id[t].spec["sample"]) for t in ids}
             grouped = group_units(
-                job.meta, list(ids), models, runs, runs[ids[0]].trainer, keys[ids[0]], profile,
+                order, list(ids), models, runs, runs[ids[0]].trainer, keys[ids[0]], profile,
                 lambda t, why, extra: _Alone(by_id[t], runs[t], why, extra),
                 make_group=lambda plan, rs, trainer, prof: _training_group(
-                    job, plan, rs, trainer, prof))
+                    order, plan, rs, trainer, prof))
             merged = [g for g in grouped if isinstance(g, TrainingGroup)]
             # what merging cost before the first batch (planning, building the group module):
             # paid on top of building each model, which training alone pays too. Not measuring
@@ -370,20 +373,20 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
     return units
 
 
-def _training_group(job: Job, plan: Any, runs: dict, trainer: Any, profile: Any) -> Any:
-    """A :class:`~.grouped.TrainingGroup`, or with ``job.meta["dedicated"]`` (patterns naming
+def _training_group(order: GroupOrder, plan: Any, runs: dict, trainer: Any, profile: Any) -> Any:
+    """A :class:`~.grouped.TrainingGroup`, or with ``order.dedicated`` (patterns naming
     modules) a :class:`~.dedicated.DedicatedGroup`: its shared cell, when it holds such a
-    module, on a dedicated device (``meta["dedicated_device"]``, default: another GPU, a side
+    module, on a dedicated device (``order.dedicated_device``, default: another GPU, a side
     stream of the only one, or a process on a CPU-only machine)."""
     from .grouped import TrainingGroup
 
-    patterns = job.meta.get("dedicated")
+    patterns = list(order.dedicated)
     if not patterns:
         return TrainingGroup(plan, runs, trainer, profile=profile)
     from .dedicated import DedicatedGroup, default_device
 
     first = next(iter(runs.values()))
-    device = job.meta.get("dedicated_device") or default_device(first.device)
+    device = order.dedicated_device or default_device(first.device)
     return DedicatedGroup(plan, runs, trainer, profile=profile, patterns=patterns, device=device)
 
 

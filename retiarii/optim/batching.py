@@ -48,6 +48,8 @@ import functools
 import json
 from dataclasses import replace
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -55,7 +57,7 @@ from ..frozen import FrozenBatchNorm
 from ..modspec import build_module
 from .plan import LogicalPlan, PassResult, Role
 
-__all__ = ["batch_independent", "batching"]
+__all__ = ["batch_independent", "batching", "worth_measuring"]
 
 # Modules whose output for one example depends on that example only, whatever dim 0 holds
 # (the batch, or channels of an unbatched input: these act per channel too).
@@ -185,3 +187,18 @@ def batching(plan: LogicalPlan) -> PassResult:
     if not new:
         return PassResult(plan, False)
     return PassResult(replace(plan, batches=plan.batches + tuple(new)), True)
+
+
+def worth_measuring(result: PassResult, device: Any) -> bool:
+    """Whether this pass's plan is worth measuring under ``batching="auto"``: it changed the
+    plan and, on a CPU, batches a frozen layer with weights (one call of a weighted layer on N
+    models' inputs saves per-call work; batching only weightless operations, a ReLU or a
+    pooling, saves nothing on a CPU and pays the concatenations: benchmarks/README.md,
+    "Operator batching"). On a GPU, where N small kernel launches cost more than one, any
+    change is measured."""
+    if not result.modified:
+        return False
+    if torch.device(device).type != "cpu":
+        return True
+    plan = result.plan
+    return any(plan.nodes[key].role is Role.FROZEN for batch in plan.batches for _, key in batch)

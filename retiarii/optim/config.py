@@ -1,0 +1,118 @@
+"""One object for the cross-model optimization options of an experiment: :class:`OptimizeConfig`.
+
+``Experiment(optimize=OptimizeConfig(...))`` and the older keyword arguments
+(``Experiment(optimize="auto", fuse=..., batching=..., packing=...)``) build the same object;
+the engine reads only this one. Each field's comment says why its default is what it is.
+
+Example::
+
+    import retiarii as rt
+    opt = rt.OptimizeConfig(mode=True, passes={"batching": True}, batch_models=16)
+    rt.Experiment(space, rt.strategies.Random(), trainer, optimize=opt)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .passes import optional_passes, parse_settings
+
+__all__ = ["OptimizeConfig"]
+
+_MODES = ("auto", True, False, "pack")
+
+
+def _setting(name: str, value: Any) -> None:
+    if value not in ("auto", True, False, None) or isinstance(value, (int, float)) \
+            and not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: give 'auto', True or False (or leave it out: "
+                         f"'auto' under optimize='auto', else False)")
+
+
+@dataclass(frozen=True)
+class OptimizeConfig:
+    """How the models of a multi-trial search train together (docs/optimization.md).
+
+    Args:
+        mode: ``"auto"``: up to ``batch_models`` trials that read the same batches train as
+            one job, each group measured and reverted when slower than its models apart;
+            ``True``: the same, never reverted for speed (nothing measured); ``False``: every
+            model alone (the baseline); ``"pack"``: jobs packed as with True, each model of a
+            job alone in it (the paper's packing without merging).
+        batch_models: the most trials one job trains.
+        fuse: same-architecture trials of a grouped job trained as one fused model:
+            ``"auto"`` when measured faster, True whenever possible, False never; None: the
+            mode's default (``"auto"`` under ``mode="auto"``, else False).
+        passes: the optional plan passes (:mod:`retiarii.optim.passes`), name -> True,
+            False or ``"auto"``; a pass left out takes its registered default under
+            ``mode="auto"`` and is off otherwise.
+        packing: how a batch of trials is split over free workers: by profiles (True), as
+            evenly as they go (False), or ``"auto"``: by profiles on GPUs only.
+        dedicated: module names or class names that get a device of their own in a grouped
+            job (``fnmatch`` patterns).
+        dedicated_device: ``"process"``, ``"thread"`` or ``"cuda:N"``; None: per worker.
+    """
+
+    # "auto": the search decides per group, by measurement, and reverts what loses; the
+    # engine's reason to exist, so the default.
+    mode: Any = "auto"
+    # 8 keeps a job's memory modest (the paper plans in batches of 50 on larger GPUs).
+    batch_models: int = 8
+    # None follows the mode: measured under "auto", off under True (bit for bit results).
+    fuse: Any = None
+    # Optional pass -> setting; what is left out follows the mode (see the field's doc).
+    passes: Mapping[str, Any] = field(default_factory=dict)
+    # "auto": profiles matter where memory decides what fits (GPUs); an even split measured
+    # as fast on a CPU (benchmarks/README.md, "packing_e2e").
+    packing: Any = "auto"
+    # Nothing dedicated unless asked: a device of its own pays only for a large shared part.
+    dedicated: tuple[str, ...] = ()
+    dedicated_device: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in _MODES or isinstance(self.mode, int) and not isinstance(
+                self.mode, bool):
+            raise ValueError(f"optimize={self.mode!r}: give 'auto', True, False or 'pack'")
+        if self.packing not in ("auto", True, False):
+            raise ValueError(f"packing={self.packing!r}: give 'auto', True or False")
+        if not isinstance(self.batch_models, int) or isinstance(self.batch_models, bool) \
+                or self.batch_models < 1:
+            raise ValueError(f"batch_models={self.batch_models!r}: give a number of trials >= 1")
+        _setting("fuse", self.fuse)
+        if self.dedicated is None or isinstance(self.dedicated, str) or not all(
+                isinstance(p, str) and p for p in self.dedicated):
+            raise ValueError(f"dedicated={self.dedicated!r}: give a list of module names or "
+                             f"class names, e.g. ['encoder']")
+        object.__setattr__(self, "dedicated", tuple(self.dedicated))
+        if self.dedicated_device not in (None, "process", "thread") and not str(
+                self.dedicated_device).startswith("cuda"):
+            raise ValueError(f"dedicated_device={self.dedicated_device!r}: give 'process', "
+                             f"'thread' or 'cuda:N' (None: chosen per worker)")
+        for name, value in dict(self.passes).items():
+            _setting(name, value)
+        object.__setattr__(self, "passes", parse_settings(dict(self.passes)))
+
+    @property
+    def effective_fuse(self) -> Any:
+        """``fuse`` with the mode's default filled in."""
+        if self.fuse is not None:
+            return self.fuse
+        return "auto" if self.mode == "auto" else False
+
+    @property
+    def effective_passes(self) -> dict[str, Any]:
+        """Every optional pass's setting, the mode's default filled in (True or ``"auto"``
+        for those that run; False for those that do not)."""
+        return {p.name: self.passes.get(p.name, p.default if self.mode == "auto" else False)
+                for p in optional_passes()}
+
+    def to_json(self) -> dict:
+        """The options as JSON (kept in an experiment's origin; :meth:`from_json` reads it)."""
+        return {"mode": self.mode, "batch_models": self.batch_models, "fuse": self.fuse,
+                "passes": dict(self.passes), "packing": self.packing,
+                "dedicated": list(self.dedicated), "dedicated_device": self.dedicated_device}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> OptimizeConfig:
+        return cls(**{**data, "dedicated": tuple(data.get("dedicated") or ())})
