@@ -250,6 +250,11 @@ class ModelSpace:
             check: propagate ``example_input`` to check shapes. Workers pass False for
                 samples the driver already instantiated; lazy modules are still settled.
         """
+        return self.build_with_model(sample, check)[1]
+
+    def build_with_model(self, sample: dict, check: bool = True) -> tuple[Model, nn.Module]:
+        """:meth:`build`, and the :class:`Model` (graph IR, mutation history) it was emitted
+        from: a worker plans grouped jobs on that IR instead of replaying the sample again."""
         if check:
             # The shape check builds (and caches) layers: keep their init out of the caller's
             # RNG streams, or the first model built in a process would get other weights.
@@ -259,7 +264,7 @@ class ModelSpace:
             model = self.replay(sample)
             if self.example_input is not None and has_lazy(model.graph):
                 propagate(model, self.example_input)
-        return self.load_frozen(model, model.to_module())
+        return model, self.load_frozen(model, model.to_module())
 
     # ---- frozen parameters ------------------------------------------------------------------
     def frozen_nodes(self, model: Model) -> dict[int, str]:

@@ -349,3 +349,25 @@ def test_set_training_sets_every_module_as_module_train_does():
         ref.train(mode)
         assert [m.training for m in ours.modules()] == [m.training for m in ref.modules()]
         assert ours[1].bn.training is False  # the override ran
+
+
+def test_a_grouped_job_replays_each_model_once(tmp_path, monkeypatch):
+    """The worker builds each model once and plans the group on the graph that build made
+    (``TrialRun.ir``), not on a second replay of the sample; the job still equals each task
+    alone (test above)."""
+    replays = []
+    original = rt.ModelSpace.replay
+
+    def counting(self, sample):
+        replays.append(dict(sample))
+        return original(self, sample)
+
+    monkeypatch.setattr(rt.ModelSpace, "replay", counting)
+    grouped = [_task(t, tmp_path, tag="once-") for t in HEAD]
+    events = _run(Job("g", grouped, meta={"group": True}))
+    assert isinstance(events[-1], JobFinished)
+    assert len(replays) == len(HEAD)  # one per model: its build
+    runs = {t.trial_id: _open(t) for t in grouped}
+    units = _units(Job("g", grouped, meta={"group": True}), grouped, runs, WorkerContext())
+    plan_models = {m.trial_id: m.model for m in units[0]._plan.models}
+    assert all(plan_models[t] is runs[t].ir for t in HEAD)

@@ -68,6 +68,9 @@ class TrialRun:
         self.trainer, self.hparams, self.trial_id = trainer, dict(hparams or {}), trial_id
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.epoch, self.batch = 0, 0  # data position: epochs done, batches done in this epoch
+        # The Model (graph IR) the module was emitted from, when the builder kept it (the
+        # worker does: grouped jobs plan on it instead of replaying the sample again).
+        self.ir: Any = None
         outer = ckpt.native_rng()
         try:
             ckpt.seed_rng(seed)

@@ -155,10 +155,19 @@ def _open_task(task: TrialTask, context: WorkerContext):
         space.check_frozen(spec["frozen"])
     # The driver already checked this sample's shapes (spec "checked"): do not run it twice.
     build_kwargs = {"check": False} if spec.get("checked") else {}
-    run = TrialRun(lambda: space.build(sample, **build_kwargs), trainer,
-                   spec.get("hparams") or {},
+    built: dict[str, Any] = {}
+
+    def build():
+        if not hasattr(space, "build_with_model"):  # any object with build(sample)
+            return space.build(sample, **build_kwargs)
+        built["model"], module = space.build_with_model(sample, **build_kwargs)
+        return module
+
+    run = TrialRun(build, trainer, spec.get("hparams") or {},
                    seed=int(spec.get("seed") or 0), checkpoint=task.checkpoint_in,
                    trial_id=task.trial_id)
+    # The IR the module was emitted from: grouped jobs plan on it (no second replay).
+    run.ir = built.get("model")
     check_segment(run, task.start_step, task.stop_step, task.checkpoint_in)
     return run
 
@@ -350,7 +359,8 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             start = time.perf_counter()
             grouped = []
             space = context.space(by_id[ids[0]].spec["space"])
-            models = {t: space.replay(by_id[t].spec["sample"]) for t in ids}
+            models = {t: getattr(runs[t], "ir", None) or space.replay(by_id[t].spec["sample"])
+                      for t in ids}
             grouped = group_units(
                 order, list(ids), models, runs, runs[ids[0]].trainer, keys[ids[0]], profile,
                 lambda t, why, extra: _Alone(by_id[t], runs[t], why, extra),
