@@ -29,6 +29,7 @@ import os
 import time
 from typing import Any, Callable
 
+from ..determinism import check as check_deterministic
 from ..enums import Mode, ModelStatus
 from ..refs import ref_of, resolve_ref
 from ..sampler import sample_key
@@ -140,6 +141,12 @@ class Experiment(Proposals):
             what its models use, the rest in host memory (:mod:`retiarii.optim.split`; issue
             #14 item 5). The strategy must support it (SPOS, ENAS; WeightSharing offloads
             on its one rank). None: no limit.
+        deterministic: train in deterministic mode (:mod:`retiarii.determinism`;
+            docs/engine.md, "Deterministic mode"): every process that trains (workers, Ray
+            actors, ranks, a dedicated module's process) uses deterministic kernels only, no
+            TF32, no cuDNN benchmarking and cuBLAS's reproducible workspace, so two runs of a
+            search on a GPU give the same metrics (at a cost in speed). Kept with the
+            experiment: a resume must ask for the same.
 
     A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
     ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
@@ -157,7 +164,12 @@ class Experiment(Proposals):
                  fuse: bool | str | None = None, batching: bool | str | None = None,
                  weight_sharing: bool | list[str] = False, ranks: int = 1,
                  device_memory: float | str | None = None, packing: bool | str = "auto",
-                 dedicated: list[str] | None = None, dedicated_device: str | None = None):
+                 dedicated: list[str] | None = None, dedicated_device: str | None = None,
+                 deterministic: bool = False):
+        try:
+            self.deterministic = check_deterministic(deterministic)
+        except ValueError as err:
+            raise ExperimentError(str(err)) from None
         if optimize not in ("auto", True, False, "pack"):
             raise ExperimentError(f"optimize={optimize!r}: give 'auto', True, False or 'pack'")
         if packing not in ("auto", True, False):
@@ -247,14 +259,19 @@ class Experiment(Proposals):
                 config["ranks"] = self.ranks
             if self.device_memory is not None:  # another split, other models per rank
                 config["device_memory"] = self.device_memory
-            return config
+            return {**config, **self._determinism()}
         return {"space": {"ref": self.space_ref, **space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
                              "config": self.strategy.config(),
                              "seed": getattr(self.strategy, "seed", None)},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
-                "mode": self.mode, "dedup": self.dedup}
+                "mode": self.mode, "dedup": self.dedup, **self._determinism()}
+
+    def _determinism(self) -> dict:
+        """Deterministic mode in the config when on (other kernels, other numbers: a run is
+        resumed only in the mode it started in); left out when off, as stores before it."""
+        return {"deterministic": True} if self.deterministic else {}
 
     def run(self, max_models: int | None = None, max_time: float | None = None) -> dict:
         """Start a new experiment in the store and run it to the end; returns a summary."""
