@@ -320,7 +320,9 @@ def test_ray_actors_train_in_the_mode(tmp_path):
     with RayExecutor(num_workers=1, num_cpus=1) as ex:
         curves = _search(tmp_path / "ray.db", ex, True)
     assert _reported(curves) == set(ON.items())
-    assert curves == _search(tmp_path / "local.db", None, True)  # as on local workers
+    # as on a local worker with the actor's one torch thread (reductions follow the count)
+    with LocalExecutor(num_workers=1, devices=[], threads_per_worker=1) as local:
+        assert curves == _search(tmp_path / "local.db", local, True)
 
 
 # ---- the GPU tests' bodies, on the CPU -------------------------------------------------------
