@@ -174,6 +174,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       progress=_Progress(max_models),
                       weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
+                      deterministic=bool(flags.get("deterministic")),  # stores before it: off
                       origin={"cli": {"space": recorded_space, **flags}})
 
 
@@ -206,7 +207,8 @@ def cmd_run(args) -> int:
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
              "batching": args.batching, "passes": args.passes, "packing": args.packing,
-             "device_memory": args.device_memory, "shared": args.shared}
+             "device_memory": args.device_memory, "shared": args.shared,
+             "deterministic": args.deterministic}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -315,6 +317,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")
+    run.add_argument("--deterministic", action="store_true",
+                     help="train with deterministic kernels only (no TF32, no cuDNN "
+                          "benchmarking) in every worker: two runs give the same metrics on "
+                          "a GPU too, slower; resume keeps it (docs/engine.md)")
     run.set_defaults(fn=cmd_run)
 
     status = sub.add_parser("status", help="trials by state and the best models of a store")
@@ -366,6 +372,8 @@ def parser() -> argparse.ArgumentParser:
     nas_run.add_argument("--store", default=None,
                          help="SQLite file (default runs/nas-NAME-PRESET.db)")
     nas_run.add_argument("--seed", type=int, default=0, help="seed of the search and trials")
+    nas_run.add_argument("--deterministic", action="store_true",
+                         help="deterministic kernels in every worker, as for `run`")
     nas_run.set_defaults(fn=cmd_nas_run)
     return p
 

@@ -56,6 +56,8 @@ def cmd_nas_run(args) -> int:
                            f"--max-models out")
         settings = {"name": args.name, "preset": args.preset, "max_models": args.max_models,
                     "epochs": args.epochs, "workers": args.workers, "seed": args.seed}
+        if args.deterministic:  # recorded only when on: resume rebuilds from these settings
+            settings["deterministic"] = True
         exp = nas.experiment(**settings, store=args.store, origin={"nas": settings},
                              progress=_Progress(args.max_models or 8))
     except (KeyError, nas.RowNotImplemented) as err:

@@ -13,9 +13,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 def pytest_configure(config):
     """The default suite is the CPU suite: on a machine with a GPU it still trains on the CPU,
     where its claims are exact (resumed equals uninterrupted bit for bit, grouped equals
-    alone); GPU kernels are not bit-reproducible, so the GPU paths are the tests marked
-    ``gpu`` (``pytest -m gpu``), which state their tolerances. Hiding the GPUs before CUDA
+    alone); GPU kernels are bit-reproducible only in deterministic mode, so the GPU paths are
+    the tests marked ``gpu`` (``pytest -m gpu``), run in that mode, which state their
+    tolerances. Hiding the GPUs before CUDA
     starts pins the test processes and the workers they spawn to the CPU."""
     markexpr = config.getoption("markexpr", "") or ""
     if "gpu" not in markexpr.replace("not gpu", ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:  # the GPU tests run in deterministic mode, which cuBLAS must know before it starts
+        from retiarii.determinism import prepare_worker
+
+        prepare_worker()

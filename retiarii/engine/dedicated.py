@@ -38,6 +38,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..determinism import carry
 from .grouped import TrainingGroup, _tensors
 
 __all__ = ["DedicatedGroup", "EncoderWorker", "dedicated_modules", "default_device"]
@@ -105,7 +106,9 @@ class EncoderWorker:
         if device == "process":
             ctx = torch.multiprocessing.get_context("spawn")
             self._in, self._out = ctx.Queue(), ctx.Queue()
-            self._process = ctx.Process(target=_encoder_main, daemon=True, args=(
+            # carry: a process of its own runs in the job's deterministic mode too (a
+            # thread shares the process's)
+            self._process = ctx.Process(target=carry(_encoder_main), daemon=True, args=(
                 encoder, self._in, self._out, torch.get_num_threads()))
             self._process.start()
         elif device == "thread":

@@ -29,6 +29,7 @@ import os
 import time
 from typing import Any, Callable
 
+from ..determinism import check as check_deterministic
 from ..enums import Mode, ModelStatus
 from ..optim.config import OptimizeConfig
 from ..refs import ref_of, resolve_ref
@@ -144,6 +145,12 @@ class Experiment(Proposals):
             what its models use, the rest in host memory (:mod:`retiarii.optim.split`; issue
             #14 item 5). The strategy must support it (SPOS, ENAS; WeightSharing offloads
             on its one rank). None: no limit.
+        deterministic: train in deterministic mode (:mod:`retiarii.determinism`;
+            docs/engine.md, "Deterministic mode"): every process that trains (workers, Ray
+            actors, ranks, a dedicated module's process) uses deterministic kernels only, no
+            TF32, no cuDNN benchmarking and cuBLAS's reproducible workspace, so two runs of a
+            search on a GPU give the same metrics (at a cost in speed). Kept with the
+            experiment: a resume must ask for the same.
 
     The optimization options (``optimize`` to ``passes``, ``packing``, ``dedicated``,
     ``dedicated_device``) may instead be given as one :class:`~retiarii.OptimizeConfig` in
@@ -166,7 +173,12 @@ class Experiment(Proposals):
                  passes: dict | None = None,
                  weight_sharing: bool | list[str] = False, ranks: int = 1,
                  device_memory: float | str | None = None, packing: bool | str = "auto",
-                 dedicated: list[str] | None = None, dedicated_device: str | None = None):
+                 dedicated: list[str] | None = None, dedicated_device: str | None = None,
+                 deterministic: bool = False):
+        try:
+            self.deterministic = check_deterministic(deterministic)
+        except ValueError as err:
+            raise ExperimentError(str(err)) from None
         self.optimization = _optimize_config(optimize, batch_models=batch_models, fuse=fuse,
                                              batching=batching, passes=passes, packing=packing,
                                              dedicated=dedicated,
@@ -249,14 +261,19 @@ class Experiment(Proposals):
                 config["ranks"] = self.ranks
             if self.device_memory is not None:  # another split, other models per rank
                 config["device_memory"] = self.device_memory
-            return config
+            return {**config, **self._determinism()}
         return {"space": {"ref": self.space_ref, **space_fingerprint(self.search_space)},
                 "strategy": {"class": ref_of(type(self.strategy)),
                              "config": self.strategy.config(),
                              "seed": getattr(self.strategy, "seed", None)},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
-                "mode": self.mode, "dedup": self.dedup}
+                "mode": self.mode, "dedup": self.dedup, **self._determinism()}
+
+    def _determinism(self) -> dict:
+        """Deterministic mode in the config when on (other kernels, other numbers: a run is
+        resumed only in the mode it started in); left out when off, as stores before it."""
+        return {"deterministic": True} if self.deterministic else {}
 
     def run(self, max_models: int | None = None, max_time: float | None = None) -> dict:
         """Start a new experiment in the store and run it to the end; returns a summary."""

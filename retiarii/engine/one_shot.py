@@ -178,6 +178,8 @@ class OneShotRun:
                      "segments": self.segments}
         if exp.ranks > 1:
             self.spec["ranks"] = exp.ranks
+        if exp.deterministic:  # the worker (and its ranks) train in deterministic mode
+            self.spec["deterministic"] = True
         if exp.device_memory is not None:
             self.spec["device_memory"] = exp.device_memory
         frozen = exp.space.frozen_fingerprint()

@@ -127,6 +127,8 @@ class Proposals:
                       "model_id": model_id, "choices": sample, "checked": True}
             if self.optimize and getattr(getattr(self, "runner", None), "packing", False):
                 config["profile"] = self._estimate(model)
+            if self.deterministic:  # its worker trains it in deterministic mode
+                config["deterministic"] = True
             frozen = self.space.frozen_fingerprint()
             if frozen is not None:  # the worker checks its frozen values are the driver's
                 config["frozen"] = frozen

@@ -35,12 +35,14 @@ not finish their segment.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 import traceback
 from typing import Any, Callable
 
+from ..determinism import DeterminismError, deterministic, spec_wants
 from ..refs import resolve_ref  # the one resolver: the references the driver made (refs.py)
 from .checkpoint import CheckpointError
 from .job_contract import GroupOrder, group_order
@@ -175,7 +177,9 @@ def _open_task(task: TrialTask, context: WorkerContext):
 def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
             context: WorkerContext | None = None, clock: Callable[[], float] = time.monotonic,
             cancelled: Callable[[], bool] = lambda: False) -> None:
-    """Train every task of ``job`` and report through ``emit`` (see the module docstring).
+    """Train every task of ``job`` and report through ``emit`` (see the module docstring),
+    in deterministic mode when a task's spec asks for it (``"deterministic": true``:
+    :mod:`retiarii.determinism`; the process's settings are restored after the job).
 
     Example::
 
@@ -191,6 +195,22 @@ def run_job(job: Job, emit: Callable[[Event], None], *, worker: str = "inline",
         cancelled: asked before every step; True ends the job there with
             ``JobFailed(error="cancelled")``.
     """
+    with contextlib.ExitStack() as mode:
+        try:
+            mode.enter_context(deterministic(spec_wants(task.spec for task in job.tasks)))
+        except (ValueError, DeterminismError) as err:  # a bad spec; cuBLAS started without it
+            kind = FailureKind.ENVIRONMENT if isinstance(err, DeterminismError) else \
+                FailureKind.MODEL
+            error = describe_error(err)
+            emit(JobStarted(job.job_id, worker))
+            emit(JobFailed(job.job_id, None, error, kind=kind, failures=tuple(
+                (task.trial_id, kind, error) for task in job.tasks)))
+            return
+        _run_job(job, emit, worker, context, clock, cancelled)
+
+
+def _run_job(job: Job, emit: Callable[[Event], None], worker: str, context: WorkerContext | None,
+             clock: Callable[[], float], cancelled: Callable[[], bool]) -> None:
     context = context or WorkerContext()
     emit = _guarded(emit)
     if job.meta.get("one_shot"):  # a segment of a one-shot search (engine/one_shot.py)

@@ -53,6 +53,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..determinism import carry
+
 __all__ = ["RankError", "average_used_gradients", "gather_segment", "loopback_interface",
            "run_segment_on_ranks", "segment_rank", "spawn"]
 
@@ -325,7 +327,8 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
     # Plain pickle again: multiprocessing would move the arguments' tensors to shared memory
     # that all ranks map, and ranks updating them in place (an optimizer's momentum loaded
     # from a state) would update each other's. Each rank gets its own copy.
-    work = pickle.dumps((fn, args))
+    # carry: the ranks run in this process's deterministic mode (a job's, in a worker)
+    work = pickle.dumps((carry(fn), args))
     # The ranks hold the reading end only: it reads EOF when this process is gone. (Not
     # daemonic processes: a rank may start its own, a DataLoader's workers.)
     alive_r, alive_w = ctx.Pipe(duplex=False)

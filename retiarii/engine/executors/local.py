@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from ...determinism import prepare_worker
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 
 __all__ = ["LocalExecutor", "visible_gpus"]
@@ -63,6 +64,7 @@ def _worker_main(name: str, jobs_in, events_out, heartbeat_interval: float, thre
                 os._exit(1)
 
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+    prepare_worker()  # before CUDA starts: any job of this worker may be deterministic
     import torch
 
     torch.set_num_threads(threads)

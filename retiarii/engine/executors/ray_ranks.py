@@ -50,6 +50,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ...determinism import carry, prepare_worker
 from ...optim.mixed_parallel import (
     DEFAULT_TIMEOUT, RankError, gather_segment, loopback_interface, segment_rank,
 )
@@ -81,6 +82,7 @@ class _RankActor:
 
     def __init__(self, sys_path: list[str], threads: int):
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        prepare_worker()  # before CUDA starts: the segment may be deterministic
         import torch
 
         torch.set_num_threads(threads)
@@ -217,7 +219,8 @@ class RankGroup:
             if not self._actors:
                 self._start()
             world, actors = self.world, self._actors
-            work = pickle.dumps((segment_rank, (build, state)))
+            # the ranks run in the worker's deterministic mode (the job's)
+            work = pickle.dumps((carry(segment_rank), (build, state)))
             group_timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
             deadline = None if timeout is None else time.monotonic() + timeout
             try:

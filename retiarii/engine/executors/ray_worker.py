@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from ...determinism import prepare_worker
 from .base import Event, Job, JobFailed, JobFinished, TrialCheckpointed
 
 __all__ = ["WorkerActor"]
@@ -32,6 +33,7 @@ class WorkerActor:
         # The driver's import path first (as multiprocessing's spawn gives a child): a space
         # module beside the driver's script imports here too.
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        prepare_worker()  # before CUDA starts: any job of this worker may be deterministic
         import functools
         import torch
 
