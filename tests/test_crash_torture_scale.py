@@ -17,7 +17,7 @@ Then a one-shot search gets the same treatment. What must hold at the end:
   rows, none half-written; and disk use as the GC policy says: one checkpoint per trial, its
   last (the one-shot search: its last unit only).
 
-The default suite runs a small slice (16 models, 2 driver kills, 1 worker kill); the full
+The default suite runs a small slice (16 models, a driver kill and a worker kill); the full
 torture (200 models with 20 kills, a one-shot search with 10) is marked slow.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _torture(tmp_path, kind, size, batch, driver_kills, worker_kills, span, gap)
             [sys.executable, str(HERE / "torture_driver.py"), str(db), mode, kind, str(size),
              str(batch), str(die_at)], env=env, capture_output=True, timeout=900)
         log.append(f"{mode} dying at write {die_at}: exit {proc.returncode}")
-        assert proc.returncode in (0, -signal.SIGKILL), "\n".join(
+        assert proc.returncode in ((0, -signal.SIGKILL) if die_at else (0,)), "\n".join(
             log + [proc.stderr.decode()[-3000:]])
         if proc.returncode == 0:
             if died >= driver_kills:
@@ -156,14 +156,17 @@ def _check_trials_run(db: Path, tmp_path: Path, size: int, batch: int, log: str)
 
 
 def test_a_small_search_survives_driver_and_worker_kills(tmp_path):
-    db, log = _torture(tmp_path, "trials", 16, 16, driver_kills=2, worker_kills=1, span=60,
+    # the first 16 models of the seed hold one pair of one architecture: one fused unit
+    db, log = _torture(tmp_path, "trials", 16, 16, driver_kills=1, worker_kills=1, span=60,
                        gap=20)
     _check_trials_run(db, tmp_path, 16, 16, log)
 
 
 @pytest.mark.slow  # 200 models through 20 kills: minutes on two busy cores
 def test_two_hundred_models_survive_twenty_kills(tmp_path):
-    db, log = _torture(tmp_path, "trials", 200, 16, driver_kills=12, worker_kills=8, span=200,
+    # ~15 writes per model; a restart spends ~2 per trial in flight (up to 32) requeuing them:
+    # kills within 500 writes of each start spread over about two thirds of the search
+    db, log = _torture(tmp_path, "trials", 200, 16, driver_kills=12, worker_kills=8, span=500,
                        gap=120)
     _check_trials_run(db, tmp_path, 200, 16, log)
 
