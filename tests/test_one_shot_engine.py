@@ -38,7 +38,8 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _by_hand(strategy=None, device=torch.device("cpu")) -> tuple[list, list, dict, dict]:
+def _by_hand(strategy=None, device=torch.device("cpu"),
+             trainer=trainer) -> tuple[list, list, dict, dict]:
     """The search without an engine: (models per segment, strategy metrics per segment,
     selected sample, the selected architecture's weights)."""
     if strategy is None:
