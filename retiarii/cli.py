@@ -22,39 +22,39 @@ from typing import Any
 from .cli_common import CliError, _Progress, _open, _positive, _print_best
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
 from .cli_inspect import _optimization_line  # noqa: F401 (tests import it from here)
-from .cli_one_shot import ONE_SHOT
+from . import registry
 
 __all__ = ["CliError", "main", "parser"]
 
-STRATEGIES = ("random", "grid", "evolution", "rl", "tpe", "predictor", *ONE_SHOT)
-SCHEDULERS = ("none", "asha", "median")
+STRATEGIES = registry.strategy_names()
+SCHEDULERS = ("none", *registry.names("scheduler"))
 
 
 def _strategy(name: str, seed: int, epochs: int | None = None):
-    from . import strategies as s
-
-    if name in ONE_SHOT:
-        from .cli_one_shot import one_shot_strategy
-
-        return one_shot_strategy(name, epochs, seed, CliError)
-
-    factories = {"random": lambda: s.Random(seed=seed), "grid": lambda: s.GridSearch(seed=seed),
-                 "evolution": lambda: s.RegularizedEvolution(population_size=16, sample_size=4,
-                                                             seed=seed),
-                 "rl": lambda: s.PolicyBasedRL(seed=seed), "tpe": lambda: s.TPE(seed=seed),
-                 "predictor": lambda: s.Predictor(seed=seed)}
-    return factories[name]()
+    """--strategy NAME as the registry builds it (a one-shot one: --epochs are its segments)."""
+    try:
+        return registry.make_strategy(name, seed, epochs if registry.is_one_shot(name) else None)
+    except (registry.UnknownName, ValueError) as err:
+        raise CliError(f"--strategy {name}: {err}") from None
 
 
 def _scheduler(name: str, epochs: int, metric: str):
-    from . import strategies as s
+    return registry.make_scheduler(name, metric, "max", epochs)
 
-    if name == "asha":
-        return s.ASHA(metric=metric, mode="max", grace_period=1, max_t=epochs, reduction_factor=2)
-    if name == "median":
-        return s.MedianStopping(metric=metric, mode="max", grace_period=1,
-                                min_samples_required=3)
-    return None
+
+def _name_of(kind: str):
+    """An argparse type: a name of the registry, refused with the valid ones and "did you
+    mean" (argparse's ``choices`` would list them without the near miss)."""
+    def check(value: str) -> str:
+        if kind == "scheduler" and value == "none":
+            return value
+        try:
+            return registry.entry(kind, value).name
+        except registry.UnknownName as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    check.__name__ = kind  # argparse says "invalid <name> value"
+    return check
 
 
 def _load_space_file(ref: str) -> tuple[str, Any]:
@@ -110,7 +110,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
                        f"rt.ModelSpace(...)` at the top level of the file")
     trainer = getattr(module, "trainer", None)
-    one_shot_flag = flags["strategy"] in ONE_SHOT
+    one_shot_flag = bool(flags["strategy"]) and registry.is_one_shot(flags["strategy"])
     if trainer is not None and flags.get("epochs") is not None and not one_shot_flag:
         raise CliError(f"--epochs applies to the default trainer, but {space_arg} defines its "
                        f"own `trainer`: set its epochs there, or leave --epochs out")
@@ -119,10 +119,13 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         epochs = None if one_shot_flag else flags.get("epochs")
         trainer = ClassifierTrainer(dataset="digits", epochs=5 if epochs is None else epochs)
     strategy = getattr(module, "strategy", None)
-    if isinstance(strategy, str):
-        raise CliError(f"{space_arg} sets `strategy = {strategy!r}`, a string: assign a strategy "
-                       f"object (e.g. rt.strategies.Random(seed=0)), or drop it and pass "
-                       f"--strategy {strategy}")
+    if isinstance(strategy, str) and not flags["strategy"]:
+        # a name, as --strategy takes it
+        try:
+            registry.entry("strategy", strategy)
+        except registry.UnknownName as err:
+            raise CliError(f"{space_arg} sets `strategy = {strategy!r}`: {err}") from None
+        strategy = _strategy(strategy, flags["seed"])
     strategy = _strategy(flags["strategy"], flags["seed"], flags.get("epochs")) \
         if flags["strategy"] else strategy or _strategy("evolution", flags["seed"])
     one_shot = getattr(strategy, "one_shot", False) or bool(flags.get("weight_sharing"))
@@ -198,16 +201,28 @@ def cmd_run(args) -> int:
     summary = exp.run()
     print(file=sys.stderr)
     _print_best(summary)
+    _print_failures(summary, exp.path)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
+
+
+def _print_failures(summary: dict, db: str) -> None:
+    """Models that failed in a search that trained others (one where all failed raised
+    SearchFailed): how many, and the most common reason."""
+    failures = summary.get("failures") or {}
+    if failures.get("failed"):
+        reason, n = failures["reasons"][0]
+        print(f"\n{failures['failed']} of {failures['models']} models failed; most common "
+              f"reason ({n}): {reason}  (retiarii status {db} --errors)", file=sys.stderr)
 
 
 def cmd_resume(args) -> int:
     _positive(args.workers, "--workers")
     _positive(args.max_models, "--max-models")
-    store = _open(args.db)
+    store = _open(args.db, args.experiment)
     try:
-        origin = store.get_experiment()["config"].get("origin") or {}
+        exp = store.get_experiment()
+        origin = exp["config"].get("origin") or {}
     finally:
         store.close()
     if "nas" in origin:  # `retiarii nas run NAME`: the row rebuilds it
@@ -217,9 +232,9 @@ def cmd_resume(args) -> int:
     try:
         cli = dict(origin["cli"])
     except (KeyError, TypeError):
-        raise CliError(f"the last experiment of {args.db} was started from Python, not from "
-                       f"`retiarii run`; resume it with Experiment(...same arguments...)"
-                       f".resume()") from None
+        raise CliError(f"experiment {exp['id']} of {args.db} was started from Python, not "
+                       f"from `retiarii run`; resume it with Experiment(...same arguments...)"
+                       f".resume(experiment={exp['id']})") from None
     recorded = cli.pop("space")
     space = _space_from_store(recorded, args.db)
     cli["store"] = args.db  # the store given is the store resumed (a copy resumes the copy)
@@ -230,9 +245,10 @@ def cmd_resume(args) -> int:
     if args.address:
         cli["address"] = args.address  # the cluster's head may have moved
     exp = _build(space, cli, recorded_space=recorded)
-    summary = exp.resume()
+    summary = exp.resume(experiment=args.experiment)
     print(file=sys.stderr)
     _print_best(summary)
+    _print_failures(summary, args.db)
     return 0
 
 
@@ -244,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="search a space: `demo` or a .py file defining `space`")
     run.add_argument("space", help="'demo' or a Python file with a module-level `space`")
-    run.add_argument("--strategy", choices=STRATEGIES, default=None,
+    run.add_argument("--strategy", type=_name_of("strategy"), default=None,
+                     metavar="{" + ",".join(STRATEGIES) + "}",
                      help="exploration strategy (default: the file's `strategy`, else "
                           "evolution); darts, gumbel, proxyless, spos and enas are one-shot "
                           "(docs/weight_sharing.md)")
@@ -270,9 +287,11 @@ def parser() -> argparse.ArgumentParser:
                      help="epochs per model for the default trainer (default 5); an error "
                           "when the space file defines its own `trainer`; for a one-shot "
                           "--strategy, its segments (default 5)")
-    run.add_argument("--scheduler", choices=SCHEDULERS, default="none",
+    run.add_argument("--scheduler", type=_name_of("scheduler"), default="none",
+                     metavar="{" + ",".join(SCHEDULERS) + "}",
                      help="early stopping: none, asha or median (default none)")
-    run.add_argument("--executor", choices=("local", "ray"), default="local",
+    run.add_argument("--executor", type=_name_of("executor"), default="local",
+                     metavar="{" + ",".join(registry.names("executor")) + "}",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")
     run.add_argument("--optimize", choices=(*_OPTIMIZE, "pack"), default="auto",
                      help="cross-model optimization: models reading the same batches train as "
@@ -302,6 +321,9 @@ def parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="trials by state and the best models of a store")
     status.add_argument("db", help="the SQLite file of a run")
+    status.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to read (default: its "
+                             "latest; `retiarii status DB` lists them)")
     status.add_argument("--top", type=int, default=10, help="best models to list (default 10)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--errors", action="store_true",
@@ -310,6 +332,9 @@ def parser() -> argparse.ArgumentParser:
 
     resume = sub.add_parser("resume", help="continue a run after Ctrl-C, a crash or SIGKILL")
     resume.add_argument("db", help="the SQLite file of a run started with `retiarii run`")
+    resume.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to continue (default: its "
+                             "latest; `retiarii status DB` lists them)")
     resume.add_argument("--workers", type=int, default=None, help="override the worker count")
     resume.add_argument("--max-models", type=int, default=None,
                         help="a new model budget (default: the one the run was started with)")
@@ -320,12 +345,18 @@ def parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="standalone .py + state_dict of the best models")
     export.add_argument("db", help="the SQLite file of a run")
+    export.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to read (default: its "
+                             "latest; `retiarii status DB` lists them)")
     export.add_argument("--top", type=int, default=3, help="how many models (default 3)")
     export.add_argument("--out", required=True, help="output folder")
     export.set_defaults(fn=cmd_export)
 
     plot = sub.add_parser("plot", help="best-so-far curves and learning curves to a PNG")
     plot.add_argument("db", help="the SQLite file of a run")
+    plot.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to read (default: its "
+                             "latest; `retiarii status DB` lists them)")
     plot.add_argument("--out", required=True, help="the PNG file to write")
     plot.set_defaults(fn=cmd_plot)
 
@@ -354,7 +385,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .engine.experiment import ExperimentError
+    from .engine.experiment import ExperimentError, SearchFailed
     from .engine.store import StoreError
 
     args = parser().parse_args(argv)
@@ -364,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; continue with: retiarii resume " +
               getattr(args, "store", getattr(args, "db", "")), file=sys.stderr)
         return 130
+    except SearchFailed as err:  # the search ran, and every model failed
+        print(f"retiarii {args.command}: {err}", file=sys.stderr)
+        return 1
     except (CliError, ExperimentError, StoreError) as err:
         print(f"retiarii {args.command}: {err}", file=sys.stderr)
         return 2
