@@ -76,8 +76,36 @@ def _load_space_file(ref: str) -> tuple[str, Any]:
         raise CliError(f"{ref} line {err.lineno}: syntax error ({err.msg}); fix the space "
                        f"file") from None
     except Exception as err:  # noqa: BLE001 (the user's code failed while it was imported)
-        raise CliError(f"{ref} failed while it was imported: {type(err).__name__}: {err}; "
-                       f"run `python {ref}` to see the traceback") from None
+        raise CliError(_import_failure(ref, path, err)) from None
+
+
+def _import_failure(ref: str, path: str, err: Exception) -> str:
+    """Why a space file failed to import, at the line of the user's code that failed (the
+    file's folder was importable, as under ``python FILE``: a sibling module is found)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(os.path.dirname(os.path.abspath(__file__)))]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = f"{ref} failed while it was imported: {type(err).__name__}: {err}{where}"
+    if isinstance(err, ModuleNotFoundError):
+        text += (f"; {err.name!r} is neither installed nor a module in {os.path.dirname(path)} "
+                 f"(the space file's folder, importable as under `python {ref}`)")
+    return text
+
+
+def _shipped_folder(ref: str, store: str) -> dict | None:
+    """The Ray runtime environment that ships a space file's folder to a cluster's nodes
+    (None for ``demo``, installed with retiarii); the run's own files stay behind."""
+    if ref == "retiarii.demo":
+        return None
+    folder = os.path.dirname(ref)
+    excludes = ["*.db", "*.db-wal", "*.db-shm", "*.lock", "*.checkpoints/", "__pycache__/",
+                ".git/"]
+    run = os.path.relpath(os.path.dirname(os.path.abspath(store)), folder)
+    if run != "." and not run.startswith(".."):  # the run folder inside it: not shipped
+        excludes.append(f"/{run}/")
+    return {"working_dir": folder, "excludes": excludes}
 
 
 def _space_for_store(space: str, store: str) -> str:
@@ -161,8 +189,11 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
             raise CliError("--address names a Ray cluster: add --executor ray")
         from .engine.executors.ray import RayExecutor
 
-        # connects on first use, disconnects at exit (RayExecutor.close runs at exit)
-        executor = RayExecutor(flags["workers"], address=flags["address"], ranks=ranks)
+        # connects on first use, disconnects at exit (RayExecutor.close runs at exit); the
+        # space file's folder travels with the job (Ray's working_dir), so that every node
+        # imports the file and its sibling modules (docs/ray.md)
+        executor = RayExecutor(flags["workers"], address=flags["address"], ranks=ranks,
+                               runtime_env=_shipped_folder(ref, flags["store"]))
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,

@@ -29,6 +29,9 @@ def cmd_status(args) -> int:
     errored = [t for t in store.trials() if t["state"] == "ERRORED"]
     models = store.models()
     failed = [m for m in models if m["status"] == "failed"]
+    why = {t["model_id"]: t["error"] for t in errored}
+    for m in failed:  # a store older than models.error: its trial's error says why
+        m["error"] = m.get("error") or why.get(m["id"])
     out = {"store": args.db, "experiment": exp["id"], "status": exp["status"],
            "seed": exp["seed"], "trials": store.counts_by_state(),
            "models": len(models), "best": store.best_models(metric, mode, args.top),

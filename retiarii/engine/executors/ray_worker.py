@@ -32,6 +32,13 @@ class WorkerActor:
         # The driver's import path first (as multiprocessing's spawn gives a child): a space
         # module beside the driver's script imports here too.
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        if (ranks.get("runtime_env") or {}).get("working_dir"):
+            # Ray runs this actor in its node's copy of the job's working_dir (the space
+            # file's folder, shipped by `retiarii run --executor ray --address`): a space
+            # file path of the driver that this node lacks is loaded from that copy.
+            from ...refs import add_shipped_folder
+
+            add_shipped_folder(os.getcwd())
         import functools
         import torch
 
