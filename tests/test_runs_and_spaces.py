@@ -150,3 +150,40 @@ def test_experiment_flag_reads_and_continues_any_experiment_of_a_store(
                     ["plot", str(db), "--out", str(tmp_path / "p2.png")]):
         assert cli.main([*command, "--experiment", "7"]) == 2
         assert "--experiment 7: " in capsys.readouterr().err
+
+
+# ---- a budget the strategy's start-up spends whole ---------------------------------------------
+
+
+def test_a_budget_inside_the_start_up_warns_once_naming_the_numbers(tmp_path):
+    import warnings
+
+    import retiarii as rt
+    from exp_space import space, trainer
+    from retiarii.engine.experiment_checks import BudgetWarning
+
+    exp = rt.Experiment(space, "evolution", trainer, store=str(tmp_path / "b.db"),
+                        executor=InProcessExecutor(), max_models=2, optimize=False, workers=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exp.run()
+    budget = [str(w.message) for w in caught if w.category is BudgetWarning]
+    assert budget == ["max_models=2 does not pass the start-up of RegularizedEvolution "
+                      "(population_size=16 random models): every model is drawn before it "
+                      "learns from a result, a random search. Give max_models > 16, or lower "
+                      "its start-up"]
+
+
+def test_the_start_up_of_each_learning_strategy_is_named():
+    import retiarii as rt
+    from retiarii.engine.experiment_checks import budget_warning
+
+    tpe = budget_warning(rt.strategies.TPE(n_startup=10), 5, 1, 1)
+    assert "max_models=5" in tpe and "n_startup=10 random models" in tpe
+    # RL learns from its first result: what is proposed before it comes back is its start-up
+    rl = budget_warning(rt.strategies.PolicyBasedRL(seed=0), 10, 2, 8)
+    assert "16 models proposed before the first result (2 workers x 8 per job)" in rl
+    assert budget_warning(rt.strategies.PolicyBasedRL(seed=0), 17, 2, 8) is None
+    assert budget_warning(rt.strategies.TPE(n_startup=10), 11, 1, 1) is None
+    assert budget_warning(rt.strategies.Random(seed=0), 1, 4, 8) is None  # never learns
+    assert budget_warning(rt.strategies.TPE(n_startup=10), None, 1, 1) is None  # no budget

@@ -35,8 +35,8 @@ from ..sampler import sample_key
 from ..strategies.one_shot import OneShot
 from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir
-from .experiment_checks import check_arguments, resolve_scheduler, resolve_strategy
-from .failures import SearchFailed, all_failed_message, failure_summary
+from .experiment_checks import check_arguments, resolve_scheduler, resolve_strategy, warn_budget
+from .failures import SearchFailed, with_failures
 from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
                                  object_ref, space_fingerprint, trainer_spec)
 from .lock import StoreLock, StoreLocked
@@ -268,8 +268,15 @@ class Experiment(Proposals):
                 "mode": self.mode, "dedup": self.dedup}
 
     def run(self, max_models: int | None = None, max_time: float | None = None) -> dict:
-        """Start a new experiment in the store and run it to the end; returns a summary."""
+        """Start a new experiment in the store and run it to the end; returns a summary.
+
+        Warns (:class:`~.experiment_checks.BudgetWarning`) when the model budget does not
+        pass the strategy's random start-up; raises :class:`~.failures.SearchFailed` when
+        every model failed (the store keeps each one's error)."""
         self._budgets(max_models, max_time)
+        if not self.one_shot:
+            warn_budget(self.strategy, self.max_models, self.workers,
+                        self.batch_models if self.optimize else 1)
         self._open()
         try:
             self.store.add_experiment({**self.config(), "origin": self.origin}, self.seed,
@@ -416,17 +423,7 @@ class Experiment(Proposals):
             if executor is not self.executor:  # made here (None or "ray"): ours to close
                 executor.close()
             store.flush()
-        return self._failed_or(self.summary())
-
-    def _failed_or(self, summary: dict) -> dict:
-        """``summary`` with why models failed (``summary["failures"]``); a search whose every
-        model failed raises :class:`~.failures.SearchFailed` instead (its status "failed")."""
-        summary["failures"] = failures = failure_summary(self.store.models())
-        message = all_failed_message(self.path, failures)
-        if message is None:
-            return summary
-        self.store.set_experiment_status("failed")
-        raise SearchFailed(message, summary, failures)
+        return with_failures(self.store, self.path, self.summary())  # or SearchFailed
 
     def _executor(self):
         executor = self.executor

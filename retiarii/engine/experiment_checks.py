@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from typing import Any
 
 from .. import registry
@@ -20,7 +21,8 @@ from .executors.base import Executor
 from .experiment_support import ExperimentError
 from .trainer import Trainer
 
-__all__ = ["check_arguments", "resolve_strategy", "resolve_scheduler"]
+__all__ = ["BudgetWarning", "budget_warning", "warn_budget", "check_arguments", "resolve_strategy",
+           "resolve_scheduler"]
 
 
 def resolve_strategy(strategy: Any, seed: int) -> Any:
@@ -108,3 +110,35 @@ def check_arguments(*, trainer, store, workers, devices, max_models, max_time, s
         raise ExperimentError(f"progress={progress!r}: give a function of the summary dict")
     if origin is not None and not isinstance(origin, dict):
         raise ExperimentError(f"origin={origin!r}: give a JSON dict (or None)")
+
+
+class BudgetWarning(UserWarning):
+    """A budget the search spends before its strategy learns anything: a random search."""
+
+
+def budget_warning(strategy, max_models: int | None, workers: int, in_job: int) -> str | None:
+    """What to warn when ``max_models`` does not pass ``strategy``'s random start-up (its
+    population, its random start-up trials) or the first batch of models proposed before any
+    result comes back (``workers`` x ``in_job`` models a job trains), else None."""
+    startup = getattr(strategy, "random_startup", lambda: None)()
+    if startup is None or max_models is None:
+        return None
+    own, why = startup
+    first = workers * in_job
+    need = max(own, first)
+    if max_models > need:
+        return None
+    parts = [f"{why} random models" if own else None,
+             f"{first} models proposed before the first result ({workers} workers x {in_job} "
+             f"per job)" if first >= own else None]
+    reasons = " and ".join(p for p in parts if p)
+    return (f"max_models={max_models} does not pass the start-up of "
+            f"{type(strategy).__name__} ({reasons}): every model is drawn before it learns "
+            f"from a result, a random search. Give max_models > {need}, or lower its start-up")
+
+
+def warn_budget(strategy, max_models: int | None, workers: int, in_job: int) -> None:
+    """Warn once, at the start of a search, when :func:`budget_warning` has something to say."""
+    why = budget_warning(strategy, max_models, workers, in_job)
+    if why:
+        warnings.warn(why, BudgetWarning, stacklevel=3)

@@ -14,7 +14,8 @@ import traceback
 
 from .experiment_support import ExperimentError
 
-__all__ = ["SearchFailed", "all_failed_message", "build_error", "failure_summary", "reason_of"]
+__all__ = ["SearchFailed", "all_failed_message", "build_error", "failure_summary", "reason_of",
+           "with_failures"]
 
 
 class SearchFailed(ExperimentError):
@@ -67,3 +68,14 @@ def all_failed_message(path: str, failures: dict) -> str | None:
     return (f"{path}: all {failures['failed']} models failed, nothing was trained; most common "
             f"reason ({n} of {failures['failed']}): {reason}. Every model's error: retiarii "
             f"status {path} --errors")
+
+
+def with_failures(store, path: str, summary: dict) -> dict:
+    """``summary`` with why models failed (``summary["failures"]``); a search whose every
+    model failed raises :class:`SearchFailed` instead (the experiment's status "failed")."""
+    summary["failures"] = failures = failure_summary(store.models())
+    message = all_failed_message(path, failures)
+    if message is None:
+        return summary
+    store.set_experiment_status("failed")
+    raise SearchFailed(message, summary, failures)
