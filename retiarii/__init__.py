@@ -3,10 +3,10 @@
 The public API: trace a PyTorch model into the graph IR, define a space with mutators, pick a
 strategy, run an experiment. See README.md and docs/.
 """
-from . import engine, mutators, nn, ops, strategies
+from . import engine, mutators, nn, ops, registry, strategies
 from .cell import Cell
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
-from .engine import Experiment, ExperimentError
+from .engine import Experiment, ExperimentError, SearchFailed
 from .engine.image_trainer import ImageFolderTrainer
 from .engine.trainer import ClassifierTrainer as Trainer
 from .frozen import FrozenBatchNorm, freeze
@@ -26,7 +26,6 @@ __version__ = "0.1.0"
 __all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "FrozenBatchNorm",
            "Graph", "GraphError", "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "OptimizeConfig", "Pass", "Pattern",
-           "Repeat", "SampleError",
-           "ShapeMismatchError", "SpaceError", "TargetError", "TraceError", "ValueChoice",
-           "apply_mutator", "engine", "freeze", "leaf", "mutators", "nn", "ops", "register_pass",
-           "strategies", "trace"]
+           "Repeat", "SampleError", "SearchFailed", "ShapeMismatchError", "SpaceError", "TargetError",
+           "TraceError", "ValueChoice", "apply_mutator", "engine", "freeze", "leaf", "mutators", "nn",
+           "ops", "register_pass", "registry", "strategies", "trace"]

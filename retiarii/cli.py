@@ -22,40 +22,40 @@ from typing import Any
 from .cli_common import CliError, _Progress, _open, _positive, _print_best
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
 from .cli_inspect import _optimization_line  # noqa: F401 (tests import it from here)
-from .cli_one_shot import ONE_SHOT
+from . import registry
 from .optim.passes import parse_settings
 
 __all__ = ["CliError", "main", "parser"]
 
-STRATEGIES = ("random", "grid", "evolution", "rl", "tpe", "predictor", *ONE_SHOT)
-SCHEDULERS = ("none", "asha", "median")
+STRATEGIES = registry.strategy_names()
+SCHEDULERS = ("none", *registry.names("scheduler"))
 
 
 def _strategy(name: str, seed: int, epochs: int | None = None):
-    from . import strategies as s
-
-    if name in ONE_SHOT:
-        from .cli_one_shot import one_shot_strategy
-
-        return one_shot_strategy(name, epochs, seed, CliError)
-
-    factories = {"random": lambda: s.Random(seed=seed), "grid": lambda: s.GridSearch(seed=seed),
-                 "evolution": lambda: s.RegularizedEvolution(population_size=16, sample_size=4,
-                                                             seed=seed),
-                 "rl": lambda: s.PolicyBasedRL(seed=seed), "tpe": lambda: s.TPE(seed=seed),
-                 "predictor": lambda: s.Predictor(seed=seed)}
-    return factories[name]()
+    """--strategy NAME as the registry builds it (a one-shot one: --epochs are its segments)."""
+    try:
+        return registry.make_strategy(name, seed, epochs if registry.is_one_shot(name) else None)
+    except (registry.UnknownName, ValueError) as err:
+        raise CliError(f"--strategy {name}: {err}") from None
 
 
 def _scheduler(name: str, epochs: int, metric: str):
-    from . import strategies as s
+    return registry.make_scheduler(name, metric, "max", epochs)
 
-    if name == "asha":
-        return s.ASHA(metric=metric, mode="max", grace_period=1, max_t=epochs, reduction_factor=2)
-    if name == "median":
-        return s.MedianStopping(metric=metric, mode="max", grace_period=1,
-                                min_samples_required=3)
-    return None
+
+def _name_of(kind: str):
+    """An argparse type: a name of the registry, refused with the valid ones and "did you
+    mean" (argparse's ``choices`` would list them without the near miss)."""
+    def check(value: str) -> str:
+        if kind == "scheduler" and value == "none":
+            return value
+        try:
+            return registry.entry(kind, value).name
+        except registry.UnknownName as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    check.__name__ = kind  # argparse says "invalid <name> value"
+    return check
 
 
 def _load_space_file(ref: str) -> tuple[str, Any]:
@@ -77,8 +77,36 @@ def _load_space_file(ref: str) -> tuple[str, Any]:
         raise CliError(f"{ref} line {err.lineno}: syntax error ({err.msg}); fix the space "
                        f"file") from None
     except Exception as err:  # noqa: BLE001 (the user's code failed while it was imported)
-        raise CliError(f"{ref} failed while it was imported: {type(err).__name__}: {err}; "
-                       f"run `python {ref}` to see the traceback") from None
+        raise CliError(_import_failure(ref, path, err)) from None
+
+
+def _import_failure(ref: str, path: str, err: Exception) -> str:
+    """Why a space file failed to import, at the line of the user's code that failed (the
+    file's folder was importable, as under ``python FILE``: a sibling module is found)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(os.path.dirname(os.path.abspath(__file__)))]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = f"{ref} failed while it was imported: {type(err).__name__}: {err}{where}"
+    if isinstance(err, ModuleNotFoundError):
+        text += (f"; {err.name!r} is neither installed nor a module in {os.path.dirname(path)} "
+                 f"(the space file's folder, importable as under `python {ref}`)")
+    return text
+
+
+def _shipped_folder(ref: str, store: str) -> dict | None:
+    """The Ray runtime environment that ships a space file's folder to a cluster's nodes
+    (None for ``demo``, installed with retiarii); the run's own files stay behind."""
+    if ref == "retiarii.demo":
+        return None
+    folder = os.path.dirname(ref)
+    excludes = ["*.db", "*.db-wal", "*.db-shm", "*.lock", "*.checkpoints/", "__pycache__/",
+                ".git/"]
+    run = os.path.relpath(os.path.dirname(os.path.abspath(store)), folder)
+    if run != "." and not run.startswith(".."):  # the run folder inside it: not shipped
+        excludes.append(f"/{run}/")
+    return {"working_dir": folder, "excludes": excludes}
 
 
 def _space_for_store(space: str, store: str) -> str:
@@ -111,7 +139,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
                        f"rt.ModelSpace(...)` at the top level of the file")
     trainer = getattr(module, "trainer", None)
-    one_shot_flag = flags["strategy"] in ONE_SHOT
+    one_shot_flag = bool(flags["strategy"]) and registry.is_one_shot(flags["strategy"])
     if trainer is not None and flags.get("epochs") is not None and not one_shot_flag:
         raise CliError(f"--epochs applies to the default trainer, but {space_arg} defines its "
                        f"own `trainer`: set its epochs there, or leave --epochs out")
@@ -120,10 +148,13 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         epochs = None if one_shot_flag else flags.get("epochs")
         trainer = ClassifierTrainer(dataset="digits", epochs=5 if epochs is None else epochs)
     strategy = getattr(module, "strategy", None)
-    if isinstance(strategy, str):
-        raise CliError(f"{space_arg} sets `strategy = {strategy!r}`, a string: assign a strategy "
-                       f"object (e.g. rt.strategies.Random(seed=0)), or drop it and pass "
-                       f"--strategy {strategy}")
+    if isinstance(strategy, str) and not flags["strategy"]:
+        # a name, as --strategy takes it
+        try:
+            registry.entry("strategy", strategy)
+        except registry.UnknownName as err:
+            raise CliError(f"{space_arg} sets `strategy = {strategy!r}`: {err}") from None
+        strategy = _strategy(strategy, flags["seed"])
     strategy = _strategy(flags["strategy"], flags["seed"], flags.get("epochs")) \
         if flags["strategy"] else strategy or _strategy("evolution", flags["seed"])
     one_shot = getattr(strategy, "one_shot", False) or bool(flags.get("weight_sharing"))
@@ -159,8 +190,11 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
             raise CliError("--address names a Ray cluster: add --executor ray")
         from .engine.executors.ray import RayExecutor
 
-        # connects on first use, disconnects at exit (RayExecutor.close runs at exit)
-        executor = RayExecutor(flags["workers"], address=flags["address"], ranks=ranks)
+        # connects on first use, disconnects at exit (RayExecutor.close runs at exit); the
+        # space file's folder travels with the job (Ray's working_dir), so that every node
+        # imports the file and its sibling modules (docs/ray.md)
+        executor = RayExecutor(flags["workers"], address=flags["address"], ranks=ranks,
+                               runtime_env=_shipped_folder(ref, flags["store"]))
     return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
@@ -213,16 +247,28 @@ def cmd_run(args) -> int:
     summary = exp.run()
     print(file=sys.stderr)
     _print_best(summary)
+    _print_failures(summary, exp.path)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
+
+
+def _print_failures(summary: dict, db: str) -> None:
+    """Models that failed in a search that trained others (one where all failed raised
+    SearchFailed): how many, and the most common reason."""
+    failures = summary.get("failures") or {}
+    if failures.get("failed"):
+        reason, n = failures["reasons"][0]
+        print(f"\n{failures['failed']} of {failures['models']} models failed; most common "
+              f"reason ({n}): {reason}  (retiarii status {db} --errors)", file=sys.stderr)
 
 
 def cmd_resume(args) -> int:
     _positive(args.workers, "--workers")
     _positive(args.max_models, "--max-models")
-    store = _open(args.db)
+    store = _open(args.db, args.experiment)
     try:
-        origin = store.get_experiment()["config"].get("origin") or {}
+        exp = store.get_experiment()
+        origin = exp["config"].get("origin") or {}
     finally:
         store.close()
     if "nas" in origin:  # `retiarii nas run NAME`: the row rebuilds it
@@ -232,9 +278,9 @@ def cmd_resume(args) -> int:
     try:
         cli = dict(origin["cli"])
     except (KeyError, TypeError):
-        raise CliError(f"the last experiment of {args.db} was started from Python, not from "
-                       f"`retiarii run`; resume it with Experiment(...same arguments...)"
-                       f".resume()") from None
+        raise CliError(f"experiment {exp['id']} of {args.db} was started from Python, not "
+                       f"from `retiarii run`; resume it with Experiment(...same arguments...)"
+                       f".resume(experiment={exp['id']})") from None
     recorded = cli.pop("space")
     space = _space_from_store(recorded, args.db)
     cli["store"] = args.db  # the store given is the store resumed (a copy resumes the copy)
@@ -245,9 +291,10 @@ def cmd_resume(args) -> int:
     if args.address:
         cli["address"] = args.address  # the cluster's head may have moved
     exp = _build(space, cli, recorded_space=recorded)
-    summary = exp.resume()
+    summary = exp.resume(experiment=args.experiment)
     print(file=sys.stderr)
     _print_best(summary)
+    _print_failures(summary, args.db)
     return 0
 
 
@@ -259,7 +306,8 @@ def parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="search a space: `demo` or a .py file defining `space`")
     run.add_argument("space", help="'demo' or a Python file with a module-level `space`")
-    run.add_argument("--strategy", choices=STRATEGIES, default=None,
+    run.add_argument("--strategy", type=_name_of("strategy"), default=None,
+                     metavar="{" + ",".join(STRATEGIES) + "}",
                      help="exploration strategy (default: the file's `strategy`, else "
                           "evolution); darts, gumbel, proxyless, spos and enas are one-shot "
                           "(docs/weight_sharing.md)")
@@ -285,9 +333,11 @@ def parser() -> argparse.ArgumentParser:
                      help="epochs per model for the default trainer (default 5); an error "
                           "when the space file defines its own `trainer`; for a one-shot "
                           "--strategy, its segments (default 5)")
-    run.add_argument("--scheduler", choices=SCHEDULERS, default="none",
+    run.add_argument("--scheduler", type=_name_of("scheduler"), default="none",
+                     metavar="{" + ",".join(SCHEDULERS) + "}",
                      help="early stopping: none, asha or median (default none)")
-    run.add_argument("--executor", choices=("local", "ray"), default="local",
+    run.add_argument("--executor", type=_name_of("executor"), default="local",
+                     metavar="{" + ",".join(registry.names("executor")) + "}",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")
     run.add_argument("--optimize", choices=(*_OPTIMIZE, "pack"), default="auto",
                      help="cross-model optimization: models reading the same batches train as "
@@ -325,6 +375,9 @@ def parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="trials by state and the best models of a store")
     status.add_argument("db", help="the SQLite file of a run")
+    status.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to read (default: its "
+                             "latest; `retiarii status DB` lists them)")
     status.add_argument("--top", type=int, default=10, help="best models to list (default 10)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--errors", action="store_true",
@@ -333,6 +386,9 @@ def parser() -> argparse.ArgumentParser:
 
     resume = sub.add_parser("resume", help="continue a run after Ctrl-C, a crash or SIGKILL")
     resume.add_argument("db", help="the SQLite file of a run started with `retiarii run`")
+    resume.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to continue (default: its "
+                             "latest; `retiarii status DB` lists them)")
     resume.add_argument("--workers", type=int, default=None, help="override the worker count")
     resume.add_argument("--max-models", type=int, default=None,
                         help="a new model budget (default: the one the run was started with)")
@@ -343,12 +399,18 @@ def parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="standalone .py + state_dict of the best models")
     export.add_argument("db", help="the SQLite file of a run")
+    export.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to read (default: its "
+                             "latest; `retiarii status DB` lists them)")
     export.add_argument("--top", type=int, default=3, help="how many models (default 3)")
     export.add_argument("--out", required=True, help="output folder")
     export.set_defaults(fn=cmd_export)
 
     plot = sub.add_parser("plot", help="best-so-far curves and learning curves to a PNG")
     plot.add_argument("db", help="the SQLite file of a run")
+    plot.add_argument("--experiment", type=int, default=None, metavar="N",
+                        help="the experiment of the store to read (default: its "
+                             "latest; `retiarii status DB` lists them)")
     plot.add_argument("--out", required=True, help="the PNG file to write")
     plot.set_defaults(fn=cmd_plot)
 
@@ -379,7 +441,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .engine.experiment import ExperimentError
+    from .engine.experiment import ExperimentError, SearchFailed
     from .engine.store import StoreError
 
     args = parser().parse_args(argv)
@@ -389,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; continue with: retiarii resume " +
               getattr(args, "store", getattr(args, "db", "")), file=sys.stderr)
         return 130
+    except SearchFailed as err:  # the search ran, and every model failed
+        print(f"retiarii {args.command}: {err}", file=sys.stderr)
+        return 1
     except (CliError, ExperimentError, StoreError) as err:
         print(f"retiarii {args.command}: {err}", file=sys.stderr)
         return 2

@@ -69,8 +69,9 @@ def _print_best(summary: dict) -> None:
         print(_best_table(summary["best"]))
 
 
-def _open(db: str):
-    """The store ``db`` (which must exist: nothing is created), on its latest experiment."""
+def _open(db: str, experiment: int | None = None):
+    """The store ``db`` (which must exist: nothing is created), on experiment ``experiment``
+    (``--experiment N``; default: its latest)."""
     from .engine.store import Store
 
     if not os.path.exists(db):
@@ -86,7 +87,12 @@ def _open(db: str):
     if not experiments:
         store.close()
         raise CliError(f"{db} holds no experiment: start one with `retiarii run`")
-    store.use_experiment(experiments[-1]["id"])
+    ids = [e["id"] for e in experiments]
+    if experiment is not None and experiment not in ids:
+        store.close()
+        raise CliError(f"--experiment {experiment}: {db} holds experiments "
+                       f"{', '.join(map(str, ids))} (retiarii status {db} lists them)")
+    store.use_experiment(ids[-1] if experiment is None else experiment)
     return store
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from .cli_common import CliError, _best_table, _metric, _open, _positive, _table
 from .cli_source import trusted_source
+from .engine.failures import failure_summary, reason_of
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_status"]
 
@@ -15,18 +17,30 @@ __all__ = ["cmd_export", "cmd_plot", "cmd_status"]
 def cmd_status(args) -> int:
     from .cli_one_shot import is_one_shot, print_status
 
-    store = _open(args.db)
+    store = _open(args.db, args.experiment)
     exp = store.get_experiment()
+    experiments = store.experiments()
+    if len(experiments) > 1 and not args.json:
+        print(_experiments_table(experiments, exp["id"]) + "\n")
     if is_one_shot(exp["config"]):
         print_status(store, args.db, args.json, _table)
         return 0
     metric, mode = _metric(store)
     errored = [t for t in store.trials() if t["state"] == "ERRORED"]
+    models = store.models()
+    failed = [m for m in models if m["status"] == "failed"]
+    why = {t["model_id"]: t["error"] for t in errored}
+    for m in failed:  # a store older than models.error: its trial's error says why
+        m["error"] = m.get("error") or why.get(m["id"])
     out = {"store": args.db, "experiment": exp["id"], "status": exp["status"],
            "seed": exp["seed"], "trials": store.counts_by_state(),
-           "models": len(store.models()), "best": store.best_models(metric, mode, args.top),
+           "models": len(models), "best": store.best_models(metric, mode, args.top),
            "errors": [{"trial_id": t["id"], "model_id": t["model_id"],
-                       "error": t["error"] or ""} for t in errored]}
+                       "error": t["error"] or ""} for t in errored],
+           "failures": failure_summary(models),
+           "failed_models": [{"model_id": m["id"], "sample": m["sample"],
+                              "error": m.get("error") or ""} for m in failed],
+           "experiments": [{"id": e["id"], "status": e["status"]} for e in experiments]}
     from .engine.plans import PlanTable
 
     plans = PlanTable(store).summary()
@@ -39,6 +53,8 @@ def cmd_status(args) -> int:
     print(_table([[k, v] for k, v in out["trials"].items()], ["state", "trials"]))
     print(f"\nbest by {metric} ({mode}):")
     print(_best_table(out["best"]) if out["best"] else "(no finished result yet)")
+    if failed:
+        _print_failed(out, {t["model_id"] for t in errored}, args.errors)
     if errored:
         print(f"\nerrored trials ({len(errored)}):")
         for e in out["errors"]:
@@ -47,7 +63,7 @@ def cmd_status(args) -> int:
                 print(f"- {e['trial_id']} (model {e['model_id']}):")
                 print("    " + "\n    ".join(lines))
             else:
-                print(f"- {e['trial_id']} (model {e['model_id']}): {_reason(lines)}")
+                print(f"- {e['trial_id']} (model {e['model_id']}): {reason_of(e['error'])}")
         if not args.errors:
             print("(retiarii status --errors shows each whole traceback)")
     if "optimization" in out:
@@ -82,12 +98,32 @@ def _optimization_line(plans: dict) -> str:
     return text
 
 
-def _reason(lines: list[str]) -> str:
-    """The line of an error that says what happened: a traceback's last line, else the
-    first."""
-    if lines[0].startswith("Traceback"):
-        return lines[-1]
-    return lines[0]
+def _experiments_table(experiments: list[dict], shown: int) -> str:
+    """The experiments of a store, the one shown marked (``--experiment N`` picks another)."""
+    rows = [[("*" if e["id"] == shown else " ") + str(e["id"]), e["status"],
+             (e["config"].get("strategy") or {}).get("class", "?").rsplit(":", 1)[-1],
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(e["created"] or 0))]
+            for e in experiments]
+    return (f"experiments ({len(experiments)}; * shown, --experiment N for another):\n"
+            + _table(rows, ["id", "status", "strategy", "created"]))
+
+
+def _print_failed(out: dict, with_trial: set, whole: bool) -> None:
+    """Failed models: how many by reason, then those no errored trial below accounts for
+    (models that could not be built, non-finite metrics), each with its reason."""
+    failures = out["failures"]
+    print(f"\nfailed models ({failures['failed']} of {failures['models']}), by reason:")
+    for reason, n in failures["reasons"]:
+        print(f"  {n:>4}  {reason}")
+    for m in out["failed_models"]:
+        if m["model_id"] in with_trial:
+            continue  # its errored trial is listed below
+        if whole:
+            print(f"- model {m['model_id']} {json.dumps(m['sample'])}:")
+            print("    " + "\n    ".join(m["error"].strip().splitlines() or ["(no reason)"]))
+        else:
+            print(f"- model {m['model_id']} {json.dumps(m['sample'])[:60]}: "
+                  f"{reason_of(m['error'])}")
 
 
 def cmd_export(args) -> int:
@@ -100,7 +136,7 @@ def cmd_export(args) -> int:
     _positive(args.top, "--top")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a file; give a folder (created if missing)")
-    store = _open(args.db)
+    store = _open(args.db, args.experiment)
     from .cli_one_shot import export, is_one_shot
 
     if is_one_shot(store.get_experiment()["config"]):
@@ -146,7 +182,7 @@ def cmd_plot(args) -> int:
 
     if os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a folder; give the PNG file to write")
-    store = _open(args.db)
+    store = _open(args.db, args.experiment)
     from .cli_one_shot import is_one_shot, plot
 
     if is_one_shot(store.get_experiment()["config"]):

@@ -85,7 +85,7 @@ def resume_nas(recorded: dict, args) -> int:
                              progress=_Progress(recorded.get("max_models") or 8))
     except (KeyError, nas.RowNotImplemented, ValueError) as err:
         raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
-    summary = exp.resume()
+    summary = exp.resume(experiment=getattr(args, "experiment", None))
     print(file=sys.stderr)
     _print_best(summary)
     return 0

@@ -9,43 +9,11 @@ from the super-network when the strategy offers them. :mod:`retiarii.cli` calls 
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import sys
-from typing import Any
 
-# --strategy NAME -> the class of retiarii.strategies that runs it
-ONE_SHOT = {"darts": "DARTS", "gumbel": "GumbelDARTS", "proxyless": "ProxylessNAS",
-            "spos": "SPOS", "enas": "ENAS"}
-
-_SEGMENTS = ("epochs", "train_segments", "segments")
-
-__all__ = ["ONE_SHOT", "one_shot_strategy", "is_one_shot", "print_status", "print_result",
-           "export", "plot", "progress_line"]
-
-
-def one_shot_strategy(name: str, epochs: int | None, seed: int, error: type[Exception]) -> Any:
-    """The one-shot strategy ``--strategy name`` names, with the run's epochs (its segments)
-    and seed when its constructor takes them."""
-    from . import strategies
-
-    cls = getattr(strategies, ONE_SHOT[name], None)
-    if cls is None:
-        raise error(f"--strategy {name} needs retiarii.strategies.{ONE_SHOT[name]}, which this "
-                    f"installation lacks: upgrade retiarii")
-    params = inspect.signature(cls).parameters
-    kwargs: dict[str, Any] = {}
-    # what each strategy calls its number of segments (an epoch of the super-network each)
-    segments = next((p for p in _SEGMENTS if p in params), None)
-    if segments is not None:
-        kwargs[segments] = 5 if epochs is None else epochs
-    elif epochs is not None:
-        raise error(f"--epochs: {ONE_SHOT[name]} takes no number of segments; leave --epochs "
-                    f"out")
-    if "seed" in params:
-        kwargs["seed"] = seed
-    return cls(**kwargs)
+__all__ = ["is_one_shot", "print_status", "print_result", "export", "plot", "progress_line"]
 
 
 def is_one_shot(config: dict) -> bool:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from . import registry
+
 PRESETS = ("small", "paper")
 # What the launcher trains on: scikit-learn's 8x8 grayscale digits, 10 classes.
 DIGITS = {"in_channels": 1, "num_classes": 10, "image_size": 8}
@@ -282,25 +284,22 @@ class _Presets:
 SPACES = _Presets()
 
 
-def _one_shot(runs_with: str, epochs: int, seed: int, options: dict):
-    """The one-shot strategy ``runs_with`` searching for ``epochs`` segments (epochs of the
-    super-network). The launcher's budgets fit the small preset (seconds a segment); the
-    papers' settings are in each strategy's docstring."""
-    from . import strategies as s
-
-    if runs_with == "SPOS":
-        # 8 x 3 candidates ranked with inherited weights (SPOS: 50 x 20), each on 2
-        # validation batches after recalibrating its BatchNorm statistics: each new candidate
-        # builds its path, seconds apiece on the small mobile spaces
-        return s.SPOS(train_segments=epochs, seed=seed, **{
-            "search_population": 8, "search_generations": 3, "eval_batches": 2, **options})
-    if runs_with == "ENAS":
-        return s.ENAS(segments=epochs, seed=seed, **{"controller_steps": 20, **options})
-    return getattr(s, runs_with)(epochs=epochs, seed=seed, **options)  # the DARTS family
+# The launcher's settings of a row's strategy over the registry's (budgets that fit the small
+# preset, seconds a segment; the papers' settings are in each strategy's docstring)
+_LAUNCHER = {
+    # 8 x 3 candidates ranked with inherited weights (SPOS: 50 x 20), each on 2 validation
+    # batches after recalibrating its BatchNorm statistics: each new candidate builds its
+    # path, seconds apiece on the small mobile spaces
+    "SPOS": {"search_population": 8, "search_generations": 3, "eval_batches": 2},
+    "ENAS": {"controller_steps": 20},
+    # a population that an 8-model default budget leaves
+    "RegularizedEvolution": {"population_size": 8, "sample_size": 3},
+}
 
 
-# Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host)
-ONE_SHOT = ("SPOS", "ENAS", "DARTS", "GumbelDARTS", "ProxylessNAS")
+# Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host):
+# the class names of the registry's one-shot strategies
+ONE_SHOT = tuple(e.class_name for e in registry.ONE_SHOT.values())
 
 
 def strategy(name: str, seed: int = 0, epochs: int = 2, options: dict | None = None):
@@ -313,18 +312,12 @@ def strategy(name: str, seed: int = 0, epochs: int = 2, options: dict | None = N
         options: keyword arguments of the strategy that replace the row's and the
             launcher's (``{"search_population": 4}`` for a shorter SPOS search).
     """
-    from . import strategies as s
-
     row = get(name)
     _check(row, "small")
-    options = {**dict(row.options), **(options or {})}
-    if row.one_shot:
-        return _one_shot(row.runs_with, epochs, seed, options)
-    if row.runs_with == "RegularizedEvolution":
-        return s.RegularizedEvolution(population_size=8, sample_size=3, seed=seed, **options)
-    if row.runs_with == "PolicyBasedRL":
-        return s.PolicyBasedRL(seed=seed, **options)
-    return getattr(s, row.runs_with)(seed=seed, **options)
+    options = {**_LAUNCHER.get(row.runs_with, {}), **dict(row.options), **(options or {})}
+    # a one-shot row's epochs are its segments; a multi-trial row's go to the trainer
+    return registry.make_strategy(row.runs_with, seed, epochs if row.one_shot else None,
+                                  **options)
 
 
 def experiment(name: str, preset: str = "small", max_models: int | None = None,

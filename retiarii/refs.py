@@ -63,6 +63,37 @@ def file_module_name(path: str) -> str:
 
 
 _FRESH_LOADING: set[str] = set()  # files being loaded fresh (a file that loads itself: refuse)
+# Folders holding a copy of the driver's space folder (a Ray node's unpacked working_dir):
+# a file path of the driver that does not exist here is looked up in them by its name.
+_SHIPPED: list[str] = []
+
+
+def add_shipped_folder(folder: str) -> None:
+    """Declare ``folder`` a copy of the folder of the driver's space file (Ray ships it as
+    the job's ``working_dir``): a file reference whose path does not exist on this machine
+    loads the file of the same name there."""
+    folder = os.path.abspath(folder)
+    if folder not in _SHIPPED:
+        _SHIPPED.append(folder)
+
+
+def _located(path: str) -> str:
+    """``path``, or its copy in a shipped folder when ``path`` does not exist here."""
+    if os.path.isfile(path):
+        return path
+    for folder in _SHIPPED:
+        copy = os.path.join(folder, os.path.basename(path))
+        if os.path.isfile(copy):
+            return copy
+    return path
+
+
+def _importable_folder(path: str) -> None:
+    """Make the file's folder importable, as ``python path`` does (``sys.path[0]``): a space
+    file's ``from mut_space import space`` finds its sibling in the driver and every worker."""
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def _script_file(module) -> str | None:
@@ -87,8 +118,10 @@ def load_file_module(path: str, fresh: bool = False):
                 return module
         if name in sys.modules:
             return sys.modules[name]
+    path = _located(path)
     if not os.path.isfile(path):
         raise RefError(f"import reference names file {path}, which does not exist")
+    _importable_folder(path)
     if fresh:
         if path in _FRESH_LOADING:
             raise RefError(f"{path} loads itself again while it is loaded as a module: does "

@@ -214,7 +214,7 @@ def test_cli_refuses_bad_arguments_before_writing_anything(tmp_path, monkeypatch
     ("x = (\n", "line 1: syntax error"),
     ("y = 1\n", "defines no module-level `space`"),
     ("raise RuntimeError('boom')\n", "failed while it was imported: RuntimeError: boom"),
-    (SPACE_FILE + "strategy = 'random'\n", "a string: assign a strategy object"),
+    (SPACE_FILE + "strategy = 'randm'\n", "did you mean 'random'?"),
 ])
 def test_cli_says_what_is_wrong_with_a_space_file(tmp_path, monkeypatch, capsys, content, says):
     monkeypatch.chdir(tmp_path)

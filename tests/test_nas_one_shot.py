@@ -39,7 +39,8 @@ def few_digits(monkeypatch):
 @pytest.fixture
 def in_process(monkeypatch):
     """`retiarii nas run` trains in this process."""
-    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor",
+    # the registry's "local" executor, as Experiment makes it
+    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor.for_search",
                         lambda *args, **kwargs: InProcessExecutor())
 
 

@@ -400,7 +400,8 @@ HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "one_shot_hel
 @pytest.fixture
 def in_process(monkeypatch):
     """`retiarii run` trains in this process (the local executor is tested above)."""
-    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor",
+    # the registry's "local" executor, as Experiment makes it
+    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor.for_search",
                         lambda *args, **kwargs: InProcessExecutor())
 
 

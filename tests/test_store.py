@@ -416,7 +416,7 @@ def test_version_2_files_lose_the_unused_pinned_column(tmp_path, monkeypatch):
                          "VALUES ('t1', 1, 't1/step-1', 1, 0), ('t1', 2, 't1/step-2', 0, 0)")
             s.db.conn.commit()
     with Store(path) as s:
-        assert s.schema_version == SCHEMA_VERSION == 6
+        assert s.schema_version == SCHEMA_VERSION
         assert "pinned" not in s.db["checkpoints"].columns_dict
         assert s.db["plans"].count == 0  # version 4: the plans table, empty in an old run
         assert "packing" in s.db["plans"].columns_dict  # version 6: plans.packing

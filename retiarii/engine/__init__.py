@@ -8,4 +8,4 @@ from .store import Store, StoreError
 from .trainer import ClassifierConfig, ClassifierTrainer, Trainer
 from .image_trainer import ImageFolderConfig, ImageFolderTrainer
 from .trial_run import TrainingError, TrialRun
-from .experiment import EnvironmentFailure, Experiment, ExperimentError
+from .experiment import EnvironmentFailure, Experiment, ExperimentError, SearchFailed

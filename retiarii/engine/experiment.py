@@ -37,6 +37,8 @@ from ..sampler import sample_key
 from ..strategies.one_shot import OneShot
 from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir
+from .experiment_checks import check_arguments, resolve_scheduler, resolve_strategy, warn_budget
+from .failures import SearchFailed, with_failures
 from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
                                  object_ref, space_fingerprint, trainer_spec)
 from .lock import StoreLock, StoreLocked
@@ -48,7 +50,8 @@ from .store import Store
 from .trainer import Trainer
 from .trials import TrialRunner, TrialState
 
-__all__ = ["EnvironmentFailure", "Experiment", "ExperimentError", "object_ref", "trainer_spec"]
+__all__ = ["EnvironmentFailure", "Experiment", "ExperimentError", "SearchFailed", "object_ref",
+           "trainer_spec"]
 
 _log = logging.getLogger("retiarii.engine")
 
@@ -61,7 +64,10 @@ class Experiment(Proposals):
 
     Args:
         space: a :class:`~retiarii.ModelSpace` defined at module level (or its reference).
-        strategy: instantiation control, e.g. ``rt.strategies.Random(seed=0)``.
+        strategy: instantiation control, e.g. ``rt.strategies.Random(seed=0)``, or its name
+            in :mod:`retiarii.registry` (``"evolution"``: built with ``seed``, as
+            ``retiarii run --strategy evolution`` builds it). Every argument is checked here,
+            before anything is written; a name not found is refused with the valid ones.
         trainer: a :class:`~retiarii.Trainer`; its ValueChoice settings become choices.
         store: the SQLite file (created with its folder). Checkpoints go in the folder next to
             it (``runs/exp.db`` -> ``runs/exp.checkpoints/``), recorded relative to it: move or
@@ -71,8 +77,8 @@ class Experiment(Proposals):
         max_models: stop proposing after this many distinct models.
         max_time: seconds; no new segment starts after it (running ones pause).
         seed: seeds the trials' weights and data order (trial i gets seed + i).
-        scheduler: training control (``rt.strategies.ASHA(...)``...); default: train every
-            model for the trainer's epochs.
+        scheduler: training control (``rt.strategies.ASHA(...)``..., or a name: ``"asha"``,
+            ``"median"``); default: train every model for the trainer's epochs.
         metric, mode: the reported metric the strategy optimizes, and its direction.
         max_failures: retries of a trial, from its last checkpoint, after failures of the
             environment (an I/O error, a lost worker, out of memory); when they persist the run
@@ -179,6 +185,13 @@ class Experiment(Proposals):
             self.deterministic = check_deterministic(deterministic)
         except ValueError as err:
             raise ExperimentError(str(err)) from None
+        # Everything is checked before anything is kept: a refused experiment writes nothing.
+        check_arguments(trainer=trainer, store=store, workers=workers, devices=devices,
+                        max_models=max_models, max_time=max_time, seed=seed, metric=metric,
+                        max_failures=max_failures, model_retries=model_retries, dedup=dedup,
+                        executor=executor, progress=progress, origin=origin)
+        strategy = resolve_strategy(strategy, seed)
+        scheduler = resolve_scheduler(scheduler, metric, mode, getattr(trainer, "epochs", None))
         self.optimization = _optimize_config(optimize, batch_models=batch_models, fuse=fuse,
                                              batching=batching, passes=passes, packing=packing,
                                              dedicated=dedicated,
@@ -209,8 +222,6 @@ class Experiment(Proposals):
         self.metric, self.mode = metric, Mode.parse(mode, "Experiment")
         self.max_failures, self.dedup = max_failures, dedup
         self.model_retries = model_retries
-        if isinstance(executor, str) and executor not in ("local", "ray"):
-            raise ExperimentError(f"executor={executor!r}: give 'local', 'ray' or an Executor")
         self.executor, self.progress, self.origin = executor, progress, origin
         if weight_sharing is not False:
             self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, trainer,
@@ -276,8 +287,15 @@ class Experiment(Proposals):
         return {"deterministic": True} if self.deterministic else {}
 
     def run(self, max_models: int | None = None, max_time: float | None = None) -> dict:
-        """Start a new experiment in the store and run it to the end; returns a summary."""
+        """Start a new experiment in the store and run it to the end; returns a summary.
+
+        Warns (:class:`~.experiment_checks.BudgetWarning`) when the model budget does not
+        pass the strategy's random start-up; raises :class:`~.failures.SearchFailed` when
+        every model failed (the store keeps each one's error)."""
         self._budgets(max_models, max_time)
+        if not self.one_shot:
+            warn_budget(self.strategy, self.max_models, self.workers,
+                        self.batch_models if self.optimize else 1)
         self._open()
         try:
             self.store.add_experiment({**self.config(), "origin": self.origin}, self.seed,
@@ -286,23 +304,29 @@ class Experiment(Proposals):
         finally:
             self._close()
 
-    def resume(self, max_models: int | None = None, max_time: float | None = None) -> dict:
-        """Continue the latest experiment of the store (after Ctrl-C, a crash or SIGKILL)."""
+    def resume(self, max_models: int | None = None, max_time: float | None = None,
+               experiment: int | None = None) -> dict:
+        """Continue the latest experiment of the store (after Ctrl-C, a crash or SIGKILL), or
+        experiment number ``experiment`` of it (``retiarii status`` lists them)."""
         self._budgets(max_models, max_time)
         if not os.path.isfile(self.path):
             raise ExperimentError(f"{self.path} does not exist: nothing to resume (check the "
                                   f"path, or run() a new experiment)")
         self._open()
         try:
-            return self._resume()
+            return self._resume(experiment)
         finally:
             self._close()
 
-    def _resume(self) -> dict:
-        experiments = self.store.experiments()
-        if not experiments:
+    def _resume(self, experiment: int | None) -> dict:
+        ids = [e["id"] for e in self.store.experiments()]
+        if not ids:
             raise ExperimentError(f"{self.path} holds no experiment to resume; use run()")
-        saved = comparable(self.store.use_experiment(experiments[-1]["id"])["config"])
+        if experiment is not None and experiment not in ids:
+            raise ExperimentError(f"experiment={experiment!r}: {self.path} holds experiments "
+                                  f"{', '.join(map(str, ids))}")
+        eid = ids[-1] if experiment is None else experiment
+        saved = comparable(self.store.use_experiment(eid)["config"])
         mine = comparable(json.loads(json.dumps(self.config())))
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:
@@ -418,29 +442,15 @@ class Experiment(Proposals):
             if executor is not self.executor:  # made here (None or "ray"): ours to close
                 executor.close()
             store.flush()
-        return self.summary()
+        return with_failures(self.store, self.path, self.summary())  # or SearchFailed
 
     def _executor(self):
         executor = self.executor
-        if executor is None or executor == "local":
-            from .executors.local import LocalExecutor
+        if executor is None or isinstance(executor, str):  # a name of the registry
+            from ..registry import make_executor
 
-            if not self.one_shot:
-                return LocalExecutor(self.workers, self.devices)
-            # a one-shot search runs one segment at a time: one worker does it all, seeing a
-            # GPU per rank when there are enough (its ranks then use NCCL)
-            devices = self.devices
-            if self.ranks > 1:
-                from .executors.local import visible_gpus
-
-                gpus = [str(d) for d in (devices if devices is not None else visible_gpus())]
-                if len(gpus) >= self.ranks:
-                    devices = [",".join(gpus[:self.ranks])]
-            return LocalExecutor(1, devices)
-        if executor == "ray":  # a slot per worker on Ray (docs/ray.md); closed at the end
-            from .executors.ray import RayExecutor
-
-            return RayExecutor(1 if self.one_shot else self.workers, ranks=self.ranks)
+            return make_executor(executor or "local", self.workers, self.devices,
+                                 one_shot=self.one_shot, ranks=self.ranks)
         return executor
 
     def _one_shot_loop(self, executor, resume: bool) -> dict:

@@ -24,6 +24,7 @@ from ..strategies.base import SpaceExhausted, UnknownSample
 from ..threads import one_thread
 from .checkpoint import CheckpointPathError
 from .experiment_support import ExperimentError
+from .failures import build_error
 from .plans import PlanTable
 from .segments import finite
 from .trials import Trial, TrialState
@@ -90,7 +91,8 @@ class Proposals:
             except (ShapeMismatchError, MutationError, SampleError) as e:
                 self._count += 1  # a model that cannot be built fails alone, recorded
                 _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)
-                self.store.add_model(sample, None, None, status=ModelStatus.FAILED)
+                self.store.add_model(sample, None, None, status=ModelStatus.FAILED,
+                                     error=build_error(e))
                 self.strategy.tell(sample, None)
                 self._save_strategy()
                 continue
@@ -237,9 +239,15 @@ class Proposals:
             _log.warning("trial %s ended with %s = %r, not a finite number: its model is "
                          "recorded as failed", trial.trial_id, self.metric, reported)
         failed = trial.state is TrialState.ERRORED or value is None
+        error = None
+        if failed:  # kept with the model: `retiarii status` says why
+            error = trial.error if trial.state is TrialState.ERRORED else (
+                f"{self.metric} = {reported!r}: not a finite number" if reported is not None
+                else f"the trial reported no {self.metric}")
         if model_id is not None:
             self.store.set_model_status(
-                model_id, ModelStatus.FAILED if failed else ModelStatus.TRAINED, value)
+                model_id, ModelStatus.FAILED if failed else ModelStatus.TRAINED, value,
+                error=error or ("(no reason recorded)" if failed else None))
         if sample is not None:
             key = None
             if model_id is not None:

@@ -193,7 +193,8 @@ class Store(StoreQueries):
                                       {"status": status, "updated": _time.time()})
 
     def add_model(self, sample: dict, graph: dict | None = None, hash: str | None = None, *,
-                  parent: int | None = None, status: ModelStatus | str = "pending") -> int:
+                  parent: int | None = None, status: ModelStatus | str = "pending",
+                  error: str | None = None) -> int:
         """Record a model of the current experiment; returns its id.
 
         Args:
@@ -203,6 +204,7 @@ class Store(StoreQueries):
             parent: the model it was mutated from (evolution), if any.
             status: a :class:`~retiarii.enums.ModelStatus` (stored as its string: ``pending``,
                 ``training``, ``trained`` or ``failed``).
+            error: why a failed model failed (reason, then traceback).
         """
         status = ModelStatus(status).value
         now = _time.time()
@@ -211,9 +213,9 @@ class Store(StoreQueries):
         # insert/update/upsert re-read the table's schema on each call (several times slower).
         return self.db.execute(
             "INSERT INTO models (experiment_id, sample, graph, hash, parent, status, created, "
-            "updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [self.experiment_id, _json(sample), _json(graph), hash, parent, status, now, now]
-        ).lastrowid
+            "updated, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [self.experiment_id, _json(sample), _json(graph), hash, parent, status, now, now,
+             error]).lastrowid
 
     def stage_model(self, sample: dict, graph: dict | None = None, hash: str | None = None, *,
                     parent: int | None = None,
@@ -260,10 +262,13 @@ class Store(StoreQueries):
             raise StoreError(f"{self.path} has no model {model_id}") from None
 
     def set_model_status(self, model_id: int, status: ModelStatus | str,
-                         value: float | None = None) -> None:
-        """Set a model's status and, once known, ``value``: the result its strategy was told."""
+                         value: float | None = None, error: str | None = None) -> None:
+        """Set a model's status and, once known, ``value``: the result its strategy was told;
+        ``error``: why a failed model failed."""
         status = ModelStatus(status).value
         self.flush()
+        if error is not None:
+            self.db.execute("UPDATE models SET error = ? WHERE id = ?", [error, model_id])
         if value is None:
             cursor = self.db.execute("UPDATE models SET status = ?, updated = ? WHERE id = ?",
                                      [status, _time.time(), model_id])

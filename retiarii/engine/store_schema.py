@@ -110,6 +110,14 @@ def _schema_v6(db: sqlite_utils.Database) -> None:
     db["plans"].add_column("packing", str)
 
 
+def _schema_v7(db: sqlite_utils.Database) -> None:
+    """``models.error``: why a failed model failed (its reason on the first line, then the
+    traceback), whether it could not be built or its trial failed; NULL otherwise. Models
+    of older files keep NULL (their trials' ``error`` still says why)."""
+    db["models"].add_column("error", str)
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
-MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6]
-SCHEMA_VERSION = 6
+MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6,
+              _schema_v7]
+SCHEMA_VERSION = 7

@@ -317,6 +317,13 @@ class Strategy(abc.ABC):
         parent = self._parents.get(sample_key(sample))
         return None if parent is None else dict(parent)
 
+    def random_startup(self) -> tuple[int, str] | None:
+        """``(n, why)``: the strategy proposes its first ``n`` models at random before its own
+        rule applies (``why`` names the setting, ``"population_size=16"``); None for a strategy
+        that never learns from results (random, grid). An experiment whose budget does not
+        pass the start-up warns once at start (it would be a random search)."""
+        return None
+
     def config(self) -> dict:
         """The settings that define this search, as JSON: a saved state must match them, and
         an experiment stores them so that a resume can check them. Subclasses extend it."""

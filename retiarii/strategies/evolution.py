@@ -147,6 +147,9 @@ class RegularizedEvolution(Strategy):
         if score is not None:
             self._population.append((key, score))
 
+    def random_startup(self) -> tuple[int, str] | None:
+        return self.population_size, f"population_size={self.population_size}"
+
     def config(self) -> dict:
         config = {**super().config(), "population_size": self.population_size,
                   "sample_size": self.sample_size}

@@ -205,6 +205,9 @@ class Predictor(Strategy):
         order = rank(encoder, told, candidates, self.surrogate, self._rng.randrange(2 ** 31))
         return candidates[order[0]]
 
+    def random_startup(self) -> tuple[int, str] | None:
+        return self.n_startup, f"n_startup={self.n_startup}"
+
     def config(self) -> dict:
         return {**super().config(), "n_startup": self.n_startup,
                 "n_candidates": self.n_candidates, "local_fraction": self.local_fraction,

@@ -268,6 +268,11 @@ class PolicyBasedRL(Strategy):
             loss.backward()
             self._optimizer.step()
 
+    def random_startup(self) -> tuple[int, str] | None:
+        # its policy moves from the first result; what runs before it (the experiment's first
+        # batch) is drawn from the initial, near-uniform policy
+        return 0, "its first result"
+
     def config(self) -> dict:
         return {**super().config(), "hidden_size": self.hidden_size,
                 "learning_rate": self.learning_rate, "baseline_decay": self.baseline_decay,

@@ -159,6 +159,9 @@ class TPE(Strategy):
         # again (then falls back to a random new sample).
         return best if best is not None else candidate
 
+    def random_startup(self) -> tuple[int, str] | None:
+        return self.n_startup, f"n_startup={self.n_startup}"
+
     def config(self) -> dict:
         return {**super().config(), "n_startup": self.n_startup, "gamma": self.gamma,
                 "prior_weight": self.prior_weight, "n_ei_candidates": self.n_ei_candidates}

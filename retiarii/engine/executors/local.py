@@ -182,6 +182,20 @@ class LocalExecutor(Executor):
             worker is killed (and replaced); a step longer than this costs a worker restart.
     """
 
+    @classmethod
+    def for_search(cls, workers: int, devices=None, *, one_shot: bool = False, ranks: int = 1,
+                   **options) -> "LocalExecutor":
+        """The executor an Experiment makes for its search (the registry's ``"local"``)."""
+        if not one_shot:
+            return cls(workers, devices, **options)
+        # a one-shot search runs one segment at a time: one worker does it all, seeing a GPU
+        # per rank when there are enough (its ranks then use NCCL)
+        if ranks > 1:
+            gpus = [str(d) for d in (devices if devices is not None else visible_gpus())]
+            if len(gpus) >= ranks:
+                devices = [",".join(gpus[:ranks])]
+        return cls(1, devices, **options)
+
     def __init__(self, num_workers: int | None = None, devices: Sequence[int | str] | None = None, *,
                  threads_per_worker: int | None = None, heartbeat_interval: float = 2.0,
                  heartbeat_timeout: float | None = 120.0, startup_timeout: float = 300.0,

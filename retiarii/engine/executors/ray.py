@@ -197,6 +197,14 @@ class RayExecutor(Executor):
             CPUs, and a cluster that cannot hold a slot and its ranks is warned about.
     """
 
+    @classmethod
+    def for_search(cls, workers: int, devices=None, *, one_shot: bool = False, ranks: int = 1,
+                   **options) -> "RayExecutor":
+        """The executor an Experiment makes for its search (the registry's ``"ray"``): a slot
+        per worker (one for a one-shot search, its segments on ``ranks`` ranks). ``devices``
+        does not apply: Ray places the actors."""
+        return cls(1 if one_shot else workers, ranks=ranks, **options)
+
     def __init__(self, num_workers: int = 2, *, address: str | None = None, num_cpus: float = 1.0,
                  num_gpus: float = 0.0, resources: dict[str, float] | None = None,
                  threads_per_worker: int | None = None, shared_storage: bool | None = None,

@@ -34,6 +34,13 @@ class WorkerActor:
         # module beside the driver's script imports here too.
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
         prepare_worker()  # before CUDA starts: any job of this worker may be deterministic
+        if (ranks.get("runtime_env") or {}).get("working_dir"):
+            # Ray runs this actor in its node's copy of the job's working_dir (the space
+            # file's folder, shipped by `retiarii run --executor ray --address`): a space
+            # file path of the driver that this node lacks is loaded from that copy.
+            from ...refs import add_shipped_folder
+
+            add_shipped_folder(os.getcwd())
         import functools
         import torch
 
