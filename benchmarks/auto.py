@@ -60,6 +60,7 @@ import frozen_prefix  # noqa: E402
 import fusion  # noqa: E402
 from engine import InlineExecutor  # noqa: E402
 
+from retiarii.engine.grouping import JobPlanner  # noqa: E402
 from retiarii.engine.trials import TrialRunner  # noqa: E402
 from retiarii.strategies import Scheduler  # noqa: E402
 
@@ -115,10 +116,13 @@ def search(configs: list[dict], way: str, merged: dict, epochs: int,
     records: list[dict] = []
     kwargs: dict = {}
     if way != "separate":
-        kwargs = dict(batch_models=per_job, group_key=lambda trial: "one data set",
+        settings = dict(merged if way == "merged" else
+                        {"profile": True, "fuse": "auto", "passes": {"batching": "auto"}})
+        if "batching" in settings:  # the workloads' forced settings
+            settings["passes"] = {"batching": settings.pop("batching")}
+        kwargs = dict(planner=JobPlanner(batch_models=per_job,
+                                         group_key=lambda trial: "one data set", **settings),
                       on_group=records.append)
-        kwargs.update(merged if way == "merged" else
-                      {"profile": True, "fuse": "auto", "batching": "auto"})
     with tempfile.TemporaryDirectory() as folder:
         runner = TrialRunner(InlineExecutor(), Scheduler(), max_steps=epochs,
                              checkpoint_dir=folder, **kwargs)

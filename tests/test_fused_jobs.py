@@ -277,7 +277,7 @@ def test_fusion_measured_slower_is_reverted(tmp_path, fused_chosen):
     first = next(r for r in rows if any(u.get("fusion_reverted") for u in r["units"]))
     assert "fusion reverted: measured 0.50x" in first["reason"] and first["status"] == "merged"
     gone = {t for u in reverted for t in u["trials"]}
-    assert exp.runner.unfused == gone
+    assert exp.runner.planner.unfused == gone
     later = ex.submitted[[j.job_id for j in ex.submitted].index(first["job_id"]) + 1:]
     assert later and all(set(j.meta["group"].unfused) == gone & {t.trial_id for t in j.tasks}
                          for j in later if j.meta.get("group"))
@@ -300,7 +300,7 @@ def test_fusion_measured_faster_is_kept(tmp_path, fused_chosen):
 
     db, exp = o._run(tmp_path, "auto", executor=Executor(), optimize=True, fuse="auto")
     fused = _fused_units(o._plans(db))
-    assert fused and not any(u.get("fusion_reverted") for u in fused) and not exp.runner.unfused
+    assert fused and not any(u.get("fusion_reverted") for u in fused) and not exp.runner.planner.unfused
 
 
 def test_bad_fuse_argument_is_refused():

@@ -20,6 +20,7 @@ from retiarii.engine.trials import TrialRunner, TrialState
 from retiarii.optim.cost import merged_speedup, slower_than_apart
 from retiarii.strategies import Scheduler
 from retiarii.strategies.scheduler import Decision
+from retiarii.engine.grouping import JobPlanner
 
 TRAINER = rt.Trainer(dataset="digits", epochs=3, batch_size=256,
                      lr=rt.ValueChoice([0.01, 0.03, 0.1], label="lr"))
@@ -101,8 +102,8 @@ def test_the_runner_packs_up_to_batch_models_per_job_and_results_are_unchanged()
         jobs = []
         submit = ex.submit
         ex.submit = lambda job: (jobs.append(job), submit(job))[1]
-        runner = TrialRunner(ex, Scheduler(), max_steps=3, batch_models=batch_models,
-                             group_key=lambda trial: "same data")
+        runner = TrialRunner(ex, Scheduler(), max_steps=3, planner=JobPlanner(
+            batch_models=batch_models, group_key=lambda trial: "same data"))
         for c in configs:
             runner.add_trial(c)
         assert runner.run()
@@ -128,8 +129,8 @@ def test_the_group_key_and_the_start_step_decide_who_trains_together():
     jobs = []
     submit = ex.submit
     ex.submit = lambda job: (jobs.append(job), submit(job))[1]
-    runner = TrialRunner(ex, Scheduler(), max_steps=2, batch_models=8,
-                         group_key=lambda t: t.config.get("data"))
+    runner = TrialRunner(ex, Scheduler(), max_steps=2, planner=JobPlanner(
+        batch_models=8, group_key=lambda t: t.config.get("data")))
     for i, data in enumerate(["x", "y", "x", None, "y", "x"]):
         runner.add_trial({"a": float(i + 1), "data": data})
     assert runner.run()

@@ -16,6 +16,8 @@ from retiarii.engine.plans import PlanTable
 from retiarii.engine.store import Store
 from retiarii.engine.trials import TrialRunner
 from retiarii.strategies import Scheduler
+from retiarii.engine.grouping import JobPlanner
+from retiarii.engine.placing import Packer
 
 TRAINER = rt.Trainer(dataset="digits", epochs=2, batch_size=256,
                      lr=rt.ValueChoice([0.01, 0.03, 0.1], label="lr"))
@@ -58,8 +60,8 @@ def test_a_packed_search_gives_every_model_its_results_alone(tmp_path):
     exp, executor, packed, rows, summary = _run(tmp_path, "packed", optimize=True, packing=True,
                                                 batch_models=4)
     assert packed == alone and len(alone) == 8  # bit for bit, every metric of every model
-    assert exp.runner.placements, "the runner placed its batches by profile"
-    first = exp.runner.placements[0]
+    assert exp.runner.packer.placements, "the runner placed its batches by profile"
+    first = exp.runner.packer.placements[0]
     assert set(first["devices"]) == {"slot-0", "slot-1"}
     assert any(len(job.tasks) > 1 and job.meta.get("group") for job in executor.submitted)
     notes = [row["packing"] for row in rows if row["packing"]]
@@ -93,8 +95,8 @@ def test_every_trial_carries_an_estimated_profile(tmp_path):
 
 def _runner(profiles: dict[str, tuple[float, float]], memory: float = float("inf"), batch_models=8):
     runner = TrialRunner(SimulatedExecutor(2, curve=lambda spec, step: {"loss": 1.0}), Scheduler(),
-                         batch_models=batch_models, group_key=lambda t: "k", packing=True,
-                         slot_memory=memory)
+                         planner=JobPlanner(batch_models=batch_models, group_key=lambda t: "k"),
+                         packer=Packer(True, memory, batch_models))
     trials = [runner.add_trial({"profile": {"units": u, "memory": m}}, trial_id=t)
               for t, (u, m) in profiles.items()]
     return runner, trials
@@ -105,11 +107,11 @@ def test_the_runner_packs_similar_trials_per_slot_within_memory():
                               "f3": (20, 10), "f4": (20, 10), "f5": (20, 10), "f6": (20, 10),
                               "f7": (20, 10), "f8": (20, 10), "f9": (20, 10), "f10": (20, 10)},
                              batch_models=12)
-    packs = runner._packs(trials, 2)
+    packs = runner.packer.packs(trials, 2)
     names = sorted(sorted(t.trial_id for t in p) for p in packs)
     assert names == [sorted(f"f{i}" for i in range(1, 11)), ["s1", "s2"]]
     runner, trials = _runner({f"t{i}": (10, 40) for i in range(6)}, memory=100)
-    packs = runner._packs(trials, 2)
+    packs = runner.packer.packs(trials, 2)
     assert all(len(p) <= 2 for p in packs) and sum(len(p) for p in packs) == 6
 
 
@@ -117,18 +119,18 @@ def test_measured_step_times_replace_estimates():
     """Once a worker measured some trials, the others' estimates are scaled by the median
     measured/estimated ratio, and the measured ones use their measurement."""
     runner, trials = _runner({"a": (100, 1), "b": (100, 1), "c": (100, 1)})
-    runner.alone_s = {"a": 0.5, "b": 0.1}  # measured: a is in fact five times slower than b
-    profiles = {p.trial_id: p.iter_s for p in runner._profiles(trials)}
+    runner.packer.packs(trials[:1], 1, {"a": 0.5, "b": 0.1})  # measured: a is five times b
+    profiles = {p.trial_id: p.iter_s for p in runner.packer._profiles(trials)}
     assert profiles == {"a": 0.5, "b": 0.1, "c": pytest.approx(100 * 0.003)}
 
 
 def test_without_profiles_or_packing_the_batch_spreads_evenly():
     runner, trials = _runner({"a": (1, 1), "b": (1, 1), "c": (1, 1)})
     trials[1].config.pop("profile")
-    assert [[t.trial_id for t in p] for p in runner._packs(trials, 2)] == [["a", "b"], ["c"]]
-    runner.packing = False
+    assert [[t.trial_id for t in p] for p in runner.packer.packs(trials, 2)] == [["a", "b"], ["c"]]
+    runner.packer.packing = False
     trials[1].config["profile"] = {"units": 1, "memory": 1}
-    assert [[t.trial_id for t in p] for p in runner._packs(trials, 2)] == [["a", "b"], ["c"]]
+    assert [[t.trial_id for t in p] for p in runner.packer.packs(trials, 2)] == [["a", "b"], ["c"]]
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(packing="yes"), "packing='yes'"),

@@ -43,6 +43,8 @@ from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentErro
                                  object_ref, space_fingerprint, trainer_spec)
 from .lock import StoreLock, StoreLocked
 from . import one_shot
+from .grouping import JobPlanner
+from .placing import Packer
 from .plans import PlanTable
 from .proposals import Proposals
 from .segments import SegmentTable
@@ -403,12 +405,13 @@ class Experiment(Proposals):
                       on_result=self._on_result, on_trial_end=self._on_trial_end,
                       id_prefix=f"e{eid}-", spawn_config=self._spawn_config)
         if self.optimize:
-            kwargs.update(batch_models=self.batch_models, group_key=self._group_key,
-                          profile=self.optimize == "auto", on_group=self._on_group,
-                          fuse=self.fuse, passes=self.passes, packing=self._packs(executor),
-                          merge=self.optimize != "pack", dedicated=self.dedicated,
-                          slot_memory=getattr(
-                              executor, "slot_memory", lambda: float("inf"))())
+            kwargs.update(planner=JobPlanner(
+                batch_models=self.batch_models, group_key=self._group_key,
+                profile=self.optimize == "auto", fuse=self.fuse, passes=self.passes,
+                merge=self.optimize != "pack", dedicated=self.dedicated),
+                packer=Packer(self._packs(executor), getattr(
+                    executor, "slot_memory", lambda: float("inf"))(), self.batch_models),
+                on_group=self._on_group)
         self.runner = None
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
@@ -417,10 +420,8 @@ class Experiment(Proposals):
             if resume:
                 self.folder.remove_temporaries()  # half-written by workers killed with us
                 runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
-                plans = PlanTable(store)  # groups reverted or failed before stay apart
-                runner.alone, runner.alone_s = plans.alone_trials(), plans.alone_profiles()
-                runner.unfused = plans.unfused_trials()
-                runner.layouts = plans.layout_decisions()  # measured before: not again
+                # groups reverted or failed before stay apart; layouts are not measured again
+                runner.planner.restore(PlanTable(store).memory())
                 self._rebind(runner)
                 self.runner = runner
                 self._finish_half_ended(runner)

@@ -1,81 +1,146 @@
-"""How the :class:`~.trials.TrialRunner` packs trials into grouped jobs and ends them
-(cross-model optimization in a search: docs/optimization.md, "In a search").
+"""Which trials train as one job, in which layout, and what a grouped job's end decides: the
+runner's :class:`JobPlanner` (cross-model optimization in a search: docs/optimization.md, "In a
+search").
 
-:class:`GroupedJobs` is the runner's half that knows about groups: which trials may share a
-job (:meth:`~GroupedJobs._key`: the experiment's group key and the starting step), which
-waiting or new trials join a batch (:meth:`~GroupedJobs._companions`), and what happens when a
-grouped job ends (:meth:`~GroupedJobs._end_group`: the finished trials continue together, the
-others rerun alone or fail by their own error, the group is kept, reverted or recorded as
-failed in the plans record), and the layout chosen per group key and device
-(:meth:`~GroupedJobs._group_meta` sends it with each job; :meth:`~GroupedJobs._choose`
-keeps what a job measured, and reverts a layout measured slower over a segment).
-It is a mixin of :class:`~.trials.TrialRunner`, whose state it
-reads (``trials``, ``alone``, ``alone_s``, ``unfused``, ``layouts``, ``batch_models``,
-``group_key``, ...)
-and whose lifecycle methods it calls (``_move``, ``_fail``, ``_feed``, ``_continue``); it adds
-no state of its own. Its ``job`` arguments are the runner's ``_JobFlight`` records and its
-``flights`` the runner's ``_Flight`` s (typed ``Any`` here: importing them back from
-``trials`` would make a cycle).
+The :class:`~.trials.TrialRunner` holds one planner and asks it three things: a trial's group
+key (:meth:`JobPlanner.key`: the experiment's group key and the starting step; None trains
+alone), what a grouped job of some tasks is told (:meth:`JobPlanner.order`, a
+:class:`~.job_contract.GroupOrder`), and, when a grouped job ends, what follows
+(:meth:`JobPlanner.end`, a :class:`GroupEnd`: the plans record, and per trial in order whether
+it fails, retries alone, or continues). The planner keeps what grouped jobs taught it (trials
+that train alone or unfused from now on, step times alone, the layout decision per group key
+and device: :class:`GroupMemory`), which a resumed experiment restores from the plans table.
+It knows trials only by the few fields it reads (id, config, resume point) and never calls
+back into the runner.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from ..optim.cost import Layout, choose_layout, describe
-from ..optim.passes import LayoutPasses, get_pass, pass_ref
+from ..optim.passes import LayoutPasses, get_pass, parse_settings, pass_ref
 from .executors.base import FailureKind, JobFailed, TrialTask
 from .job_contract import GroupOrder, HeldLayout
-from .trial import Trial, TrialState
+from .trial import Trial
 
-__all__ = ["GroupedJobs"]
+__all__ = ["GroupEnd", "GroupMemory", "JobPlanner", "Step", "key_id"]
 
 
-class GroupedJobs:
-    """The grouping half of :class:`~.trials.TrialRunner` (see the module docstring)."""
+@dataclass
+class GroupMemory:
+    """What grouped jobs taught the planner; restored from the plans table on resume."""
 
-    def _key(self, trial: Trial) -> Hashable | None:
+    alone: set[str] = field(default_factory=set)  # reverted or failed groups' trials: alone
+    unfused: set[str] = field(default_factory=set)  # fusion reverted: unfused from now on
+    alone_s: dict[str, float] = field(default_factory=dict)  # trial -> step time alone
+    layouts: dict[str, dict[str, HeldLayout]] = field(default_factory=dict)  # key -> device ->
+    alone_arch: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> arch -> s
+
+
+class Step(enum.Enum):
+    """What happens to one trial of a grouped job that ended (:class:`GroupEnd`)."""
+
+    FAIL = "fail"  # its own (or its environment's) failure: the runner's failure policy
+    RETRY_ALONE = "retry alone"  # the group failed, not the trial: retried alone, not charged
+    CONTINUE = "continue"  # finished its segment: fed its last result, trains on
+
+
+@dataclass(frozen=True)
+class GroupEnd:
+    """What follows a grouped job's end, in the order to apply it.
+
+    Args:
+        record: the plans table's row of the job (``on_group``).
+        steps: (trial, :class:`Step`, failure kind, error, worker lost) per live trial, in
+            the job's order.
+    """
+
+    record: dict
+    steps: tuple[tuple[str, Step, FailureKind | None, str, bool], ...]
+
+
+class JobPlanner:
+    """Groups trials into jobs and learns from grouped jobs (see the module docstring).
+
+    Args:
+        batch_models: the most trials one job trains.
+        group_key: ``group_key(trial)``: what must be equal for trials to share a job (None:
+            alone). None: nothing groups.
+        profile: measure grouped jobs and revert a layout measured slower than its models
+            apart.
+        fuse: whether same-architecture trials may train fused (True, False, ``"auto"``).
+        passes: the optional plan passes' settings (name -> True or ``"auto"``).
+        merge: False packs trials into one job without merging them (each trains alone).
+        dedicated: ``{"dedicated": patterns, "dedicated_device": ...}`` (engine/dedicated.py).
+    """
+
+    def __init__(self, *, batch_models: int = 1,
+                 group_key: Callable[[Trial], Hashable | None] | None = None,
+                 profile: bool = False, fuse: bool | str = False,
+                 passes: Mapping[str, Any] | None = None, merge: bool = True,
+                 dedicated: Mapping[str, Any] | None = None):
+        if batch_models < 1:
+            raise ValueError(f"batch_models must be >= 1 trial per job, got {batch_models}")
+        self.batch_models, self.group_key, self.profile = batch_models, group_key, profile
+        self.fuse, self.merge, self.dedicated = fuse, merge, dict(dedicated or {})
+        self.passes = {k: v for k, v in parse_settings(dict(passes or {})).items() if v}
+        self.memory = GroupMemory()
+
+    def restore(self, memory: GroupMemory) -> None:
+        """Continue from what an earlier run of the search learned (the plans table)."""
+        self.memory = memory
+
+    @property
+    def unfused(self) -> set[str]:
+        return self.memory.unfused
+
+    def key(self, trial: Trial) -> Hashable | None:
         """What must be equal for trials to train in one job (None: alone): the group key
         and the step the trial starts from."""
-        if self.batch_models < 2 or self.group_key is None or trial.trial_id in self.alone:
+        if self.batch_models < 2 or self.group_key is None or trial.trial_id in self.memory.alone:
             return None
         key = self.group_key(trial)
         if key is None:
             return None
-        chosen = self.layouts.get(key_id(key))
+        chosen = self.memory.layouts.get(key_id(key))
         if chosen and all(c.order[0] == Layout.SEPARATE.value for c in chosen.values()):
             return None  # measured faster apart on every device: each model its own job
         return (key, trial.resume_point()[0])
 
-    def _group_meta(self, tasks: list[TrialTask]) -> dict[str, Any]:
-        """What a grouped job of ``tasks`` is told (``meta["group"]``, a
-        :class:`~.job_contract.GroupOrder`): the passes and fusion settings, the trials whose
-        fusion was reverted, whom to profile, and the layouts already chosen for their group
-        key (device -> :class:`~.job_contract.HeldLayout`; the worker measures the others)."""
+    def order(self, tasks: list[TrialTask], trial: Trial) -> GroupOrder:
+        """What a grouped job of ``tasks`` (``trial``: the first task's) is told
+        (``meta["group"]``): the passes and fusion settings, the trials whose fusion was
+        reverted, whom to profile, and the layouts already chosen for their group key (device
+        -> :class:`~.job_contract.HeldLayout`; the worker measures the others)."""
+        mem = self.memory
         refs = {n: pass_ref(get_pass(n)) for n in self.passes}
-        key = self.group_key(self.trials[tasks[0].trial_id]) if self.group_key else None
-        chosen = self.layouts.get(key_id(key), {}) if key is not None else {}
+        key = self.group_key(trial) if self.group_key else None
+        chosen = mem.layouts.get(key_id(key), {}) if key is not None else {}
         # a key whose apart is bounded from below (measuring.py) profiles nobody alone
         bounded = any(c.bound_s is not None for c in chosen.values())
         measured: dict[str, Any] = {}
         if self.profile or self._measures():  # measure the group
             measured["profile"] = () if bounded else tuple(  # each member never profiled
-                t.trial_id for t in tasks if t.trial_id not in self.alone_s)
-            measured["alone_s"] = {t.trial_id: self.alone_s[t.trial_id] for t in tasks
-                                   if t.trial_id in self.alone_s}
+                t.trial_id for t in tasks if t.trial_id not in mem.alone_s)
+            measured["alone_s"] = {t.trial_id: mem.alone_s[t.trial_id] for t in tasks
+                                   if t.trial_id in mem.alone_s}
             # step times alone per architecture: not measured again
             measured["alone_by_arch"] = {d: dict(list(a.items())[-512:])
-                                         for d, a in self.alone_arch.items()}
+                                         for d, a in mem.alone_arch.items()}
         order = GroupOrder(
             passes=dict(self.passes), pass_refs={n: r for n, r in refs.items() if r},
             fuse=self.fuse, unfused=tuple(sorted(t.trial_id for t in tasks
-                                                 if self.fuse and t.trial_id in self.unfused)),
+                                                 if self.fuse and t.trial_id in mem.unfused)),
             layouts={device: HeldLayout(order=c.order, speedups=c.speedups)
                      for device, c in chosen.items()},
             dedicated=tuple(self.dedicated.get("dedicated") or ()),
             dedicated_device=self.dedicated.get("dedicated_device"), **measured)
-        return {"group": order}
+        return order
 
     def _choose(self, key: str, units: list[dict]) -> None:
         """Keep the layout choices of a job's units for group key ``key``: a choice the
@@ -91,7 +156,7 @@ class GroupedJobs:
             if not choice:
                 continue
             device = choice["device"]
-            held = self.layouts.get(key, {}).get(device)
+            held = self.memory.layouts.get(key, {}).get(device)
             counted = unit.get("strikes") or {}
             if choice.get("probed"):
                 speedups = dict(choice.get("speedups") or {})
@@ -113,98 +178,73 @@ class GroupedJobs:
             reason = describe(ranked.layout, ranked.speedups, reverted, bounds)
             strikes = {k: v for k, v in strikes.items() if v}
             counted_now = ", ".join(f"{k} {v}" for k, v in sorted(strikes.items()))
-            self.layouts.setdefault(key, {})[device] = HeldLayout(
+            self.memory.layouts.setdefault(key, {})[device] = HeldLayout(
                 order=tuple(x.value for x in ranked.order), speedups=speedups,
                 reverted=tuple(sorted(reverted)), reason=reason + (
                     f"; slower segments in a row: {counted_now}" if strikes else ""),
                 strikes=strikes, bound_s=bound, bounds=bounds or None)
         for unit in units:
-            decided = self.layouts.get(key, {}).get((unit.get("choice") or {}).get("device"))
+            decided = self.memory.layouts.get(key, {}).get(
+                (unit.get("choice") or {}).get("device"))
             if decided is not None:
                 unit["decision"] = {"group_key": key, **decided.to_json()}
 
-    def _companions(self, batch: list[Trial], limit: int | None = None) -> list[Trial]:
-        """Trials to train with ``batch`` (same key), until there are ``limit`` in all
-        (default ``batch_models``): the waiting ones first, in the scheduler's order, then new
-        ones. A new trial that does not match ends the search; it waits for a slot of its own."""
-        key = self._key(batch[0])
-        out: list[Trial] = []
-        if key is None:
-            return out
-        limit = self.batch_models if limit is None else limit
-        taken = frozenset(t.trial_id for t in batch)
-        # A new trial starts at step 0: it can join a batch that starts there, never one that
-        # continues (asking the strategy then would only move its proposals earlier).
-        fresh = key[1] == 0
-        while len(batch) + len(out) < limit and not self.budget_hit():
-            trial = self._next_trial(key, taken, new=fresh)
-            if trial is None:
-                break
-            self._after_scheduler()
-            if trial.state not in (TrialState.PENDING, TrialState.PAUSED):
-                continue  # the scheduler stopped it meanwhile
-            if self._key(trial) != key:
-                break
-            out.append(trial)
-            taken = taken | {trial.trial_id}
-        return out
-
-    def _end_group(self, event, job: Any, flights: list[Any]) -> None:
-        """A grouped job ended. Its trials that finished their segment continue (planned
-        again together); any that did not are retried alone with nothing charged to them
-        (a merged job that fails reruns its models separately, so a failure lands on the
-        model that caused it), except after a lost worker, which is every trial's
-        environment; the group's record goes to ``on_group``, reverted when measured slower
-        than its models apart."""
+    def end(self, event: Any, job: Any, flights: list[Any], running: Callable[[str], bool],
+            trial: Trial, now: float) -> GroupEnd:
+        """A grouped job ended (``event``: its terminal event; ``job``: the runner's
+        ``JobFlight``; ``flights``: its trials' ``Flight`` s; ``running(trial_id)``: whether a
+        trial is still RUNNING; ``trial``: its first trial; ``now``: the executor's clock).
+        Its trials that finished their segment continue (planned again together); any that
+        did not are retried alone with nothing charged to them (a merged job that fails
+        reruns its models separately, so a failure lands on the model that caused it), except
+        after a lost worker, which is every trial's environment, or a model's own error the
+        worker attributed; the group is kept, reverted or recorded as failed."""
         failed = isinstance(event, JobFailed)
-        live = [f for f in flights if f.outcome is None
-                and self.trials[f.trial_id].state is TrialState.RUNNING]
+        live = [f for f in flights if f.outcome is None and running(f.trial_id)]
         unfinished = [f for f in live if failed and not f.done]
         errors = {t: (kind, err) for t, kind, err in getattr(event, "failures", ())}
         # One error shared by every unfinished member (the joint backward, the group's own
         # memory) is the group's; a model's own error the worker attributed is that model's.
         joint = len(unfinished) > 1 and len(
             {errors.get(f.trial_id, (None, event.error))[1] for f in unfinished}) == 1
-        record = self._group_record(event, job, joint or any(
-            f.trial_id not in errors for f in unfinished))
-        continuing: list[Trial] = []
+        record = self._record(event, job, joint or any(
+            f.trial_id not in errors for f in unfinished), trial, now)
+        steps: list[tuple[str, Step, FailureKind | None, str, bool]] = []
         for flight in live:
-            trial = self.trials[flight.trial_id]
             if flight in unfinished:
-                kind, error = errors.get(trial.trial_id, (None, event.error))
+                kind, error = errors.get(flight.trial_id, (None, event.error))
                 if event.worker_lost:
-                    self._fail(trial, FailureKind.ENVIRONMENT, event.error, flight.task, lost=True)
+                    steps.append((flight.trial_id, Step.FAIL, FailureKind.ENVIRONMENT,
+                                  event.error, True))
                 elif kind is FailureKind.MODEL and not joint:
-                    self._fail(trial, kind, error, flight.task)
+                    steps.append((flight.trial_id, Step.FAIL, kind, error, False))
                 else:
-                    self.alone.add(trial.trial_id)
-                    record["alone"].append(trial.trial_id)
-                    self._retry_alone(trial, error)
+                    self.memory.alone.add(flight.trial_id)
+                    record["alone"].append(flight.trial_id)
+                    steps.append((flight.trial_id, Step.RETRY_ALONE, None, error, False))
                 continue
-            if flight.buffered is not None:  # an executor that wrote no checkpoint
-                self._feed(trial, flight.buffered, None)
-            continuing.append(trial)
+            steps.append((flight.trial_id, Step.CONTINUE, None, "", False))
         if record["status"] == "reverted":
-            self.alone.update(job.trials)
+            self.memory.alone.update(job.trials)
             record["alone"] = list(job.trials)
-        self.unfused.update(record["unfused"])
-        if self.on_group is not None:
-            self.on_group(record)
-        self._continue(continuing, flights[0].worker)
+        self.memory.unfused.update(record["unfused"])
+        return GroupEnd(record, tuple(steps))
 
-    def _group_record(self, event, job: Any, group_failed: bool) -> dict:
-        """What the plans table keeps of a grouped job (see :meth:`_end_group`);
-        ``group_failed``: the job failed as a group, not by its models' own errors."""
+    def _record(self, event: Any, job: Any, group_failed: bool, trial: Trial,
+                now: float) -> dict:
+        """What the plans table keeps of a grouped job (see :meth:`end`); ``group_failed``:
+        the job failed as a group, not by its models' own errors."""
         from ..optim.cost import fused_speedup, judge_segment, merged_speedup
 
+        mem = self.memory
         for unit in job.units:
-            self.alone_s.update(unit.get("alone_s") or {})
+            mem.alone_s.update(unit.get("alone_s") or {})
             if unit.get("choice") and unit.get("alone_by_arch"):
-                self.alone_arch.setdefault(unit["choice"]["device"], {}).update(
+                mem.alone_arch.setdefault(unit["choice"]["device"], {}).update(
                     unit["alone_by_arch"])
         units = [dict(u) for u in job.units]
         merged = [u for u in units if u.get("merged")]
-        key = self.group_key(self.trials[job.trials[0]]) if self.group_key else None
+        key = self.group_key(trial) if self.group_key else None
         alone = {id(u): self._alone_or_bound(key, u) for u in merged}
         speedups = [merged_speedup(u, alone[id(u)]) for u in merged]
         held = self._held_strikes(key_id(key) if key is not None else None)
@@ -268,7 +308,7 @@ class GroupedJobs:
             worst = min(u["fused_speedup"] for u in merged if u.get("fusion_reverted"))
             reason = (f"fusion reverted: measured {worst:.2f}x of training its models grouped "
                       f"unfused: {', '.join(unfused)} train unfused from now on")[:500]
-        seconds = None if job.started is None else self.executor.now() - job.started
+        seconds = None if job.started is None else now - job.started
         return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
                 "reason": reason, "speedup": min(known) if known else None,
                 "seconds": seconds, "units": units, "errors": errors,
@@ -299,32 +339,22 @@ class GroupedJobs:
         choice = unit.get("choice") or {}
         bound = choice.get("bound_s")
         if bound is None and key is not None:
-            held = self.layouts.get(key_id(key), {}).get(choice.get("device"))
+            held = self.memory.layouts.get(key_id(key), {}).get(choice.get("device"))
             bound = held.bound_s if held is not None else None
         if bound is None:
-            return self.alone_s
-        return {**{t: bound for t in unit.get("trials") or ()}, **self.alone_s}
+            return self.memory.alone_s
+        return {**{t: bound for t in unit.get("trials") or ()}, **self.memory.alone_s}
 
     def _held_strikes(self, key: str | None):
         """``strikes(unit, name)``: the slower segments in a row held for ``name`` (a layout,
         or ``"fusion"``) on the unit's device under group key ``key`` (0 when none)."""
-        held = self.layouts.get(key, {}) if key is not None else {}
+        held = self.memory.layouts.get(key, {}) if key is not None else {}
 
         def strikes(unit: dict, name: str | None) -> int:
             device = (unit.get("choice") or {}).get("device")
             layout = held.get(device)
             return int(layout.strikes.get(name, 0)) if layout is not None else 0
         return strikes
-
-    def _retry_alone(self, trial: Trial, error: str) -> None:
-        """A trial that did not finish its segment in a failed grouped job: back to PENDING
-        from its last checkpoint, to train alone; not counted as its failure."""
-        trial.attempts += 1
-        first = (error.strip().splitlines() or [""])[0]
-        self._move(trial, TrialState.ERRORED, f"group error: {first}")
-        step, _ = trial.resume_point()
-        self._move(trial, TrialState.PENDING, f"retry {trial.attempts} alone from step {step}")
-
 
 def _judged(unit: dict) -> bool:
     """Whether a unit's segment says anything of its layout: not when it trained apart

@@ -1,9 +1,9 @@
 """How the :class:`~.trials.TrialRunner` splits a batch of trials over its free slots
 (packing models onto devices: docs/optimization.md, "Packing onto devices").
 
-:class:`PackedJobs` is a mixin of :class:`~.trials.TrialRunner` with one entry point,
-:meth:`~PackedJobs._packs`: the trials that may train together (one group key) and the number
-of free slots in, the jobs to launch out. Without packing (``packing=False``), as before: the
+:class:`Packer` is a collaborator the runner holds, with one entry point, :meth:`Packer.packs`:
+the trials that may train together (one group key), the number of free slots and the step
+times alone measured so far in, the jobs to launch out. Without packing (``packing=False``), as before: the
 trials spread over the slots as evenly as they go. With packing, each trial's profile (its
 iteration time and memory; :mod:`retiarii.optim.profile`) goes to
 :func:`retiarii.optim.packing.pack` over one :class:`~retiarii.optim.packing.Device` per free
@@ -17,18 +17,19 @@ estimates of the others are scaled to seconds by the median measured/estimated r
 measured and estimated trials compare. A trial without a profile makes the batch fall back
 to the even split.
 
-It reads the runner's ``batch_models``, ``alone_s`` and ``_inflight`` / ``_flights``; its
-own state is set by :meth:`~PackedJobs._init_packing`.
+The decision of each pack is kept until the runner launches it (:meth:`Packer.take_note`),
+for the plans table.
 """
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 from ..optim.packing import Device, ModelProfile, PackingConfig, pack
 from .trial import Trial
 
-__all__ = ["PackedJobs", "even_split"]
+__all__ = ["Packer", "even_split"]
 
 
 def even_split(batch: list[Trial], slots: int) -> list[list[Trial]]:
@@ -44,20 +45,29 @@ def even_split(batch: list[Trial], slots: int) -> list[list[Trial]]:
     return out
 
 
-class PackedJobs:
-    """The packing half of :class:`~.trials.TrialRunner` (see the module docstring)."""
+class Packer:
+    """Splits batches of trials over free slots (see the module docstring).
 
-    def _init_packing(self, packing: bool, slot_memory: float) -> None:
-        """The runner's constructor calls this: ``packing`` on or off, the bytes each slot
-        lends to models."""
-        self.packing, self.slot_memory = packing, slot_memory
+    Args:
+        packing: by profiles (True), or as evenly as they go (False).
+        slot_memory: the bytes each slot lends to models.
+        batch_models: the most trials one pack holds.
+    """
+
+    def __init__(self, packing: bool = False, slot_memory: float = float("inf"),
+                 batch_models: int = 1):
+        self.packing, self.slot_memory, self.batch_models = packing, slot_memory, batch_models
         self.placements: list[dict] = []  # every placement made, in order
         self._notes: dict[str, dict] = {}  # first trial of a pack -> its decision, until launched
         self._units: dict[str, float] = {}  # trial -> its estimate, in units
         self._scale: float | None = None  # seconds per unit, from the trials measured so far
+        self._alone_s: Mapping[str, float] = {}
 
-    def _packs(self, batch: list[Trial], slots: int) -> list[list[Trial]]:
-        """The jobs that train ``batch`` (one group key) on ``slots`` free slots."""
+    def packs(self, batch: list[Trial], slots: int,
+              alone_s: Mapping[str, float] | None = None) -> list[list[Trial]]:
+        """The jobs that train ``batch`` (one group key) on ``slots`` free slots;
+        ``alone_s``: trial -> its step time alone, measured by grouped jobs so far."""
+        self._alone_s = alone_s or {}
         if not self.packing or len(batch) < 2:
             return even_split(batch, slots)
         profiles = self._profiles(batch)
@@ -80,13 +90,10 @@ class PackedJobs:
                     "source": "measured" if self._scale is not None else "estimated (units)"}
         return out
 
-    def _note_packing(self, first: Trial) -> None:
-        """After launching a pack led by ``first``: keep its packing decision on its job
-        (``JobFlight.extra["packing"]``, flights.py), for the plans table."""
-        note = self._notes.pop(first.trial_id, None)
-        flight = self._flights.get(first.trial_id)
-        if note is not None and flight is not None and flight.job_id in self._inflight:
-            self._inflight[flight.job_id].extra["packing"] = note
+    def take_note(self, first: str) -> dict | None:
+        """The packing decision of the pack led by trial ``first``, once it is launched (the
+        runner keeps it on its job, for the plans table); None when it was not packed."""
+        return self._notes.pop(first, None)
 
     def _profiles(self, batch: list[Trial]) -> list[ModelProfile] | None:
         """Every trial's profile in seconds (measured, or estimated and scaled by what was
@@ -99,7 +106,7 @@ class PackedJobs:
                 return None
             self._units[trial.trial_id] = float(estimate["units"])
             memory[trial.trial_id] = float(estimate.get("memory") or 0)
-        ratios = [s / self._units[t] for t, s in self.alone_s.items()
+        ratios = [s / self._units[t] for t, s in self._alone_s.items()
                   if t in self._units and s and s > 0]
         self._scale = statistics.median(ratios) if ratios else None
         out = []
@@ -108,6 +115,6 @@ class PackedJobs:
             if self._scale is None:
                 iter_s = self._units[t]
             else:
-                iter_s = self.alone_s.get(t) or self._units[t] * self._scale
+                iter_s = self._alone_s.get(t) or self._units[t] * self._scale
             out.append(ModelProfile(t, iter_s, int(memory[t])))
         return out

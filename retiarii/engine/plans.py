@@ -27,6 +27,7 @@ import json
 import statistics
 import time
 
+from .grouping import GroupMemory
 from .job_contract import HeldLayout
 
 __all__ = ["PlanTable"]
@@ -90,6 +91,12 @@ class PlanTable:
                     out.setdefault(decision["group_key"], {})[unit["choice"]["device"]] = (
                         HeldLayout.from_json(decision))
         return out
+
+    def memory(self) -> GroupMemory:
+        """What the search's grouped jobs taught its planner, for a resumed search: the trials
+        that train alone or unfused from now on, the step times alone, the layout decisions."""
+        return GroupMemory(alone=self.alone_trials(), unfused=self.unfused_trials(),
+                           alone_s=self.alone_profiles(), layouts=self.layout_decisions())
 
     def alone_profiles(self) -> dict[str, float]:
         """Trial -> its separate step time, as profiled in a grouped job."""

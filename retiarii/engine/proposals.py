@@ -127,7 +127,8 @@ class Proposals:
                                  if k not in self._trainer_labels},
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
-            if self.optimize and getattr(getattr(self, "runner", None), "packing", False):
+            runner = getattr(self, "runner", None)
+            if self.optimize and runner is not None and runner.packer.packing:
                 config["profile"] = self._estimate(model)
             if self.deterministic:  # its worker trains it in deterministic mode
                 config["deterministic"] = True

@@ -1,6 +1,7 @@
 """The runner's side that hears the executor: every event of a job in flight (started,
-profiled, a step's result, a checkpoint, finished, failed) becomes a journaled transition, a
-scheduler decision applied, or a retry (a mixin of :class:`~.trials.TrialRunner`, which owns
+profiled, a step's result, a checkpoint, finished, failed; a grouped job's end as its
+:class:`~.grouping.JobPlanner` decides) becomes a journaled transition, a scheduler decision
+applied, or a retry (the base class of :class:`~.trials.TrialRunner`, which owns
 the trials, the journal and the executor).
 
 A result is fed to the scheduler at once, except a segment's last, which waits for the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from ..strategies.scheduler import Decision
 from .checkpoint import CheckpointPathError
@@ -19,7 +21,8 @@ from .executors.base import (
     FailureKind, JobFailed, JobFinished, JobProfiled, JobStarted, TrialCheckpointed, TrialResult,
     TrialTask,
 )
-from .flights import Flight, Outcome, result_dict
+from .flights import Flight, JobFlight, Outcome, result_dict
+from .grouping import Step
 from .trial import Trial, TrialState
 
 __all__ = ["TrialEvents"]
@@ -77,6 +80,38 @@ class TrialEvents:
             if flight.buffered is not None:  # an executor that wrote no checkpoint
                 self._feed(trial, flight.buffered, None)
             self._continue([trial], flight.worker)
+
+    def _end_group(self, event: Any, job: JobFlight, flights: list[Flight]) -> None:
+        """A grouped job ended: apply what the planner decides (:meth:`~.grouping.JobPlanner.
+        end`) in order (a failure by the failure policy, a group's failure by a retry alone,
+        a finished segment by feeding its last result), record the job, continue the rest."""
+        end = self.planner.end(
+            event, job, flights, lambda t: self.trials[t].state is TrialState.RUNNING,
+            self.trials[job.trials[0]], self.executor.now())
+        by_id = {f.trial_id: f for f in flights}
+        continuing: list[Trial] = []
+        for trial_id, step, kind, error, lost in end.steps:
+            trial, flight = self.trials[trial_id], by_id[trial_id]
+            if step is Step.FAIL:
+                self._fail(trial, kind, error, flight.task, lost=lost)
+            elif step is Step.RETRY_ALONE:
+                self._retry_alone(trial, error)
+            else:
+                if flight.buffered is not None:  # an executor that wrote no checkpoint
+                    self._feed(trial, flight.buffered, None)
+                continuing.append(trial)
+        if self.on_group is not None:
+            self.on_group(end.record)
+        self._continue(continuing, flights[0].worker)
+
+    def _retry_alone(self, trial: Trial, error: str) -> None:
+        """A trial that did not finish its segment in a failed grouped job: back to PENDING
+        from its last checkpoint, to train alone; not counted as its failure."""
+        trial.attempts += 1
+        first = (error.strip().splitlines() or [""])[0]
+        self._move(trial, TrialState.ERRORED, f"group error: {first}")
+        step, _ = trial.resume_point()
+        self._move(trial, TrialState.PENDING, f"retry {trial.attempts} alone from step {step}")
 
     def _on_checkpoint(self, trial: Trial, flight: Flight, event: TrialCheckpointed) -> None:
         try:

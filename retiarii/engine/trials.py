@@ -23,17 +23,14 @@ beyond :class:`~retiarii.strategies.scheduler.Scheduler`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, Callable, Hashable
 
-from ..optim.passes import parse_settings
 from ..strategies.scheduler import Scheduler, Spawn
 from .checkpoint import CheckpointDir, CheckpointPathError, check_trial_id
 from .executors.base import Executor, FailureKind, Job, TrialTask
 from .flights import Flight, JobFlight, Outcome, failure_of, result_dict
-from .grouping import GroupedJobs
-from .placing import PackedJobs
-from .job_contract import HeldLayout
+from .grouping import JobPlanner
+from .placing import Packer
 from .journal import Journal, MemoryJournal
 from .trial import ALLOWED, IllegalTransition, Trial, TrialState
 from .trial_events import TrialEvents
@@ -45,7 +42,7 @@ __all__ = ["TrialRunner", "failure_of", "Trial", "TrialState", "ALLOWED", "Illeg
 _log = logging.getLogger("retiarii.engine")
 
 
-class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
+class TrialRunner(TrialEvents):
     """Drive trials on an executor under a scheduler until no work is left or a budget is hit.
 
     Example:
@@ -88,30 +85,13 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
         spawn_config: turns a scheduler's :class:`Spawn` (hyper-parameters) and its parent
             trial into the config the child trial runs with (the experiment makes a worker
             spec of it); default: the spawn's config as it is.
-        batch_models: the most trials one job trains (cross-model optimization packs the
-            trials that can share a data pipeline into one job; docs/optimization.md). 1: a
-            job per trial.
-        group_key: what must be equal for two trials to train in one job (the experiment's
-            space, trainer and data key), or None for a trial that trains alone; the runner
-            adds the step they start from. None: nothing groups.
-        profile: ask workers to measure grouped jobs, and revert a group measured slower
-            than its models apart (:mod:`retiarii.optim.cost`): its trials train alone from
-            then on. False: grouped jobs are kept whatever they measure.
+        planner: which trials train as one job, in which layout, and what a grouped job's
+            end decides (:class:`~.grouping.JobPlanner`: cross-model optimization,
+            docs/optimization.md). None: a job per trial.
+        packer: how a batch of trials is split over the free slots (:class:`~.placing.Packer`;
+            None: as evenly as they go).
         on_group: called with a record of every grouped job once it ends (trials, status
             ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
-        passes: the optional optimization passes grouped jobs run (name -> True, or
-            ``"auto"``: when measured faster; :mod:`retiarii.optim.passes`), sent as
-            ``meta["passes"]``. ``batching``: the same as ``passes={"batching": batching}``.
-        packing, slot_memory, merge: how a batch is split over free slots (:mod:`~.placing`);
-            ``merge=False``: a job of several trials trains each alone (no ``meta["group"]``).
-        dedicated: ``{"dedicated": patterns, "dedicated_device": ...}`` told to grouped jobs
-            (engine/dedicated.py).
-        fuse: whether a grouped job may train its same-architecture trials fused
-            (``meta["fuse"]``; docs/optimization.md): ``"auto"`` when measured faster (the
-            first job of a group key and device measures the layouts; a fused unit measured
-            slower over its segment is reverted: its trials are sent ``meta["unfused"]``);
-            True fuses without measuring; False never. The choices are kept per group key
-            and device in :attr:`layouts` (``grouping.py``).
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
@@ -123,16 +103,10 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
                  on_result: Callable[[Trial, dict], None] | None = None,
                  on_trial_end: Callable[[Trial], None] | None = None, id_prefix: str = "",
                  spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None,
-                 batch_models: int = 1, group_key: Callable[[Trial], Hashable | None] | None = None,
-                 profile: bool = False, on_group: Callable[[dict], None] | None = None,
-                 fuse: bool | str = False, batching: bool | str = False,
-                 passes: Mapping[str, Any] | None = None, packing: bool = False,
-                 merge: bool = True, slot_memory: float = float("inf"),
-                 dedicated: dict | None = None):
+                 planner: JobPlanner | None = None, packer: Packer | None = None,
+                 on_group: Callable[[dict], None] | None = None):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
-        if batch_models < 1:
-            raise ValueError(f"batch_models must be >= 1 trial per job, got {batch_models}")
         self.executor, self.scheduler, self.journal = executor, scheduler, journal
         self.max_failures, self.segment, self.max_steps = max_failures, segment, max_steps
         self.model_retries = model_retries
@@ -159,19 +133,9 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
         self.source, self.on_result, self.on_trial_end = source, on_result, on_trial_end
         self.id_prefix = id_prefix  # trial ids are unique per store: one prefix per experiment
         self.spawn_config = spawn_config or (lambda spawn, parent: dict(spawn.config))
-        self.batch_models, self.group_key = batch_models, group_key
-        self.profile, self.on_group = profile, on_group
-        self.alone: set[str] = set()  # trials of reverted or failed groups: alone from now on
-        self.fuse = fuse
-        # optional pass -> True | "auto" (those set False are left out)
-        self.passes = {k: v for k, v in parse_settings(
-            {**({"batching": batching} if batching else {}), **(passes or {})}).items() if v}
-        self.unfused: set[str] = set()  # trials whose fusion was reverted: unfused from now on
-        self.alone_s: dict[str, float] = {}  # trial -> its profiled separate step time
-        self.layouts: dict[str, dict[str, HeldLayout]] = {}  # group key -> device -> decision
-        self.alone_arch: dict[str, dict[str, float]] = {}  # device -> architecture -> step time
-        self.merge, self.dedicated = merge, dict(dedicated or {})
-        self._init_packing(packing, slot_memory)
+        self.planner = planner or JobPlanner()
+        self.packer = packer or Packer(batch_models=self.planner.batch_models)
+        self.on_group = on_group
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -399,7 +363,7 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
     def _fill(self) -> None:
         """Give every free slot a job: the scheduler's pick (else a spawned or new trial),
         with the trials that can train in one job with it (:meth:`_companions`). Slots come
-        first: trials that can group are spread over the free slots (:meth:`_packs`),
+        first: trials that can group are spread over the free slots (:attr:`packer`),
         before any job takes more than one (``batch_models`` each at most)."""
         while (len(self._inflight) < self.executor.num_slots and not self.budget_hit()
                and self.stop_reason is None):
@@ -411,8 +375,9 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
             if trial.state not in (TrialState.PENDING, TrialState.PAUSED):
                 continue
             free = self.executor.num_slots - len(self._inflight)
-            batch = [trial, *self._companions([trial], free * self.batch_models)]
-            for pack in self._packs(batch, free):  # placing.py: evenly, or packed by profiles
+            batch = [trial, *self._companions([trial], free * self.planner.batch_models)]
+            # placing.py: evenly, or packed by profiles
+            for pack in self.packer.packs(batch, free, self.planner.memory.alone_s):
                 self._launch(pack)
                 self._note_packing(pack[0])
 
@@ -423,7 +388,7 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
         waiting trials of that group key are offered (a new or spawned trial may still not
         match: the caller checks)."""
         candidates = [c for c in self._candidates() if c not in taken
-                      and (key is None or self._key(self.trials[c]) == key)]
+                      and (key is None or self.planner.key(self.trials[c]) == key)]
         pick = self.scheduler.choose_trial_to_run(candidates) if candidates else None
         if pick is not None and pick not in candidates:
             raise ValueError(f"{type(self.scheduler).__name__}.choose_trial_to_run returned "
@@ -521,8 +486,8 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
         for task in tasks:
             self._flights[task.trial_id] = Flight(task.trial_id, task, job_id, mark=now)
         meta: dict[str, Any] = {} if worker is None else {"worker": worker}  # a placement hint
-        if grouped and self.merge:
-            meta.update(self._group_meta(tasks))
+        if grouped and self.planner.merge:
+            meta["group"] = self.planner.order(tasks, self.trials[tasks[0].trial_id])
         attempt = max(self.trials[t.trial_id].attempts for t in tasks)
         self.executor.submit(Job(job_id, tasks, attempt=attempt, meta=meta))
 
@@ -542,14 +507,50 @@ class TrialRunner(PackedJobs, GroupedJobs, TrialEvents):
                 go.append(trial)
         batches: dict[Hashable, list[Trial]] = {}
         for trial in go:
-            key = self._key(trial)
+            key = self.planner.key(trial)
             batches.setdefault(("alone", trial.trial_id) if key is None else key, []).append(trial)
+        size = self.planner.batch_models
         for i, batch in enumerate(batches.values()):
-            chunks = [batch[j:j + self.batch_models] for j in range(0, len(batch), self.batch_models)]
+            chunks = [batch[j:j + size] for j in range(0, len(batch), size)]
             for k, chunk in enumerate(chunks):
-                chunk = [*chunk, *self._companions(chunk)] if self._key(chunk[0]) is not None else chunk
+                if self.planner.key(chunk[0]) is not None:
+                    chunk = [*chunk, *self._companions(chunk)]
                 self._launch(chunk, worker if i == 0 and k == 0 else None)
 
+
+    def _companions(self, batch: list[Trial], limit: int | None = None) -> list[Trial]:
+        """Trials to train with ``batch`` (same key), until there are ``limit`` in all
+        (default ``batch_models``): the waiting ones first, in the scheduler's order, then new
+        ones. A new trial that does not match ends the search; it waits for a slot of its own."""
+        key = self.planner.key(batch[0])
+        out: list[Trial] = []
+        if key is None:
+            return out
+        limit = self.planner.batch_models if limit is None else limit
+        taken = frozenset(t.trial_id for t in batch)
+        # A new trial starts at step 0: it can join a batch that starts there, never one that
+        # continues (asking the strategy then would only move its proposals earlier).
+        fresh = key[1] == 0
+        while len(batch) + len(out) < limit and not self.budget_hit():
+            trial = self._next_trial(key, taken, new=fresh)
+            if trial is None:
+                break
+            self._after_scheduler()
+            if trial.state not in (TrialState.PENDING, TrialState.PAUSED):
+                continue  # the scheduler stopped it meanwhile
+            if self.planner.key(trial) != key:
+                break
+            out.append(trial)
+            taken = taken | {trial.trial_id}
+        return out
+
+    def _note_packing(self, first: Trial) -> None:
+        """After launching a pack led by ``first``: keep its packing decision on its job
+        (``JobFlight.extra["packing"]``), for the plans table."""
+        note = self.packer.take_note(first.trial_id)
+        flight = self._flights.get(first.trial_id)
+        if note is not None and flight is not None and flight.job_id in self._inflight:
+            self._inflight[flight.job_id].extra["packing"] = note
 
     def _close_leftovers(self) -> None:
         """The search is over: trials the scheduler never ran again are terminated."""
