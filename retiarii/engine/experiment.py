@@ -37,6 +37,7 @@ from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir
 from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
                                  object_ref, space_fingerprint, trainer_spec)
+from .function_trainer import experiment_space
 from .lock import StoreLock, StoreLocked
 from . import one_shot
 from .plans import PlanTable
@@ -58,7 +59,9 @@ class Experiment(Proposals):
     """Search ``space`` with ``strategy``, training each model with ``trainer``.
 
     Args:
-        space: a :class:`~retiarii.ModelSpace` defined at module level (or its reference).
+        space: a :class:`~retiarii.ModelSpace` defined at module level (or its reference);
+            None with a :class:`~.function_trainer.FunctionTrainer`: a model-free search of
+            its hyper-parameters (the function gets ``model=None``).
         strategy: instantiation control, e.g. ``rt.strategies.Random(seed=0)``.
         trainer: a :class:`~retiarii.Trainer`; its ValueChoice settings become choices.
         store: the SQLite file (created with its folder). Checkpoints go in the folder next to
@@ -187,6 +190,9 @@ class Experiment(Proposals):
         if not isinstance(batch_models, int) or batch_models < 1:
             raise ExperimentError(f"batch_models={batch_models!r}: give a number of trials >= 1")
         self.optimize, self.batch_models = optimize, batch_models
+        # None: a model-free search (a FunctionTrainer's hparams alone); one-shot refused
+        space = experiment_space(space, trainer, weight_sharing is not False
+                                 or isinstance(strategy, OneShot), ExperimentError)
         self.space_ref = object_ref(space, "space")
         self.space = space if not isinstance(space, str) else resolve_ref(space)
         self.strategy, self.trainer = strategy, trainer
