@@ -105,11 +105,17 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     from .engine.experiment import Experiment
     from .engine.trainer import ClassifierTrainer
 
+    from .engine.function_trainer import FunctionTrainer
+
     ref, module = _load_space_file(space_arg)
-    if not hasattr(module, "space"):
-        raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
-                       f"rt.ModelSpace(...)` at the top level of the file")
     trainer = getattr(module, "trainer", None)
+    space_ref: str | None = f"{ref}:space"
+    if getattr(module, "space", None) is None and isinstance(trainer, FunctionTrainer):
+        space_ref = None  # a model-free search of the function's hyper-parameters
+    elif not hasattr(module, "space"):
+        raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
+                       f"rt.ModelSpace(...)` at the top level of the file (or, for a "
+                       f"model-free search, a `trainer = rt.FunctionTrainer(...)`)")
     one_shot_flag = flags["strategy"] in ONE_SHOT
     if trainer is not None and flags.get("epochs") is not None and not one_shot_flag:
         raise CliError(f"--epochs applies to the default trainer, but {space_arg} defines its "
@@ -160,7 +166,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
 
         # connects on first use, disconnects at exit (RayExecutor.close runs at exit)
         executor = RayExecutor(flags["workers"], address=flags["address"], ranks=ranks)
-    return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
+    return Experiment(space_ref, strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
                       optimize={**_OPTIMIZE, "pack": "pack"}[flags.get("optimize") or "auto"],

@@ -316,6 +316,7 @@ class FunctionRun:
             self._rng = ckpt.native_rng()  # this trial's streams while it is swapped out
         finally:
             ckpt.set_native_rng(outer)
+        self._start = done  # the step this segment starts from
         self._shared = _Shared(trial_id, self.device, done, stop_step, state, rng)
         self._thread = threading.Thread(target=_body, name=f"retiarii-function-{trial_id}",
                                         args=(function, model, self.hparams, self._shared),
@@ -343,7 +344,6 @@ class FunctionRun:
         shared = self._shared
         if not self._thread.is_alive():
             raise TrainingError(f"trial {self.trial_id}: its function already ended")
-        before = shared.done
         with swapped_in(self):
             shared.message = ()
             shared.to_function.release()
@@ -357,9 +357,9 @@ class FunctionRun:
             return rest[1]
         if kind == "error":
             raise rest[0]
-        raise TrainingError(self._returned_early(before))
+        raise TrainingError(self._returned_early())
 
-    def _returned_early(self, before: int) -> str:
+    def _returned_early(self) -> str:
         shared, name = self._shared, self.trainer.function_name()
         target = self.hparams.get("epochs")
         if shared.last == 0:
@@ -367,9 +367,9 @@ class FunctionRun:
                     f"calling session.report(step, **metrics). Report after every step "
                     f"(epoch), e.g. session.report(epoch + 1, val_acc=acc), so the schedulers "
                     f"can decide and the engine can checkpoint")
-        if shared.last <= before:
+        if shared.last <= self._start:
             return (f"trial {self.trial_id}: the training function {name} returned after "
-                    f"replaying to step {shared.last}, short of step {before + 1}: start the "
+                    f"replaying to step {shared.last}, short of step {self._start + 1}: start the "
                     f"loop from the position of session.load()'s state and run it to "
                     f"hparams['epochs'] ({target})")
         return (f"trial {self.trial_id}: the training function {name} returned after step "
