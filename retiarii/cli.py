@@ -46,13 +46,13 @@ def _strategy(name: str, seed: int, epochs: int | None = None):
     return factories[name]()
 
 
-def _scheduler(name: str, epochs: int, metric: str):
+def _scheduler(name: str, epochs: int, metric: str, mode: str = "max"):
     from . import strategies as s
 
     if name == "asha":
-        return s.ASHA(metric=metric, mode="max", grace_period=1, max_t=epochs, reduction_factor=2)
+        return s.ASHA(metric=metric, mode=mode, grace_period=1, max_t=epochs, reduction_factor=2)
     if name == "median":
-        return s.MedianStopping(metric=metric, mode="max", grace_period=1,
+        return s.MedianStopping(metric=metric, mode=mode, grace_period=1,
                                 min_samples_required=3)
     return None
 
@@ -157,7 +157,9 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     if one_shot and flags["scheduler"] != "none":
         raise CliError(f"--scheduler {flags['scheduler']}: a one-shot search trains one "
                        f"super-network, no trial to stop early; leave --scheduler out")
-    scheduler = _scheduler(flags["scheduler"], trainer.epochs, "val_acc")
+    # stores from before --metric/--mode judged by val_acc, higher is better
+    metric, mode = flags.get("metric") or "val_acc", flags.get("mode") or "max"
+    scheduler = _scheduler(flags["scheduler"], trainer.epochs, metric, mode)
     executor = flags.get("executor") or "local"  # stores from before --executor: local
     if flags.get("address"):
         if executor != "ray":
@@ -169,6 +171,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     return Experiment(space_ref, strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
+                      metric=metric, mode=mode,
                       optimize={**_OPTIMIZE, "pack": "pack"}[flags.get("optimize") or "auto"],
                       packing=_OPTIMIZE[flags.get("packing") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
@@ -199,7 +202,8 @@ def cmd_run(args) -> int:
              "optimize": args.optimize, "batch_models": args.batch_models, "fuse": args.fuse,
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
              "batching": args.batching, "packing": args.packing,
-             "device_memory": args.device_memory, "shared": args.shared}
+             "device_memory": args.device_memory, "shared": args.shared,
+             "metric": args.metric, "mode": args.mode}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -278,6 +282,11 @@ def parser() -> argparse.ArgumentParser:
                           "--strategy, its segments (default 5)")
     run.add_argument("--scheduler", choices=SCHEDULERS, default="none",
                      help="early stopping: none, asha or median (default none)")
+    run.add_argument("--metric", default="val_acc",
+                     help="the reported metric the strategy and scheduler judge by (default "
+                          "val_acc; a FunctionTrainer reports its own)")
+    run.add_argument("--mode", choices=("max", "min"), default="max",
+                     help="whether a higher (max, default) or lower --metric is better")
     run.add_argument("--executor", choices=("local", "ray"), default="local",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")
     run.add_argument("--optimize", choices=(*_OPTIMIZE, "pack"), default="auto",
