@@ -368,3 +368,49 @@ def test_ray_executor_runs_function_trials_like_the_local_one(tmp_path):
     got = _search(tmp_path / "ray.db", func_trainer, SCHEDULERS["asha"](), models=3,
                   executor="ray", workers=1)
     assert got == whole
+
+
+# ---- docs/function_trainer.md: its examples run, and resume bit for bit ---------------------
+
+
+def _doc_example(name, folder):
+    """The docs page's block that starts with `# docs example: NAME`, loaded as a module file
+    (as `retiarii run` and the workers load one)."""
+    from retiarii.refs import load_file_module
+
+    text = (HERE.parent / "docs" / "function_trainer.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    (code,) = [b for b in blocks if b.startswith(f"# docs example: {name}\n")]
+    path = folder / f"doc_{name}.py"
+    path.write_text(code)
+    return str(path), load_file_module(str(path))
+
+
+@pytest.mark.parametrize("name", ["plain", "lightning"])
+def test_docs_examples_search_and_resume_bit_for_bit(tmp_path, name):
+    path, module = _doc_example(name, tmp_path)
+    space_ref = f"{path}:space" if hasattr(module, "space") else None
+    hparams = {k: v.values[-1] for k, v in module.trainer.value_choices().items()}
+    build = None
+    if space_ref is not None:
+        sample = module.space.default_sample()
+        build = lambda: module.space.build(sample)  # noqa: E731
+
+    def segments(cuts):
+        out, ckpt = [], None
+        for stop in cuts:
+            run = FunctionRun(build, module.trainer, hparams, stop_step=stop, checkpoint=ckpt,
+                              seed=5)
+            while run.step < stop:
+                out.append(run.train_epoch())
+            ckpt = str(tmp_path / f"{name}-{stop}")
+            run.save(ckpt)
+        return out
+
+    whole = segments([4])
+    assert len(whole) == 4 and segments([1, 2, 3, 4]) == whole == segments([2, 4])
+    db = tmp_path / f"{name}.db"
+    summary = rt.Experiment(space_ref, rt.strategies.GridSearch(), module.trainer, store=str(db),
+                            executor=InProcessExecutor(), max_models=4, seed=0,
+                            scheduler=SCHEDULERS["asha"]()).run()
+    assert summary["trials"]["TERMINATED"] == 4 and summary["best"][0]["value"] > 0.5
