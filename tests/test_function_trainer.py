@@ -63,6 +63,10 @@ def test_function_search_equals_trainer_subclass_bit_for_bit(tmp_path, name):
     if name == "asha":  # the scheduler really stopped some trials early: same ones, same step
         lengths = [len(t[3]["val_acc"]) for t in got]
         assert min(lengths) < 4 == max(lengths)
+    if name == "hyperband":  # it paused trials, resumed later from their own saves
+        with Store(tmp_path / "func.db") as store:
+            store.use_experiment(store.experiments()[-1]["id"])
+            assert any(e["new_state"] == "PAUSED" for e in store.events())
 
 
 def _segments(hparams, cuts, ckpt_dir, trainer=func_trainer, seed=3):

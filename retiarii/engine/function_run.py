@@ -159,7 +159,7 @@ class _Shared:
         self.trial_id, self.device = trial_id, device
         self.done, self.stop = done, stop  # steps the engine has; this segment's last step
         self.state, self.rng = state, rng  # the last save: a snapshot and its RNG streams
-        self.saved_since_report = state is not None
+        self.saved_since_report = False  # a save of this function run since its last report
         self.last = 0  # the last step the function reported (replays included)
         self.to_function = threading.Semaphore(0)  # the function's turn
         self.to_worker = threading.Semaphore(0)  # the worker's turn
