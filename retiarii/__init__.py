@@ -7,6 +7,7 @@ from . import engine, mutators, nn, ops, registry, strategies
 from .cell import Cell
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .engine import Experiment, ExperimentError, SearchFailed
+from .engine.function_trainer import FunctionTrainer
 from .engine.image_trainer import ImageFolderTrainer
 from .engine.trainer import ClassifierTrainer as Trainer
 from .frozen import FrozenBatchNorm, freeze
@@ -23,7 +24,7 @@ from .trace import TraceError, trace
 
 __version__ = "0.1.0"
 
-__all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "FrozenBatchNorm",
+__all__ = ["Experiment", "ExperimentError", "FunctionTrainer", "Trainer", "Cell", "Chain", "FrozenBatchNorm",
            "Graph", "GraphError", "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "OptimizeConfig", "Pass", "Pattern",
            "Repeat", "SampleError", "SearchFailed", "ShapeMismatchError", "SpaceError", "TargetError",

@@ -39,8 +39,8 @@ def _strategy(name: str, seed: int, epochs: int | None = None):
         raise CliError(f"--strategy {name}: {err}") from None
 
 
-def _scheduler(name: str, epochs: int, metric: str):
-    return registry.make_scheduler(name, metric, "max", epochs)
+def _scheduler(name: str, epochs: int, metric: str, mode: str = "max"):
+    return registry.make_scheduler(name, metric, mode, epochs)
 
 
 def _name_of(kind: str):
@@ -134,11 +134,17 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     from .engine.experiment import Experiment
     from .engine.trainer import ClassifierTrainer
 
+    from .engine.function_trainer import FunctionTrainer
+
     ref, module = _load_space_file(space_arg)
-    if not hasattr(module, "space"):
-        raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
-                       f"rt.ModelSpace(...)` at the top level of the file")
     trainer = getattr(module, "trainer", None)
+    space_ref: str | None = f"{ref}:space"
+    if getattr(module, "space", None) is None and isinstance(trainer, FunctionTrainer):
+        space_ref = None  # a model-free search of the function's hyper-parameters
+    elif not hasattr(module, "space"):
+        raise CliError(f"{space_arg} defines no module-level `space`: add `space = "
+                       f"rt.ModelSpace(...)` at the top level of the file (or, for a "
+                       f"model-free search, a `trainer = rt.FunctionTrainer(...)`)")
     one_shot_flag = bool(flags["strategy"]) and registry.is_one_shot(flags["strategy"])
     if trainer is not None and flags.get("epochs") is not None and not one_shot_flag:
         raise CliError(f"--epochs applies to the default trainer, but {space_arg} defines its "
@@ -183,7 +189,9 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     if one_shot and flags["scheduler"] != "none":
         raise CliError(f"--scheduler {flags['scheduler']}: a one-shot search trains one "
                        f"super-network, no trial to stop early; leave --scheduler out")
-    scheduler = _scheduler(flags["scheduler"], trainer.epochs, "val_acc")
+    # stores from before --metric/--mode judged by val_acc, higher is better
+    metric, mode = flags.get("metric") or "val_acc", flags.get("mode") or "max"
+    scheduler = _scheduler(flags["scheduler"], trainer.epochs, metric, mode)
     executor = flags.get("executor") or "local"  # stores from before --executor: local
     if flags.get("address"):
         if executor != "ray":
@@ -195,9 +203,10 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         # imports the file and its sibling modules (docs/ray.md)
         executor = RayExecutor(flags["workers"], address=flags["address"], ranks=ranks,
                                runtime_env=_shipped_folder(ref, flags["store"]))
-    return Experiment(f"{ref}:space", strategy, trainer, store=flags["store"],
+    return Experiment(space_ref, strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
+                      metric=metric, mode=mode,
                       optimize={**_OPTIMIZE, "pack": "pack"}[flags.get("optimize") or "auto"],
                       packing=_OPTIMIZE[flags.get("packing") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
@@ -242,7 +251,7 @@ def cmd_run(args) -> int:
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
              "batching": args.batching, "passes": args.passes, "packing": args.packing,
              "device_memory": args.device_memory, "shared": args.shared,
-             "deterministic": args.deterministic}
+             "deterministic": args.deterministic, "metric": args.metric, "mode": args.mode}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -336,6 +345,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--scheduler", type=_name_of("scheduler"), default="none",
                      metavar="{" + ",".join(SCHEDULERS) + "}",
                      help="early stopping: none, asha or median (default none)")
+    run.add_argument("--metric", default="val_acc",
+                     help="the reported metric the strategy and scheduler judge by (default "
+                          "val_acc; a FunctionTrainer reports its own)")
+    run.add_argument("--mode", choices=("max", "min"), default="max",
+                     help="whether a higher (max, default) or lower --metric is better")
     run.add_argument("--executor", type=_name_of("executor"), default="local",
                      metavar="{" + ",".join(registry.names("executor")) + "}",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")

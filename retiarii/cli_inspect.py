@@ -46,6 +46,10 @@ def cmd_status(args) -> int:
     plans = PlanTable(store).summary()
     if plans["jobs"]:
         out["optimization"] = plans
+    from .engine.function_trainer import NOT_OPTIMIZED, is_function_spec
+
+    if is_function_spec(exp["config"].get("trainer")):  # said once, not per job or trial
+        out["optimization_note"] = NOT_OPTIMIZED
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -68,6 +72,8 @@ def cmd_status(args) -> int:
             print("(retiarii status --errors shows each whole traceback)")
     if "optimization" in out:
         print("\n" + _optimization_line(out["optimization"]))
+    if "optimization_note" in out:
+        print("\n" + out["optimization_note"])
     return 0
 
 

@@ -41,6 +41,7 @@ from .experiment_checks import check_arguments, resolve_scheduler, resolve_strat
 from .failures import SearchFailed, with_failures
 from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
                                  object_ref, space_fingerprint, trainer_spec)
+from .function_trainer import experiment_space
 from .lock import StoreLock, StoreLocked
 from . import one_shot
 from .grouping import JobPlanner
@@ -65,7 +66,9 @@ class Experiment(Proposals):
     """Search ``space`` with ``strategy``, training each model with ``trainer``.
 
     Args:
-        space: a :class:`~retiarii.ModelSpace` defined at module level (or its reference).
+        space: a :class:`~retiarii.ModelSpace` defined at module level (or its reference);
+            None with a :class:`~.function_trainer.FunctionTrainer`: a model-free search of
+            its hyper-parameters (the function gets ``model=None``).
         strategy: instantiation control, e.g. ``rt.strategies.Random(seed=0)``, or its name
             in :mod:`retiarii.registry` (``"evolution"``: built with ``seed``, as
             ``retiarii run --strategy evolution`` builds it). Every argument is checked here,
@@ -208,6 +211,9 @@ class Experiment(Proposals):
         # it groups by keys alone (optimize=True: nothing measured, results bit for bit).
         self.fuse = opt.effective_fuse
         self.passes = opt.effective_passes
+        # None: a model-free search (a FunctionTrainer's hparams alone); one-shot refused
+        space = experiment_space(space, trainer, weight_sharing is not False
+                                 or isinstance(strategy, OneShot), ExperimentError)
         self.space_ref = object_ref(space, "space")
         self.space = space if not isinstance(space, str) else resolve_ref(space)
         self.strategy, self.trainer = strategy, trainer

@@ -139,4 +139,9 @@ def comparable(config: dict) -> dict:
         config["space"] = {k: v for k, v in config["space"].items() if k != "ref"}
     if isinstance(config.get("trainer"), str):  # a reference: its file may have moved
         config["trainer"] = config["trainer"].rsplit(":", 1)[-1]
+    trainer = config.get("trainer")
+    if isinstance(trainer, dict) and isinstance((trainer.get("config") or {}).get("train"), str):
+        # a FunctionTrainer's function, by reference: its file may have moved too
+        train = trainer["config"]["train"].rsplit(":", 1)[-1]
+        config["trainer"] = {**trainer, "config": {**trainer["config"], "train": train}}
     return config

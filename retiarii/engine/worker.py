@@ -152,6 +152,10 @@ def _open_task(task: TrialTask, context: WorkerContext):
             raise KeyError(f"trial {task.trial_id}: its spec lacks {key!r} (see "
                            "retiarii.engine.worker for the spec format)")
     space, trainer = context.space(spec["space"]), context.trainer(spec["trainer"])
+    from .function_trainer import FunctionTrainer, open_function_task
+
+    if isinstance(trainer, FunctionTrainer):  # the user's own loop (engine/function_run.py)
+        return open_function_task(task, space, trainer)
     sample = spec["sample"]
     if "frozen" in spec:  # frozen values are read in each process: they must be the driver's
         space.check_frozen(spec["frozen"])
