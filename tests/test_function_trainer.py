@@ -213,8 +213,9 @@ def test_a_function_that_does_not_report_gets_a_clear_error(tmp_path, function, 
         while run.step < 3:
             run.train_epoch()
     db = tmp_path / "e.db"  # through the engine: that trial fails, with the same words
-    rt.Experiment(None, rt.strategies.Random(seed=0), trainer, store=str(db), metric="score",
-                  executor=InProcessExecutor(), max_models=1).run()
+    with pytest.raises(rt.SearchFailed, match="all 1 models failed"):  # the only one
+        rt.Experiment(None, rt.strategies.Random(seed=0), trainer, store=str(db),
+                      metric="score", executor=InProcessExecutor(), max_models=1).run()
     with Store(db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         (trial,) = store.trials()
