@@ -9,6 +9,7 @@ from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .engine import Experiment, ExperimentError, SearchFailed
 from .engine.image_trainer import ImageFolderTrainer
 from .engine.trainer import ClassifierTrainer as Trainer
+from .fixed_arch import fixed_arch
 from .frozen import FrozenBatchNorm, freeze
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
@@ -27,5 +28,5 @@ __all__ = ["Experiment", "ExperimentError", "Trainer", "Cell", "Chain", "FrozenB
            "Graph", "GraphError", "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "OptimizeConfig", "Pass", "Pattern",
            "Repeat", "SampleError", "SearchFailed", "ShapeMismatchError", "SpaceError", "TargetError",
-           "TraceError", "ValueChoice", "apply_mutator", "engine", "freeze", "leaf", "mutators", "nn",
-           "ops", "register_pass", "registry", "strategies", "trace"]
+           "TraceError", "ValueChoice", "apply_mutator", "engine", "fixed_arch", "freeze", "leaf",
+           "mutators", "nn", "ops", "register_pass", "registry", "strategies", "trace"]

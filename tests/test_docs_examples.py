@@ -57,3 +57,9 @@ def test_the_engine_docs_examples_run(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "did you mean 'evolution'?" in out.stdout and "'evolution'" in out.stdout
+
+
+def test_the_fixed_arch_example_builds_a_plain_module(tmp_path):
+    """docs/weight_sharing.md "Retraining the selection"."""
+    out = _run_file(tmp_path, "fixed.py", _block("weight_sharing.md", "rt.fixed_arch("))
+    assert out.strip() == "GeneratedModel torch.Size([4, 10])"
