@@ -10,6 +10,7 @@ from .engine import Experiment, ExperimentError, SearchFailed
 from .engine.function_trainer import FunctionTrainer
 from .engine.image_trainer import ImageFolderTrainer
 from .engine.trainer import ClassifierTrainer as Trainer
+from .fixed_arch import fixed_arch
 from .frozen import FrozenBatchNorm, freeze
 from .graph import Graph, GraphError, Node, Operation
 from .match import Chain, Pattern, TargetError
@@ -28,5 +29,5 @@ __all__ = ["Experiment", "ExperimentError", "FunctionTrainer", "Trainer", "Cell"
            "Graph", "GraphError", "ImageFolderTrainer", "InputChoice", "LayerChoice", "Model", "ModelSpace",
            "MutationError", "Mutator", "Node", "Operation", "OptimizeConfig", "Pass", "Pattern",
            "Repeat", "SampleError", "SearchFailed", "ShapeMismatchError", "SpaceError", "TargetError",
-           "TraceError", "ValueChoice", "apply_mutator", "engine", "freeze", "leaf", "mutators", "nn",
-           "ops", "register_pass", "registry", "strategies", "trace"]
+           "TraceError", "ValueChoice", "apply_mutator", "engine", "fixed_arch", "freeze", "leaf",
+           "mutators", "nn", "ops", "register_pass", "registry", "strategies", "trace"]

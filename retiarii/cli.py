@@ -21,6 +21,7 @@ from typing import Any
 
 from .cli_common import CliError, _Progress, _open, _positive, _print_best
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
+from .cli_retrain import cmd_retrain
 from .cli_inspect import _optimization_line  # noqa: F401 (tests import it from here)
 from . import registry
 from .optim.passes import parse_settings
@@ -280,6 +281,10 @@ def cmd_resume(args) -> int:
         origin = exp["config"].get("origin") or {}
     finally:
         store.close()
+    if "retrain" in origin:  # `retiarii retrain DB --model ID`: rebuilt from the model
+        from .cli_retrain import resume_retrain
+
+        return resume_retrain(dict(origin["retrain"]), args)
     if "nas" in origin:  # `retiarii nas run NAME`: the row rebuilds it
         from .cli_nas import resume_nas
 
@@ -419,6 +424,17 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--top", type=int, default=3, help="how many models (default 3)")
     export.add_argument("--out", required=True, help="output folder")
     export.set_defaults(fn=cmd_export)
+
+    retrain = sub.add_parser("retrain", help="train one stored model's architecture again from "
+                             "scratch, as a new experiment of the same store")
+    retrain.add_argument("db", help="the SQLite file of a run")
+    retrain.add_argument("--model", type=int, required=True, metavar="ID",
+                         help="the model to retrain (an id of `retiarii status`)")
+    retrain.add_argument("--epochs", type=int, default=None,
+                         help="epochs to train (default: the search's trainer's)")
+    retrain.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    retrain.add_argument("--seed", type=int, default=0, help="seed of the trials (default 0)")
+    retrain.set_defaults(fn=cmd_retrain)
 
     plot = sub.add_parser("plot", help="best-so-far curves and learning curves to a PNG")
     plot.add_argument("db", help="the SQLite file of a run")

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -12,6 +14,34 @@ def _blocks():
     text = (ROOT / "docs" / "engine.md").read_text()
     return [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
             if "rt.SearchFailed" in b or "registry.strategy_names()" in b]
+
+
+def _block(page: str, marker: str) -> str:
+    """The one ```python block of docs/``page`` that holds ``marker``."""
+    text = (ROOT / "docs" / page).read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b]
+    return block
+
+
+def _run_file(tmp_path, name: str, code: str) -> str:
+    """Runs ``code`` as the script ``name`` (a file: workers import its space); its stdout."""
+    script = tmp_path / name
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.slow  # worker processes train ten models (~45 s); tests/test_pbt_one_model.py is the quick check
+def test_the_pbt_example_tunes_one_architectures_learning_rate(tmp_path):
+    """docs/engine.md "Population-based training": runs with the default dedup and prints a
+    lineage whose child names its initiator."""
+    lines = _run_file(tmp_path, "pbt.py", _block("engine.md", "rt.strategies.PBT(")).splitlines()
+    assert len(lines) == 2  # two generations: a root, then its child
+    root, child = (line.split() for line in lines)
+    assert root[1:5] == ["parent", "None", "initiator", "None"]
+    assert child[2] == root[0] and child[4].startswith("pbt-")
 
 
 def test_the_engine_docs_examples_run(tmp_path):
@@ -27,3 +57,9 @@ def test_the_engine_docs_examples_run(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "did you mean 'evolution'?" in out.stdout and "'evolution'" in out.stdout
+
+
+def test_the_fixed_arch_example_builds_a_plain_module(tmp_path):
+    """docs/weight_sharing.md "Retraining the selection"."""
+    out = _run_file(tmp_path, "fixed.py", _block("weight_sharing.md", "rt.fixed_arch("))
+    assert out.strip() == "GeneratedModel torch.Size([4, 10])"

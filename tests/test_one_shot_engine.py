@@ -287,10 +287,25 @@ def test_options_a_one_shot_search_cannot_honour_are_refused(tmp_path, option, v
                       **{option: value})
 
 
-def test_a_searched_trainer_setting_and_the_simulator_are_refused(tmp_path):
+def test_a_searched_trainer_setting_is_held_and_the_simulator_refused(tmp_path):
+    """Issue #28: a searched trainer setting is held at its first value during the search
+    (the worker's hparams), said once when run() starts, before any worker does."""
+    from retiarii.engine.one_shot import HeldHyperParameters, OneShotRun
+
     searched = rt.Trainer(dataset="digits", lr=rt.ValueChoice([0.1, 0.01], label="lr"))
-    with pytest.raises(rt.ExperimentError, match=r"searches \['lr'\].*fixed values"):
-        rt.Experiment(space, PerArchitecture(), searched, store=str(tmp_path / "x.db"))
+    exp = rt.Experiment(space, PerArchitecture(), searched, store=str(tmp_path / "x.db"))
+    exp.store = type("S", (), {"experiment_id": 1})()
+    # the spec every segment's worker gets holds lr at its first value
+    assert OneShotRun(exp, None).spec["hparams"] == {"lr": 0.1}
+
+    def started():
+        raise RuntimeError("the store opens: what comes next starts workers")
+
+    exp._open = started
+    with pytest.warns(HeldHyperParameters, match=r"\['lr'\] are held at lr=0.1.*retrain") \
+            as said, pytest.raises(RuntimeError, match="the store opens"):
+        exp.run()
+    assert len([w for w in said if w.category is HeldHyperParameters]) == 1
     with pytest.raises(rt.ExperimentError, match="SimulatedExecutor"):
         rt.Experiment(space, PerArchitecture(), trainer, store=str(tmp_path / "x.db"),
                       executor=rt.engine.SimulatedExecutor(1, curve=lambda spec, step: {}))

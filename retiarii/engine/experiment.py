@@ -304,6 +304,8 @@ class Experiment(Proposals):
         if not self.one_shot:
             warn_budget(self.strategy, self.max_models, self.workers,
                         self.batch_models if self.optimize else 1)
+        else:  # before any worker starts
+            one_shot.warn_held(self.strategy, one_shot.held_hparams(self.trainer.value_choices()))
         self._open()
         try:
             self.store.add_experiment({**self.config(), "origin": self.origin}, self.seed,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any
 
 from ..strategies.one_shot import OneShot
@@ -135,11 +136,6 @@ def check_options(strategy: Any, error: type[Exception], **given: Any) -> None:
         option, why = bad[0]
         raise error(f"{option}={given[option]!r} does not apply to the one-shot strategy "
                     f"{name} ({why}); leave {option} out")
-    hparams = given.get("trainer_hparams") or {}
-    if hparams:
-        raise error(f"the trainer searches {sorted(hparams)} (ValueChoice), but the one-shot "
-                    f"strategy {name} trains one super-network with one set of "
-                    f"hyper-parameters: give the trainer fixed values")
     executor = given.get("executor")
     from .executors.simulated import SimulatedExecutor
 
@@ -158,6 +154,28 @@ def check_options(strategy: Any, error: type[Exception], **given: Any) -> None:
                     f"{again.config()}: make config() return its constructor's arguments")
 
 
+class HeldHyperParameters(UserWarning):
+    """A one-shot search trains its super-network with the trainer's searched
+    hyper-parameters held at their defaults; retraining the selection searches them."""
+
+
+def held_hparams(trainer_hparams: dict) -> dict:
+    """The trainer's ValueChoice settings at the values a one-shot search holds them at: each
+    choice's first value (name a value by giving the trainer that plain value instead)."""
+    return {name: choice.default for name, choice in trainer_hparams.items()}
+
+
+def warn_held(strategy: Any, held: dict) -> None:
+    """Say once, at the start of a one-shot search, which trainer hyper-parameters it holds."""
+    if held:
+        values = ", ".join(f"{k}={v!r}" for k, v in held.items())
+        warnings.warn(f"the one-shot strategy {type(strategy).__name__} trains one "
+                      f"super-network with one set of hyper-parameters: the trainer's "
+                      f"searched {sorted(held)} are held at {values} during the search; "
+                      f"`retiarii retrain DB --model ID` searches them for the selected "
+                      f"architecture", HeldHyperParameters, stacklevel=3)
+
+
 def one_shot_spec(strategy: OneShot) -> dict:
     """The strategy as an experiment's config records it (resume compares it)."""
     return {**strategy_spec(strategy), "one_shot": True, "segments": int(strategy.num_segments())}
@@ -173,7 +191,8 @@ class OneShotRun:
         self.table = SegmentTable(self.store)
         self.segments = int(exp.strategy.num_segments())
         self.trial_id = f"e{self.store.experiment_id}-one-shot"
-        self.spec = {"space": exp.space_ref, "trainer": exp.trainer_spec, "hparams": {},
+        self.spec = {"space": exp.space_ref, "trainer": exp.trainer_spec,
+                     "hparams": held_hparams(exp.trainer.value_choices()),
                      "seed": exp.seed, "strategy": strategy_spec(exp.strategy),
                      "segments": self.segments}
         if exp.ranks > 1:

@@ -62,23 +62,40 @@ class Proposals:
         if record["status"] in ("reverted", "failed"):
             _log.info("group %s %s: %s", record["job_id"], record["status"], record["reason"])
 
-    def _dedup_key(self, structure_hash: str, sample: dict) -> str:
+    def _dedup_key(self, structure_hash: str, sample: dict, spawned: dict | None = None) -> str:
+        """The structure and every hyper-parameter the trial trains with: the sample's and a
+        scheduler's own (``spawned``: a PBT trial's), which the documented rule counts too."""
         hp = {k: sample.get(k) for k in sorted(self.search_space.hparams)}
-        return hashlib.sha256(json.dumps([structure_hash, hp]).encode()).hexdigest()
+        if spawned:
+            hp.update({k: spawned[k] for k in sorted(spawned)})
+        return hashlib.sha256(json.dumps([structure_hash, hp], default=str).encode()).hexdigest()
+
+    def _reused_sample(self) -> dict | None:
+        """An architecture for a PBT trial from scratch once the strategy has no new one (a
+        population larger than the space; one fixed architecture whose learning rate PBT
+        tunes): the experiment's architectures drawn afresh so far, in turn."""
+        fresh = [m for m in self.store.models()
+                 if m["parent"] is None and m["status"] != ModelStatus.FAILED]
+        distinct = list({sample_key(m["sample"]): m["sample"] for m in fresh}.values())
+        return dict(distinct[len(fresh) % len(distinct)]) if distinct else None
 
     def _budget_left(self) -> bool:
         if self.max_models is not None and self._count >= self.max_models:
             return False
         return self._deadline is None or time.monotonic() < self._deadline
 
-    def _next_trial(self, budgeted: bool = True) -> dict | None:
-        """The runner's source: the strategy's next model as a trial config, or None."""
+    def _next_trial(self, budgeted: bool = True, spawned: dict | None = None) -> dict | None:
+        """The runner's source: the strategy's next model as a trial config, or None.
+        ``spawned``: the hyper-parameters a scheduler gives the trial (PBT); they count in the
+        dedup key, and an architecture is reused when the strategy has no new one."""
         duplicates = 0
         while not budgeted or self._budget_left():
             try:
                 sample = self.strategy.ask(self._drawn)
             except SpaceExhausted:
-                return None
+                sample = None if spawned is None else self._reused_sample()
+                if sample is None:
+                    return None
             try:
                 model = self._drawn.take(sample)
                 # One torch thread: a one-sample shape check gains nothing from more, and with
@@ -97,7 +114,7 @@ class Proposals:
                 self._save_strategy()
                 continue
             structure = model.structural_hash()  # hashes every node: compute it once
-            key = self._dedup_key(structure, sample)
+            key = self._dedup_key(structure, sample, spawned)
             if self.dedup and key in self._known:
                 duplicates += 1
                 if duplicates > 1000:
@@ -177,9 +194,12 @@ class Proposals:
                     row["sample"], row["graph"], row["hash"], parent=row["id"])
                 self._count += 1
         else:  # the population needs a model: the model budget does not apply to it
-            base = self._next_trial(budgeted=False)
+            base = self._next_trial(budgeted=False, spawned=dict(spawn.config))
             if base is None:
-                raise ExperimentError("the strategy has no model left for a new PBT trial")
+                raise ExperimentError(
+                    f"no model can start the new PBT trial {spawn.trial_id}: the strategy has "
+                    f"none left and every architecture drawn so far failed or was already "
+                    f"trained with the hyper-parameters {spawn.config}")
         return {**base, "hparams": {**base.get("hparams", {}), **spawn.config}}
 
     def _collect_garbage(self, trial: Trial) -> None:

@@ -316,9 +316,10 @@ class Store(StoreQueries):
 
     def trial_added(self, trial: Any) -> None:
         """Record a new trial: ``.trial_id``, ``.config`` (what a worker rebuilds it from: the
-        ``spec`` column), ``.parent``, ``.state``; the model id from ``.model_id`` or
-        ``config["model_id"]``. ``.to_record()``, when the trial has it, is kept verbatim (but
-        for its config, which is the ``spec`` column) for :meth:`records`."""
+        ``spec`` column), ``.parent``, ``.initiator`` (PBT; optional), ``.state``; the model id
+        from ``.model_id`` or ``config["model_id"]``. ``.to_record()``, when the trial has it,
+        is kept verbatim (but for its config, which is the ``spec`` column) for
+        :meth:`records`."""
         state, now = _state(trial.state), _time.time()
         spec = trial.config if trial.config is not None else {}
         model_id = getattr(trial, "model_id", None)
@@ -347,6 +348,10 @@ class Store(StoreQueries):
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?)",
                     [trial.trial_id, seq, self.experiment_id, model_id, _json(spec),
                      _json(hparams), trial.parent, _json(record), state, now, now])
+                initiator = getattr(trial, "initiator", None)
+                if initiator is not None:  # a PBT child (schema v8)
+                    self.db.execute("UPDATE trials SET initiator = ? WHERE id = ?",
+                                    [initiator, trial.trial_id])
                 self.db.execute("INSERT INTO events (trial_id, old_state, new_state, reason, "
                                 "time) VALUES (?, NULL, ?, 'added', ?)",
                                 [trial.trial_id, state, now])

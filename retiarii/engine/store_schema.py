@@ -117,7 +117,15 @@ def _schema_v7(db: sqlite_utils.Database) -> None:
     db["models"].add_column("error", str)
 
 
+def _schema_v8(db: sqlite_utils.Database) -> None:
+    """``trials.initiator``: the trial whose reproduction made a PBT trial (the seed paper's
+    ``initiator_parent_trial_id``; ``parent`` is the tournament's winner, whose checkpoint it
+    starts from); NULL for any other trial. Trials of older files keep NULL: which trial
+    initiated them was never written down."""
+    db["trials"].add_column("initiator", str)
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
 MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6,
-              _schema_v7]
-SCHEMA_VERSION = 7
+              _schema_v7, _schema_v8]
+SCHEMA_VERSION = 8

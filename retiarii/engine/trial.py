@@ -39,6 +39,7 @@ class Trial:
     parent: str | None = None  # PBT: the trial whose checkpoint this one starts from
     parent_step: int | None = None  # ... and the step of that checkpoint (the donor)
     donor: str | None = None  # ... and its path
+    initiator: str | None = None  # PBT: the trial whose reproduction made this one
     max_steps: int | None = None  # complete after this step (None: the scheduler decides)
     spawned: bool = False  # created by the scheduler's next_spawn
     step: int = 0  # last step reported
@@ -71,10 +72,12 @@ class Trial:
         """The immutable part, as the journal stores it when the trial is added."""
         return {"trial_id": self.trial_id, "config": self.config, "parent": self.parent,
                 "parent_step": self.parent_step, "donor": self.donor,
-                "max_steps": self.max_steps, "spawned": self.spawned}
+                "max_steps": self.max_steps, "spawned": self.spawned,
+                "initiator": self.initiator}
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> "Trial":
         return cls(rec["trial_id"], dict(rec["config"]), parent=rec.get("parent"),
                    parent_step=rec.get("parent_step"), donor=rec.get("donor"),
-                   max_steps=rec.get("max_steps"), spawned=bool(rec.get("spawned")))
+                   max_steps=rec.get("max_steps"), spawned=bool(rec.get("spawned")),
+                   initiator=rec.get("initiator"))

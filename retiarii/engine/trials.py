@@ -444,7 +444,8 @@ class TrialRunner(TrialEvents):
                              f"max_steps or end the scheduler sooner (PBT: max_generations)")
         config = self.spawn_config(spawn, self.trials.get(spawn.parent))
         trial = Trial(trial_id, config, parent=spawn.parent, parent_step=step,
-                      donor=donor, max_steps=self.max_steps, spawned=True)
+                      donor=donor, max_steps=self.max_steps, spawned=True,
+                      initiator=spawn.initiator)
         self._register(trial)
         return trial
 

@@ -11,6 +11,7 @@ from .pbt import PBT, Categorical, Continuous, Discrete, Integer
 from .base import BudgetExhausted, SpaceExhausted, Strategy, UnknownSample
 from .random_search import Random
 from .grid import GridSearch
+from .fixed import FixedArchitecture
 from .evolution import RegularizedEvolution
 from .rl import PolicyBasedRL
 from .tpe import TPE

@@ -158,7 +158,7 @@ class PBT(Scheduler):
         >>> pbt.on_trial_result(a.trial_id, {"training_iteration": 2, "acc": 0.9}).name
         'STOP'
         >>> child = pbt.next_spawn()
-        >>> (child.parent, child.parent_step) == (a.trial_id, 2)
+        >>> (child.parent, child.parent_step, child.initiator) == (a.trial_id, 2, a.trial_id)
         True
 
     Args:
@@ -300,7 +300,7 @@ class PBT(Scheduler):
         self._new_trial(trial_id, irec["gen"] + 1, self._mutate(wrec["config"]), parent=winner,
                         parent_step=wrec["end"], initiator=initiator)
         return Spawn(parent=winner, config=self._trials[trial_id]["config"], trial_id=trial_id,
-                     parent_step=wrec["end"])
+                     parent_step=wrec["end"], initiator=initiator)
 
     def on_trial_add(self, trial_id: str, config: dict) -> None:
         if trial_id not in self._trials:  # a user-supplied starting trial: generation 0
@@ -346,9 +346,11 @@ class PBT(Scheduler):
     def lineage(self, trial_id: str) -> list[dict]:
         """The chain to retrain ``trial_id`` from scratch, root first.
 
-        Each entry: ``trial_id, parent, parent_step, config, start_step, stop_step,
-        generation``; replaying the entries in order (each warm-started from the previous one's
-        checkpoint at ``parent_step``) reproduces the trial's hyper-parameter schedule.
+        Each entry: ``trial_id, parent, parent_step, initiator, config, start_step, stop_step,
+        generation`` (``initiator``: the trial whose reproduction made it, which met an
+        opponent; ``parent`` is the tournament's winner); replaying the entries in order
+        (each warm-started from the previous one's checkpoint at ``parent_step``) reproduces
+        the trial's hyper-parameter schedule.
         """
         if trial_id not in self._trials:
             raise KeyError(f"{trial_id!r} is not a trial of this PBT run")
@@ -356,7 +358,7 @@ class PBT(Scheduler):
         while cur is not None:
             r = self._trials[cur]
             chain.append({"trial_id": cur, "parent": r["parent"], "parent_step": r["parent_step"],
-                          "config": dict(r["config"]), "start_step": r["start"],
+                          "initiator": r["initiator"], "config": dict(r["config"]), "start_step": r["start"],
                           "stop_step": r["end"] if r["end"] is not None else r["stop"],
                           "generation": r["gen"]})
             cur = r["parent"]

@@ -45,12 +45,16 @@ class Spawn:
         trial_id: the id the child must get; None lets the runner name it.
         parent_step: the step of the parent's checkpoint to start from (the pinned donor
             checkpoint); None means the parent's latest checkpoint.
+        initiator: the trial whose reproduction made this one (PBT's initiator, the seed
+            paper's ``initiator_parent_trial_id``); it differs from ``parent`` when an
+            opponent won the tournament. None for a trial of the first generation.
     """
 
     parent: str | None
     config: dict[str, Any] = field(default_factory=dict)
     trial_id: str | None = None
     parent_step: int | None = None
+    initiator: str | None = None
 
 
 # ---- helpers shared by the schedulers ------------------------------------------------------
