@@ -1,9 +1,9 @@
 """Checkpoints: everything the next training step reads, in one file.
 
 A trial is trained in segments (see :mod:`retiarii.engine.executors.base`); between two segments
-it lives only in its checkpoint, which may be loaded by another worker process. The contract of
-``DESIGN.md`` is that a paused and resumed trial follows exactly the trajectory of an
-uninterrupted one, so a checkpoint holds:
+it lives only in its checkpoint, which may be loaded by another worker process. The engine's
+contract (docs/architecture.md, "Jobs and executors") is that a paused and resumed trial
+follows exactly the trajectory of an uninterrupted one, so a checkpoint holds:
 
 - the model weights, the optimizer state and the LR scheduler position;
 - the python, numpy and torch (CPU and CUDA) RNG states;
