@@ -37,7 +37,8 @@ from ..sampler import sample_key
 from ..strategies.one_shot import OneShot
 from ..strategies.scheduler import Scheduler
 from .checkpoint import CheckpointDir
-from .experiment_checks import check_arguments, resolve_scheduler, resolve_strategy, warn_budget
+from .experiment_checks import (check_arguments, optimize_config, resolve_scheduler,
+                                resolve_strategy, warn_budget)
 from .failures import SearchFailed, with_failures
 from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
                                  object_ref, space_fingerprint, trainer_spec)
@@ -97,49 +98,13 @@ class Experiment(Proposals):
         progress: called with a summary dict after each finished trial (the CLI's display).
         origin: JSON kept with the experiment saying how it was made (the CLI's flags, so
             that ``retiarii resume`` can rebuild it); not compared on resume.
-        optimize: cross-model optimization (docs/optimization.md). ``"auto"`` (default):
-            up to ``batch_models`` trials that read the same batches (equal
-            ``Trainer.data_key``) train as one job: one data pipeline, their common frozen
-            layers once; each group is measured and reverted when slower than its models
-            apart. ``True``: the same, never reverted for speed. ``False``: every model
-            trains alone (the baseline). ``"pack"``: jobs packed as with True, but each model
-            of a job trains alone in it (the paper's packing without merging; a baseline).
-            Results are the same either way (bit for bit on CPU).
-        batch_models: the most trials one job trains when optimizing (the paper plans in
-            batches of 50; 8 keeps a job's memory modest).
-        fuse: whether the trials of a grouped job with one architecture (the same choices,
-            other hyper-parameters or seeds) train as one fused model (docs/optimization.md,
-            "Fused training of same-shape models"). ``"auto"`` (the default under
-            ``optimize="auto"``): when measured faster than the other layouts (the first job
-            of a group key and device measures them; "Choosing a layout"), reverted when a
-            segment measures it slower. ``True``: fused whenever possible. ``False`` (the
-            default under ``optimize=True``): never, so a search's results are those of
-            training alone bit for bit on CPU; fused results equal training alone within
-            float rounding (1e-6 relative on CPU).
-        passes: the optional plan passes (:mod:`retiarii.optim.passes`: ``batching`` and any
-            registered one), name -> True, False or ``"auto"``; ``batching=`` is the same as
-            ``passes={"batching": ...}``. docs/optimization.md, "Adding a pass".
-        batching: grouped jobs also batch frozen per-example layers that the models feed with
-            different values (an adapter before a frozen layer; docs/optimization.md,
-            "batching"). ``"auto"`` (the default under ``optimize="auto"``): when measured
-            faster than CSE alone (on a CPU it pays only for small batches:
-            benchmarks/README.md); ``True``: always; ``False`` (the default under
-            ``optimize=True``): never. Exact on CPU either way.
-        packing: how the trials of a batch are split over the free workers
-            (docs/optimization.md, "Packing onto devices"): by their profiles (True: models
-            of similar iteration time together, every worker about equally busy, no job
-            over its worker's memory; the profile is estimated from each model's IR when it
-            is proposed, then scaled by what workers measure), or as evenly as they go
-            (False). ``"auto"`` (default): on when the workers train on GPUs, where memory
-            decides what fits; off on a CPU-only machine, where an even split measured as
-            fast (benchmarks/README.md, "packing_e2e").
-        dedicated: modules that get a device of their own (docs/optimization.md, "Dedicated
-            devices"): names as in the model (``fnmatch`` patterns: ``"encoder"``,
-            ``"backbone.*"``) or class names (``"TransformerEncoder"``). A grouped job whose
-            shared frozen part holds one computes that part on its own device one batch ahead
-            of the models: another GPU, a side stream of the only one, or on a CPU-only
-            machine a process (``dedicated_device``: ``"process"``, ``"thread"``,
-            ``"cuda:N"`` to choose). Results are unchanged (bit for bit on CPU).
+        optimize, batch_models, fuse, passes, batching, packing, dedicated, dedicated_device:
+            cross-model optimization (docs/optimization.md), each option as
+            :class:`~retiarii.OptimizeConfig` documents it (``optimize`` is its ``mode``:
+            ``"auto"`` by default, ``True``, ``False`` the baseline, ``"pack"``);
+            ``batching=`` is ``passes={"batching": ...}``. ``optimize`` may instead be a whole
+            ``OptimizeConfig`` (then leave the others out). Results equal training each model
+            alone: bit for bit on CPU unless a layout fuses (within float rounding then).
         weight_sharing: wrap the multi-trial ``strategy`` in
             :class:`retiarii.strategies.WeightSharing`: the models it proposes train on one
             super-network's shared weights, as a one-shot search (docs/weight_sharing.md).
@@ -162,10 +127,6 @@ class Experiment(Proposals):
             TF32, no cuDNN benchmarking and cuBLAS's reproducible workspace, so two runs of a
             search on a GPU give the same metrics (at a cost in speed). Kept with the
             experiment: a resume must ask for the same.
-
-    The optimization options (``optimize`` to ``passes``, ``packing``, ``dedicated``,
-    ``dedicated_device``) may instead be given as one :class:`~retiarii.OptimizeConfig` in
-    ``optimize`` (then leave the others out).
 
     A one-shot ``strategy`` (:class:`~retiarii.strategies.one_shot.OneShot`: DARTS, SPOS,
     ENAS...) runs segment by segment in a worker (:mod:`.one_shot`); the options that only
@@ -197,7 +158,7 @@ class Experiment(Proposals):
                         executor=executor, progress=progress, origin=origin)
         strategy = resolve_strategy(strategy, seed)
         scheduler = resolve_scheduler(scheduler, metric, mode, getattr(trainer, "epochs", None))
-        self.optimization = _optimize_config(optimize, batch_models=batch_models, fuse=fuse,
+        self.optimization = optimize_config(optimize, batch_models=batch_models, fuse=fuse,
                                              batching=batching, passes=passes, packing=packing,
                                              dedicated=dedicated,
                                              dedicated_device=dedicated_device)
@@ -539,32 +500,3 @@ class Experiment(Proposals):
         if plans["jobs"]:
             out["optimization"] = plans
         return out
-
-
-def _optimize_config(optimize, **given) -> OptimizeConfig:
-    """The experiment's :class:`OptimizeConfig`: ``optimize`` itself, or one made of the
-    keyword arguments; a bad value raises :class:`ExperimentError` naming it."""
-    defaults = {"batch_models": 8, "packing": "auto"}
-    if isinstance(optimize, OptimizeConfig):
-        clash = [k for k, v in given.items() if v != defaults.get(k)]
-        if clash:
-            raise ExperimentError(f"optimize= is an OptimizeConfig: give {', '.join(clash)} "
-                                  f"inside it (OptimizeConfig({clash[0]}=...)), not beside it")
-        return optimize
-    passes = dict(given.pop("passes") or {})
-    batching = given.pop("batching")
-    if batching is not None:
-        if "batching" in passes and passes["batching"] != batching:
-            raise ExperimentError(f"batching={batching!r} and passes={passes!r} disagree: "
-                                  f"give it once")
-        passes["batching"] = batching
-    for name, value in passes.items():
-        if value is None:
-            raise ExperimentError(f"{name}=None: give 'auto', True or False (or leave it out: "
-                                  f"'auto' under optimize='auto', else False)")
-    if given["dedicated"] is None:
-        given["dedicated"] = ()
-    try:
-        return OptimizeConfig(mode=optimize, passes=passes, **given)
-    except (ValueError, TypeError) as err:
-        raise ExperimentError(str(err)) from None

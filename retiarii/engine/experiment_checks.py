@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from .. import registry
+from ..optim.config import OptimizeConfig
 from ..strategies.base import Strategy
 from ..strategies.one_shot import OneShot
 from ..strategies.scheduler import Scheduler
@@ -21,7 +22,8 @@ from .executors.base import Executor
 from .experiment_support import ExperimentError
 from .trainer import Trainer
 
-__all__ = ["BudgetWarning", "budget_warning", "warn_budget", "check_arguments", "resolve_strategy",
+__all__ = ["BudgetWarning", "budget_warning", "warn_budget", "check_arguments", "optimize_config",
+           "resolve_strategy",
            "resolve_scheduler"]
 
 
@@ -142,3 +144,32 @@ def warn_budget(strategy, max_models: int | None, workers: int, in_job: int) -> 
     why = budget_warning(strategy, max_models, workers, in_job)
     if why:
         warnings.warn(why, BudgetWarning, stacklevel=3)
+
+
+def optimize_config(optimize: Any, **given: Any) -> OptimizeConfig:
+    """The experiment's :class:`OptimizeConfig`: ``optimize`` itself, or one made of the
+    keyword arguments; a bad value raises :class:`ExperimentError` naming it."""
+    defaults = {"batch_models": 8, "packing": "auto"}
+    if isinstance(optimize, OptimizeConfig):
+        clash = [k for k, v in given.items() if v != defaults.get(k)]
+        if clash:
+            raise ExperimentError(f"optimize= is an OptimizeConfig: give {', '.join(clash)} "
+                                  f"inside it (OptimizeConfig({clash[0]}=...)), not beside it")
+        return optimize
+    passes = dict(given.pop("passes") or {})
+    batching = given.pop("batching")
+    if batching is not None:
+        if "batching" in passes and passes["batching"] != batching:
+            raise ExperimentError(f"batching={batching!r} and passes={passes!r} disagree: "
+                                  f"give it once")
+        passes["batching"] = batching
+    for name, value in passes.items():
+        if value is None:
+            raise ExperimentError(f"{name}=None: give 'auto', True or False (or leave it out: "
+                                  f"'auto' under optimize='auto', else False)")
+    if given["dedicated"] is None:
+        given["dedicated"] = ()
+    try:
+        return OptimizeConfig(mode=optimize, passes=passes, **given)
+    except (ValueError, TypeError) as err:
+        raise ExperimentError(str(err)) from None

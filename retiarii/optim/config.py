@@ -35,22 +35,32 @@ class OptimizeConfig:
     """How the models of a multi-trial search train together (docs/optimization.md).
 
     Args:
-        mode: ``"auto"``: up to ``batch_models`` trials that read the same batches train as
-            one job, each group measured and reverted when slower than its models apart;
-            ``True``: the same, never reverted for speed (nothing measured); ``False``: every
-            model alone (the baseline); ``"pack"``: jobs packed as with True, each model of a
-            job alone in it (the paper's packing without merging).
+        mode: ``"auto"``: up to ``batch_models`` trials that read the same batches (equal
+            ``Trainer.data_key``) train as one job: one data pipeline, their common frozen
+            layers once; each group is measured and reverted when slower than its models
+            apart. ``True``: the same, never reverted for speed (nothing measured).
+            ``False``: every model alone (the baseline). ``"pack"``: jobs packed as with True,
+            each model of a job alone in it (the paper's packing without merging).
         batch_models: the most trials one job trains.
-        fuse: same-architecture trials of a grouped job trained as one fused model:
-            ``"auto"`` when measured faster, True whenever possible, False never; None: the
-            mode's default (``"auto"`` under ``mode="auto"``, else False).
-        passes: the optional plan passes (:mod:`retiarii.optim.passes`), name -> True,
-            False or ``"auto"``; a pass left out takes its registered default under
-            ``mode="auto"`` and is off otherwise.
-        packing: how a batch of trials is split over free workers: by profiles (True), as
-            evenly as they go (False), or ``"auto"``: by profiles on GPUs only.
-        dedicated: module names or class names that get a device of their own in a grouped
-            job (``fnmatch`` patterns).
+        fuse: whether the trials of a grouped job with one architecture (the same choices,
+            other hyper-parameters or seeds) train as one fused model (docs/optimization.md,
+            "Fused training of same-shape models"): ``"auto"`` when measured faster than the
+            other layouts and reverted when a segment measures it slower, True whenever
+            possible, False never (results then equal training alone bit for bit on CPU;
+            fused ones within float rounding); None: the mode's default (``"auto"`` under
+            ``mode="auto"``, else False).
+        passes: the optional plan passes (:mod:`retiarii.optim.passes`), name -> True, False
+            or ``"auto"``; a pass left out takes its registered default under ``mode="auto"``
+            (``batching``: ``"auto"``, measured against CSE alone) and is off otherwise.
+        packing: how a batch of trials is split over the free workers (docs/optimization.md,
+            "Packing onto devices"): by profiles (True: models of similar iteration time
+            together, every worker about equally busy, none over its memory; profiles are
+            estimated from the IR, then scaled by what workers measure), as evenly as they go
+            (False), or ``"auto"``: by profiles on GPUs only.
+        dedicated: modules that get a device of their own in a grouped job (``fnmatch``
+            patterns of module names, or class names): a shared frozen part holding one is
+            computed there one batch ahead of the models (docs/optimization.md, "Dedicated
+            devices"). Results are unchanged.
         dedicated_device: ``"process"``, ``"thread"`` or ``"cuda:N"``; None: per worker.
     """
 
