@@ -15,7 +15,7 @@ from .mutator import MutationError, Mutator
 # ---- compiled mutators ---------------------------------------------------------------------------
 
 
-class _Inline(Mutator):
+class InlineMutator(Mutator):
     """Base of the mutators compiled from inline choices. They hold uids of the graph they were
     traced in; ``remap`` translates them once that graph was spliced into another. Their
     labels are final (made absolute at trace time)."""
@@ -94,7 +94,7 @@ def _splice(mutator: Mutator, node: Node, sub: Graph, prefix: str) -> dict[int, 
     return mapping
 
 
-class _LayerChoiceMutator(_Inline):
+class LayerChoiceMutator(InlineMutator):
     def __init__(self, uid: int, keys: list, options: list, label: str):
         super().__init__(label)
         self.uid, self.keys, self.options = uid, keys, options
@@ -113,7 +113,7 @@ class _LayerChoiceMutator(_Inline):
             self.run_nested(nested, mapping)
 
 
-class _InputChoiceMutator(_Inline):
+class InputChoiceMutator(InlineMutator):
     """Keeps the chosen inputs of the merge node, then deletes what fed only the others.
 
     Input choices run before the space's other inline choices, the one nearest the output
@@ -160,7 +160,7 @@ def _delete_unused(mutator: Mutator, nodes: list[Node]) -> None:
         todo.extend(feeders)
 
 
-class _RepeatMutator(_Inline):
+class RepeatMutator(InlineMutator):
     def __init__(self, depths: list, blocks: list, label: str):
         super().__init__(label)
         # one dict per block: uids (in this graph), out (uid), src (the Repeat's input uid),
@@ -186,7 +186,7 @@ class _RepeatMutator(_Inline):
             self.run_nested(block["nested"], block["map"])
 
 
-class _ValueChoiceMutator(_Inline):
+class ValueChoiceMutator(InlineMutator):
     """Chooses the ValueChoices used by the nodes of a graph and writes the values in.
 
     It runs after the graph's other inline choices, so it sees the candidates they picked; a
@@ -201,8 +201,8 @@ class _ValueChoiceMutator(_Inline):
         alive = self.graph.uids()
         nodes = [self.graph.node_by_uid(u) for u in (self.remap.get(u, u) for u in self.uids)
                  if u in alive]
-        tagged = [n for n in nodes if _labels_in([n.op.args, n.op.kwargs, n.op.spec])]
-        used = set().union(*(_labels_in([n.op.args, n.op.kwargs, n.op.spec]) for n in tagged))
+        tagged = [n for n in nodes if labels_in([n.op.args, n.op.kwargs, n.op.spec])]
+        used = set().union(*(labels_in([n.op.args, n.op.kwargs, n.op.spec]) for n in tagged))
         chosen = {label: self.choose([decode(v) for v in values], label)
                   for label, values in self.labels.items() if label in used}
         for node in tagged:
@@ -217,10 +217,10 @@ class _ValueChoiceMutator(_Inline):
                          template=template)
 
 
-def _labels_in(data: Any) -> set[str]:
+def labels_in(data: Any) -> set[str]:
     labels: set[str] = set()
     for p in find_tags(data, "__choice__"):
-        labels |= _labels_in(p["args"]) if "op" in p else {p["label"]}
+        labels |= labels_in(p["args"]) if "op" in p else {p["label"]}
     return labels
 
 

@@ -12,15 +12,15 @@ import torch.fx as fx
 from torch import nn
 
 from .choice_mutators import (
-    _Inline, _InputChoiceMutator, _LayerChoiceMutator, _labels_in, _RepeatMutator,
-    _ValueChoiceMutator, splice_graph,
+    InlineMutator, InputChoiceMutator, LayerChoiceMutator, labels_in, RepeatMutator,
+    ValueChoiceMutator, splice_graph,
 )
-from .choices import InputChoice, LayerChoice, Repeat, _has_choice
+from .choices import InputChoice, LayerChoice, Repeat, has_choice
 from .codec import map_tags, resolve_ref
 from .graph import Graph, Operation
 from .modspec import is_marked_leaf, is_torch_builtin, module_spec
 from .mutator import MutationError, opaque_operation
-from .trace import LEAF_HANDLERS, TraceError, _plain_kwargs, trace_with_choices
+from .trace import LEAF_HANDLERS, TraceError, plain_kwargs, trace_with_choices
 
 # ---- tracing inline choices ------------------------------------------------------------------------
 
@@ -52,7 +52,7 @@ class _TraceScope:
 
 def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
                            candidates: list[tuple[int, Operation]]
-                           ) -> _ValueChoiceMutator | None:
+                           ) -> ValueChoiceMutator | None:
     """Give every ValueChoice in ``graph`` its final label; one mutator that chooses them."""
     labels: dict[str, list] = {}
     uids: list[int] = []
@@ -91,8 +91,8 @@ def _compile_value_choices(graph: Graph, scope: _TraceScope, skip: set[int],
     # LayerChoice placeholders, which may receive a candidate holding one.
     placeholders = {uid for uid, _ in candidates}
     uids = [n.uid for n in graph.nodes if n.uid not in skip and (
-        n.uid in placeholders or _labels_in([n.op.args, n.op.kwargs, n.op.spec]))]
-    return _ValueChoiceMutator(uids, labels) if labels else None
+        n.uid in placeholders or labels_in([n.op.args, n.op.kwargs, n.op.spec]))]
+    return ValueChoiceMutator(uids, labels) if labels else None
 
 
 class _Named:
@@ -104,7 +104,7 @@ class _Named:
 
 def trace_space(module: nn.Module, concrete_args: dict | None = None,
                 leaf_modules: Sequence = (), prefix: str | None = None
-                ) -> tuple[Graph, list[_Inline]]:
+                ) -> tuple[Graph, list[InlineMutator]]:
     """Trace ``module``; return its graph and the mutators compiled from its inline choices
     (ValueChoices last, after the choices that may splice more of them in).
 
@@ -118,9 +118,9 @@ def trace_space(module: nn.Module, concrete_args: dict | None = None,
         graph, inline = trace_with_choices(module, concrete_args, leaf_modules)
         # Input choices first, nearest the output first: they decide which parts of the
         # graph are used at all, and the choices of the unused parts are not made.
-        inputs = [m for m in reversed(inline) if isinstance(m, _InputChoiceMutator)]
-        inline = inputs + [m for m in inline if not isinstance(m, _InputChoiceMutator)]
-        candidates = [(m.uid, payload) for m in inline if isinstance(m, _LayerChoiceMutator)
+        inputs = [m for m in reversed(inline) if isinstance(m, InputChoiceMutator)]
+        inline = inputs + [m for m in inline if not isinstance(m, InputChoiceMutator)]
+        candidates = [(m.uid, payload) for m in inline if isinstance(m, LayerChoiceMutator)
                       for kind, payload, _ in m.options if kind == "op"]
         values = _compile_value_choices(graph, scope, scope.claimed, candidates)
     finally:
@@ -130,7 +130,7 @@ def trace_space(module: nn.Module, concrete_args: dict | None = None,
 
 def _holds_choices(module: nn.Module) -> bool:
     """Whether ``module`` or a submodule is an inline choice or takes a ValueChoice."""
-    return any(type(m) in LEAF_HANDLERS or _has_choice(m.__dict__.get("_retiarii_init"))
+    return any(type(m) in LEAF_HANDLERS or has_choice(m.__dict__.get("_retiarii_init"))
                for m in module.modules())
 
 
@@ -158,9 +158,9 @@ def _on_layer_choice(conv, n: fx.Node, module: LayerChoice) -> None:
     args, feeds = conv.template([list(n.args), dict(n.kwargs)])
     kind, payload, _ = options[0]
     op = payload.copy() if kind == "op" else Operation("subgraph", graph=payload.copy())
-    op.args, op.kwargs, op.attr = args[0], _plain_kwargs(args[1]), path
+    op.args, op.kwargs, op.attr = args[0], plain_kwargs(args[1]), path
     node = conv.add(path, op, feeds, n)
-    conv.inline.append(_LayerChoiceMutator(node.uid, module.keys, options,
+    conv.inline.append(LayerChoiceMutator(node.uid, module.keys, options,
                                            module.label or scope.prefix + path))
 
 
@@ -173,7 +173,7 @@ def _on_input_choice(conv, n: fx.Node, module: InputChoice) -> None:
     args, feeds = conv.template(list(inputs))
     op = Operation("module", args=args, spec=module_spec(module.merge_module()), attr=path)
     node = conv.add(path, op, feeds, n)
-    conv.inline.append(_InputChoiceMutator(node.uid, module.n_candidates, module.subsets(),
+    conv.inline.append(InputChoiceMutator(node.uid, module.n_candidates, module.subsets(),
                                            module.label or _TraceScope.current().prefix + path))
 
 
@@ -193,7 +193,7 @@ def _on_repeat(conv, n: fx.Node, module: Repeat) -> None:
                        "map": mapping})
         current = out
     conv.env[n] = current
-    conv.inline.append(_RepeatMutator(module.depths, blocks,
+    conv.inline.append(RepeatMutator(module.depths, blocks,
                                       module.label or f"{scope.prefix}{path}.depth"))
 
 

@@ -38,7 +38,7 @@ from .mutator import Mutator, candidate_keys
 
 # ---- ValueChoice -----------------------------------------------------------------------------
 
-class _Expr:
+class Expr:
     """Arithmetic on ValueChoices (``ratio * channels``), evaluated once values are chosen."""
 
     def _binary(name, reverse=False):  # noqa: N805 - builds the dunder methods below
@@ -64,7 +64,7 @@ class _Expr:
                         "retiarii.nn layer's constructor instead of using it in Python code")
 
 
-class ValueChoice(_Expr):
+class ValueChoice(Expr):
     """One value among ``values``: a constructor argument of a ``retiarii.nn`` layer, an
     argument in forward, a ``Repeat`` depth, or a trainer hyper-parameter.
 
@@ -101,7 +101,7 @@ class ValueChoice(_Expr):
         return f"ValueChoice({self.values!r}, label={self.label!r})"
 
 
-class ChoiceExpr(_Expr):
+class ChoiceExpr(Expr):
     def __init__(self, op: str, args: list):
         self.op, self.args = op, args
 
@@ -127,18 +127,18 @@ class _HParamChooser(Mutator):
 _WRAPPED: dict[type, type] = {}
 
 
-def _has_choice(value: Any) -> bool:
-    if isinstance(value, _Expr):
+def has_choice(value: Any) -> bool:
+    if isinstance(value, Expr):
         return True
     if isinstance(value, (list, tuple)):
-        return any(_has_choice(v) for v in value)
+        return any(has_choice(v) for v in value)
     if isinstance(value, dict):
-        return any(_has_choice(v) for v in value.values())
+        return any(has_choice(v) for v in value.values())
     return False
 
 
 def _defaults(value: Any) -> Any:
-    if isinstance(value, _Expr):
+    if isinstance(value, Expr):
         return value.default
     if isinstance(value, (list, tuple)):
         return type(value)(_defaults(v) for v in value)

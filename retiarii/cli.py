@@ -19,10 +19,10 @@ import os
 import sys
 from typing import Any
 
-from .cli_common import CliError, _Progress, _open, _positive, _print_best
+from .cli_common import CliError, Progress, open_store, positive_flag, print_best
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
 from .cli_retrain import cmd_retrain
-from .cli_inspect import _optimization_line  # noqa: F401 (tests import it from here)
+from .cli_inspect import optimization_line  # noqa: F401 (tests import it from here)
 from . import registry
 from .optim.passes import parse_settings
 
@@ -215,7 +215,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       fuse=_OPTIMIZE[flags["fuse"]] if flags.get("fuse") else None,
                       batching=_OPTIMIZE[flags["batching"]] if flags.get("batching") else None,
                       passes=_passes(flags.get("passes")),
-                      progress=_Progress(max_models),
+                      progress=Progress(max_models),
                       weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
                       deterministic=bool(flags.get("deterministic")),  # stores before it: off
@@ -240,11 +240,11 @@ def _passes(text: str | None) -> dict | None:
 
 
 def cmd_run(args) -> int:
-    _positive(args.workers, "--workers")
-    _positive(args.max_models, "--max-models")
-    _positive(args.epochs, "--epochs")
-    _positive(args.batch_models, "--batch-models")
-    _positive(args.ranks, "--ranks")
+    positive_flag(args.workers, "--workers")
+    positive_flag(args.max_models, "--max-models")
+    positive_flag(args.epochs, "--epochs")
+    positive_flag(args.batch_models, "--batch-models")
+    positive_flag(args.ranks, "--ranks")
     flags = {"strategy": args.strategy, "seed": args.seed, "max_models": args.max_models,
              "workers": args.workers, "store": args.store, "epochs": args.epochs,
              "scheduler": args.scheduler, "executor": args.executor, "address": args.address,
@@ -256,7 +256,7 @@ def cmd_run(args) -> int:
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
-    _print_best(summary)
+    print_best(summary)
     _print_failures(summary, exp.path)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
@@ -273,9 +273,9 @@ def _print_failures(summary: dict, db: str) -> None:
 
 
 def cmd_resume(args) -> int:
-    _positive(args.workers, "--workers")
-    _positive(args.max_models, "--max-models")
-    store = _open(args.db, args.experiment)
+    positive_flag(args.workers, "--workers")
+    positive_flag(args.max_models, "--max-models")
+    store = open_store(args.db, args.experiment)
     try:
         exp = store.get_experiment()
         origin = exp["config"].get("origin") or {}
@@ -307,7 +307,7 @@ def cmd_resume(args) -> int:
     exp = _build(space, cli, recorded_space=recorded)
     summary = exp.resume(experiment=args.experiment)
     print(file=sys.stderr)
-    _print_best(summary)
+    print_best(summary)
     _print_failures(summary, args.db)
     return 0
 

@@ -16,7 +16,7 @@ class CliError(Exception):
 # ---- building an experiment from flags (run) or from the store (resume) -------------------------
 
 
-class _Progress:
+class Progress:
     """A one-line progress bar with the best value so far, redrawn after each trial."""
 
     def __init__(self, total: int | None):
@@ -41,7 +41,7 @@ class _Progress:
               file=sys.stderr, flush=True)
 
 
-def _table(rows: list[list], headers: list[str]) -> str:
+def format_table(rows: list[list], headers: list[str]) -> str:
     cells = [headers] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
@@ -49,27 +49,27 @@ def _table(rows: list[list], headers: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _best_table(best: list[dict]) -> str:
+def best_table(best: list[dict]) -> str:
     rows = [[i + 1, b["model_id"], b["trial_id"], f"{b['value']:.4f}", b["step"],
              json.dumps(b["sample"])[:90]] for i, b in enumerate(best)]
-    return _table(rows, ["rank", "model", "trial", "value", "epoch", "sample"])
+    return format_table(rows, ["rank", "model", "trial", "value", "epoch", "sample"])
 
 
-def _positive(value: int | None, flag: str) -> None:
+def positive_flag(value: int | None, flag: str) -> None:
     if value is not None and value < 1:
         raise CliError(f"{flag} must be 1 or more, got {value}")
 
 
-def _print_best(summary: dict) -> None:
+def print_best(summary: dict) -> None:
     if "one_shot" in summary:
         from .cli_one_shot import print_result
 
-        print_result(summary, _table)
+        print_result(summary, format_table)
     else:
-        print(_best_table(summary["best"]))
+        print(best_table(summary["best"]))
 
 
-def _open(db: str, experiment: int | None = None):
+def open_store(db: str, experiment: int | None = None):
     """The store ``db`` (which must exist: nothing is created), on experiment ``experiment``
     (``--experiment N``; default: its latest)."""
     from .engine.store import Store
@@ -96,6 +96,6 @@ def _open(db: str, experiment: int | None = None):
     return store
 
 
-def _metric(store) -> tuple[str, str]:
+def store_metric(store) -> tuple[str, str]:
     config = store.get_experiment()["config"]
     return config.get("metric", "val_acc"), config.get("mode", "max")

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .cli_common import CliError, _best_table, _metric, _open, _positive, _table
+from .cli_common import CliError, best_table, store_metric, open_store, positive_flag, format_table
 from .cli_source import trusted_source
 from .engine.failures import failure_summary, reason_of
 
@@ -17,15 +17,15 @@ __all__ = ["cmd_export", "cmd_plot", "cmd_status"]
 def cmd_status(args) -> int:
     from .cli_one_shot import is_one_shot, print_status
 
-    store = _open(args.db, args.experiment)
+    store = open_store(args.db, args.experiment)
     exp = store.get_experiment()
     experiments = store.experiments()
     if len(experiments) > 1 and not args.json:
         print(_experiments_table(experiments, exp["id"]) + "\n")
     if is_one_shot(exp["config"]):
-        print_status(store, args.db, args.json, _table)
+        print_status(store, args.db, args.json, format_table)
         return 0
-    metric, mode = _metric(store)
+    metric, mode = store_metric(store)
     errored = [t for t in store.trials() if t["state"] == "ERRORED"]
     models = store.models()
     failed = [m for m in models if m["status"] == "failed"]
@@ -54,9 +54,9 @@ def cmd_status(args) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{args.db}: experiment {out['experiment']} ({out['status']}), {out['models']} models")
-    print(_table([[k, v] for k, v in out["trials"].items()], ["state", "trials"]))
+    print(format_table([[k, v] for k, v in out["trials"].items()], ["state", "trials"]))
     print(f"\nbest by {metric} ({mode}):")
-    print(_best_table(out["best"]) if out["best"] else "(no finished result yet)")
+    print(best_table(out["best"]) if out["best"] else "(no finished result yet)")
     if failed:
         _print_failed(out, {t["model_id"] for t in errored}, args.errors)
     if errored:
@@ -71,13 +71,13 @@ def cmd_status(args) -> int:
         if not args.errors:
             print("(retiarii status --errors shows each whole traceback)")
     if "optimization" in out:
-        print("\n" + _optimization_line(out["optimization"]))
+        print("\n" + optimization_line(out["optimization"]))
     if "optimization_note" in out:
         print("\n" + out["optimization_note"])
     return 0
 
 
-def _optimization_line(plans: dict) -> str:
+def optimization_line(plans: dict) -> str:
     """One paragraph on cross-model optimization: grouped jobs, merged models, speed-up."""
     jobs = ", ".join(f"{n} {status}" for status, n in sorted(plans["jobs"].items()))
     text = f"cross-model optimization: grouped jobs {jobs}; {plans['merged_trials']} trials trained merged"
@@ -111,7 +111,7 @@ def _experiments_table(experiments: list[dict], shown: int) -> str:
              time.strftime("%Y-%m-%d %H:%M", time.localtime(e["created"] or 0))]
             for e in experiments]
     return (f"experiments ({len(experiments)}; * shown, --experiment N for another):\n"
-            + _table(rows, ["id", "status", "strategy", "created"]))
+            + format_table(rows, ["id", "status", "strategy", "created"]))
 
 
 def _print_failed(out: dict, with_trial: set, whole: bool) -> None:
@@ -139,15 +139,15 @@ def cmd_export(args) -> int:
     from .engine.checkpoint import load as load_checkpoint
     from .refs import TrustedRefs
 
-    _positive(args.top, "--top")
+    positive_flag(args.top, "--top")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a file; give a folder (created if missing)")
-    store = _open(args.db, args.experiment)
+    store = open_store(args.db, args.experiment)
     from .cli_one_shot import export, is_one_shot
 
     if is_one_shot(store.get_experiment()["config"]):
         return export(store, args.db, args.out, CliError)
-    metric, mode = _metric(store)
+    metric, mode = store_metric(store)
     # A store is code: its graphs may name only torch, operator, math and the space's own code.
     rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
     best = store.best_models(metric, mode, args.top)
@@ -188,14 +188,14 @@ def cmd_plot(args) -> int:
 
     if os.path.isdir(args.out):
         raise CliError(f"--out {args.out} is a folder; give the PNG file to write")
-    store = _open(args.db, args.experiment)
+    store = open_store(args.db, args.experiment)
     from .cli_one_shot import is_one_shot, plot
 
     if is_one_shot(store.get_experiment()["config"]):
         plot(store, args.db, args.out, plt, CliError)
         print(f"wrote {args.out}")
         return 0
-    metric, mode = _metric(store)
+    metric, mode = store_metric(store)
     better = max if mode == "max" else min
     finals = [f for f in store.final_values(metric) if f[2] is not None]
     curves = {t: c for t, c in store.learning_curves(metric).items() if c}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .cli_common import CliError, _Progress, _positive, _print_best, _table
+from .cli_common import CliError, Progress, positive_flag, print_best, format_table
 
 __all__ = ["cmd_nas_list", "cmd_nas_show", "cmd_nas_run", "resume_nas"]
 
@@ -15,7 +15,7 @@ __all__ = ["cmd_nas_list", "cmd_nas_show", "cmd_nas_run", "resume_nas"]
 def cmd_nas_list(args) -> int:
     from . import nas
 
-    print(_table(nas.table(), ["#", "name", "space", "strategy", "paper", "status"]))
+    print(format_table(nas.table(), ["#", "name", "space", "strategy", "paper", "status"]))
     return 0
 
 
@@ -47,7 +47,7 @@ def cmd_nas_run(args) -> int:
 
     for value, flag in ((args.max_models, "--max-models"), (args.epochs, "--epochs"),
                         (args.workers, "--workers")):
-        _positive(value, flag)
+        positive_flag(value, flag)
     try:
         row = nas.get(args.name)
         if row.one_shot and args.max_models is not None:
@@ -59,12 +59,12 @@ def cmd_nas_run(args) -> int:
         if args.deterministic:  # recorded only when on: resume rebuilds from these settings
             settings["deterministic"] = True
         exp = nas.experiment(**settings, store=args.store, origin={"nas": settings},
-                             progress=_Progress(args.max_models or 8))
+                             progress=Progress(args.max_models or 8))
     except (KeyError, nas.RowNotImplemented) as err:
         raise CliError(str(err).strip('"')) from None
     summary = exp.run()
     print(file=sys.stderr)
-    _print_best(summary)
+    print_best(summary)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
 
@@ -82,10 +82,10 @@ def resume_nas(recorded: dict, args) -> int:
         raise CliError("--address: `retiarii nas run` searches on local workers; leave it out")
     try:
         exp = nas.experiment(**recorded, store=args.db, origin={"nas": recorded},
-                             progress=_Progress(recorded.get("max_models") or 8))
+                             progress=Progress(recorded.get("max_models") or 8))
     except (KeyError, nas.RowNotImplemented, ValueError) as err:
         raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
     summary = exp.resume(experiment=getattr(args, "experiment", None))
     print(file=sys.stderr)
-    _print_best(summary)
+    print_best(summary)
     return 0

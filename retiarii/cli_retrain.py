@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from .cli_common import CliError, _open, _positive, _print_best, _Progress
+from .cli_common import CliError, open_store, positive_flag, print_best, Progress
 
 __all__ = ["cmd_retrain", "resume_retrain", "retrain_experiment"]
 
@@ -46,7 +46,7 @@ def retrain_experiment(db: str, settings: dict):
     from .engine.experiment import Experiment
     from .strategies.fixed import FixedArchitecture
 
-    store = _open(db)
+    store = open_store(db)
     try:
         row = store.db.execute("SELECT experiment_id FROM models WHERE id = ?",
                                [settings["model"]]).fetchone()
@@ -71,20 +71,20 @@ def retrain_experiment(db: str, settings: dict):
     return Experiment(config["space"]["ref"], strategy, trainer, store=db,
                       workers=settings.get("workers") or 2, seed=settings.get("seed", 0),
                       metric=config.get("metric", "val_acc"), mode=config.get("mode", "max"),
-                      progress=_Progress(None),
+                      progress=Progress(None),
                       origin={"retrain": {**settings, "experiment": source["id"],
                                           "one_shot": one_shot}})
 
 
 def cmd_retrain(args) -> int:
-    _positive(args.epochs, "--epochs")
-    _positive(args.workers, "--workers")
+    positive_flag(args.epochs, "--epochs")
+    positive_flag(args.workers, "--workers")
     settings = {"model": args.model, "epochs": args.epochs, "workers": args.workers,
                 "seed": args.seed}
     exp = retrain_experiment(args.db, settings)
     summary = exp.run()
     print(file=sys.stderr)
-    _print_best(summary)
+    print_best(summary)
     source, new = exp.origin["retrain"]["experiment"], exp.store.experiment_id
     print(f"\nretrained model {args.model} (experiment {source}) from scratch as experiment "
           f"{new} of {args.db}   (retiarii status {args.db} --experiment {new})")
@@ -99,5 +99,5 @@ def resume_retrain(recorded: dict, args) -> int:
     exp = retrain_experiment(args.db, settings)
     summary = exp.resume(experiment=getattr(args, "experiment", None))
     print(file=sys.stderr)
-    _print_best(summary)
+    print_best(summary)
     return 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .choices import _Expr  # a ValueChoice, or arithmetic on one
+from .choices import Expr  # a ValueChoice, or arithmetic on one
 from .modspec import leaf
 
 __all__ = ["FrozenBatchNorm", "freeze"]
@@ -145,7 +145,7 @@ def _check_choice_free(bn: nn.Module, path: str) -> None:
         return
 
     def has_choice(value) -> bool:
-        if isinstance(value, _Expr):
+        if isinstance(value, Expr):
             return True
         if isinstance(value, (list, tuple)):
             return any(has_choice(v) for v in value)

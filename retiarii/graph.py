@@ -45,8 +45,8 @@ from typing import Any, Iterator, KeysView
 import networkx as nx
 
 from .codec import DROP, map_tags, port_indices
-from .graph_checks import (KINDS, GraphError, _check_constructible, _check_op,  # noqa: F401
-                           _check_owned_tensor, _check_schema, _check_tensor_spec, _is_int)
+from .graph_checks import (KINDS, GraphError, check_constructible, check_op,  # noqa: F401
+                           check_owned_tensor, check_schema, check_tensor_spec, is_int)
 
 SCHEMA_VERSION = 1
 
@@ -110,8 +110,8 @@ class Operation:
                    graph=Graph.from_data(sub) if sub is not None else None)
 
     def copy(self) -> "Operation":
-        return Operation(self.kind, self.target, _copy_data(self.args),
-                         _copy_data(self.kwargs), _copy_data(self.spec), self.attr,
+        return Operation(self.kind, self.target, copy_data(self.args),
+                         copy_data(self.kwargs), copy_data(self.spec), self.attr,
                          self.graph.copy() if self.graph is not None else None)
 
     def describe(self) -> str:
@@ -422,7 +422,7 @@ class Graph:
                 problems.append(f"{where}: the output node has users")
             if node.kind == "input" and ports:
                 problems.append(f"{where}: an input node takes no inputs")
-            problems += _check_op(node, where, deep)
+            problems += check_op(node, where, deep)
             if node.kind == "module":
                 other = modules_at.setdefault(node.attr, node)
                 if other is not node and (other.op.spec != node.op.spec):
@@ -440,7 +440,7 @@ class Graph:
             owner = next((".".join(parts[:i]) for i in range(1, len(parts))
                           if ".".join(parts[:i]) in modules_at), None)
             if owner is not None:
-                problems += _check_owned_tensor(node, modules_at[owner], node.attr[len(owner) + 1:])
+                problems += check_owned_tensor(node, modules_at[owner], node.attr[len(owner) + 1:])
         if problems:
             raise GraphError("graph lint failed:\n  - " + "\n  - ".join(problems))
 
@@ -450,11 +450,11 @@ class Graph:
         edit call templates in place)."""
         g = Graph()
         for node in sorted(self._nodes.values(), key=lambda n: n._seq):
-            g.add_node(node.name, node.op.copy(), uid=node.uid).meta = _copy_data(node.meta)
+            g.add_node(node.name, node.op.copy(), uid=node.uid).meta = copy_data(node.meta)
         for src, dst, port in sorted(self._nx.edges(keys=True)):  # as from_data adds them
             g._nx.add_edge(src, dst, key=port)
         g._next_uid = max(g._next_uid, self._next_uid)
-        g.meta = _copy_data(self.meta)
+        g.meta = copy_data(self.meta)
         return g
 
     def to_data(self) -> dict:
@@ -477,13 +477,13 @@ class Graph:
             raise GraphError("not a retiarii graph: expected an object with "
                              "\"format\": \"retiarii.graph\"")
         version = data.get("version")
-        if not _is_int(version) or version < 1:
+        if not is_int(version) or version < 1:
             raise GraphError(f"graph JSON has an invalid schema version {version!r}; expected "
                              f"an integer from 1 to {SCHEMA_VERSION}")
         if version > SCHEMA_VERSION:
             raise GraphError(f"graph JSON has schema version {version!r}; this retiarii reads "
                              f"versions up to {SCHEMA_VERSION}. Upgrade retiarii to load it")
-        _check_schema(data)
+        check_schema(data)
         g = cls()
         try:
             for nd in data["nodes"]:
@@ -556,7 +556,7 @@ class Graph:
         return f"Graph({len(self._nodes)} nodes)"
 
 
-def _copy_data(data: Any) -> Any:
+def copy_data(data: Any) -> Any:
     """A deep copy of JSON data (dicts, lists, tuples, scalars), much faster than deepcopy.
 
     marshal copies exact builtin types in C (this is an in-memory copy, never stored); it

@@ -17,11 +17,11 @@ class GraphError(ValueError):
     """A graph that breaks an invariant, or JSON that does not describe a graph."""
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_schema(data: dict) -> None:
+def check_schema(data: dict) -> None:
     """Raise :class:`GraphError` naming the first field of graph JSON with a wrong type, so a
     corrupt file fails on load, not somewhere in lint or codegen."""
     def need(ok: bool, what: str) -> None:
@@ -30,7 +30,7 @@ def _check_schema(data: dict) -> None:
 
     need(isinstance(data.get("nodes"), list), '"nodes" must be a list')
     need(isinstance(data.get("edges"), list), '"edges" must be a list')
-    need(_is_int(data.get("next_uid", 0)), '"next_uid" must be an integer')
+    need(is_int(data.get("next_uid", 0)), '"next_uid" must be an integer')
     meta = data.get("meta", {})
     need(isinstance(meta, dict), '"meta" must be an object')
     modules = meta.get("modules", [])
@@ -39,7 +39,7 @@ def _check_schema(data: dict) -> None:
     for i, nd in enumerate(data["nodes"]):
         need(isinstance(nd, dict), f"node #{i} must be an object")
         where = f"node #{i} ({nd.get('name')!r})"
-        need(_is_int(nd.get("uid")), f'{where}: "uid" must be an integer')
+        need(is_int(nd.get("uid")), f'{where}: "uid" must be an integer')
         need(isinstance(nd.get("name"), str) and nd["name"] != "",
              f'{where}: "name" must be a non-empty string')
         need(isinstance(nd.get("meta", {}), dict), f'{where}: "meta" must be an object')
@@ -53,15 +53,15 @@ def _check_schema(data: dict) -> None:
         need(isinstance(op.get("args", []), list), f'{where}: op "args" must be a list')
         need(isinstance(op.get("kwargs", {}), dict), f'{where}: op "kwargs" must be an object')
         ports = port_indices([op.get("args", []), op.get("kwargs", {})])
-        need(all(_is_int(p) and p >= 0 for p in ports),
+        need(all(is_int(p) and p >= 0 for p in ports),
              f'{where}: every {{"__in__": port}} must name a port number >= 0')
     for j, edge in enumerate(data["edges"]):
-        need(isinstance(edge, list) and len(edge) == 3 and all(_is_int(x) for x in edge)
+        need(isinstance(edge, list) and len(edge) == 3 and all(is_int(x) for x in edge)
              and edge[2] >= 0, f"edge #{j} must be [source uid, destination uid, port], "
                                f"not {edge!r}")
 
 
-def _check_op(node: Any, where: str, deep: bool) -> list[str]:
+def check_op(node: Any, where: str, deep: bool) -> list[str]:
     op = node.op
     problems = []
     try:
@@ -75,7 +75,7 @@ def _check_op(node: Any, where: str, deep: bool) -> list[str]:
             else:
                 resolve_ref(op.spec["cls"])
                 if deep:
-                    _check_constructible(op.spec)
+                    check_constructible(op.spec)
         elif op.kind == "method" and not isinstance(op.target, str):
             problems.append(f"{where}: a method operation needs the method name as target")
         elif op.kind == "method" and not (op.args and isinstance(op.args[0], dict)
@@ -90,7 +90,7 @@ def _check_op(node: Any, where: str, deep: bool) -> list[str]:
         elif op.kind in ("param", "constant") and not op.spec:
             problems.append(f"{where}: needs a spec (shape, dtype or value)")
         elif op.kind in ("param", "constant"):
-            _check_tensor_spec(op.kind, op.spec)
+            check_tensor_spec(op.kind, op.spec)
         elif op.kind == "input" and op.spec:
             decode(op.spec.get("default"))
         if port_indices(op.spec):
@@ -105,7 +105,7 @@ def _check_op(node: Any, where: str, deep: bool) -> list[str]:
     return problems
 
 
-def _check_tensor_spec(kind: str, spec: dict) -> None:
+def check_tensor_spec(kind: str, spec: dict) -> None:
     """Raise if a param/constant spec cannot give its tensor (what codegen will build)."""
     if kind == "constant":
         if not isinstance(decode(spec["value"]), torch.Tensor):
@@ -113,7 +113,7 @@ def _check_tensor_spec(kind: str, spec: dict) -> None:
         return
     dtype = getattr(torch, spec["dtype"])
     if not isinstance(dtype, torch.dtype) or not isinstance(spec["shape"], list) \
-            or not all(_is_int(d) and d >= 0 for d in spec["shape"]):
+            or not all(is_int(d) and d >= 0 for d in spec["shape"]):
         raise ValueError(f"bad shape {spec['shape']!r} or dtype {spec['dtype']!r}")
     for flag in ("buffer", "requires_grad", "persistent"):
         if not isinstance(spec[flag] if flag == "buffer" else spec.get(flag, False), bool):
@@ -125,7 +125,7 @@ def _check_tensor_spec(kind: str, spec: dict) -> None:
             raise ValueError("the initial value does not match the shape and dtype")
 
 
-def _check_owned_tensor(node: Any, owner: Any, name: str) -> list[str]:
+def check_owned_tensor(node: Any, owner: Any, name: str) -> list[str]:
     """A param node inside a module's path must name a tensor of that module, same shape."""
     try:
         with torch.device("meta"):
@@ -145,7 +145,7 @@ def _check_owned_tensor(node: Any, owner: Any, name: str) -> list[str]:
 _CONSTRUCTIBLE: set[str] = set()
 
 
-def _check_constructible(spec: dict) -> None:
+def check_constructible(spec: dict) -> None:
     key = json.dumps(spec, sort_keys=True)
     if key in _CONSTRUCTIBLE:
         return

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from .codec import encode, port_indices, ref_of, resolve_ref
-from .graph import Graph, Node, Operation, _copy_data
+from .graph import Graph, Node, Operation, copy_data
 from .match import match_targets
 from .modspec import SpecError, is_marked_leaf, is_torch_builtin, module_spec
 from .trace import TraceError, trace
@@ -155,7 +155,7 @@ def opaque_operation(module: nn.Module, why: Exception, where: str) -> Operation
             f"kept as one opaque node either: {e}") from None
 
 
-def _is_variadic(node: Node) -> bool:
+def is_variadic(node: Node) -> bool:
     op = node.op
     if op.kind == "function" and op.target in _LIST_FUNCTIONS:
         return True
@@ -332,7 +332,7 @@ class Mutator:
                                 f"reaches {src.name!r})")
         if port is None:
             port = self._free_port(dst, where)
-        elif port > dst.op.num_ports or (port == dst.op.num_ports and not _is_variadic(dst)
+        elif port > dst.op.num_ports or (port == dst.op.num_ports and not is_variadic(dst)
                                          and dst.uid not in self._ctx.created):
             raise MutationError(f"{where}: node has {dst.op.num_ports} input ports; port "
                                 f"{port} does not exist")
@@ -346,7 +346,7 @@ class Mutator:
         inputs = dst.inputs
         if None in inputs:
             return inputs.index(None)
-        if _is_variadic(dst) or dst.uid in self._ctx.created or not inputs:
+        if is_variadic(dst) or dst.uid in self._ctx.created or not inputs:
             return len(inputs)
         if len(inputs) == 1:
             return 0
@@ -362,7 +362,7 @@ class Mutator:
             raise MutationError(f"{self._name}.disconnect: {src.name!r} does not feed "
                                 f"{dst.name!r}")
         for port in reversed(ports):
-            if _is_variadic(dst):
+            if is_variadic(dst):
                 self.graph.remove_port(dst, port)
             else:
                 self.graph.disconnect_port(dst, port)
@@ -376,10 +376,10 @@ class Mutator:
                                 f"{node.kind} {node.name!r}")
         operation = as_operation(op, f"{self._name}.replace({node.name!r})")
         if not operation.args and not port_indices(operation.kwargs):
-            operation.args = _copy_data(node.op.args) if node.kind != "method" \
-                else _copy_data(node.op.args[:1])
+            operation.args = copy_data(node.op.args) if node.kind != "method" \
+                else copy_data(node.op.args[:1])
             if not operation.kwargs and node.kind in ("module", "subgraph"):
-                operation.kwargs = _copy_data(node.op.kwargs)
+                operation.kwargs = copy_data(node.op.kwargs)
         if operation.kind in ("module", "subgraph"):
             operation.attr = node.name  # a new module of its own, even if the old was shared
         self.graph.set_op(node, operation)

@@ -60,11 +60,11 @@ def _expected(spec: dict, shapes: list) -> str | None:
     return None
 
 
-def _shape(value: Any) -> Any:
+def shape_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return list(value.shape)
     if isinstance(value, (list, tuple)):
-        return [_shape(v) for v in value]
+        return [shape_of(v) for v in value]
     return None
 
 
@@ -77,7 +77,7 @@ class ShapeRecorder(Interpreter):
 
     def run_node(self, node, inputs: list) -> Any:
         out = super().run_node(node, inputs)
-        self.shapes[node.uid] = _shape(out)
+        self.shapes[node.uid] = shape_of(out)
         return out
 
 
@@ -104,7 +104,7 @@ class _ReferenceRun(ShapeRecorder):
             return super().run_node(node, inputs)
         except Exception as e:  # noqa: BLE001 - every failure is reported at its node
             feeders = list(dict.fromkeys(x.uid for x in node.inputs))  # each input node once
-            ins = [_shape(self.env[uid]) for uid in feeders]
+            ins = [shape_of(self.env[uid]) for uid in feeders]
             spec = node.op.spec if node.kind == "module" else None
             raise ShapeMismatchError(node.name, _expected(spec, ins) if spec else None, ins,
                                      _choices_for(self.model, node), f"{type(e).__name__}: {e}"
@@ -160,7 +160,7 @@ _shared_elements = 0
 _SHARED_LOCK = threading.Lock()  # spaces may be instantiated from several threads
 
 
-def _shared_module(spec: dict) -> torch.nn.Module:
+def shared_module_of(spec: dict) -> torch.nn.Module:
     """A module of ``spec`` (weights as its constructor makes them), shared between runs."""
     global _shared_elements
     key = json.dumps(spec, sort_keys=True)
@@ -182,7 +182,7 @@ def _shared_module(spec: dict) -> torch.nn.Module:
 
 
 class _DirectRun(ShapeRecorder):
-    """The direct run: layers from :func:`_shared_module` (a lazy one built as it is, its sizes
+    """The direct run: layers from :func:`shared_module_of` (a lazy one built as it is, its sizes
     come from its first input), parameters as zeros (any value has the shape), subgraphs left
     to the reference run."""
 
@@ -197,7 +197,7 @@ class _DirectRun(ShapeRecorder):
                 module = build_module(node.op.spec).eval()
                 self.lazy.append((node, module))
             else:
-                module = _shared_module(node.op.spec)
+                module = shared_module_of(node.op.spec)
             self.modules[node.attr] = module
         return module
 
@@ -211,7 +211,7 @@ class _DirectRun(ShapeRecorder):
 
 def _direct_run(graph, example_input: Any) -> list:
     """Shapes of every node from running the graph's nodes one by one (modules from
-    :func:`_shared_module`); returns the lazy nodes with their settled modules. Raises when the
+    :func:`shared_module_of`); returns the lazy nodes with their settled modules. Raises when the
     run fails or cannot be done (see the module docstring)."""
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     run = _DirectRun(graph)

@@ -218,7 +218,7 @@ class _Converter:
         calls = self.module_calls.get(target, 0)
         self.module_calls[target] = calls + 1
         name = target if calls == 0 else f"{target}@{calls}"
-        self.add(name, Operation("module", args=args[0], kwargs=_plain_kwargs(args[1]),
+        self.add(name, Operation("module", args=args[0], kwargs=plain_kwargs(args[1]),
                                  spec=spec, attr=target), feeds, n)
 
     def on_call_function(self, n):
@@ -228,19 +228,19 @@ class _Converter:
             raise TraceError(f"function call {n.name} in forward: {e}") from None
         args, feeds = self.template([list(n.args), dict(n.kwargs)])
         self.add(self._scoped(n), Operation("function", target=ref, args=args[0],
-                                            kwargs=_plain_kwargs(args[1])), feeds, n)
+                                            kwargs=plain_kwargs(args[1])), feeds, n)
 
     def on_call_method(self, n):
         args, feeds = self.template([list(n.args), dict(n.kwargs)])
         self.add(self._scoped(n), Operation("method", target=str(n.target), args=args[0],
-                                            kwargs=_plain_kwargs(args[1])), feeds, n)
+                                            kwargs=plain_kwargs(args[1])), feeds, n)
 
     def on_output(self, n):
         args, feeds = self.template(n.args[0])
         self.add("output", Operation("output", args=[args]), feeds, n)
 
 
-def _plain_kwargs(encoded: dict) -> dict:
+def plain_kwargs(encoded: dict) -> dict:
     """{"__dict__": [[k, v], ...]} -> {k: v} (keyword names are always strings)."""
     return {k: v for k, v in encoded["__dict__"]}
 

@@ -367,9 +367,9 @@ def test_fuse_and_batching_follow_optimize_unless_given():
 
 
 def test_status_prints_the_layout_of_each_group_key():
-    from retiarii.cli import _optimization_line
+    from retiarii.cli import optimization_line
 
-    text = _optimization_line({"jobs": {"merged": 3}, "merged_trials": 8,
+    text = optimization_line({"jobs": {"merged": 3}, "merged_trials": 8,
                                "layouts": ["cpu: fused 2.40x (cse 1.30x)",
                                            "cpu: separate: cse 1.02x, fused 0.64x"]})
     assert "\n  layout cpu: fused 2.40x (cse 1.30x)" in text

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from retiarii.optim.mixed_parallel import (RankError, _buckets, _Share, average_used_gradients,
+from retiarii.optim.mixed_parallel import (RankError, size_buckets, _Share, average_used_gradients,
                                            run_segment_on_ranks, spawn)
 from retiarii.strategies.one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 
@@ -407,6 +407,6 @@ def test_each_rank_takes_every_kth_batch_and_as_many_as_the_others(world, shares
 
 
 def test_buckets_hold_consecutive_parameters_up_to_the_limit():
-    assert _buckets([0, 1, 2, 3, 4], [3, 3, 10, 1, 1], 6) == [[0, 1], [2], [3, 4]]
-    assert _buckets([5, 6], [6, 6], 4) == [[5], [6]]  # larger than a bucket: alone
-    assert _buckets([], [], 4) == []
+    assert size_buckets([0, 1, 2, 3, 4], [3, 3, 10, 1, 1], 6) == [[0, 1], [2], [3, 4]]
+    assert size_buckets([5, 6], [6, 6], 4) == [[5], [6]]  # larger than a bucket: alone
+    assert size_buckets([], [], 4) == []

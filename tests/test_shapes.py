@@ -98,8 +98,8 @@ def test_shared_modules_stay_within_their_bound(monkeypatch):
     monkeypatch.setattr(shapes, "_shared_elements", 0)
     monkeypatch.setattr(shapes, "_SHARED_MAX_ELEMENTS", 1000)
     for width in range(1, 40):
-        shapes._shared_module({"cls": "torch.nn.modules.linear:Linear", "args": [width, width]})
+        shapes.shared_module_of({"cls": "torch.nn.modules.linear:Linear", "args": [width, width]})
         assert shapes._shared_elements == sum(size for _, size in shapes._SHARED.values())
         assert shapes._shared_elements <= 1000 or len(shapes._SHARED) == 1
     spec = {"cls": "torch.nn.modules.linear:Linear", "args": [3, 3]}
-    assert shapes._shared_module(spec) is shapes._shared_module(dict(spec))  # a hit
+    assert shapes.shared_module_of(spec) is shapes.shared_module_of(dict(spec))  # a hit

@@ -29,16 +29,16 @@ __all__ = ["to_module"]
 # ---- shared helpers ------------------------------------------------------------------------
 
 
-def _owner_paths(graph: Graph) -> set[str]:
+def owner_paths(graph: Graph) -> set[str]:
     return {n.attr for n in graph.nodes if n.kind in ("module", "subgraph")}
 
 
-def _owned_by_module(path: str, owners: set[str]) -> bool:
+def owned_by_module(path: str, owners: set[str]) -> bool:
     parts = path.split(".")
     return any(".".join(parts[:i]) in owners for i in range(1, len(parts)))
 
 
-def _install(root: nn.Module, path: str, value: Any, buffer: bool = False,
+def install_value(root: nn.Module, path: str, value: Any, buffer: bool = False,
              persistent: bool = True) -> None:
     *parents, leaf = path.split(".")
     owner = root
@@ -56,7 +56,7 @@ def _install(root: nn.Module, path: str, value: Any, buffer: bool = False,
         owner.register_parameter(leaf, value)
 
 
-def _registration_rank(graph: Graph):
+def registration_rank(graph: Graph):
     """path -> its rank in the traced model's module registration order (``meta["modules"]``).
 
     Modules are installed in this order, not in call order, so that containers, and with them
@@ -69,7 +69,7 @@ def _registration_rank(graph: Graph):
 _BUILTINS = set(dir(builtins))  # (not __builtins__: a dict inside an imported module)
 
 
-class _PyNames:
+class PyNames:
     """Unique Python identifiers derived from node names."""
 
     def __init__(self, reserved=("self", "torch", "nn", "F", "operator", "math")):
@@ -102,31 +102,31 @@ def to_module(graph: Graph, class_name: str = "GeneratedModel",
             (:mod:`retiarii.optim.supergraph`) installs its shared modules this way.
     """
     root = nn.Module()
-    owners = _owner_paths(graph)
+    owners = owner_paths(graph)
     nodes = graph.nodes
     installed: set[str] = set()
-    rank = _registration_rank(graph)
+    rank = registration_rank(graph)
     # A parameter's owner is the module path it lives in ("" for the root).
     for node in sorted(nodes, key=lambda n: rank(n.attr if n.kind != "param"
                                                  else n.attr.rpartition(".")[0])):
         given = provide(node) if provide is not None and node.attr not in installed \
             and node.kind in ("module", "subgraph", "param") else None
         if node.kind == "module" and node.attr not in installed:
-            _install(root, node.attr, given if given is not None else build_module(node.op.spec))
+            install_value(root, node.attr, given if given is not None else build_module(node.op.spec))
             installed.add(node.attr)
         elif node.kind == "subgraph" and (given is not None or provide is None
                                           or node.attr not in installed):
-            _install(root, node.attr, given if given is not None
+            install_value(root, node.attr, given if given is not None
                      else to_module(node.op.graph, "Cell"))
             installed.add(node.attr)
-        elif node.kind == "param" and not _owned_by_module(node.attr, owners) \
+        elif node.kind == "param" and not owned_by_module(node.attr, owners) \
                 and node.attr not in installed:
             installed.add(node.attr)
             spec = node.op.spec
             value = given if given is not None else init_tensor(spec)
             if not spec["buffer"] and given is None:
                 value = nn.Parameter(value, requires_grad=spec.get("requires_grad", True))
-            _install(root, node.attr, value, buffer=spec["buffer"],
+            install_value(root, node.attr, value, buffer=spec["buffer"],
                      persistent=spec.get("persistent", True))
     constants: dict[int, str] = {}
     for i, node in enumerate(nodes):
@@ -153,7 +153,7 @@ class _FxEmitter(Interpreter):
         super().__init__(graph)
         self.fxg = fx.Graph()
         self.constants = constants  # uid of a constant node -> its buffer's attribute
-        self.names = _PyNames()
+        self.names = PyNames()
 
     def run_node(self, node: Node, inputs: list) -> fx.Node:
         out = super().run_node(node, inputs)

@@ -31,7 +31,7 @@ from ..codec import decode, ref_of, resolve_ref
 from ..graph import Graph, GraphError, Node
 from ..inline import InlineError, Inliner
 from ..interpreter import Interpreter
-from .fx_backend import _owned_by_module, _owner_paths, _PyNames, _registration_rank
+from .fx_backend import owned_by_module, owner_paths, PyNames, registration_rank
 
 __all__ = ["to_source"]
 
@@ -233,13 +233,13 @@ def to_source(graph: Graph, class_name: str = "Model") -> str:
     if not class_name.isidentifier():
         raise ValueError(f"class name {class_name!r} is not a Python identifier")
     src = _Source()
-    names = _PyNames()
+    names = PyNames()
     tree = _Tree()
     params: list[str] = []
     body: list[str] = []
     signature: list[str] = []
     _SourceEmitter(graph, "", src, names, tree, params, body, signature, None).run()
-    tree.sort(_registration_rank(graph))
+    tree.sort(registration_rank(graph))
 
     init = ["super().__init__()"]
     for key, child in tree.children.items():
@@ -294,14 +294,14 @@ class _SourceEmitter(Interpreter):
     becomes the name of the variable holding its value. A cell (subgraph) is written inline,
     its names and module paths under its own path."""
 
-    def __init__(self, graph: Graph, prefix: str, src: _Source, names: _PyNames, tree: _Tree,
+    def __init__(self, graph: Graph, prefix: str, src: _Source, names: PyNames, tree: _Tree,
                  params: list[str], body: list[str], signature: list[str],
                  cell_inputs: list[str] | None):
         super().__init__(graph)
         self.prefix, self.src, self.names, self.tree = prefix, src, names, tree
         self.params, self.body, self.signature = params, body, signature
         self.cell_inputs = cell_inputs  # a cell's input variables; None at the top level
-        self.owners = {prefix + p for p in _owner_paths(graph)}
+        self.owners = {prefix + p for p in owner_paths(graph)}
         self.declared: set[str] = set()
         self.inputs_seen = 0
         self.returned = False
@@ -361,7 +361,7 @@ class _SourceEmitter(Interpreter):
 
     def on_param(self, node, inputs):
         var, path = self.fresh(node), self.prefix + node.attr
-        if not _owned_by_module(path, self.owners) and path not in self.declared:
+        if not owned_by_module(path, self.owners) and path not in self.declared:
             self.declared.add(path)
             self.tree.ensure(path.rpartition(".")[0])
             self.params.append(_param_line(path, node.op.spec, self.src))

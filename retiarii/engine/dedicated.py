@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..determinism import carry
-from .grouped import TrainingGroup, _tensors
+from .grouped import TrainingGroup, tensors_of
 
 __all__ = ["DedicatedGroup", "EncoderWorker", "dedicated_modules", "default_device"]
 
@@ -243,7 +243,7 @@ class DedicatedGroup(TrainingGroup):
     def _submit(self, batch: Any) -> bool:
         if self._positions is None or self._worker is None:
             return False  # the first batch: the model inputs are not known yet
-        tensors = _tensors(batch)
+        tensors = tensors_of(batch)
         self._worker.submit(tuple(tensors[i] for i in self._positions))
         return True
 
@@ -251,7 +251,7 @@ class DedicatedGroup(TrainingGroup):
         submitted = self._pending.popleft() if self._pending else False
         # taken now, whatever the step does with it: results come back in submission order
         result = self._worker.result() if submitted else None
-        tensors = _tensors(batch)
+        tensors = tensors_of(batch)
 
         def common(inputs: tuple) -> tuple | None:
             ids = [id(t) for t in tensors]

@@ -43,7 +43,8 @@ from ..optim.passes import PassManager
 from ..optim.cost import relative_spread
 from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
-from .trial_run import TrainingError, TrialRun, _batch_size, _to_device, set_training
+from ..training import to_device as _to_device
+from .trial_run import TrainingError, TrialRun, batch_size_of, set_training
 
 __all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
 
@@ -140,7 +141,7 @@ class _Forward:
                  streams: _Streams, ahead: Any = None):
         self.group, self.runs, self.streams = group, runs, streams
         self.ahead = ahead  # inputs -> the shared part's outputs computed ahead, or None
-        self.batch_tensors = {id(t) for t in _tensors(batch)}
+        self.batch_tensors = {id(t) for t in tensors_of(batch)}
         self.active: str | None = None  # the trial whose training_step runs now
         self.inputs: tuple | None = None
         self.outs: dict[str, Any] = {}
@@ -205,19 +206,19 @@ class _Proxy(nn.Module):
 _END = object()
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work, so a timer reads work done rather than queued."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
+def tensors_of(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, (list, tuple)):
-        return [t for b in batch for t in _tensors(b)]
+        return [t for b in batch for t in tensors_of(b)]
     if isinstance(batch, dict):
-        return [t for b in batch.values() for t in _tensors(b)]
+        return [t for b in batch.values() for t in tensors_of(b)]
     return []
 
 
@@ -342,7 +343,7 @@ class TrainingGroup:
         if first.batch:  # resuming mid-epoch: every run is at the same position
             batches = itertools.islice(iter(batches), first.batch, None)
         batches = self._feed(iter(batches))
-        sync = _sync if self._measure else (lambda device: None)
+        sync = sync_device if self._measure else (lambda device: None)
         while True:
             sync(first.device)
             t0 = time.perf_counter()
@@ -429,7 +430,7 @@ class TrainingGroup:
         count = 0
         for batch in self.trainer.val_dataloader(first.hparams):
             batch = _to_device(batch, first.device)
-            n = _batch_size(batch)
+            n = batch_size_of(batch)
             forward = _Forward(self._group, self.runs, batch, _Streams(self.runs, self._steps_draw))
 
             def validate(trial: str, run: Any) -> None:
@@ -486,7 +487,7 @@ class TrainingGroup:
             failed.update(self._optimize(losses))
         except Exception as err:  # noqa: BLE001 (not attributable: fails the group's step)
             return {**failed, **{t: err for t in losses}}
-        n = _batch_size(batch)
+        n = batch_size_of(batch)
         for trial, loss in losses.items():
             if trial in failed:
                 continue
@@ -549,13 +550,13 @@ def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
     times: list[float] = []
     while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S
                                        and len(times) < 1 + MAX_REPEATS):
-        _sync(run.device)
+        sync_device(run.device)
         t0 = time.perf_counter()
         loss = trainer.training_step(model, batch, run.hparams)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        _sync(run.device)
+        sync_device(run.device)
         times.append(time.perf_counter() - t0)
     return min(times[1:])
 

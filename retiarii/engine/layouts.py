@@ -46,7 +46,7 @@ from .fused import FusedGroup, fusable_sets
 from .job_contract import GroupOrder, HeldLayout
 from .grouped import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
 from .measuring import MeasuringGroup
-from .trial_run import _to_device
+from ..training import to_device as _to_device
 
 __all__ = ["ABORT", "ABORT_CPU", "device_label", "group_units", "job_passes", "probe", "step_times"]
 

@@ -69,7 +69,7 @@ from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups
 from ..optim.plan import LogicalPlan, Role
 from . import checkpoint as ckpt
 from .fused import fused_backward, fused_step, fused_unit
-from .grouped import TrainingGroup, _sync
+from .grouped import TrainingGroup, sync_device
 
 __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
            "MeasuringGroup", "PER_MODEL_BOUND", "TIMED"]
@@ -347,12 +347,12 @@ class MeasuringGroup(TrainingGroup):
         if self._layout is not layout:  # fused that cannot fuse: the schedule moved on
             return self._step_in(batch, sums)
         device = next(iter(self.runs.values())).device
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         failed = self._guarded(batch, sums)
         if failed is None:  # fused undone: this batch again, in the next layout
             return self._step_in(batch, sums)
-        _sync(device)
+        sync_device(device)
         seconds = time.perf_counter() - t0
         warm = layout not in self._stepped
         self._stepped.add(layout)
@@ -419,11 +419,11 @@ class MeasuringGroup(TrainingGroup):
         device = next(iter(self.runs.values())).device
 
         def common(inputs: tuple) -> tuple:
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = group.shared(*inputs)
-            _sync(device)
+            sync_device(device)
             self._shared.append(time.perf_counter() - t0)
             return out
 

@@ -34,7 +34,7 @@ import sqlite_utils
 
 from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
 from .state_store import StateTables
-from .store_queries import StoreQueries, _json, _state, _unjson
+from .store_queries import StoreQueries, json_text, encode_state, decode_json_columns
 from .store_schema import APPLICATION, MIGRATIONS, SCHEMA_VERSION, STATES, StoreError
 from ..enums import ModelStatus
 
@@ -163,7 +163,7 @@ class Store(StoreQueries):
         now = _time.time()
         self.flush()
         table = self.db["experiments"].insert(
-            {"name": name, "config": _json(config), "seed": seed, "status": status,
+            {"name": name, "config": json_text(config), "seed": seed, "status": status,
              "created": now, "updated": now})
         self.experiment_id = table.last_pk
         return self.experiment_id
@@ -178,13 +178,13 @@ class Store(StoreQueries):
         """An experiment row, ``config`` decoded; the current one by default."""
         experiment_id = self._experiment(experiment_id)
         try:
-            return _unjson(self.db["experiments"].get(experiment_id), "config")
+            return decode_json_columns(self.db["experiments"].get(experiment_id), "config")
         except sqlite_utils.db.NotFoundError:
             raise StoreError(f"{self.path} has no experiment {experiment_id}") from None
 
     def experiments(self) -> list[dict]:
         """All experiments, oldest first."""
-        return [_unjson(r, "config") for r in self.db["experiments"].rows_where(order_by="id")]
+        return [decode_json_columns(r, "config") for r in self.db["experiments"].rows_where(order_by="id")]
 
     def set_experiment_status(self, status: str, experiment_id: int | None = None) -> None:
         """Mark an experiment ``running``, ``done``, ``interrupted``, ..."""
@@ -214,7 +214,7 @@ class Store(StoreQueries):
         return self.db.execute(
             "INSERT INTO models (experiment_id, sample, graph, hash, parent, status, created, "
             "updated, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [self.experiment_id, _json(sample), _json(graph), hash, parent, status, now, now,
+            [self.experiment_id, json_text(sample), json_text(graph), hash, parent, status, now, now,
              error]).lastrowid
 
     def stage_model(self, sample: dict, graph: dict | None = None, hash: str | None = None, *,
@@ -235,7 +235,7 @@ class Store(StoreQueries):
         self.flush()
         top = self.db.execute("SELECT coalesce(max(id), 0) FROM models").fetchone()[0]
         model_id = max([top, *self._staged]) + 1
-        row = [model_id, self.experiment_id, _json(sample), _json(graph), hash, parent,
+        row = [model_id, self.experiment_id, json_text(sample), json_text(graph), hash, parent,
                "training"]
         self._staged[model_id] = (row, list(with_it))
         return model_id
@@ -257,7 +257,7 @@ class Store(StoreQueries):
     def get_model(self, model_id: int) -> dict:
         """A model row with ``sample`` and ``graph`` decoded."""
         try:
-            return _unjson(self.db["models"].get(model_id), "sample", "graph")
+            return decode_json_columns(self.db["models"].get(model_id), "sample", "graph")
         except sqlite_utils.db.NotFoundError:
             raise StoreError(f"{self.path} has no model {model_id}") from None
 
@@ -298,7 +298,7 @@ class Store(StoreQueries):
         where, params = self._scope("models")
         if status is not None:
             where, params = f"{where} AND status = ?", [*params, status]
-        return [_unjson(r, "sample", "graph")
+        return [decode_json_columns(r, "sample", "graph")
                 for r in self.db["models"].rows_where(where, params, order_by="id")]
 
     def finished_hashes(self, statuses: Iterable[str] = ("trained", "failed")) -> set[str]:
@@ -320,7 +320,7 @@ class Store(StoreQueries):
         from ``.model_id`` or ``config["model_id"]``. ``.to_record()``, when the trial has it,
         is kept verbatim (but for its config, which is the ``spec`` column) for
         :meth:`records`."""
-        state, now = _state(trial.state), _time.time()
+        state, now = encode_state(trial.state), _time.time()
         spec = trial.config if trial.config is not None else {}
         model_id = getattr(trial, "model_id", None)
         if model_id is None and isinstance(spec, dict):
@@ -346,8 +346,8 @@ class Store(StoreQueries):
                     "INSERT INTO trials (id, seq, experiment_id, model_id, spec, hparams, parent, "
                     "record, state, attempts, step, created, updated) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?)",
-                    [trial.trial_id, seq, self.experiment_id, model_id, _json(spec),
-                     _json(hparams), trial.parent, _json(record), state, now, now])
+                    [trial.trial_id, seq, self.experiment_id, model_id, json_text(spec),
+                     json_text(hparams), trial.parent, json_text(record), state, now, now])
                 initiator = getattr(trial, "initiator", None)
                 if initiator is not None:  # a PBT child (schema v8)
                     self.db.execute("UPDATE trials SET initiator = ? WHERE id = ?",
@@ -364,7 +364,7 @@ class Store(StoreQueries):
         """Record ``old_state -> new_state`` (an ``events`` row and the trial's new state, in
         one transaction). Entering ERRORED counts an attempt and keeps ``reason`` as the error;
         ``worker`` names the slot a RUNNING trial went to."""
-        old, new, now = _state(old_state), _state(new_state), _time.time()
+        old, new, now = encode_state(old_state), encode_state(new_state), _time.time()
         self.flush()
         with self.db.atomic():
             row = self.db.execute("SELECT state, started FROM trials WHERE id = ?",

@@ -15,7 +15,7 @@ from .store_schema import STATES, StoreError
 __all__ = ["StoreQueries"]
 
 
-def _state(state: Any) -> str:
+def encode_state(state: Any) -> str:
     """A state as its string (TrialState enum members carry the string as their value)."""
     name = getattr(state, "value", state)
     if name not in STATES:
@@ -23,11 +23,11 @@ def _state(state: Any) -> str:
     return name
 
 
-def _json(obj: Any) -> str | None:
+def json_text(obj: Any) -> str | None:
     return None if obj is None else json.dumps(obj)
 
 
-def _unjson(row: dict, *columns: str) -> dict:
+def decode_json_columns(row: dict, *columns: str) -> dict:
     for column in columns:
         if row.get(column) is not None:
             row[column] = json.loads(row[column])
@@ -60,7 +60,7 @@ class StoreQueries:
         """A trial row with ``spec``, ``hparams`` and ``record`` decoded."""
         self.flush()
         try:
-            return _unjson(self.db["trials"].get(trial_id), *_TRIAL_JSON)
+            return decode_json_columns(self.db["trials"].get(trial_id), *_TRIAL_JSON)
         except sqlite_utils.db.NotFoundError:
             raise StoreError(f"{self.path} has no trial {trial_id!r}") from None
 
@@ -69,10 +69,10 @@ class StoreQueries:
         self.flush()
         where, params = self._scope("trials")
         if states is not None:
-            names = [_state(s) for s in states]
+            names = [encode_state(s) for s in states]
             where += f" AND state IN ({', '.join('?' * len(names))})"
             params += names
-        return [_unjson(r, *_TRIAL_JSON)
+        return [decode_json_columns(r, *_TRIAL_JSON)
                 for r in self.db["trials"].rows_where(where, params, order_by="seq")]
 
     def events(self, trial_id: str | None = None) -> list[dict]:

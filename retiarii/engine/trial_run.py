@@ -23,7 +23,7 @@ from torch import nn
 
 from . import checkpoint as ckpt
 from ..rng import swapped_in
-from ..training import batch_size as _batch_size  # noqa: F401 (engine modules import these)
+from ..training import batch_size as batch_size_of  # noqa: F401 (engine modules import these)
 from ..training import parse_optimizers as _parse_optimizers
 from ..training import to_device as _to_device
 
@@ -125,7 +125,7 @@ class TrialRun:
                 opt.step()
                 if self.scheduler is not None and self.interval == "step":
                     self.scheduler.step()
-                n = _batch_size(batch)
+                n = batch_size_of(batch)
                 total += loss.detach().reshape(()) * n  # no .item(): no device sync per batch
                 count += n
                 self.batch += 1
@@ -158,7 +158,7 @@ class TrialRun:
         count = 0
         for batch in self.trainer.val_dataloader(self.hparams):
             batch = _to_device(batch, self.device)
-            n = _batch_size(batch)
+            n = batch_size_of(batch)
             for name, value in self.trainer.validation_step(self.model, batch).items():
                 sums[name] = sums.get(name, 0.0) + float(value) * n
             count += n

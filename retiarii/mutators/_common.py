@@ -12,7 +12,7 @@ import torch
 from ..graph import Graph, Node, Operation
 from ..match import predicate
 from ..mutator import MutationError, Mutator, as_operation
-from ..shapes import ShapeRecorder, _shape
+from ..shapes import ShapeRecorder, shape_of
 
 # Node kinds that compute a tensor from their inputs (what a skip edge may leave or enter).
 COMPUTING = ("module", "function", "method", "subgraph")
@@ -100,7 +100,7 @@ def node_shapes(graph: Graph, example_input: Any) -> dict[int, Any]:
     same graph in many samples pays once.
     """
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
-    example = [[_shape(x), str(getattr(x, "dtype", repr(x)))] for x in inputs]
+    example = [[shape_of(x), str(getattr(x, "dtype", repr(x)))] for x in inputs]
     key = json.dumps([example, [[n.uid, n.op.to_data()] for n in graph.nodes],
                       sorted((s.uid, d.uid, p) for s, d, p in graph.edges())], sort_keys=True)
     if key in _SHAPE_CACHE:

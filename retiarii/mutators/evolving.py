@@ -34,7 +34,7 @@ from torch import nn
 from .. import ops
 from ..codec import ref_of, resolve_ref
 from ..graph import Node, Operation
-from ..mutator import Mutator, _is_variadic
+from ..mutator import Mutator, is_variadic
 from ._common import COMPUTING, flat_targets, is_tensor_shape, operation_of, same_op, \
     shapes_of, steps
 
@@ -188,7 +188,7 @@ class AddEdgeMutator(Mutator):
             pairs = self._pairs(region)
             dst, srcs = self.choose(pairs, label=f"{self._name}/dst{i}")
             src = self.choose(srcs, label=f"{self._name}/src{i}")
-            if _is_variadic(dst):
+            if is_variadic(dst):
                 self.connect(src, dst)
                 continue
             merge = self.create_node(f"{dst.name}_merge", self.merge())

@@ -122,12 +122,12 @@ def average_used_gradients(params: Iterable[torch.nn.Parameter], group: Any = No
         kinds[(p.device, p.dtype)].append(i)
     for (device, dtype), members in sorted(kinds.items(), key=lambda kv: (str(kv[0][0]),
                                                                           str(kv[0][1]))):
-        for bucket in _buckets(members, [params[i].numel() for i in members], bucket_elements):
+        for bucket in size_buckets(members, [params[i].numel() for i in members], bucket_elements):
             _reduce_bucket([params[i] for i in bucket], dtype, device, group, counts, bucket)
     return counts
 
 
-def _buckets(members: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+def size_buckets(members: list[int], sizes: list[int], limit: int) -> list[list[int]]:
     """Consecutive members, at most ``limit`` elements per bucket (a larger one alone)."""
     out: list[list[int]] = []
     total = limit

@@ -37,7 +37,7 @@ import torch
 from torch import fx, nn
 
 from ..codegen import to_module
-from ..codegen.fx_backend import _install
+from ..codegen.fx_backend import install_value
 from ..graph import Graph, Node, Operation
 from ..interpreter import init_tensor
 from ..modspec import build_module
@@ -190,7 +190,7 @@ class PathBuilder:
         self._layouts.move_to_end(layout_key)
         net = _instance(template)
         for (prefix, _), cell in zip(regions, cells):
-            _install(net, prefix[:-1], cell)
+            install_value(net, prefix[:-1], cell)
         owners = {n.attr for n in top if n.kind in ("module", "subgraph")}
         done: set[str] = set()
         for node in top:
@@ -204,7 +204,7 @@ class PathBuilder:
             spec = node.op.spec or {}
             if given is None:  # a weightless module, a constant-like tensor: built afresh
                 given = _fresh(node).to(self.device)
-            _install(net, attr, given, buffer=node.kind == "param" and spec.get("buffer", False),
+            install_value(net, attr, given, buffer=node.kind == "param" and spec.get("buffer", False),
                      persistent=spec.get("persistent", True))
         return net
 

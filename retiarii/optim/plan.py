@@ -221,7 +221,7 @@ def _mutates(node: Node) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _module_facts(spec_json: str) -> tuple[bool, bool, bool]:
+def module_facts(spec_json: str) -> tuple[bool, bool, bool]:
     """(has parameters, has persistent buffers, draws random numbers in train mode) of a
     module spec, read from the module built on the meta device."""
     with torch.device("meta"):
@@ -340,7 +340,7 @@ def may_draw_random(graph: Graph) -> bool:
     return False
 
 
-def _cell_is_pure(graph: Graph) -> bool:
+def cell_is_pure(graph: Graph) -> bool:
     """A cell (subgraph) is weightless and deterministic when all its nodes are."""
     for node in graph.nodes:
         if node.kind in ("input", "output", "constant"):
@@ -350,7 +350,7 @@ def _cell_is_pure(graph: Graph) -> bool:
                 continue
             return False
         if node.kind == "subgraph":
-            if not _cell_is_pure(node.op.graph):
+            if not cell_is_pure(node.op.graph):
                 return False
         elif _node_role(node, frozen_ok=False) is not Role.PURE:
             return False
@@ -372,14 +372,14 @@ def _node_role(node: Node, frozen_ok: bool) -> Role:
             return Role.OWN if spec.get("persistent", True) else Role.CONST
         return Role.FROZEN if frozen_ok and spec.get("requires_grad") is False else Role.OWN
     if op.kind == "module":
-        params, persistent, random = _module_facts(json.dumps(spec, sort_keys=True))
+        params, persistent, random = module_facts(json.dumps(spec, sort_keys=True))
         if random or persistent:
             return Role.OWN
         if not params:
             return Role.PURE
         return Role.FROZEN if frozen_ok and spec.get("frozen") else Role.OWN
     if op.kind == "subgraph":
-        return Role.PURE if _cell_is_pure(op.graph) else Role.OWN
+        return Role.PURE if cell_is_pure(op.graph) else Role.OWN
     name = _short(op.target)  # function or method
     if _random_name(name) or name in _STATEFUL_FUNCTIONS:
         return Role.OWN

@@ -61,7 +61,7 @@ def estimate_profile(graph, batch_size: int, example_batch: int = 1, dtype_bytes
         dtype_bytes: bytes per element (float32: 4).
         optimizer_slots: state tensors per parameter (Adam: 2, SGD with momentum: 1).
     """
-    from ..shapes import _shared_module  # layers by spec, shared with the shape check
+    from ..shapes import shared_module_of  # layers by spec, shared with the shape check
 
     scale = batch_size / max(1, example_batch)
     trained = frozen = ops = elements = 0
@@ -71,7 +71,7 @@ def estimate_profile(graph, batch_size: int, example_batch: int = 1, dtype_bytes
         ops += 1
         elements += _numel(node.meta.get("shape")) * scale
         if node.kind == "module" and node.op.spec is not None:
-            module = _shared_module(node.op.spec)
+            module = shared_module_of(node.op.spec)
             trained += sum(p.numel() for p in module.parameters() if p.requires_grad)
             frozen += sum(p.numel() for p in module.parameters() if not p.requires_grad)
     # a trained weight also has a gradient and the optimizer's states; a frozen one neither

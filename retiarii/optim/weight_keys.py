@@ -48,7 +48,7 @@ from ..codec import decode, encode, evaluate_choice, find_tags, map_tags
 from ..graph import Node
 from ..modspec import build_module
 from ..space import Model
-from .plan import _cell_is_pure, _module_facts
+from .plan import cell_is_pure, module_facts
 
 __all__ = ["OpKey", "SuperGraphError", "weight_keys"]
 
@@ -131,10 +131,10 @@ def _weighted(node: Node) -> bool:
     """Whether the node holds weights or state that the super-graph shares."""
     spec = node.op.spec or {}
     if node.kind == "module":
-        params, persistent, _ = _module_facts(json.dumps(spec, sort_keys=True))
+        params, persistent, _ = module_facts(json.dumps(spec, sort_keys=True))
         return params or persistent
     if node.kind == "subgraph":
-        return not _cell_is_pure(node.op.graph)
+        return not cell_is_pure(node.op.graph)
     if node.kind == "param":
         return not spec.get("buffer") or spec.get("persistent", True)
     return False

@@ -11,7 +11,7 @@ import torch
 from ..enums import Mode
 from ..sampler import ReplaySampler, sample_key
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
-from .rl import _Controller
+from .rl import Controller
 from .shared_training import (ExportsInherited, SharedTraining, check_positive, check_shared,
                               check_state, mean_over_ranks, rank_rngs, ready, segment_rng, take)
 
@@ -140,7 +140,7 @@ class ENAS(ExportsInherited, OneShot):
 
     def _new_controller(self) -> None:
         # init_scale 0.1 as ENAS: the first policy is close to uniform.
-        self._controller = _Controller(self.hidden_size, self.seed, 0.1)
+        self._controller = Controller(self.hidden_size, self.seed, 0.1)
         self._optimizer = torch.optim.Adam(self._controller.parameters(), lr=self.controller_lr)
 
     def _add_head(self, label: str, candidates: list) -> int:

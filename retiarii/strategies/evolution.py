@@ -9,7 +9,7 @@ from ..sampler import RandomSampler, ReplaySampler, index_of, sample_key
 from .base import Draw, Strategy, draw
 
 
-def _mutable_labels(trace: list[tuple[str, list]]) -> list[str]:
+def mutable_labels(trace: list[tuple[str, list]]) -> list[str]:
     """Labels of a sample that a mutation can change (two candidates or more)."""
     return [label for label, candidates in trace if len(candidates) > 1]
 
@@ -127,7 +127,7 @@ class RegularizedEvolution(Strategy):
 
     def _mutate(self, space: Any, parent_key: str) -> Draw:
         parent = self._records[parent_key].sample
-        labels = _mutable_labels(self._trace(parent_key, space))
+        labels = mutable_labels(self._trace(parent_key, space))
         if not labels:  # every choice has one candidate: the space has one model
             return self._random_draw(space)
         target = labels[self._rng.randrange(len(labels))]

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..sampler import RandomSampler, ReplaySampler, index_of, sample_key
 from .base import Draw, Strategy, draw
-from .evolution import _mutable_labels
+from .evolution import mutable_labels
 
 SURROGATES = ("gbt", "mlp")
 
@@ -91,7 +91,7 @@ def neighbour(strategy: Strategy, space: Any, parent_key: str) -> Draw:
     """``parent`` with one choice (among those with two candidates or more) changed at random;
     choices the change opens are drawn at random."""
     parent = strategy._records[parent_key].sample
-    labels = _mutable_labels(strategy._trace(parent_key, space) or [])
+    labels = mutable_labels(strategy._trace(parent_key, space) or [])
     if not labels:
         return strategy._random_draw(space)
     target = labels[strategy._rng.randrange(len(labels))]

@@ -31,7 +31,7 @@ def _head_seed(base_seed: int, head: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-class _Controller(nn.Module):
+class Controller(nn.Module):
     """An LSTM cell stepping through the choices; one decoder and one embedding per choice.
 
     A choice is identified by its label *and* its candidates (a label whose candidates depend
@@ -201,7 +201,7 @@ class PolicyBasedRL(Strategy):
         self.entropy_weight = entropy_weight
         self.tanh_constant = tanh_constant
         self.init_scale = init_scale
-        self._controller = _Controller(hidden_size, self._rng.getrandbits(62), init_scale)
+        self._controller = Controller(hidden_size, self._rng.getrandbits(62), init_scale)
         self._optimizer = torch.optim.Adam(self._controller.parameters(), lr=learning_rate)
         self._baseline: float | None = None
         self._spread: float | None = None  # moving mean of (r - b)^2
@@ -290,7 +290,7 @@ class PolicyBasedRL(Strategy):
         }
 
     def _load_state(self, state: dict) -> None:
-        self._controller = _Controller(self.hidden_size, state["controller_seed"],
+        self._controller = Controller(self.hidden_size, state["controller_seed"],
                                        self.init_scale)
         self._optimizer = torch.optim.Adam(self._controller.parameters(),
                                            lr=self.learning_rate)

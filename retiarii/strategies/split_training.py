@@ -182,7 +182,7 @@ def average_named_gradients(layout: list[tuple[str, tuple, torch.dtype]],
     on every holder)."""
     import torch.distributed as dist
 
-    from ..optim.mixed_parallel import BUCKET_ELEMENTS, _buckets
+    from ..optim.mixed_parallel import BUCKET_ELEMENTS, size_buckets
 
     by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, (_, _, dtype) in enumerate(layout):
@@ -191,7 +191,7 @@ def average_named_gradients(layout: list[tuple[str, tuple, torch.dtype]],
         members = by_dtype[dtype]
         sizes = [int(torch.Size(layout[i][1]).numel()) for i in members]
         numel = dict(zip(members, sizes))
-        for bucket in _buckets(members, sizes, BUCKET_ELEMENTS):
+        for bucket in size_buckets(members, sizes, BUCKET_ELEMENTS):
             numels = [numel[i] for i in bucket]
             flat = torch.zeros(sum(numels) + len(bucket), dtype=dtype, device=device)
             grads = flat[:sum(numels)].split(numels)
