@@ -207,7 +207,7 @@ def main_demo(args) -> None:
                          for k in ("local", "ray"))
         print(f"{workers} workers: Ray / Local overhead per segment "
               f"{on_ray['segment_overhead_median_ms'] / local['segment_overhead_median_ms']:.2f}x "
-              f"({on_ray["segment_overhead_median_ms"] - local["segment_overhead_median_ms"]:+.1f}"
+              f"({on_ray['segment_overhead_median_ms'] - local['segment_overhead_median_ms']:+.1f}"
               f" ms), per trial {on_ray['trial_overhead_median_ms'] / local['trial_overhead_median_ms']:.2f}x"
               f", search wall time {on_ray['wall_s'] / local['wall_s']:.2f}x")
     path = os.path.join(OUT, "ray_overhead_demo.csv")

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from ..errors import EnvironmentFailure
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 
 __all__ = ["LocalExecutor", "visible_gpus"]
@@ -238,7 +239,7 @@ class LocalExecutor(Executor):
             raise
         if event is _BROKEN:
             self._events.put(_BROKEN)  # every later call fails the same way
-            raise RuntimeError(self._broken)
+            raise EnvironmentFailure(self._broken)
         return event
 
     def cancel(self, job_id: str) -> None:
