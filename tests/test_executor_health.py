@@ -290,15 +290,17 @@ def test_a_hung_actor_is_killed_at_its_heartbeat_deadline_and_its_job_retried(tm
             "hparams": {"hang_marker": str(marker), "hang_in_epoch": 1}, "seed": 0}
     with RayExecutor(1, num_cpus=1, poll_wait=1.0, heartbeat_timeout=8.0) as ex:
         try:
-            events = []
+            events, ends = [], []
             for attempt in range(2):
                 ex.submit(Job(f"j{attempt}", [TrialTask("t", spec, 0, 3)]))
-                while not events or not isinstance(events[-1], (JobFinished, JobFailed)):
+                while True:
                     event = ex.next_event(timeout=120)
                     assert event is not None, f"no event in 120 s after {events}"
                     events.append(event)
-            first, second = events.index(next(e for e in events if isinstance(
-                e, (JobFinished, JobFailed)))), len(events) - 1
+                    if isinstance(event, (JobFinished, JobFailed)):
+                        ends.append(len(events) - 1)
+                        break
+            first, second = ends
             lost = events[first]
             assert isinstance(lost, JobFailed) and lost.worker_lost, lost
             assert "stopped answering for 8 s" in lost.error
