@@ -526,7 +526,7 @@ class RayExecutor(Executor):
                 ray_health.check_cluster("no worker actor is ready")
                 need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **(self.resources or {})}
                 raise EnvironmentFailure(ray_health.unplaceable(need, self.startup_timeout))
-            for slot, _ in late:
+            for slot in (slot for slot, kind in late if kind == "start"):
                 slot.start_warned = True
                 _log.warning("RayExecutor: worker %s is not ready %g s after its creation (no "
                              "node has room for it, or its imports hang); the search goes on "
