@@ -98,6 +98,28 @@ def test_local_workers_that_cannot_start_stop_the_experiment_cleanly(tmp_path):
     assert _trained(db) == _uninterrupted(tmp_path, 3)
 
 
+def test_a_one_shot_search_whose_workers_cannot_start_stops_then_resumes(tmp_path):
+    """The same for a one-shot search: its segment loop stops, the resume equals a search
+    never stopped."""
+    from one_shot_helpers import PerArchitecture, space, trainer
+
+    def experiment(path, executor):
+        return rt.Experiment(space, PerArchitecture(epochs=2), trainer, store=str(path),
+                             workers=1, seed=0, executor=executor)
+
+    db = tmp_path / "one_shot.db"
+    with LocalExecutor(1, devices=[], startup_timeout=0.05) as broken:
+        with pytest.raises(EnvironmentFailure) as stop:
+            experiment(db, broken).run()
+    message = str(stop.value)
+    assert _latest(db)[0]["status"] == "stopped" and "\n" not in message
+    assert "local-0 failed to start 3 times" in message and f"retiarii resume {db}" in message
+    resumed = experiment(db, InProcessExecutor()).resume()
+    whole = experiment(tmp_path / "whole.db", InProcessExecutor()).run()
+    assert _latest(db)[0]["status"] == "done"
+    assert resumed["one_shot"] == whole["one_shot"]
+
+
 def test_resume_executor_flag_is_checked(tmp_path):
     """`resume --executor local --address X` is refused, naming the clash."""
     db = tmp_path / "run.db"
