@@ -55,12 +55,18 @@ def _trained(db) -> list[tuple]:
                 for t in store.trials()]
 
 
-def _uninterrupted(tmp_path, max_models: int) -> list[tuple]:
+def _uninterrupted(tmp_path, max_models: int, demo: bool = False) -> list[tuple]:
+    """An uninterrupted search of exp_space (or of the demo, as ``--epochs 3 --optimize
+    off`` runs it) in this process: the reference of every resumed run here."""
     from exp_space import space, trainer
 
+    if demo:
+        from retiarii.engine.trainer import ClassifierTrainer
+
+        space, trainer = "retiarii.demo:space", ClassifierTrainer(dataset="digits", epochs=3)
     whole = rt.Experiment(space, rt.strategies.Random(seed=0), trainer,
                           store=str(tmp_path / "whole.db"), max_models=max_models, seed=0,
-                          executor=InProcessExecutor())
+                          executor=InProcessExecutor(), optimize=False)
     whole.run()
     return _trained(whole.path)
 
@@ -87,12 +93,12 @@ def test_local_workers_that_cannot_start_stop_the_experiment_cleanly(tmp_path):
     db = tmp_path / "exp.db"
     with LocalExecutor(1, devices=[], startup_timeout=0.05) as broken:  # killed before torch
         exp = rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=str(db),
-                            max_models=3, seed=0, executor=broken)
+                            max_models=3, seed=0, executor=broken, optimize=False)
         with pytest.raises(EnvironmentFailure) as stop:
             exp.run()
     _assert_stopped_clean(db, str(stop.value), "local-0 failed to start 3 times")
     again = rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=str(db),
-                          max_models=3, seed=0, executor=InProcessExecutor())
+                          max_models=3, seed=0, executor=InProcessExecutor(), optimize=False)
     again.resume()
     assert _latest(db)[0]["status"] == "done"
     assert _trained(db) == _uninterrupted(tmp_path, 3)
@@ -200,8 +206,8 @@ def test_raylet_and_workers_sigkilled_stop_the_run_then_resume_on_local(tmp_path
     pytest.importorskip("ray", reason="Ray is not installed")
     db = tmp_path / "ray.db"
     run = subprocess.Popen(
-        CLI + ["run", str(HERE / "exp_space.py"), "--strategy", "random", "--seed", "0",
-               "--max-models", "4", "--workers", "2", "--store", str(db), "--optimize", "off",
+        CLI + ["run", "demo", "--strategy", "random", "--seed", "0", "--epochs", "3",
+               "--max-models", "8", "--workers", "2", "--store", str(db), "--optimize", "off",
                "--executor", "ray"],
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -236,7 +242,7 @@ def test_raylet_and_workers_sigkilled_stop_the_run_then_resume_on_local(tmp_path
                           capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert _latest(db)[0]["status"] == "done"
-    assert _trained(db) == _uninterrupted(tmp_path, 4)
+    assert _trained(db) == _uninterrupted(tmp_path, 8, demo=True)
 
 
 @pytest.mark.slow
@@ -249,8 +255,10 @@ def test_a_node_removed_from_a_two_node_cluster_stops_then_resumes_on_a_new_node
     ray = pytest.importorskip("ray", reason="Ray is not installed")
     from ray.cluster_utils import Cluster
 
-    from exp_space import space, trainer
     from retiarii.engine.executors.ray import RayExecutor
+    from retiarii.engine.trainer import ClassifierTrainer
+
+    space, trainer = "retiarii.demo:space", ClassifierTrainer(dataset="digits", epochs=3)
 
     loopback = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args={**loopback, "num_cpus": 0})
@@ -268,7 +276,7 @@ def test_a_node_removed_from_a_two_node_cluster_stops_then_resumes_on_a_new_node
             executor = RayExecutor(2, num_cpus=1, startup_timeout=20)
             try:
                 exp = rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=str(db),
-                                    max_models=4, seed=0, executor=executor, optimize=False,
+                                    max_models=8, seed=0, executor=executor, optimize=False,
                                     progress=remove_node_once)
                 exp.run()
                 outcome["error"] = None
@@ -291,12 +299,12 @@ def test_a_node_removed_from_a_two_node_cluster_stops_then_resumes_on_a_new_node
         cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2)
         with RayExecutor(2, num_cpus=1) as executor:
             rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=str(db),
-                          max_models=4, seed=0, executor=executor, optimize=False).resume()
+                          max_models=8, seed=0, executor=executor, optimize=False).resume()
         assert _latest(db)[0]["status"] == "done"
     finally:
         ray.shutdown()
         cluster.shutdown()
-    assert _trained(db) == _uninterrupted(tmp_path, 4)
+    assert _trained(db) == _uninterrupted(tmp_path, 8, demo=True)
 
 
 @pytest.mark.slow
