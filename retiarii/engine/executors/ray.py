@@ -318,7 +318,7 @@ class RayExecutor(Executor):
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every slot's actor is up (imports done), e.g. before timing a run;
-        False on timeout."""
+        False on timeout. Raises :class:`EnvironmentFailure` as :meth:`next_event` does."""
         self._start()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not all(s.ready for s in self._slots):

@@ -4,7 +4,7 @@ hung, and which slot cannot start.
 A search on Ray used to wait forever in three situations; each now ends in a decision:
 
 - **The cluster has no live node** (the raylet SIGKILLed with its workers, as an out-of-memory
-  kill does; the last node removed; the GCS unreachable). An actor call then fails, first as
+  kill does; the last node removed). An actor call then fails, first as
   ``ActorUnavailableError`` (the node may come back: the executor asks again) and, once the GCS
   has marked the node dead (about 15 s), as ``ActorDiedError``. Before reporting any job as
   lost, the executor asks :func:`cluster_loss`: with no live node it raises
@@ -19,6 +19,10 @@ A search on Ray used to wait forever in three situations; each now ends in a dec
   executor raises ``EnvironmentFailure`` saying what a slot needs and what the cluster offers;
   while other slots work the search goes on with fewer (a warning says so) and the actor starts
   whenever the cluster has room again.
+
+A lost GCS (the head's control service) is the one case left to Ray: its calls block, and
+after its reconnect timeout (60 s) Ray ends the driver process itself, as a crash would; the
+store is intact and ``retiarii resume`` continues (docs/ray.md).
 """
 from __future__ import annotations
 
