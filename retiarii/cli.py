@@ -302,6 +302,13 @@ def cmd_resume(args) -> int:
         cli["workers"] = args.workers
     if args.max_models:
         cli["max_models"] = args.max_models  # a budget may change between runs
+    if args.executor:  # move the run to the other executor (e.g. off a lost Ray cluster)
+        cli["executor"] = args.executor
+        if args.executor == "local":
+            if args.address:
+                raise CliError("--address names a Ray cluster: resume with --executor ray, "
+                               "or leave --address out")
+            cli["address"] = None  # the recorded cluster is not used on local workers
     if args.address:
         cli["address"] = args.address  # the cluster's head may have moved
     exp = _build(space, cli, recorded_space=recorded)
@@ -414,6 +421,9 @@ def parser() -> argparse.ArgumentParser:
     resume.add_argument("--address", default=None,
                         help="the Ray cluster to continue on, for runs started with --executor "
                              "ray (default: the address the run was started with)")
+    resume.add_argument("--executor", choices=("local", "ray"), default=None,
+                        help="continue on local worker processes or on Ray, whichever the run "
+                             "started on (default: the executor it was started with)")
     resume.set_defaults(fn=cmd_resume)
 
     export = sub.add_parser("export", help="standalone .py + state_dict of the best models")

@@ -80,6 +80,9 @@ def resume_nas(recorded: dict, args) -> int:
         recorded["max_models"] = args.max_models
     if args.address:
         raise CliError("--address: `retiarii nas run` searches on local workers; leave it out")
+    if getattr(args, "executor", None) == "ray":
+        raise CliError("--executor ray: `retiarii nas run` searches on local workers; leave it "
+                       "out")
     try:
         exp = nas.experiment(**recorded, store=args.db, origin={"nas": recorded},
                              progress=Progress(recorded.get("max_models") or 8))

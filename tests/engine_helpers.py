@@ -108,6 +108,23 @@ class DyingTrainer(ClassifierTrainer):
 DYING = DyingTrainer(FAST.config)
 
 
+class HangingTrainer(ClassifierTrainer):
+    """Stops its worker (SIGSTOP: alive, silent, holding its slot) as epoch
+    ``hparams["hang_in_epoch"]`` begins, once (``hparams["hang_marker"]`` remembers): a hung
+    worker that only a heartbeat deadline can tell from a busy one."""
+
+    def train_dataloader(self, hparams, epoch):
+        marker = hparams.get("hang_marker")
+        if marker and epoch == hparams.get("hang_in_epoch") and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().train_dataloader(hparams, epoch)
+
+
+HANGING = HangingTrainer(FAST.config)
+
+
 class FailingTrainer(ClassifierTrainer):
     """Raises in step ``hparams["raise_in_step"]`` (1-based), every time: a trial whose own
     code fails (the executor contract's failing task)."""

@@ -58,6 +58,9 @@ __all__ = ["EnvironmentFailure", "Experiment", "ExperimentError", "SearchFailed"
            "trainer_spec"]
 
 _log = logging.getLogger("retiarii.engine")
+# how a stopped run goes on: here, on another Ray cluster, or moved to the other executor
+_RESUME = ("retiarii resume {path} [--address HOST:PORT] [--executor local|ray], or "
+           "Experiment.resume()")
 
 
 # ---- the experiment -----------------------------------------------------------------------
@@ -397,14 +400,17 @@ class Experiment(Proposals):
             else:
                 runner = TrialRunner(executor, self.scheduler, store, **kwargs)
             self.runner = runner
-            runner.run()
+            try:
+                runner.run()
+            except EnvironmentFailure as err:  # the executor can no longer run anything
+                runner.stop_reason = str(err)  # in-flight trials resume later, charged nothing
             store.flush()
             done = not runner.budget_hit() and runner.stop_reason is None
             store.set_experiment_status("done" if done else "stopped")
             if runner.stop_reason is not None:
                 raise EnvironmentFailure(
                     f"{self.path}: stopped, {runner.stop_reason}. Nothing is lost: fix the "
-                    f"cause, then resume (retiarii resume {self.path}, or Experiment.resume())")
+                    f"cause, then resume ({_RESUME.format(path=self.path)})")
         except KeyboardInterrupt:
             store.set_experiment_status("interrupted")
             raise
@@ -431,12 +437,15 @@ class Experiment(Proposals):
         try:
             if resume:
                 self.folder.remove_temporaries()  # half-written by workers killed with us
-            status, why = one_shot.OneShotRun(self, executor).run(self._deadline)
+            try:
+                status, why = one_shot.OneShotRun(self, executor).run(self._deadline)
+            except EnvironmentFailure as err:  # the executor can no longer run anything
+                status, why = "environment", str(err)
             if status == "environment":
                 self.store.set_experiment_status("stopped")
                 raise EnvironmentFailure(
                     f"{self.path}: stopped, {why}. Nothing is lost: fix the cause, then resume "
-                    f"(retiarii resume {self.path}, or Experiment.resume())")
+                    f"({_RESUME.format(path=self.path)})")
             if status == "failed":  # the store already says failed, and why
                 raise ExperimentError(f"{self.path}: {why} (recorded: retiarii status "
                                       f"{self.path})")

@@ -10,20 +10,11 @@ from typing import Any
 from ..choices import ValueChoice
 from ..refs import SCRIPT_MODULES, EncodeError, load_file_module, ref_of, resolve_ref, split_ref
 from ..sampler import sample_key
+from .errors import EnvironmentFailure, ExperimentError  # (executors raise them too)
 from .trainer import Trainer
 
 __all__ = ["EnvironmentFailure", "ExperimentError", "DrawnModels", "comparable", "object_ref",
            "space_fingerprint", "trainer_spec"]
-
-
-class ExperimentError(RuntimeError):
-    """An experiment that cannot start or resume as asked; the message says why and the fix."""
-
-
-class EnvironmentFailure(ExperimentError):
-    """The run stopped because its environment kept failing (an I/O error such as a read-only
-    checkpoint folder, lost workers, out of memory). Nothing is lost: fix the cause, then
-    ``resume()``; the trials it failed are retried."""
 
 
 # ---- how workers find the space and the trainer ---------------------------------------------

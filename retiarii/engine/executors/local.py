@@ -39,6 +39,7 @@ import time
 from typing import Any, Sequence
 
 from ...determinism import prepare_worker
+from ..errors import EnvironmentFailure
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 
 __all__ = ["LocalExecutor", "visible_gpus"]
@@ -254,7 +255,7 @@ class LocalExecutor(Executor):
             raise
         if event is _BROKEN:
             self._events.put(_BROKEN)  # every later call fails the same way
-            raise RuntimeError(self._broken)
+            raise EnvironmentFailure(self._broken)
         return event
 
     def cancel(self, job_id: str) -> None:

@@ -75,8 +75,10 @@ import uuid
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
+from ..errors import EnvironmentFailure
+from . import ray_health
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 from .ray_worker import WorkerActor
 
@@ -133,6 +135,8 @@ class _Slot:
         self.run_ref: Any = None  # kept so Ray keeps the call's result until the job ends
         self.last_used = 0
         self.failed_starts = 0
+        self.beat = 0.0  # when its actor last answered, or was created (ray_health's deadlines)
+        self.start_warned = False  # told the user it cannot start while others work
         self.groups = ""  # the name prefix of the placement groups its actor creates
 
 
@@ -195,6 +199,13 @@ class RayExecutor(Executor):
             passes its ``ranks``): each of them also needs K bundles of a slot's resources
             (:mod:`.ray_ranks`), so a private local instance offers that many more logical
             CPUs, and a cluster that cannot hold a slot and its ranks is warned about.
+        heartbeat_timeout: an actor silent this long (no event and no empty answer to its
+            ``events`` call, which returns every ``poll_wait`` s) is hung: it is killed and its
+            job retried, as LocalExecutor does with a worker whose heartbeats stop (None: never).
+        startup_timeout: seconds an actor may take to become ready (placed on a node with room,
+            torch imported); when no slot is ready after it, nothing can run and
+            :meth:`next_event` raises :class:`~retiarii.engine.errors.EnvironmentFailure`
+            (:mod:`.ray_health`). So does a cluster with no live node left.
     """
 
     @classmethod
@@ -208,13 +219,18 @@ class RayExecutor(Executor):
     def __init__(self, num_workers: int = 2, *, address: str | None = None, num_cpus: float = 1.0,
                  num_gpus: float = 0.0, resources: dict[str, float] | None = None,
                  threads_per_worker: int | None = None, shared_storage: bool | None = None,
-                 runtime_env: dict | None = None, poll_wait: float = 30.0, ranks: int = 1):
+                 runtime_env: dict | None = None, poll_wait: float = 30.0, ranks: int = 1,
+                 heartbeat_timeout: float | None = 120.0, startup_timeout: float = 300.0):
         if num_workers < 1:
             raise ValueError(f"RayExecutor needs at least one worker, got num_workers={num_workers}")
         if not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
         if num_cpus < 0 or num_gpus < 0:
             raise ValueError(f"num_cpus and num_gpus must be >= 0, got {num_cpus}, {num_gpus}")
+        if heartbeat_timeout is not None and heartbeat_timeout <= poll_wait:
+            raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must exceed poll_wait "
+                             f"({poll_wait}): an idle actor answers only every poll_wait s")
+        self.heartbeat_timeout, self.startup_timeout = heartbeat_timeout, startup_timeout
         self.num_slots, self.ranks = num_workers, ranks
         self.address, self.num_cpus, self.num_gpus = address, num_cpus, num_gpus
         self.resources, self.runtime_env, self.poll_wait = resources, runtime_env, poll_wait
@@ -254,14 +270,15 @@ class RayExecutor(Executor):
         try:
             while not self._events:
                 if self._broken is not None:
-                    raise RuntimeError(self._broken)
+                    raise EnvironmentFailure(self._broken)
                 if not self._pending and all(s.job is None for s in self._slots):
                     return None
                 left = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
                 ready, _ = ray.wait(list(self._refs), num_returns=1,
-                                    timeout=max(0.0, min(left, _WAIT_SLICE)))
+                                    timeout=max(0.0, min(left, self._until_deadline())))
                 for ref in ready:
                     self._handle(ref)
+                self._check_health()
                 if not self._events and deadline is not None and time.monotonic() >= deadline:
                     return None
         except KeyboardInterrupt:
@@ -309,7 +326,7 @@ class RayExecutor(Executor):
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every slot's actor is up (imports done), e.g. before timing a run;
-        False on timeout."""
+        False on timeout. Raises :class:`EnvironmentFailure` as :meth:`next_event` does."""
         self._start()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not all(s.ready for s in self._slots):
@@ -319,9 +336,11 @@ class RayExecutor(Executor):
             left = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return False
-            ready, _ = ray.wait(starting, num_returns=1, timeout=min(left, _WAIT_SLICE))
+            ready, _ = ray.wait(starting, num_returns=1,
+                                timeout=max(0.0, min(left, self._until_deadline())))
             for ref in ready:
                 self._handle(ref)
+            self._check_health()
         return True
 
     def worker_pids(self) -> dict[str, int | None]:
@@ -396,6 +415,7 @@ class RayExecutor(Executor):
                  "runtime_env": self.runtime_env, "group_prefix": slot.groups}
         slot.actor = self._actor_class.remote(slot.name, self.threads, list(sys_path), ranks)
         slot.ready, slot.pid, slot.node, slot.job, slot.run_ref = False, None, None, None, None
+        slot.beat, slot.start_warned = time.monotonic(), False
         self._refs[slot.actor.ready.remote()] = (slot, "ready", slot.actor)
 
     def _replace(self, slot: _Slot) -> None:
@@ -460,12 +480,22 @@ class RayExecutor(Executor):
             return  # an answer from an actor already replaced
         try:
             value = ray.get(ref, timeout=0)
-        except RayActorError as err:  # died (ActorDiedError) or unreachable: the slot is lost
+        except ActorUnavailableError:
+            # unreachable, maybe for a moment (its node may be dying: the GCS takes ~15 s to
+            # say): ask again; the heartbeat deadline bounds how long (ray_health)
+            if kind == "ready":
+                self._refs[actor.ready.remote()] = (slot, "ready", actor)
+            else:
+                self._poll(slot)
+            return
+        except RayActorError as err:  # died: the slot is lost, or with it the whole cluster
+            ray_health.check_cluster(f"worker {slot.name} was lost ({_first_line(err)})")
             self._lost(slot, err)
             return
         except RayError as err:  # the call itself failed (e.g. the actor's __init__ raised)
             self._lost(slot, err)
             return
+        slot.beat = time.monotonic()
         if kind == "ready":
             slot.ready, slot.failed_starts = True, 0
             slot.pid, slot.node = value
@@ -484,20 +514,47 @@ class RayExecutor(Executor):
         if slot.job is None:
             self._dispatch()
 
-    def _lost(self, slot: _Slot, err: BaseException) -> None:
+    def _until_deadline(self) -> float:
+        """Seconds the next wait may last: up to the next health deadline (ray_health)."""
+        at = ray_health.next_deadline(self._slots, self.heartbeat_timeout, self.startup_timeout)
+        return _WAIT_SLICE if at is None else min(_WAIT_SLICE, max(0.0, at - time.monotonic()))
+
+    def _check_health(self) -> None:
+        """Kill hung actors (their jobs are retried); raise :class:`EnvironmentFailure` when
+        no slot could start in time (:mod:`.ray_health`)."""
+        late = ray_health.overdue(self._slots, time.monotonic(), self.heartbeat_timeout,
+                                  self.startup_timeout)
+        for slot, kind in late:
+            if kind == "hung":
+                ray_health.check_cluster(f"worker {slot.name} stopped answering")
+                self._lost(slot, f"stopped answering for {self.heartbeat_timeout:g} s (hung, "
+                                 "stopped, or its node unreachable) and was killed")
+        if any(kind == "start" for _, kind in late):
+            if not any(s.ready for s in self._slots):
+                ray_health.check_cluster("no worker actor is ready")
+                need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **(self.resources or {})}
+                raise EnvironmentFailure(ray_health.unplaceable(need, self.startup_timeout))
+            for slot in (slot for slot, kind in late if kind == "start"):
+                slot.start_warned = True
+                _log.warning("RayExecutor: worker %s is not ready %g s after its creation (no "
+                             "node has room for it, or its imports hang); the search goes on "
+                             "with the other slots", slot.name, self.startup_timeout)
+
+    def _lost(self, slot: _Slot, err: BaseException | str) -> None:
         job, was_ready = slot.job, slot.ready
+        why = err if isinstance(err, str) else _first_line(err)
         where = f"worker {slot.name} (pid {slot.pid}, node {slot.node})" if was_ready \
             else f"worker {slot.name} (starting)"
         if job is not None:
             self._events.append(JobFailed(
-                job.job_id, None, f"{where} was lost: {_first_line(err)}; its trials resume from "
+                job.job_id, None, f"{where} was lost: {why}; its trials resume from "
                 "their last checkpoints", worker_lost=True))
         slot.job = None
         if not was_ready:
             slot.failed_starts += 1
             if slot.failed_starts >= 3:
                 self._broken = (f"worker {slot.name} failed to start 3 times in a row (last: "
-                                f"{_first_line(err)}); check that retiarii and torch import on "
+                                f"{why}); check that retiarii and torch import on "
                                 "the Ray nodes (installed there, or runtime_env=)")
                 return
         self._replace(slot)
