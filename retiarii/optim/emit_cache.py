@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Any
 
 from torch import nn
@@ -111,8 +112,12 @@ def keep(key: str, module: nn.Module, graph: Graph) -> None:
 
 
 def cache_info() -> dict[str, Any]:
-    """``{"hits", "misses", "size"}`` of this process's cache (tests, diagnostics)."""
-    return {**_STATS, "size": len(_CACHE)}
+    """``{"hits", "misses", "size", "kept_bytes"}`` of this process's cache: lookups that
+    found a cell, lookups that did not, cells kept, and bytes of the tensors they keep (the
+    constants of the cells; never weights)."""
+    kept = sum(t.numel() * t.element_size() for skeleton in _CACHE.values()
+               for t in itertools.chain(skeleton.parameters(), skeleton.buffers()))
+    return {**_STATS, "size": len(_CACHE), "kept_bytes": kept}
 
 
 def clear() -> None:
