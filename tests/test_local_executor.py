@@ -234,7 +234,8 @@ def test_killed_trial_is_retried_from_its_checkpoint_to_the_same_result(ex, tmp_
 
 
 def test_workers_that_never_start_make_next_event_raise():
-    executor = LocalExecutor(num_workers=1, startup_timeout=0.05)  # killed before importing torch
+    # spawned: killed before it has imported torch (a forked worker may be ready in 0.05 s)
+    executor = LocalExecutor(num_workers=1, startup_timeout=0.05, start_method="spawn")
     try:
         with pytest.raises(RuntimeError, match="local-0 failed to start 3 times in a row .*not "
                                                "ready 0.05 s after starting"):

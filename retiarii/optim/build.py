@@ -56,6 +56,7 @@ from torch import nn
 from ..codec import PortRef, encode
 from ..codegen import to_module
 from ..graph import Graph, Node, Operation
+from . import emit_cache
 from .group_graph import Batch, Cell, merged_graph
 from .plan import LogicalPlan, PlanError, Role, may_draw_random
 from .regions import Region, batch_regions
@@ -266,9 +267,8 @@ def _emit(graph: Graph, adopt: Callable[[Node], tuple[nn.Module, str] | None],
     """The cell's fx module, its modules and tensors then replaced by the adopted ones
     (``adopt(node) -> (model, attr)``, None: keep the emitted one, e.g. a constant), and
     what it keeps moved to ``device``, the models' (None: leave it where it was made)."""
-    with torch.random.fork_rng(devices=[]):  # emitting inits fresh weights: not in any stream
-        module = to_module(graph, "Cell")
     owners = {n.attr for n in graph.nodes if n.kind in ("module", "subgraph")}
+    sources = []
     for node in graph.nodes:
         if node.kind not in ("module", "subgraph", "param"):
             continue
@@ -276,15 +276,25 @@ def _emit(graph: Graph, adopt: Callable[[Node], tuple[nn.Module, str] | None],
         if node.kind == "param" and any(".".join(parts[:i]) in owners
                                         for i in range(1, len(parts))):
             continue  # a tensor of an adopted module: adopted with it
-        source = adopt(node)
+        sources.append((node.attr, adopt(node)))
+    # Everything adopted: the cached code of an equal cell serves (emit_cache.py).
+    key, module = emit_cache.lookup(graph) \
+        if all(source is not None for _, source in sources) else (None, None)
+    fresh = module is None
+    if fresh:
+        with torch.random.fork_rng(devices=[]):  # fresh weights: not in any trial's stream
+            module = to_module(graph, "Cell")
+    for attr, source in sources:
         if source is not None:
-            _set(module, node.attr, _get(*source))
+            _set(module, attr, _get(*source))
     if device is not None:  # only the kept tensors (constants) are elsewhere: made on the CPU
         for owner in module.modules():
             for name, buffer in owner._buffers.items():
                 if buffer is not None and buffer.device != device:
                     owner._buffers[name] = buffer.to(device)
     _direct_calls(module)
+    if fresh and key is not None:
+        emit_cache.keep(key, module, graph)
     return module
 
 
@@ -299,6 +309,11 @@ def _direct_calls(module: nn.Module) -> None:
     for ``modules()``, ``state_dict()`` and ``.to()``, which move tensors, never modules, so
     the flat names keep pointing at the right objects."""
     for gm in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:
+        # A copy of a cached cell (emit_cache.py) has its code already flat: point its flat
+        # names at its own submodules, kept by name here.
+        called = gm.__dict__.setdefault("_flat_calls", {})  # flat name -> target
+        for name, target in called.items():
+            gm.__dict__[name] = gm.get_submodule(target)
         flat: dict[str, str] = {}  # target -> its flat name
         for node in gm.graph.nodes:
             if node.op != "call_module" or "." not in node.target:
@@ -308,7 +323,7 @@ def _direct_calls(module: nn.Module) -> None:
                 while hasattr(gm, name):  # taken (by another target's flat name): another
                     name += "_"
                 gm.__dict__[name] = gm.get_submodule(node.target)
-                flat[node.target] = name
+                flat[node.target], called[name] = name, node.target
             node.target = flat[node.target]
         if flat:
             gm.recompile()

@@ -1,6 +1,7 @@
 """LocalExecutor: a pool of worker processes on this machine, one slot per GPU or CPU share.
 
-Each slot is one process, started with the ``spawn`` method (no forked CUDA or thread state),
+Each slot is one process, forked from a server preloaded with torch and retiarii
+(:mod:`.warm`: no forked CUDA or thread state, no ``import retiarii`` per start) or spawned,
 with ``CUDA_VISIBLE_DEVICES`` naming its GPU (empty on a CPU-only slot) and its thread pools
 sized to its share of the cores, both set in its environment before it imports torch. A worker
 runs :func:`retiarii.engine.worker.run_job` on the jobs it is handed, so it rebuilds every model
@@ -41,6 +42,7 @@ from typing import Any, Sequence
 from ...determinism import prepare_worker
 from ..errors import EnvironmentFailure
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
+from .warm import in_environment, worker_context
 
 __all__ = ["LocalExecutor", "visible_gpus"]
 
@@ -181,6 +183,9 @@ class LocalExecutor(Executor):
             torch in a fresh process takes seconds, on a loaded machine far more).
         cancel_grace: seconds a cancelled job has to reach its next step boundary before its
             worker is killed (and replaced); a step longer than this costs a worker restart.
+        start_method: ``"forkserver"`` (default): workers fork from one server per process
+            that imported torch and retiarii once (:mod:`.warm`); ``"spawn"``: each worker
+            is a fresh interpreter that imports them itself (seconds per start).
     """
 
     @classmethod
@@ -200,7 +205,7 @@ class LocalExecutor(Executor):
     def __init__(self, num_workers: int | None = None, devices: Sequence[int | str] | None = None, *,
                  threads_per_worker: int | None = None, heartbeat_interval: float = 2.0,
                  heartbeat_timeout: float | None = 120.0, startup_timeout: float = 300.0,
-                 cancel_grace: float = 30.0):
+                 cancel_grace: float = 30.0, start_method: str = "forkserver"):
         if devices is None:
             devices = visible_gpus()
         self.devices = [str(d) for d in devices]
@@ -215,7 +220,7 @@ class LocalExecutor(Executor):
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
         self.cancel_grace = cancel_grace
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context(start_method)
         self._lock = threading.RLock()
         self._ready = threading.Condition(self._lock)  # notified when a worker becomes ready
         self._events: queue.Queue = queue.Queue()
@@ -350,15 +355,17 @@ class LocalExecutor(Executor):
     def _start(self, slot: _Slot) -> None:
         jobs_in, slot.jobs_out = self._ctx.Pipe(duplex=False)
         slot.events_in, events_out = self._ctx.Pipe(duplex=False)
-        slot.process = self._ctx.Process(
-            target=_worker_main, name=f"retiarii-{slot.name}",
-            args=(slot.name, jobs_in, events_out, self.heartbeat_interval, self.threads))
         # The child reads these before importing torch: CUDA and the thread pools see them.
         env = {"CUDA_VISIBLE_DEVICES": slot.device, "OMP_NUM_THREADS": str(self.threads),
                "MKL_NUM_THREADS": str(self.threads)}
         with _ENV_LOCK:
             saved = {key: os.environ.get(key) for key in env}
             os.environ.update(env)
+            # A forked child would inherit the server's environment: it is given ours.
+            slot.process = self._ctx.Process(
+                target=in_environment, name=f"retiarii-{slot.name}",
+                args=(dict(os.environ), _worker_main, slot.name, jobs_in, events_out,
+                      self.heartbeat_interval, self.threads))
             try:
                 slot.process.start()
             finally:

@@ -1,0 +1,137 @@
+"""Workers forked from the preloaded forkserver (executors/warm.py) and cells reused from the
+emit cache (optim/emit_cache.py) behave exactly as spawned workers and fresh emissions."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import retiarii as rt
+
+from engine_helpers import ref
+from executor_contract import wait_for
+from retiarii.engine.executors.base import Job, JobFinished, TrialResult, TrialTask
+from retiarii.engine.executors.local import LocalExecutor
+from retiarii.engine.executors.warm import worker_context
+from retiarii.engine.grouped import plan_group
+from retiarii.engine.worker import run_job
+from retiarii.optim import build_group, emit_cache
+
+TIMEOUT = 120
+
+
+def spec(space=None, **over):
+    return {"space": space or ref("SPACE"), "sample": {"width": 4}, "trainer": ref("FAST"),
+            "hparams": {}, "seed": 3, **over}
+
+
+def metrics(events):
+    return [(e.trial_id, e.step, e.metrics) for e in events if isinstance(e, TrialResult)]
+
+
+@pytest.fixture(scope="module")
+def ex():
+    executor = LocalExecutor(num_workers=1)
+    assert executor.wait_ready(timeout=TIMEOUT)
+    yield executor
+    executor.close()
+
+
+def test_default_workers_fork_from_the_forkserver():
+    assert worker_context().get_start_method() == "forkserver"
+    assert worker_context("spawn").get_start_method() == "spawn"
+    with pytest.raises(ValueError, match="start_method='fork'.*forkserver.*spawn"):
+        LocalExecutor(1, start_method="fork")
+
+
+def test_forked_worker_imports_a_space_file_written_after_it_started(ex, tmp_path):
+    late = tmp_path / "late_space.py"  # the forkserver and the worker predate this file
+    late.write_text(textwrap.dedent("""
+        from torch import nn
+
+        class Space:
+            def build(self, sample):
+                return nn.Sequential(nn.Flatten(), nn.Linear(64, sample["width"]), nn.ReLU(),
+                                     nn.Linear(sample["width"], 10))
+
+        SPACE = Space()
+    """))
+    ex.submit(Job("late", [TrialTask("t", spec(f"{late}:SPACE"), 0, 2)]))
+    events = wait_for(ex, ["late"])
+    assert isinstance(events[-1], JobFinished), events[-1]
+    assert [step for _, step, _ in metrics(events)] == [1, 2]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_forked_worker_gives_the_same_metrics_as_training_in_this_process(ex, deterministic):
+    tasks = [TrialTask(f"d{deterministic}", spec(deterministic=deterministic), 0, 3)]
+    reference = []
+    run_job(Job("here", tasks), reference.append)
+    ex.submit(Job(f"there-{deterministic}", tasks))
+    events = wait_for(ex, [f"there-{deterministic}"])
+    assert isinstance(events[-1], JobFinished), events[-1]
+    assert metrics(events) == metrics(reference)  # bit for bit: same seed, same numbers
+    assert not torch.are_deterministic_algorithms_enabled()  # this process: restored
+
+
+def test_forked_worker_gets_its_slots_environment():
+    # The forkserver's environment is the driver's when it started; the slot's must win.
+    executor = LocalExecutor(num_workers=1, devices=[], threads_per_worker=1)
+    try:
+        executor.submit(Job("env", [TrialTask("e", spec(trainer=ref("DEVICE_REPORTING")), 0, 1)]))
+        events = wait_for(executor, ["env"])
+    finally:
+        executor.close()
+    result = [e for e in events if isinstance(e, TrialResult)][0]
+    assert result.metrics["visible_device"] == -1.0  # CUDA_VISIBLE_DEVICES="": a CPU slot
+    assert result.metrics["threads"] == 1.0
+
+
+# ---- the emit cache -------------------------------------------------------------------------
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = rt.nn.Linear(16, 32)
+        self.act = rt.LayerChoice({"relu": nn.ReLU(), "tanh": nn.Tanh()})
+        self.head = rt.nn.Linear(32, rt.ValueChoice([4, 6], label="classes"))
+
+    def forward(self, x):
+        return self.head(self.act(self.stem(x)))
+
+
+def _group_step(space, plan, samples):
+    """Build the group of ``samples`` (fixed weights), run one batch forward and backward:
+    (outputs, gradients) per trial."""
+    torch.manual_seed(0)
+    models = {t: space.build(s) for t, s in samples.items()}
+    group = build_group(plan, models)
+    outs = group(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+    sum(o.square().sum() for o in outs.values()).backward()
+    return ({t: o.detach() for t, o in outs.items()},
+            {t: [p.grad.clone() for p in m.parameters()] for t, m in models.items()})
+
+
+def test_a_group_of_the_same_architectures_reuses_the_emitted_cells():
+    space = rt.ModelSpace(_Net(), example_input=torch.zeros(2, 16))
+    samples = {f"t{i}": {"act": a, "classes": c}
+               for i, (a, c) in enumerate([("relu", 4), ("tanh", 4), ("relu", 6)])}
+    plan = plan_group({t: space.replay(s) for t, s in samples.items()}, "k",
+                      {t: {} for t in samples})
+    emit_cache.clear()
+    emitting = emit_cache.cache_info()
+    first = _group_step(space, plan, samples)
+    cells = emit_cache.cache_info()["misses"]
+    assert cells > 0 and emit_cache.cache_info()["hits"] == emitting["hits"]
+    second = _group_step(space, plan, samples)  # new models, same architectures
+    assert emit_cache.cache_info()["hits"] == cells  # every cell from the cache
+    assert emit_cache.cache_info()["misses"] == cells
+    for a, b in zip(first, second):
+        for t in a:
+            assert all(torch.equal(x, y) for x, y in zip(
+                a[t] if isinstance(a[t], list) else [a[t]],
+                b[t] if isinstance(b[t], list) else [b[t]]))
+    assert emit_cache.cache_info()["kept_bytes"] == 0  # skeletons keep no weights
