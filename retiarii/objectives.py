@@ -28,8 +28,9 @@ from typing import Any, Iterable, Sequence
 
 from .enums import Mode
 
-__all__ = ["Constraint", "Objectives", "ObjectiveError", "ParetoFront", "constrained_dominates",
-           "crowding_distance", "dominates", "hypervolume", "nondominated_sort",
+__all__ = ["Constraint", "Objectives", "ObjectiveError", "ParetoFront", "Scored",
+           "constrained_dominates",
+           "crowding_distance", "dominates", "hypervolume", "nondominated_sort", "nsga_keys",
            "pareto_indices", "ranks"]
 
 Point = Sequence[float]
@@ -165,6 +166,15 @@ class Objectives:
                 "constraints": [str(c) for c in self.constraints]}
 
 
+@dataclass(frozen=True)
+class Scored:
+    """One model's result in a multi-objective search: its objectives as a point to minimize
+    and the violation of the constraints (0.0: feasible). Strategies learn from these."""
+
+    point: tuple[float, ...]
+    violation: float = 0.0
+
+
 # ---- domination and sorting ------------------------------------------------------------------
 
 
@@ -274,6 +284,22 @@ def crowding_distance(points: Sequence[Point]) -> list[float]:
             distance[order[k]] += (points[order[k + 1]][m] - points[order[k - 1]][m]) / (
                 high - low)
     return distance
+
+
+def nsga_keys(points: Sequence[Point],
+              violations: Sequence[float] | None = None) -> list[tuple[int, float]]:
+    """NSGA-II's crowded comparison as sort keys, lower is better: ``(rank, -crowding)``,
+    the crowding distance taken within the point's own front.
+
+    Example:
+        >>> nsga_keys([(0, 4), (1, 2), (4, 0), (2, 3)])
+        [(0, -inf), (0, -2.0), (0, -inf), (1, -inf)]
+    """
+    keys: list[tuple[int, float]] = [(0, 0.0)] * len(points)
+    for rank, front in enumerate(nondominated_sort(points, violations)):
+        for i, d in zip(front, crowding_distance([points[i] for i in front])):
+            keys[i] = (rank, -d)
+    return keys
 
 
 # ---- hypervolume ---------------------------------------------------------------------------
