@@ -159,3 +159,26 @@ def test_a_version_7_store_migrates(tmp_path, monkeypatch):
         assert FrontTable(s).models() == []  # one metric: nothing to rank
         FrontTable(s).add_costs("h1", "cpu", {"params": (3.0, None)})
         assert FrontTable(s).costs("h1", "cpu") == {"params": (3.0, None)}
+
+
+def test_cli_run_status_resume_with_several_objectives(tmp_path, capsys):
+    from retiarii.cli import main
+
+    db = str(tmp_path / "cli.db")
+    base = ["--strategy", "random", "--metric", "val_acc,params", "--mode", "max,min",
+            "--constraint", "flops<=3000", "--workers", "1", "--store", db]
+    assert main(["run", "tests/exp_space.py", "--max-models", "2", *base]) == 0
+    assert main(["resume", db, "--max-models", "3"]) == 0  # rebuilt with its objectives
+    capsys.readouterr()
+    assert main(["status", db, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["models"] == 3 and out["objectives"]["constraints"] == ["flops <= 3000"]
+    front, models = _front_and_values(db)
+    assert sorted(r["model_id"] for r in out["pareto"]) == sorted(front)
+    assert main(["status", db, "--pareto"]) == 0
+    assert "Pareto front of val_acc (max), params (min)" in capsys.readouterr().out
+    one = str(tmp_path / "one.db")
+    assert main(["run", "tests/exp_space.py", "--max-models", "1",
+                 "--workers", "1", "--store", one]) == 0
+    assert main(["status", one, "--pareto"]) == 2
+    assert "optimizes one metric" in capsys.readouterr().err
