@@ -190,9 +190,13 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     if one_shot and flags["scheduler"] != "none":
         raise CliError(f"--scheduler {flags['scheduler']}: a one-shot search trains one "
                        f"super-network, no trial to stop early; leave --scheduler out")
-    # stores from before --metric/--mode judged by val_acc, higher is better
-    metric, mode = flags.get("metric") or "val_acc", flags.get("mode") or "max"
-    scheduler = _scheduler(flags["scheduler"], trainer.epochs, metric, mode)
+    metrics = flags.get("metric") or "val_acc"  # stores from before --metric: val_acc, max
+    metric = metrics.split(",") if "," in metrics else metrics
+    modes = flags.get("mode") or "max"
+    mode = modes.split(",") if "," in modes else modes
+    scheduler = _scheduler(flags["scheduler"], trainer.epochs,
+                           metric if isinstance(metric, str) else metric[0],
+                           mode if isinstance(mode, str) else mode[0])
     executor = flags.get("executor") or "local"  # stores from before --executor: local
     if flags.get("address"):
         if executor != "ray":
@@ -207,7 +211,6 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     return Experiment(space_ref, strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
                       seed=flags["seed"], scheduler=scheduler, executor=executor,
-                      metric=metric, mode=mode,
                       optimize={**_OPTIMIZE, "pack": "pack"}[flags.get("optimize") or "auto"],
                       packing=_OPTIMIZE[flags.get("packing") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
@@ -219,6 +222,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
                       deterministic=bool(flags.get("deterministic")),  # stores before it: off
+                      metric=metric, mode=mode, constraints=flags.get("constraint") or None,
                       origin={"cli": {"space": recorded_space, **flags}})
 
 
@@ -252,7 +256,8 @@ def cmd_run(args) -> int:
              "weight_sharing": args.weight_sharing, "ranks": args.ranks,
              "batching": args.batching, "passes": args.passes, "packing": args.packing,
              "device_memory": args.device_memory, "shared": args.shared,
-             "deterministic": args.deterministic, "metric": args.metric, "mode": args.mode}
+             "deterministic": args.deterministic, "metric": args.metric, "mode": args.mode,
+             "constraint": args.constraint}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
     print(file=sys.stderr)
@@ -357,11 +362,6 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--scheduler", type=_name_of("scheduler"), default="none",
                      metavar="{" + ",".join(SCHEDULERS) + "}",
                      help="early stopping: none, asha or median (default none)")
-    run.add_argument("--metric", default="val_acc",
-                     help="the reported metric the strategy and scheduler judge by (default "
-                          "val_acc; a FunctionTrainer reports its own)")
-    run.add_argument("--mode", choices=("max", "min"), default="max",
-                     help="whether a higher (max, default) or lower --metric is better")
     run.add_argument("--executor", type=_name_of("executor"), default="local",
                      metavar="{" + ",".join(registry.names("executor")) + "}",
                      help="where models train: local processes, or Ray actors (docs/ray.md)")
@@ -393,6 +393,18 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "
                           "local Ray instance)")
+    run.add_argument("--metric", default="val_acc", metavar="NAME[,NAME...]",
+                     help="the metric to optimize, or several separated by commas "
+                          "(val_acc,latency_ms): a multi-objective search, its result a Pareto "
+                          "front; costs the engine measures (params, flops, peak_mem_mb, "
+                          "latency_ms, latency_batch_ms) may be named (default val_acc; a "
+                          "FunctionTrainer's search names what its function reports)")
+    run.add_argument("--mode", default="max", metavar="max|min[,...]",
+                     help="the direction of each metric, separated by commas (max,min); one "
+                          "applies to all (default max)")
+    run.add_argument("--constraint", action="append", default=None, metavar="'METRIC<=N'",
+                     help="a condition every result must meet (latency_ms<=5); repeat it for "
+                          "several")
     run.add_argument("--deterministic", action="store_true",
                      help="train with deterministic kernels only (no TF32, no cuDNN "
                           "benchmarking) in every worker: two runs give the same metrics on "
@@ -406,6 +418,9 @@ def parser() -> argparse.ArgumentParser:
                              "latest; `retiarii status DB` lists them)")
     status.add_argument("--top", type=int, default=10, help="best models to list (default 10)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--pareto", action="store_true",
+                        help="a search of several objectives: list the models of its Pareto "
+                             "front with their values")
     status.add_argument("--errors", action="store_true",
                         help="show each ERRORED trial's whole traceback (default: one line)")
     status.set_defaults(fn=cmd_status)
@@ -433,6 +448,9 @@ def parser() -> argparse.ArgumentParser:
                              "latest; `retiarii status DB` lists them)")
     export.add_argument("--top", type=int, default=3, help="how many models (default 3)")
     export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--pareto", action="store_true",
+                        help="a search of several objectives: export every model of its "
+                             "Pareto front (instead of --top)")
     export.set_defaults(fn=cmd_export)
 
     retrain = sub.add_parser("retrain", help="train one stored model's architecture again from "

@@ -8,6 +8,7 @@ import sys
 import time
 
 from .cli_common import CliError, best_table, store_metric, open_store, positive_flag, format_table
+from .cli_pareto import front_rows, objectives_of, plot_front, print_front
 from .cli_source import trusted_source
 from .engine.failures import failure_summary, reason_of
 
@@ -26,6 +27,11 @@ def cmd_status(args) -> int:
         print_status(store, args.db, args.json, format_table)
         return 0
     metric, mode = store_metric(store)
+    objectives = objectives_of(exp["config"])
+    several = objectives is not None and objectives.multi
+    if getattr(args, "pareto", False) and not several:
+        raise CliError(f"--pareto: experiment {exp['id']} of {args.db} optimizes one metric "
+                       f"({metric}); its result is its best models: leave --pareto out")
     errored = [t for t in store.trials() if t["state"] == "ERRORED"]
     models = store.models()
     failed = [m for m in models if m["status"] == "failed"]
@@ -50,13 +56,24 @@ def cmd_status(args) -> int:
 
     if is_function_spec(exp["config"].get("trainer")):  # said once, not per job or trial
         out["optimization_note"] = NOT_OPTIMIZED
+    if several:  # the result of a search of several objectives is its front
+        out["objectives"] = objectives.to_json()
+        out["pareto"] = [{k: r[k] for k in ("model_id", "trial_id", "values", "sample")}
+                         for r in front_rows(store)]
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{args.db}: experiment {out['experiment']} ({out['status']}), {out['models']} models")
     print(format_table([[k, v] for k, v in out["trials"].items()], ["state", "trials"]))
-    print(f"\nbest by {metric} ({mode}):")
-    print(best_table(out["best"]) if out["best"] else "(no finished result yet)")
+    if several:
+        print(f"\nseveral objectives: the result is a Pareto front of {len(out['pareto'])} "
+              f"models" + ("" if args.pareto else f" (retiarii status {args.db} --pareto "
+                                                   f"lists them)"))
+        if args.pareto:
+            print_front(store, objectives, format_table)
+    else:
+        print(f"\nbest by {metric} ({mode}):")
+        print(best_table(out["best"]) if out["best"] else "(no finished result yet)")
     if failed:
         _print_failed(out, {t["model_id"] for t in errored}, args.errors)
     if errored:
@@ -150,7 +167,14 @@ def cmd_export(args) -> int:
     metric, mode = store_metric(store)
     # A store is code: its graphs may name only torch, operator, math and the space's own code.
     rule = TrustedRefs((store.get_experiment()["config"].get("space") or {}).get("ref"))
-    best = store.best_models(metric, mode, args.top)
+    objectives = objectives_of(store.get_experiment()["config"])
+    if getattr(args, "pareto", False):
+        if objectives is None or not objectives.multi:
+            raise CliError(f"--pareto: {args.db} optimizes one metric ({metric}): export its "
+                           f"best models with --top K instead")
+        best = [{**r, "value": r["values"].get(metric)} for r in front_rows(store)]
+    else:
+        best = store.best_models(metric, mode, args.top)
     if not best:
         raise CliError(f"{args.db} has no model with a result yet: nothing to export")
     os.makedirs(args.out, exist_ok=True)
@@ -173,8 +197,8 @@ def cmd_export(args) -> int:
                 torch.save(weights, os.path.join(args.out, name + ".pt"))
                 files += f", {name}.pt"
         with open(os.path.join(args.out, name + ".json"), "w") as f:
-            json.dump({"rank": rank, metric: row["value"], "sample": row["sample"],
-                       "hash": row["hash"]}, f, indent=2)
+            json.dump({"rank": rank, metric: row["value"], **row.get("values", {}),
+                       "sample": row["sample"], "hash": row["hash"]}, f, indent=2)
         print(f"{rank}. {files}  ({metric} {row['value']:.4f})")
     return 0
 
@@ -196,12 +220,18 @@ def cmd_plot(args) -> int:
         print(f"wrote {args.out}")
         return 0
     metric, mode = store_metric(store)
+    objectives = objectives_of(store.get_experiment()["config"])
+    several = objectives is not None and objectives.multi
     better = max if mode == "max" else min
     finals = [f for f in store.final_values(metric) if f[2] is not None]
     curves = {t: c for t, c in store.learning_curves(metric).items() if c}
     if not finals and not curves:
         raise CliError(f"{args.db} has no {metric} values yet: nothing to plot")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, grid = plt.subplots(2 if several else 1, 3, figsize=(15, 8 if several else 4))
+    axes = grid[0] if several else grid
+    if several:  # the result: the front, and how its hypervolume grew
+        plot_front(store, objectives, grid[1])
+        grid[1][2].axis("off")
     best, ys, ts = None, [], []
     t0 = finals[0][1] if finals else 0.0
     for _, end, value in finals:

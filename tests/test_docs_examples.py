@@ -63,3 +63,24 @@ def test_the_fixed_arch_example_builds_a_plain_module(tmp_path):
     """docs/weight_sharing.md "Retraining the selection"."""
     out = _run_file(tmp_path, "fixed.py", _block("weight_sharing.md", "rt.fixed_arch("))
     assert out.strip() == "GeneratedModel torch.Size([4, 10])"
+
+
+def test_the_multi_objective_docs_example_runs(tmp_path):
+    """docs/multi_objective.md: its Python example, then the CLI commands on its store."""
+    text = (ROOT / "docs" / "multi_objective.md").read_text()
+    script = tmp_path / "multi.py"
+    script.write_text(re.findall(r"```python\n(.*?)```", text, re.S)[0])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "on the front:" in out.stdout and "True" in out.stdout
+    commands = re.findall(r"```bash\n(.*?)```", text, re.S)[0].replace("\\\n", " ")
+    for line in commands.splitlines()[1:]:  # the run: done above, from Python
+        args = line.split("#")[0].split()[1:]
+        out = subprocess.run([sys.executable, "-m", "retiarii.cli", *args], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, (line, out.stderr[-2000:])
+        if args[0] == "status":
+            assert "Pareto front of val_acc (max), params (min)" in out.stdout
+            assert "constraints: latency_ms <= 50" in out.stdout
+    assert list((tmp_path / "front").glob("model_*.json")) and (tmp_path / "multi.png").exists()

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from ..determinism import check as check_deterministic
 from ..enums import Mode, ModelStatus
+from ..objectives import ObjectiveError, Objectives
 from ..optim.config import OptimizeConfig
 from ..refs import ref_of, resolve_ref
 from ..sampler import sample_key
@@ -44,6 +45,8 @@ from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentErro
                                  object_ref, space_fingerprint, trainer_spec)
 from .function_trainer import experiment_space
 from .lock import StoreLock, StoreLocked
+from .costs import COSTS, CostMeter
+from .pareto import FrontTable, Outcomes
 from . import one_shot
 from .grouping import JobPlanner
 from .placing import Packer
@@ -88,7 +91,19 @@ class Experiment(Proposals):
         seed: seeds the trials' weights and data order (trial i gets seed + i).
         scheduler: training control (``rt.strategies.ASHA(...)``..., or a name: ``"asha"``,
             ``"median"``); default: train every model for the trainer's epochs.
-        metric, mode: the reported metric the strategy optimizes, and its direction.
+        metric, mode: the reported metric the strategy optimizes, and its direction; or
+            lists of several metrics and their directions (``metric=["val_acc",
+            "latency_ms"], mode=["max", "min"]``): a multi-objective search, whose result
+            is its Pareto front (docs/multi_objective.md). The strategy must take several
+            objectives (evolution, random, grid). A metric may be a cost the engine measures
+            (``params``, ``flops``, ``latency_ms``...: engine/costs.py).
+        constraints: conditions every result must meet (``["latency_ms <= 5", "params <=
+            2e6"]``): a model that misses one is never on the front (with one metric, never
+            the best, and its strategy is told it failed).
+        costs: your own costs, name -> a function of the built module (in eval mode)
+            returning a number, measured once per architecture like the engine's own
+            (``params``, ``flops``, ``peak_mem_mb``, ``latency_ms``, ``latency_batch_ms``;
+            engine/costs.py); objectives and constraints may name them.
         max_failures: retries of a trial, from its last checkpoint, after failures of the
             environment (an I/O error, a lost worker, out of memory); when they persist the run
             stops with :class:`EnvironmentFailure`, resumable.
@@ -140,7 +155,9 @@ class Experiment(Proposals):
     def __init__(self, space, strategy, trainer: Trainer, store: str = "runs/experiment.db",
                  workers: int = 2, devices=None, max_models: int | None = None,
                  max_time: float | None = None, seed: int = 0,
-                 scheduler: Scheduler | None = None, metric: str = "val_acc", mode: str = "max",
+                 scheduler: Scheduler | None = None, metric: str | list[str] = "val_acc",
+                 mode: str | list[str] = "max", constraints: list[str] | None = None,
+                 costs: dict[str, Callable] | None = None,
                  max_failures: int = 3, model_retries: int = 0, dedup: bool = True, executor=None,
                  progress: Callable[[dict], None] | None = None, origin: dict | None = None,
                  optimize: bool | str | OptimizeConfig = "auto", batch_models: int = 8,
@@ -155,6 +172,11 @@ class Experiment(Proposals):
         except ValueError as err:
             raise ExperimentError(str(err)) from None
         # Everything is checked before anything is kept: a refused experiment writes nothing.
+        try:
+            self.objectives = Objectives.of(metric, mode, constraints)
+        except ObjectiveError as err:
+            raise ExperimentError(str(err)) from None
+        metric, mode = self.objectives.metrics[0], self.objectives.modes[0]
         check_arguments(trainer=trainer, store=store, workers=workers, devices=devices,
                         max_models=max_models, max_time=max_time, seed=seed, metric=metric,
                         max_failures=max_failures, model_retries=model_retries, dedup=dedup,
@@ -200,6 +222,28 @@ class Experiment(Proposals):
                                                                  ExperimentError,
                                                                  weight_sharing)
         self.one_shot = isinstance(strategy, OneShot)
+        if self.one_shot and self._outcomes_extended():
+            raise ExperimentError(f"{type(strategy).__name__} is a one-shot search of one "
+                                  f"metric: several objectives and constraints need a "
+                                  f"multi-trial strategy (evolution, random, grid)")
+        if self.objectives.multi:
+            try:
+                strategy.use_objectives(self.objectives.modes)
+            except ValueError as err:
+                raise ExperimentError(f"metric={list(self.objectives.metrics)}: {err}") \
+                    from None
+        self._outcomes = Outcomes(self.objectives)
+        if costs is not None and (not isinstance(costs, dict) or not all(
+                isinstance(k, str) and callable(f) for k, f in costs.items())):
+            raise ExperimentError(f"costs={costs!r}: give a dict name -> function of the "
+                                  f"built module returning a number")
+        clash = sorted(set(costs or {}) & set(COSTS))
+        if clash:
+            raise ExperimentError(f"costs={{{clash[0]!r}: ...}}: {clash[0]} is measured by the "
+                                  f"engine; give your cost another name")
+        self.costs = dict(costs or {})
+        self._meter = None
+        self._costs: dict[int, dict] = {}  # model id -> its measured costs, until it ends
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ExperimentError(f"ranks={ranks!r}: give a number of ranks >= 1")
         if ranks > 1 and not self.one_shot:
@@ -220,12 +264,31 @@ class Experiment(Proposals):
                                    trainer_hparams=hp, executor=executor, **shown)
             one_shot.check_shared(strategy, self.space, ExperimentError)
         self.store: Store | None = None
-        self._known: dict[str, float | None] = {}  # dedup key -> final value (None: pending)
+        # dedup key -> (what the strategy was told, violation); None: pending
+        self._known: dict[str, tuple | None] = {}
         self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends
         self._count = 0  # models proposed so far (this experiment, resumes included)
         self._model_of: dict[str, int] = {}  # sample key -> model id (parents of children)
         self._lock: StoreLock | None = None
         self._data_keys: dict[str, Any] = {}  # hparams (JSON) -> the trainer's data key
+
+    def _outcomes_extended(self) -> bool:
+        return self.objectives.multi or bool(self.objectives.constraints)
+
+    def _cost_meter(self) -> CostMeter:
+        """The meter of the costs the objectives read (on this machine's CPU, one thread)."""
+        if self._meter is None or self._meter.store is not self.store:
+            from .costs import needed_costs
+
+            value = getattr(self.trainer, "value", None)
+            try:
+                batch = int(value("batch_size", {})) if value else 1
+            except (AttributeError, TypeError, ValueError):
+                batch = 1  # a trainer without a batch size: latency_batch_ms at batch 1
+            self._meter = CostMeter(self.store, self.space.example_input, batch,
+                                    needed_costs(self.objectives.needed, self.costs),
+                                    user=self.costs)
+        return self._meter
 
     # ---- public ---------------------------------------------------------------------------
     @property
@@ -251,7 +314,10 @@ class Experiment(Proposals):
                              "seed": getattr(self.strategy, "seed", None)},
                 "scheduler": {"class": ref_of(type(self.scheduler))},
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
-                "mode": self.mode, "dedup": self.dedup, **self._determinism()}
+                "mode": self.mode, "dedup": self.dedup, **self._determinism(),
+                # left out for one metric: stores from before several objectives still resume
+                **({"objectives": self.objectives.to_json()} if self._outcomes_extended()
+                   else {}), **({"costs": sorted(self.costs)} if self.costs else {})}
 
     def _determinism(self) -> dict:
         """Deterministic mode in the config when on (other kernels, other numbers: a run is
@@ -362,10 +428,16 @@ class Experiment(Proposals):
             self._model_of[sample_key(row["sample"])] = row["id"]
             if row["hash"]:
                 key = self._dedup_key(row["hash"], row["sample"])
-                self._known[key] = row.get("value")
+                self._known[key] = self._outcomes.known(row)
                 if row["status"] == ModelStatus.TRAINING:  # its trial resumes below
                     self._keys[row["id"]] = key
         self._count = len(models)
+        if self.objectives.multi:  # the front kept so far, to extend
+            table = FrontTable(store)
+            ids = set(table.front_ids() or [])
+            self._outcomes.front.members = {
+                m["model_id"]: self.objectives.point(m["values"])
+                for m in table.models() if m["model_id"] in ids}
         executor = self._executor()
         if self.one_shot:
             return self._one_shot_loop(executor, resume)
@@ -500,11 +572,21 @@ class Experiment(Proposals):
                     "best": search["best"], "running": 0, "max_models": None,
                     "one_shot": search}
         counts = store.counts_by_state()
-        best = store.best_models(self.metric, self.mode, 5, finished=True)
+        if self.objectives.constraints:  # the best feasible models only
+            feasible = {m["model_id"] for m in FrontTable(store).models()
+                        if m["violation"] == 0}
+            best = [b for b in store.best_models(self.metric, self.mode, max(self._count, 5),
+                                                 finished=True)
+                    if b["model_id"] in feasible][:5]
+        else:
+            best = store.best_models(self.metric, self.mode, 5, finished=True)
         runner = getattr(self, "runner", None)
         running = runner.running if runner is not None else counts.get("RUNNING", 0)
         out = {"store": self.path, "models": self._count, "trials": counts, "best": best,
                "running": running, "max_models": self.max_models}
+        if self.objectives.multi:  # the result: every model on the front
+            out["pareto"] = FrontTable(store).front()
+            out["objectives"] = self.objectives.to_json()
         plans = PlanTable(store).summary()
         if plans["jobs"]:
             out["optimization"] = plans

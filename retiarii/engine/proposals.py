@@ -25,8 +25,8 @@ from ..threads import one_thread
 from .checkpoint import CheckpointPathError
 from .experiment_support import ExperimentError
 from .failures import build_error
+from .pareto import FrontTable
 from .plans import PlanTable
-from .segments import finite
 from .trials import Trial, TrialState
 
 __all__ = ["Proposals"]
@@ -124,7 +124,7 @@ class Proposals:
                     # is the strategy asking again for a model it proposed after its last saved
                     # state: the trial already exists and carries on.)
                     continue
-                self.strategy.tell(sample, self._known[key])
+                self._tell(sample, *self._known[key])
                 self._save_strategy()
                 continue
             self._count += 1
@@ -139,6 +139,7 @@ class Proposals:
             self._model_of[sample_key(sample)] = model_id
             self._known[key] = None
             self._keys[model_id] = key
+            self._measure_costs(model, model_id, structure)
             config = {"space": self.space_ref, "trainer": self.trainer_spec,
                       "sample": {k: v for k, v in sample.items()
                                  if k not in self._trainer_labels},
@@ -251,24 +252,59 @@ class Proposals:
         if self.progress is not None and report:
             self.progress(self.summary())
 
+    def _tell(self, sample: dict, told, violation: float = 0.0) -> None:
+        """Tell the strategy a result; the violation only with several objectives (a
+        strategy of one metric was told an infeasible model as failed: engine/pareto.py)."""
+        if self.objectives.multi and violation:
+            self.strategy.tell(sample, told, violation)
+        else:
+            self.strategy.tell(sample, told)
+
+    def _measure_costs(self, model, model_id: int, structure: str) -> None:
+        """The costs the objectives read, measured once per architecture (engine/costs.py);
+        kept until the model's trial ends."""
+        from .costs import needed_costs
+
+        if needed_costs(self.objectives.needed, self.costs):
+            self._costs[model_id] = self._cost_meter().measure(model, structure)
+
+    def _model_costs(self, model_id: int | None) -> dict:
+        """The measured costs of a model whose trial ended (after a resume: from the store's
+        cache, measured again when missing)."""
+        from .costs import needed_costs
+
+        if model_id is None or not needed_costs(self.objectives.needed, self.costs):
+            return {}
+        if model_id not in self._costs:
+            row = self.store.get_model(model_id)
+            model = self.search_space.instantiate(row["sample"])
+            self._costs[model_id] = self._cost_meter().measure(model, row["hash"])
+        return self._costs.pop(model_id)
+
     def _end_model(self, trial: Trial) -> None:
         sample, model_id = trial.config.get("choices"), trial.config.get("model_id")
-        reported = (trial.last_result or {}).get(self.metric)
-        value = finite(reported)
-        if reported is not None and value is None:
+        outcome = self._outcomes.judge(trial.last_result or {}, self._model_costs(model_id))
+        value = outcome.value
+        if trial.state is not TrialState.ERRORED and outcome.error is not None \
+                and "not a finite number" in outcome.error:
             # NaN or inf (a diverged model, a broken metric) ranks nowhere: the model failed.
-            _log.warning("trial %s ended with %s = %r, not a finite number: its model is "
-                         "recorded as failed", trial.trial_id, self.metric, reported)
+            _log.warning("trial %s ended with %s: its model is recorded as failed",
+                         trial.trial_id, outcome.error)
         failed = trial.state is TrialState.ERRORED or value is None
         error = None
         if failed:  # kept with the model: `retiarii status` says why
-            error = trial.error if trial.state is TrialState.ERRORED else (
-                f"{self.metric} = {reported!r}: not a finite number" if reported is not None
-                else f"the trial reported no {self.metric}")
+            error = trial.error if trial.state is TrialState.ERRORED else outcome.error
+            value = None
         if model_id is not None:
             self.store.set_model_status(
                 model_id, ModelStatus.FAILED if failed else ModelStatus.TRAINED, value,
                 error=error or ("(no reason recorded)" if failed else None))
+            if self._outcomes.extended and not failed:
+                table = FrontTable(self.store)
+                table.set_values(model_id, outcome.values, outcome.violation)
+                if self._outcomes.add_to_front(model_id, outcome):
+                    table.set_front(self._outcomes.front.members)
+        told, violation = (None, 0.0) if failed else (outcome.told, outcome.violation)
         if sample is not None:
             key = None
             if model_id is not None:
@@ -278,9 +314,9 @@ class Proposals:
                 if key is None:
                     key = self._dedup_key(self.store.get_model(model_id)["hash"], sample)
             if key is not None:
-                self._known[key] = value
+                self._known[key] = (told, violation)
             try:
-                self.strategy.tell(sample, value)
+                self._tell(sample, told, violation)
             except UnknownSample:
                 pass  # not proposed by the restored strategy (yet): told when it proposes it
             self._save_strategy()

@@ -125,7 +125,21 @@ def _schema_v8(db: sqlite_utils.Database) -> None:
     db["trials"].add_column("initiator", str)
 
 
+def _schema_v9(db: sqlite_utils.Database) -> None:
+    """Several objectives (retiarii/objectives.py, docs/multi_objective.md): ``models.values``
+    (JSON: every objective, constraint and cost metric of the model, final), ``models.violation``
+    (by how much it misses the constraints; 0: feasible), ``experiments.front`` (JSON: the ids
+    of the models on the Pareto front) and ``costs``: the costs measured once per architecture
+    (structural hash) and device (engine/costs.py). Older files keep NULL (one metric)."""
+    db["models"].add_column("values", str)
+    db["models"].add_column("violation", float)
+    db["experiments"].add_column("front", str)
+    db["costs"].create({"hash": str, "device": str, "name": str, "value": float,
+                        "spread": float, "time": float}, pk=("hash", "device", "name"),
+                       not_null=["value"])
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
 MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6,
-              _schema_v7, _schema_v8]
-SCHEMA_VERSION = 8
+              _schema_v7, _schema_v8, _schema_v9]
+SCHEMA_VERSION = 9

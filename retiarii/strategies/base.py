@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..enums import Mode
+from ..objectives import Scored, pareto_indices
 from ..sampler import RandomSampler, ReplaySampler, Sampler, sample_key
 
 from .scheduler import replay_log
@@ -187,6 +188,8 @@ class Strategy(abc.ABC):
     #: Proposals in a row that may repeat a known sample before falling back to a random new
     #: one; ``None`` for strategies that walk the space and never repeat (grid).
     max_duplicate_tries: int | None = 100
+    #: Whether the strategy searches several objectives at once (:meth:`use_objectives`).
+    multi_objective: bool = False
 
     def __init__(self, *, seed: int | None = None, mode: str = "max", dedup: bool = True,
                  max_models: int | None = None, max_time: float | None = None,
@@ -221,6 +224,27 @@ class Strategy(abc.ABC):
         self._started_at: float | None = None
         self._checked: int | None = None  # id() of the space check() accepted
         self._size: tuple[int, float | int] | None = None  # (id(space), space.size())
+        # The directions of several objectives (use_objectives), None for one metric: then a
+        # tell carries one value per objective and _on_tell gets a Scored.
+        self.objectives: tuple[Mode, ...] | None = None
+
+    def use_objectives(self, modes: Iterable[str | Mode]) -> None:
+        """Search several objectives, ``modes[i]`` the direction of the i-th: each ``tell``
+        then gives a list of as many values (and the constraints' violation). The engine calls
+        it for ``Experiment(metric=[...], mode=[...])``.
+
+        Raises:
+            ValueError: this strategy optimizes one metric (naming those that take several).
+        """
+        modes = tuple(Mode.parse(m, type(self).__name__) for m in modes)
+        if not self.multi_objective:
+            raise ValueError(f"{type(self).__name__} optimizes one metric; for several "
+                             f"objectives use RegularizedEvolution (NSGA-II selection), Random "
+                             f"or GridSearch")
+        if len(modes) < 2:
+            raise ValueError(f"{type(self).__name__}.use_objectives: give two modes or more "
+                             f"(one metric needs no objectives; use mode=)")
+        self.objectives = modes
 
     # -- the public interface ----------------------------------------------------------------
 
@@ -262,17 +286,26 @@ class Strategy(abc.ABC):
         self._record(proposal, key)
         return dict(proposal.sample)
 
-    def tell(self, sample: dict, value: float | None) -> None:
+    def tell(self, sample: dict, value: float | list[float] | None,
+             violation: float = 0.0) -> None:
         """Reports the final result of a proposed sample.
 
         Args:
             sample: a sample returned by :meth:`ask`.
             value: the model's final metric (higher is better unless ``mode="min"``), or
                 ``None`` when the model failed: it is never proposed again and counts as
-                worse than any result.
+                worse than any result. With several objectives (:meth:`use_objectives`), a
+                list of one value per objective.
+            violation: by how much the model misses the search's constraints (0: it meets
+                them; :meth:`retiarii.objectives.Objectives.violation`).
         """
         sample = _check_sample(sample, f"{type(self).__name__}.tell")
-        if value is not None:
+        if not (isinstance(violation, (int, float)) and violation >= 0):
+            raise ValueError(f"{type(self).__name__}.tell: violation must be a number >= 0, "
+                             f"got {violation!r}")
+        if self.objectives is not None and value is not None:
+            value = self._check_values(value, sample)
+        elif value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
                 raise ValueError(f"{type(self).__name__}.tell: value must be a finite number "
@@ -293,8 +326,20 @@ class Strategy(abc.ABC):
             record.pending -= 1
         record.values.append(value)
         self._told.append((key, value))
-        self._log.append(["tell", self._record_ids[key], value])
-        self._on_tell(key, None if value is None else self._score(value))
+        # the violation only when there is one: logs of searches without constraints unchanged
+        self._log.append(["tell", self._record_ids[key], value, *([violation] if violation
+                                                                  else [])])
+        self._on_tell(key, None if value is None else self._score(value, violation))
+
+    def _check_values(self, value: Any, sample: dict) -> list[float]:
+        n = len(self.objectives)
+        if not isinstance(value, (list, tuple)) or len(value) != n or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for v in value):
+            raise ValueError(f"{type(self).__name__}.tell: with {n} objectives, value must be "
+                             f"a list of {n} finite numbers (or None for a failed model), got "
+                             f"{value!r} for {sample}")
+        return [float(v) for v in value]
 
     def on_step(self, sample: dict, step: int, metrics: dict) -> None:
         """Per-step feedback of a pending sample (an epoch's metrics). The strategies here
@@ -304,12 +349,34 @@ class Strategy(abc.ABC):
             raise UnknownSample(f"{type(self).__name__}.on_step: {sample} was never proposed")
 
     def best(self) -> tuple[dict, float] | None:
-        """The best told sample and its value (``None`` before any successful tell)."""
+        """The best told sample and its value (``None`` before any successful tell); with
+        several objectives, the front is the result: see :meth:`pareto`."""
+        if self.objectives is not None:
+            front = self.pareto()
+            return front[0] if front else None
         told = [(k, v) for k, v in self._told if v is not None]
         if not told:
             return None
         key, value = max(told, key=lambda kv: self._score(kv[1]))
         return dict(self._records[key].sample), value
+
+    def pareto(self) -> list[tuple[dict, list[float]]]:
+        """With several objectives: the told samples on the Pareto front (feasible and
+        dominated by none), with their values, in the order they were told."""
+        if self.objectives is None:
+            raise ValueError(f"{type(self).__name__}.pareto: the search has one metric; "
+                             f"use best()")
+        told = [k for k, v in self._told if v is not None]
+        violations = self._violations()
+        points = [self._score(self._records[k].values[-1]).point for k in told]
+        keep = pareto_indices(points, [violations.get(k, 0.0) for k in told])
+        return [(dict(self._records[told[i]].sample), list(self._records[told[i]].values[-1]))
+                for i in keep]
+
+    def _violations(self) -> dict[str, float]:
+        """sample key -> the violation of its last tell (from the log: kept nowhere else)."""
+        keys = list(self._record_ids)
+        return {keys[e[1]]: (e[3] if len(e) > 3 else 0.0) for e in self._log if e[0] == "tell"}
 
     def parent_of(self, sample: dict) -> dict | None:
         """The sample that ``sample`` (returned by :meth:`ask`) was derived from (evolution's
@@ -327,7 +394,10 @@ class Strategy(abc.ABC):
     def config(self) -> dict:
         """The settings that define this search, as JSON: a saved state must match them, and
         an experiment stores them so that a resume can check them. Subclasses extend it."""
-        return {"mode": self.mode, "dedup": self.dedup}
+        config = {"mode": self.mode, "dedup": self.dedup}
+        if self.objectives is not None:  # (left out for one metric: older states still load)
+            config["objectives"] = [str(m) for m in self.objectives]
+        return config
 
     @property
     def num_proposed(self) -> int:
@@ -392,7 +462,7 @@ class Strategy(abc.ABC):
         def ask(index: int) -> None:
             records[index].pending += 1
 
-        def tell(index: int, value) -> None:
+        def tell(index: int, value, violation: float = 0.0) -> None:
             record = records[index]
             if record.pending > 0:  # as tell() did: a pending sample, else a foreign one
                 record.pending -= 1
@@ -427,7 +497,12 @@ class Strategy(abc.ABC):
 
     # -- helpers for subclasses ---------------------------------------------------------------
 
-    def _score(self, value: float) -> float:
+    def _score(self, value: float | list[float], violation: float = 0.0) -> float | Scored:
+        """Higher-is-better for one metric; with several objectives a :class:`Scored`: the
+        point to minimize and its violation."""
+        if self.objectives is not None:
+            return Scored(tuple(-m.sign * v for m, v in zip(self.objectives, value)),
+                          float(violation))
         return value * self.mode.sign
 
     def _random_draw(self, space: Any) -> Draw:

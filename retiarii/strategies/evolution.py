@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from ..objectives import Scored, nsga_keys
 from ..sampler import RandomSampler, ReplaySampler, index_of, sample_key
 from .base import Draw, Strategy, draw
 
@@ -25,6 +26,24 @@ def tournament(population: list[tuple[str, float]], sample_size: int, rng) -> st
     contestants = rng.sample(population, sample_size)
     # max() keeps the first of equal scores, and contestants come in a seeded order.
     return max(contestants, key=lambda member: member[1])[0]
+
+
+def crowded_tournament(population: list[tuple[str, Scored]], sample_size: int, rng) -> str:
+    """The key of the best of ``sample_size`` members drawn without replacement, by NSGA-II's
+    crowded comparison over the whole population: the lowest non-dominated rank (feasible
+    before infeasible), then the largest crowding distance.
+
+    Example:
+        >>> import random
+        >>> pop = [("a", Scored((1.0, 3.0))), ("b", Scored((2.0, 4.0))), ("c", Scored((0.0, 0.0), 1.0))]
+        >>> crowded_tournament(pop, 3, random.Random(0))   # c is infeasible, b dominated by a
+        'a'
+    """
+    keys = nsga_keys([s.point for _, s in population], [s.violation for _, s in population])
+    order = {member[0]: keys[i] for i, member in enumerate(population)}
+    contestants = rng.sample(population, sample_size)
+    # min() keeps the first of equal keys, and contestants come in a seeded order.
+    return min(contestants, key=lambda member: order[member[0]])[0]
 
 
 class _FirstSampler:
@@ -58,6 +77,12 @@ class RegularizedEvolution(Strategy):
     steps away from the base; starting from the base makes the search grow from minimal
     networks, as NEAT and Weight Agnostic Networks do.
 
+    Several objectives (``Experiment(metric=[...], mode=[...])``, :meth:`use_objectives`):
+    the tournament compares members as NSGA-II does, by non-dominated rank within the
+    population (constraints by Deb's rule: feasible first), then by crowding distance, so the
+    population spreads along the front; aging still removes the oldest. The search's result
+    is its front (:meth:`pareto`).
+
     Foreign samples are accepted: ``tell`` of a sample this strategy never proposed (a known
     good architecture, results imported from another run) adds it to the population like a
     child of its own.
@@ -90,6 +115,7 @@ class RegularizedEvolution(Strategy):
     """
 
     accepts_foreign = True
+    multi_objective = True
 
     def __init__(self, population_size: int = 20, sample_size: int = 5, *,
                  initial: str = "random", seed: int | None = None, **common: Any):
@@ -114,7 +140,11 @@ class RegularizedEvolution(Strategy):
             if self.initial == "base":
                 return self._from_base(space)
             return self._random_draw(space)
-        parent_key = tournament(list(self._population), self.sample_size, self._rng)
+        if self.objectives is not None:
+            parent_key = crowded_tournament(list(self._population), self.sample_size,
+                                            self._rng)
+        else:
+            parent_key = tournament(list(self._population), self.sample_size, self._rng)
         return self._mutate(space, parent_key)
 
     def _from_base(self, space: Any) -> Draw:
@@ -158,9 +188,15 @@ class RegularizedEvolution(Strategy):
         return config
 
     def _state(self) -> dict:
+        if self.objectives is not None:  # [key, point, violation]
+            return {"population": [[k, list(s.point), s.violation]
+                                   for k, s in self._population]}
         return {"population": [list(member) for member in self._population]}
 
     def _load_state(self, state: dict) -> None:
-        self._population = deque(((k, s) for k, s in state["population"]),
-                                 maxlen=self.population_size)
+        if self.objectives is not None:
+            members = ((m[0], Scored(tuple(m[1]), m[2])) for m in state["population"])
+        else:
+            members = ((k, s) for k, s in state["population"])
+        self._population = deque(members, maxlen=self.population_size)
 

@@ -41,6 +41,7 @@ class GridSearch(Strategy):
     # The grid never repeats itself, so no random fallback: a repeat (a model the strategy
     # was told about before a restore, say) is simply skipped.
     max_duplicate_tries = None
+    multi_objective = True  # it never reads the values: any number of objectives
 
     def __init__(self, *, seed: int | None = None, **common: Any):
         super().__init__(seed=seed, **common)

@@ -33,6 +33,8 @@ class Random(Strategy):
         mode, dedup, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
     """
 
+    multi_objective = True  # it never reads the values: any number of objectives
+
     def __init__(self, *, seed: int | None = None, **common: Any):
         super().__init__(seed=seed, **common)
 
