@@ -21,7 +21,6 @@ from typing import Any
 
 from .cli_common import CliError, Progress, open_store, positive_flag, print_best
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
-from .cli_retrain import cmd_retrain
 from .cli_inspect import optimization_line  # noqa: F401 (tests import it from here)
 from . import registry
 from .optim.passes import parse_settings
@@ -325,7 +324,8 @@ def cmd_resume(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .cli_nas import cmd_nas_list, cmd_nas_run, cmd_nas_show
+    from .cli_nas import add_nas_parser
+    from .cli_retrain import add_retrain_parser
 
     p = argparse.ArgumentParser(prog="retiarii", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -453,16 +453,7 @@ def parser() -> argparse.ArgumentParser:
                              "Pareto front (instead of --top)")
     export.set_defaults(fn=cmd_export)
 
-    retrain = sub.add_parser("retrain", help="train one stored model's architecture again from "
-                             "scratch, as a new experiment of the same store")
-    retrain.add_argument("db", help="the SQLite file of a run")
-    retrain.add_argument("--model", type=int, required=True, metavar="ID",
-                         help="the model to retrain (an id of `retiarii status`)")
-    retrain.add_argument("--epochs", type=int, default=None,
-                         help="epochs to train (default: the search's trainer's)")
-    retrain.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    retrain.add_argument("--seed", type=int, default=0, help="seed of the trials (default 0)")
-    retrain.set_defaults(fn=cmd_retrain)
+    add_retrain_parser(sub)
 
     plot = sub.add_parser("plot", help="best-so-far curves and learning curves to a PNG")
     plot.add_argument("db", help="the SQLite file of a run")
@@ -472,29 +463,7 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", required=True, help="the PNG file to write")
     plot.set_defaults(fn=cmd_plot)
 
-    nas = sub.add_parser("nas", help="the 27 NAS solutions of the literature: list, show, run one")
-    nas_sub = nas.add_subparsers(dest="nas_command", required=True)
-    nas_list = nas_sub.add_parser("list", help="name, space, strategy, paper, status of each")
-    nas_list.set_defaults(fn=cmd_nas_list)
-    nas_show = nas_sub.add_parser("show", help="one row: its space, paper, the strategy that "
-                                               "runs it and how (one-shot or multi-trial)")
-    nas_show.add_argument("name", help="a row's name (see `retiarii nas list`)")
-    nas_show.set_defaults(fn=cmd_nas_show)
-    nas_run = nas_sub.add_parser("run", help="search one row's space on the digits data set")
-    nas_run.add_argument("name", help="a row's name (see `retiarii nas list`)")
-    nas_run.add_argument("--preset", choices=("small", "paper"), default="small",
-                         help="small (trains in seconds, default) or paper (published sizes)")
-    nas_run.add_argument("--max-models", type=int, default=None,
-                         help="models to train (default 8; not for one-shot rows)")
-    nas_run.add_argument("--epochs", type=int, default=2,
-                         help="epochs per model, or a one-shot row's segments (default 2)")
-    nas_run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    nas_run.add_argument("--store", default=None,
-                         help="SQLite file (default runs/nas-NAME-PRESET.db)")
-    nas_run.add_argument("--seed", type=int, default=0, help="seed of the search and trials")
-    nas_run.add_argument("--deterministic", action="store_true",
-                         help="deterministic kernels in every worker, as for `run`")
-    nas_run.set_defaults(fn=cmd_nas_run)
+    add_nas_parser(sub)
     return p
 
 

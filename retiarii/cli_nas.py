@@ -92,3 +92,31 @@ def resume_nas(recorded: dict, args) -> int:
     print(file=sys.stderr)
     print_best(summary)
     return 0
+
+
+def add_nas_parser(sub) -> None:
+    """``retiarii nas list|show|run``: the subcommand's arguments (``sub``: the CLI's
+    subparsers)."""
+    nas = sub.add_parser("nas", help="the 27 NAS solutions of the literature: list, show, run one")
+    nas_sub = nas.add_subparsers(dest="nas_command", required=True)
+    nas_list = nas_sub.add_parser("list", help="name, space, strategy, paper, status of each")
+    nas_list.set_defaults(fn=cmd_nas_list)
+    nas_show = nas_sub.add_parser("show", help="one row: its space, paper, the strategy that "
+                                               "runs it and how (one-shot or multi-trial)")
+    nas_show.add_argument("name", help="a row's name (see `retiarii nas list`)")
+    nas_show.set_defaults(fn=cmd_nas_show)
+    nas_run = nas_sub.add_parser("run", help="search one row's space on the digits data set")
+    nas_run.add_argument("name", help="a row's name (see `retiarii nas list`)")
+    nas_run.add_argument("--preset", choices=("small", "paper"), default="small",
+                         help="small (trains in seconds, default) or paper (published sizes)")
+    nas_run.add_argument("--max-models", type=int, default=None,
+                         help="models to train (default 8; not for one-shot rows)")
+    nas_run.add_argument("--epochs", type=int, default=2,
+                         help="epochs per model, or a one-shot row's segments (default 2)")
+    nas_run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    nas_run.add_argument("--store", default=None,
+                         help="SQLite file (default runs/nas-NAME-PRESET.db)")
+    nas_run.add_argument("--seed", type=int, default=0, help="seed of the search and trials")
+    nas_run.add_argument("--deterministic", action="store_true",
+                         help="deterministic kernels in every worker, as for `run`")
+    nas_run.set_defaults(fn=cmd_nas_run)

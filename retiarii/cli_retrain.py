@@ -101,3 +101,18 @@ def resume_retrain(recorded: dict, args) -> int:
     print(file=sys.stderr)
     print_best(summary)
     return 0
+
+
+def add_retrain_parser(sub) -> None:
+    """``retiarii retrain DB --model ID``: the subcommand's arguments (``sub``: the CLI's
+    subparsers)."""
+    retrain = sub.add_parser("retrain", help="train one stored model's architecture again from "
+                             "scratch, as a new experiment of the same store")
+    retrain.add_argument("db", help="the SQLite file of a run")
+    retrain.add_argument("--model", type=int, required=True, metavar="ID",
+                         help="the model to retrain (an id of `retiarii status`)")
+    retrain.add_argument("--epochs", type=int, default=None,
+                         help="epochs to train (default: the search's trainer's)")
+    retrain.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    retrain.add_argument("--seed", type=int, default=0, help="seed of the trials (default 0)")
+    retrain.set_defaults(fn=cmd_retrain)
