@@ -242,8 +242,8 @@ def test_a_one_shot_search_trains_its_segments_in_the_mode(tmp_path, local):
 @pytest.fixture
 def in_process(monkeypatch):
     """`retiarii run` trains in this process, the driver's (the local worker is tested above)."""
-    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor",
-                        lambda *args, **kwargs: InProcessExecutor())
+    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor.for_search",
+                        classmethod(lambda cls, *args, **kwargs: InProcessExecutor()))
 
 
 def test_cli_run_deterministic_and_resume_keeps_it(tmp_path, capsys, in_process):

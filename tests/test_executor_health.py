@@ -91,7 +91,8 @@ def test_local_workers_that_cannot_start_stop_the_experiment_cleanly(tmp_path):
     from exp_space import space, trainer
 
     db = tmp_path / "exp.db"
-    with LocalExecutor(1, devices=[], startup_timeout=0.05) as broken:  # killed before torch
+    with LocalExecutor(1, devices=[], startup_timeout=0.05,
+                       start_method="spawn") as broken:  # killed before torch
         exp = rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=str(db),
                             max_models=3, seed=0, executor=broken, optimize=False)
         with pytest.raises(EnvironmentFailure) as stop:
@@ -114,7 +115,7 @@ def test_a_one_shot_search_whose_workers_cannot_start_stops_then_resumes(tmp_pat
                              workers=1, seed=0, executor=executor)
 
     db = tmp_path / "one_shot.db"
-    with LocalExecutor(1, devices=[], startup_timeout=0.05) as broken:
+    with LocalExecutor(1, devices=[], startup_timeout=0.05, start_method="spawn") as broken:
         with pytest.raises(EnvironmentFailure) as stop:
             experiment(db, broken).run()
     message = str(stop.value)
