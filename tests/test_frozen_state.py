@@ -14,7 +14,9 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from retiarii.engine import checkpoint as ckpt
 from retiarii.engine.executors.base import Job, JobFinished, TrialResult, TrialTask
+from retiarii.engine.dedicated import DedicatedGroup, dedicated_modules
 from retiarii.engine.grouped import TrainingGroup
+from retiarii.engine.job_contract import GroupOrder
 from retiarii.engine.plans import PlanTable
 from retiarii.engine.store import Store
 from retiarii.engine.worker import WorkerContext, _open_task, _units, run_job
@@ -99,11 +101,11 @@ def _same(a, b):
     return a == b
 
 
-def _group(tasks):
+def _group(tasks, meta=None, kind=TrainingGroup):
     """The TrainingGroup the worker builds for ``tasks`` (to read what it shares)."""
-    units = _units(Job("g", tasks, meta={"group": True}), tasks,
+    units = _units(Job("g", tasks, meta=meta or {"group": True}), tasks,
                    {t.trial_id: _open_task(t, WorkerContext()) for t in tasks}, WorkerContext())
-    assert [type(u) for u in units] == [TrainingGroup], units
+    assert [type(u) for u in units] == [kind], units
     return units[0]
 
 
@@ -199,11 +201,27 @@ def test_dropout_in_a_frozen_trunk_is_never_shared(tmp_path):
         assert _same(ckpt.load(g.checkpoint_out), ckpt.load(s.checkpoint_out)), g.trial_id
 
 
-def _search(tmp_path, name, optimize):
+def test_a_shared_part_with_statistics_is_never_computed_ahead(tmp_path):
+    """A dedicated device would compute the trunk a batch ahead in a copy, whose statistics
+    the models would never see: such a group computes it in place, and equals alone."""
+    tasks = [_task(t, tmp_path, stop=1, tag="d-") for t in "abc"]
+    meta = {"group": GroupOrder(dedicated=("trunk.*",), dedicated_device="thread", profile=())}
+    group = _group(tasks, meta, DedicatedGroup)
+    assert group.dedicated == [] and group._group.holds_state
+    assert dedicated_modules(group._group.shared, ["trunk.*"])  # which the patterns name
+    group.drop(group.trials)
+    got = _run(Job("d", tasks, meta=meta))
+    alone = [_task(t, tmp_path, stop=1, tag="s-") for t in "abc"]
+    assert got == _alone(alone)
+    for g, s in zip(tasks, alone):
+        assert _same(ckpt.load(g.checkpoint_out), ckpt.load(s.checkpoint_out)), g.trial_id
+
+
+def _search(tmp_path, name, optimize, **kwargs):
     db = tmp_path / f"{name}.db"
     exp = rt.Experiment(SPACE, rt.strategies.GridSearch(), rt.Trainer(
         dataset="digits", epochs=2, batch_size=128), store=str(db), executor=InProcessExecutor(),
-        seed=0, max_models=4, optimize=optimize, fuse=False, batching=False)
+        seed=0, max_models=4, optimize=optimize, **kwargs)
     exp.run()
     with Store(db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
@@ -216,8 +234,13 @@ def _search(tmp_path, name, optimize):
 
 def test_a_search_of_heads_on_the_trunk_equals_optimize_false(tmp_path):
     off, _ = _search(tmp_path, "off", False)
-    on, rows = _search(tmp_path, "on", True)
+    on, rows = _search(tmp_path, "on", True, fuse=False, batching=False)
     assert len(on) == 4 and on == off  # bit for bit, every step of every model
+    # the default: the layout measured on the real batches (the trunk timed alone through the
+    # group's shared cell); four architectures, so nothing fuses and every layout is exact
+    auto, auto_rows = _search(tmp_path, "auto", "auto")
+    assert auto == off and auto_rows
+    assert any(u.get("decision") for r in auto_rows for u in r["units"]), auto_rows
     merged = [r for r in rows if r["status"] == "merged"]
     assert merged and {t for r in merged for t in r["trials"]} and all(
         len(r["trials"]) == 4 for r in merged)

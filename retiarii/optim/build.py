@@ -89,9 +89,11 @@ class GroupModule(nn.Module):
         super().__init__()
         self.graph = graph
         self.plan = plan
-        self._mirrors = list(mirrors or ())
-        self.holds_state = bool(self._mirrors) or (plan is not None and any(
+        self.holds_state = bool(mirrors) or (plan is not None and any(
             plan.nodes[k].stateful for k in plan.shared))
+        if mirrors:  # after every call of the shared cell, whoever calls it (a measurement
+            # times it alone): each holder's running statistics, as if it ran alone
+            shared.register_forward_hook(_Synced(list(mirrors)))
         self.shared = shared
         self.parts = nn.ModuleDict({c.name: c.module for c in cells})
         self.batched = nn.ModuleDict({b.name: b.module for b in batches})
@@ -125,11 +127,6 @@ class GroupModule(nn.Module):
         if common is None:
             with torch.no_grad():  # frozen and weightless only: nothing here trains
                 common = self.shared(*inputs)
-            for mirror in self._mirrors:  # each holder's running statistics, as if alone
-                mirror.sync()
-        elif self.holds_state:
-            raise GroupError("the shared part updates running statistics (a frozen BatchNorm "
-                             "in train mode): it cannot be computed ahead elsewhere")
         common = dict(zip(self._frontier, common))
         env: dict[str, dict[str, Any]] = {t: {} for t in self.trials}  # trial -> key -> value
         outs: dict[str, Any] = {}
@@ -173,6 +170,18 @@ class GroupModule(nn.Module):
     def state_dict_of(self, trial: str) -> dict[str, torch.Tensor]:
         """The trial's state dict, keys and order as its model built alone."""
         return self._models[trial].state_dict()
+
+
+class _Synced:
+    """A forward hook of the shared cell: copies the running statistics its frozen
+    BatchNorms updated into the other holders' modules (:class:`StateMirror`)."""
+
+    def __init__(self, mirrors: list[StateMirror]):
+        self.mirrors = mirrors
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        for mirror in self.mirrors:
+            mirror.sync()
 
 
 def _run_batch(batch: Batch, common: dict, env: dict, failed: set[str], joined: dict) -> None:
