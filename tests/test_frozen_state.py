@@ -7,6 +7,7 @@ still equal; dropout in the trunk is never shared; a whole search with ``optimiz
 parameters")."""
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -20,6 +21,7 @@ from retiarii.engine.job_contract import GroupOrder
 from retiarii.engine.plans import PlanTable
 from retiarii.engine.store import Store
 from retiarii.engine.worker import WorkerContext, _open_task, _units, run_job
+from retiarii.optim.build import GroupError, build_group
 from retiarii.optim.cse import cse
 from retiarii.optim.plan import PlanModel, Role, build_plan
 from retiarii.optim.state import state_digests, with_states
@@ -246,3 +248,30 @@ def test_a_search_of_heads_on_the_trunk_equals_optimize_false(tmp_path):
         len(r["trials"]) == 4 for r in merged)
     # the trunk (input, 2 convs, 2 BatchNorms, 2 ReLUs, pool, flatten) computed once
     assert all(u["shared_nodes"] == 9 for r in merged for u in r["units"])
+
+
+class Tied(nn.Module):
+    """One frozen BatchNorm at two places: after the frozen layer (shared) and after the
+    head (each model's own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 6).requires_grad_(False)
+        self.bn = nn.BatchNorm1d(6).requires_grad_(False)
+        self.head = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.bn(self.head(self.bn(self.stem(x)))))
+
+
+def test_a_batchnorm_tied_across_the_divergence_is_refused():
+    torch.manual_seed(0)
+    space = rt.ModelSpace(Tied(), [rt.apply_mutator("head", rt.mutators.OperatorMutator(
+        {"a": nn.Linear(6, 6), "b": nn.Sequential(nn.Linear(6, 6), nn.Tanh())}, label="h"))],
+        example_input=torch.randn(2, 6))
+    samples = {"t0": {"h/head": "a"}, "t1": {"h/head": "b"}}
+    plan = cse(build_plan([PlanModel(t, space.replay(s), "d") for t, s in samples.items()])).plan
+    assert any(plan.nodes[k].stateful for k in plan.shared)  # the first call: shareable
+    with pytest.raises(GroupError, match="untie it"):
+        build_group(plan, {t: space.build(s) for t, s in samples.items()})

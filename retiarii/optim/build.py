@@ -59,7 +59,7 @@ from ..graph import Graph, Node, Operation
 from .group_graph import Batch, Cell, merged_graph
 from .plan import LogicalPlan, PlanError, Role, may_draw_random
 from .regions import Region, batch_regions
-from .state import StateMirror, state_digests, with_states
+from .state import StateMirror, SyncHook, check_untied, state_digests, with_states
 
 __all__ = ["GroupError", "GroupModule", "build_group"]
 
@@ -93,7 +93,7 @@ class GroupModule(nn.Module):
             plan.nodes[k].stateful for k in plan.shared))
         if mirrors:  # after every call of the shared cell, whoever calls it (a measurement
             # times it alone): each holder's running statistics, as if it ran alone
-            shared.register_forward_hook(_Synced(list(mirrors)))
+            shared.register_forward_hook(SyncHook(list(mirrors)))
         self.shared = shared
         self.parts = nn.ModuleDict({c.name: c.module for c in cells})
         self.batched = nn.ModuleDict({b.name: b.module for b in batches})
@@ -170,18 +170,6 @@ class GroupModule(nn.Module):
     def state_dict_of(self, trial: str) -> dict[str, torch.Tensor]:
         """The trial's state dict, keys and order as its model built alone."""
         return self._models[trial].state_dict()
-
-
-class _Synced:
-    """A forward hook of the shared cell: copies the running statistics its frozen
-    BatchNorms updated into the other holders' modules (:class:`StateMirror`)."""
-
-    def __init__(self, mirrors: list[StateMirror]):
-        self.mirrors = mirrors
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        for mirror in self.mirrors:
-            mirror.sync()
 
 
 def _run_batch(batch: Batch, common: dict, env: dict, failed: set[str], joined: dict) -> None:
@@ -409,6 +397,11 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                 copies.append(mine)
             else:
                 _set(models[other], other_attr, keep)
+        if node.stateful:
+            try:
+                check_untied(plan, models, key)
+            except PlanError as err:
+                raise GroupError(str(err)) from None
         if copies:
             mirrors.append(StateMirror(keep, copies))
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .plan import LogicalPlan, PassResult, build_plan
+from .plan import LogicalPlan, PassResult, PlanError, build_plan
 
-__all__ = ["StateMirror", "state_digest", "state_digests", "with_states"]
+__all__ = ["StateMirror", "SyncHook", "check_untied", "state_digest", "state_digests", "with_states"]
 
 
 def state_digest(module: nn.Module) -> str:
@@ -112,3 +112,35 @@ class StateMirror:
                        if not isinstance(b, nn.Parameter))
         with torch.no_grad():
             torch._foreach_copy_(dst, src * len(self.copies))
+
+
+class SyncHook:
+    """A forward hook of a group's shared cell: after every call (whoever makes it: the
+    group's forward, a measurement timing the cell alone) each :class:`StateMirror` syncs."""
+
+    def __init__(self, mirrors: list[StateMirror]):
+        self.mirrors = mirrors
+
+    def __call__(self, module: nn.Module, args: object, output: object) -> None:
+        for mirror in self.mirrors:
+            mirror.sync()
+
+
+def check_untied(plan: LogicalPlan, models: Mapping[str, nn.Module], key: str) -> None:
+    """Refuse a shared stateful module that a holder also calls at a place it does not share
+    (one BatchNorm object at two places): its statistics would move twice per step in that
+    model's copy and once in the others'.
+
+    Raises:
+        PlanError: naming the trial, the node and the fix.
+    """
+    for trial in plan.nodes[key].holders:
+        keys, graph = plan.keys[trial], plan.model(trial).model.graph
+        uid = next(u for u, k in keys.items() if k == key)
+        mine = models[trial].get_submodule(graph.node_by_uid(uid).attr)
+        for node in graph.nodes:
+            if node.kind == "module" and node.uid != uid and keys[node.uid] not in plan.shared \
+                    and models[trial].get_submodule(node.attr) is mine:
+                raise PlanError(f"trial {trial}: the frozen {node.name!r} with running "
+                                f"statistics is one module at a shared place and at its own: "
+                                f"untie it (a copy per place) to group it")
