@@ -245,17 +245,30 @@ def build_module(spec: dict) -> nn.Module:
 
 def is_frozen(module: nn.Module) -> bool:
     """Whether the trace records ``module`` as *frozen*: it has parameters, none of them
-    trains (``requires_grad=False``), and it keeps no persistent buffers (state such as
-    BatchNorm's running statistics changes while a model trains, so such a module is not
-    frozen whatever its parameters say). A frozen node's spec carries ``"frozen": true``;
-    :func:`build_module` then builds it with ``requires_grad=False``, and
-    ``ModelSpace.build`` gives it the base model's values (docs/optimization.md)."""
+    trains (``requires_grad=False``), and every persistent buffer it keeps is **running
+    statistics** (:func:`running_statistics`: a BatchNorm's or InstanceNorm's, which evolve
+    from the module's inputs only). Frozen means weights that do not train: a frozen
+    BatchNorm in train mode still normalizes with the batch's statistics and updates its
+    running ones, as it does alone (docs/optimization.md, "Frozen parameters"). Any other
+    persistent buffer (a user's state, whose updates the engine cannot read) makes the module
+    not frozen. A frozen node's spec carries ``"frozen": true``; :func:`build_module` then
+    builds it with ``requires_grad=False``, and ``ModelSpace.build`` gives it the base
+    model's values, running statistics included."""
     params = list(module.parameters())
     if not params or any(p.requires_grad for p in params):
         return False
-    persistent = [name for name, _ in module.named_buffers()
-                  if name.rpartition(".")[2] not in _owner(module, name)._non_persistent_buffers_set]
-    return not persistent
+    stats = {id(b) for m in module.modules() if running_statistics(m)
+             for b in m.buffers(recurse=False)}
+    return all(id(b) in stats for name, b in module.named_buffers()
+               if name.rpartition(".")[2] not in _owner(module, name)._non_persistent_buffers_set)
+
+
+def running_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` keeps running statistics of its inputs and nothing else as state:
+    ``nn.BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``InstanceNorm*`` with
+    ``track_running_stats=True``. Their buffers change in train mode by a rule of the
+    module's inputs alone, so two copies that start equal and read equal inputs stay equal."""
+    return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
 
 
 def _owner(module: nn.Module, name: str) -> nn.Module:

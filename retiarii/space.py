@@ -108,6 +108,11 @@ def _frozen_values(module: nn.Module, graph: Graph) -> dict[str, dict[str, torch
             sub = module.get_submodule(node.attr)
             out[node.attr] = {f"{node.attr}.{k}": p.detach()
                               for k, p in sub.named_parameters(remove_duplicate=False)}
+            # A frozen BatchNorm's running statistics (modspec.is_frozen) start every model
+            # at the base's values; copied now, so running the base later changes nothing.
+            out[node.attr].update({f"{node.attr}.{k}": b.detach().clone()
+                                   for k, b in sub.state_dict(keep_vars=True).items()
+                                   if f"{node.attr}.{k}" not in out[node.attr]})
         elif node.kind == "param" and not spec.get("buffer") \
                 and spec.get("requires_grad") is False:
             out[node.attr] = {node.attr: module.get_parameter(node.attr).detach()}
@@ -293,7 +298,8 @@ class ModelSpace:
                 its sizes without replacing it).
         """
         values = self._frozen[model.base]
-        owned = dict(module.named_parameters(remove_duplicate=False))
+        owned = {**dict(module.named_buffers(remove_duplicate=False)),
+                 **dict(module.named_parameters(remove_duplicate=False))}
         with torch.no_grad():
             for uid, attr in self.frozen_nodes(model).items():
                 for key, value in values.get(attr, {}).items():
@@ -305,7 +311,8 @@ class ModelSpace:
                             f"model but {tuple(value.shape)} in the base model; a frozen layer "
                             f"must keep its sizes (replace it to give it new weights)")
                     target.copy_(value)
-                    target.requires_grad_(False)
+                    if isinstance(target, nn.Parameter):
+                        target.requires_grad_(False)
         return module
 
     def frozen_fingerprint(self) -> str | None:

@@ -5,6 +5,7 @@ from torch import nn
 
 import retiarii as rt
 from retiarii.engine.trainer import ClassifierTrainer
+from retiarii.modspec import is_frozen
 from retiarii.optim.plan import PlanError, PlanModel, Role, build_plan
 from retiarii.space import SpaceError
 
@@ -42,8 +43,23 @@ def test_trace_marks_frozen_modules_only():
     g = make_space().bases[0][0]
     assert g["stem"].op.spec["frozen"] is True
     assert "frozen" not in g["head"].op.spec and "frozen" not in g["act"].op.spec
-    bn = nn.BatchNorm1d(4).requires_grad_(False)  # running statistics change: not frozen
-    assert "frozen" not in rt.trace(nn.Sequential(bn))["0"].op.spec
+    # Frozen means weights that do not train: a BatchNorm whose affine weights do not is
+    # frozen, its running statistics its state (optim/state.py); one that trains is not.
+    bn = nn.BatchNorm1d(4).requires_grad_(False)
+    assert rt.trace(nn.Sequential(bn))["0"].op.spec["frozen"] is True
+    assert "frozen" not in rt.trace(nn.Sequential(nn.BatchNorm1d(4)))["0"].op.spec
+
+    class Counter(nn.Module):  # a user's buffer: state the engine cannot read, never frozen
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4).requires_grad_(False)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen += 1
+            return self.lin(x)
+
+    assert not is_frozen(Counter()) and is_frozen(nn.Sequential(nn.Linear(4, 4), bn).requires_grad_(False))
 
 
 def test_build_gives_every_model_the_base_values_frozen():

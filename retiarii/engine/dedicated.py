@@ -202,7 +202,10 @@ class DedicatedGroup(TrainingGroup):
             self._pending = collections.deque(False for _ in self._pending)
             self._worker.close()
             self._worker = None
-        self.dedicated = dedicated_modules(group.shared, self._patterns)
+        # A shared part that updates running statistics (a frozen BatchNorm in train mode)
+        # runs in place, in order: a copy computing ahead would update its own statistics.
+        self.dedicated = ([] if getattr(group, "holds_state", False)
+                          else dedicated_modules(group.shared, self._patterns))
         if self.dedicated:
             first = next(iter(self.runs.values()))
             self._worker = EncoderWorker(group.shared, self._device, first.device)

@@ -284,9 +284,14 @@ class TrainingGroup:
                 "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
                 "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
                 # what the plan's passes left it: nodes computed once, evaluations per step
-                **({"shared_nodes": len(self._plan.shared),
-                    "executions": self._plan.executions()} if self._plan is not None else {}),
+                # (the group's own plan: frozen BatchNorms keyed by their statistics)
+                **({"shared_nodes": len(self._built_plan().shared),
+                    "executions": self._built_plan().executions()} if self._plan is not None else {}),
                 **self.extra}
+
+    def _built_plan(self) -> LogicalPlan:
+        """The plan the group module was built from (``GroupModule.plan``), else the one given."""
+        return getattr(self._group, "plan", None) or self._plan
 
     def _typical_step_s(self) -> float | None:
         """The median of the segment's steps after the first (None before two steps): its

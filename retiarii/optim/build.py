@@ -60,6 +60,7 @@ from . import emit_cache
 from .group_graph import Batch, Cell, merged_graph
 from .plan import LogicalPlan, PlanError, Role, may_draw_random
 from .regions import Region, batch_regions
+from .state import StateMirror, SyncHook, check_untied, state_digests, with_states
 
 __all__ = ["GroupError", "GroupModule", "build_group"]
 
@@ -76,13 +77,24 @@ class GroupModule(nn.Module):
         graph: the merged IR (a Graph: inputs, the ``shared`` cell, the batched cells, one
             cell per model and stage).
         trials: the trial ids, in plan order.
+        plan: the plan it was built from, its frozen BatchNorms keyed by the running
+            statistics the models held (optim/state.py): what it really shares.
+        holds_state: the shared cell updates running statistics (a frozen BatchNorm in
+            train mode): it must run here, in order, not ahead on another device.
     """
 
     def __init__(self, graph: Graph, shared: nn.Module, frontier: list[str],
                  cells: list[Cell], batches: list[Batch], trials: tuple[str, ...],
-                 models: Mapping[str, nn.Module]):
+                 models: Mapping[str, nn.Module], plan: LogicalPlan | None = None,
+                 mirrors: list[StateMirror] | None = None):
         super().__init__()
         self.graph = graph
+        self.plan = plan
+        self.holds_state = bool(mirrors) or (plan is not None and any(
+            plan.nodes[k].stateful for k in plan.shared))
+        if mirrors:  # after every call of the shared cell, whoever calls it (a measurement
+            # times it alone): each holder's running statistics, as if it ran alone
+            shared.register_forward_hook(SyncHook(list(mirrors)))
         self.shared = shared
         self.parts = nn.ModuleDict({c.name: c.module for c in cells})
         self.batched = nn.ModuleDict({b.name: b.module for b in batches})
@@ -360,6 +372,9 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
     missing = [t for t in trials if t not in models]
     if missing:
         raise GroupError(f"no built model for trials {missing}")
+    # Frozen BatchNorms are shared among the models whose running statistics are equal now
+    # (state.py): re-keyed by their values, the others' copies stay their own.
+    plan = with_states(plan, state_digests(plan, models)).plan
     roots = plan.data_roots(trials[0])
     if len(trials) > 1 and any(plan.data_roots(t) != roots or r not in plan.shared
                                for t in trials for r in plan.data_roots(t)):
@@ -371,13 +386,18 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
     rep_node = {k: graphs[plan.nodes[k].holders[0]].node_by_uid(inv[plan.nodes[k].holders[0]][k])
                 for k in plan.shared}
 
-    # 1. One object per shared frozen value: every holder's model now holds the first's.
+    # 1. One object per shared frozen value: every holder's model now holds the first's. A
+    # frozen module with running statistics stays each model's own object (their values are
+    # each model's state, saved in its checkpoint): the group runs the first holder's and
+    # copies its statistics into the others' after each run (a StateMirror).
+    mirrors: list[StateMirror] = []
     for key in plan.shared:
         node = plan.nodes[key]
         if node.role is not Role.FROZEN:
             continue
         first, attr = node.holders[0], rep_node[key].attr
         keep = _get(models[first], attr)
+        copies: list[nn.Module] = []
         for other in node.holders[1:]:
             other_attr = graphs[other].node_by_uid(inv[other][key]).attr
             mine = _get(models[other], other_attr)
@@ -388,7 +408,17 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                     f"frozen {rep_node[key].name!r} has different values in trials {first} "
                     f"and {other}: frozen values come from the space's base model, so build "
                     f"both from one space (ModelSpace.build) before grouping them")
-            _set(models[other], other_attr, keep)
+            if node.stateful:
+                copies.append(mine)
+            else:
+                _set(models[other], other_attr, keep)
+        if node.stateful:
+            try:
+                check_untied(plan, models, key)
+            except PlanError as err:
+                raise GroupError(str(err)) from None
+        if copies:
+            mirrors.append(StateMirror(keep, copies))
 
     # 2. The shared cell: the data inputs, then every shared key in plan (topological) order.
     index = {t: i for i, t in enumerate(trials)}
@@ -534,7 +564,7 @@ def build_group(plan: LogicalPlan, models: Mapping[str, nn.Module]) -> GroupModu
                                                   cell_attr[n.attr][1]), _device(models))
     merged = merged_graph(shared_cell, frontier, cells, cell_graphs, batches, trials)
     return GroupModule(merged, shared_module, frontier, cells, batches, trials,
-                       {t: models[t] for t in trials})
+                       {t: models[t] for t in trials}, plan, mirrors)
 
 
 def _region_batch(name: str, region: Region, plan: LogicalPlan, srcs: list[Node],

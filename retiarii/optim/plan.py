@@ -67,7 +67,8 @@ class Role(enum.Enum):
 
     DATA = "data"  # an input node: the data pipeline, keyed by the trainer's data key
     CONST = "const"  # a tensor constant, or a non-persistent buffer read directly
-    FROZEN = "frozen"  # frozen base values (a frozen module or parameter, unchanged by mutations)
+    FROZEN = "frozen"  # frozen base values (a frozen module or parameter, unchanged by
+    # mutations); a frozen BatchNorm's running statistics are its state (PlanNode.stateful)
     PURE = "pure"  # weightless and deterministic: relu, add, a pooling layer, a merge
     OWN = "own"  # trainable, stateful (persistent buffers), random, or the output
 
@@ -80,6 +81,11 @@ class PlanModel:
     model: Model  # graph + mutation history + base index (ModelSpace.sample / replay)
     data_key: str | None  # Trainer.data_key(hparams); None: shares no data pipeline
     hparams: dict = field(default_factory=dict)
+    # node uid -> digest of a stateful frozen node's state (a frozen BatchNorm's running
+    # statistics) at the segment start (optim/state.py); a node missing here is keyed as of
+    # unknown state (None), equal in every model: the driver plans so, and the group checks
+    # the values before it shares them.
+    state: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class PlanNode:
     name: str  # the node's name in the first model holding it (for messages)
     holders: tuple[str, ...]  # trial ids of the models holding it, plan order
     op_key: str = ""  # the key without the inputs: equal for one frozen op fed other values
+    stateful: bool = False  # FROZEN with running statistics that train mode updates
 
 
 @dataclass(frozen=True)
@@ -373,8 +380,10 @@ def _node_role(node: Node, frozen_ok: bool) -> Role:
         return Role.FROZEN if frozen_ok and spec.get("requires_grad") is False else Role.OWN
     if op.kind == "module":
         params, persistent, random = module_facts(json.dumps(spec, sort_keys=True))
-        if random or persistent:
+        if random:
             return Role.OWN
+        if persistent:  # state: the model's own, unless frozen running statistics (below)
+            return Role.FROZEN if frozen_ok and spec.get("frozen") else Role.OWN
         if not params:
             return Role.PURE
         return Role.FROZEN if frozen_ok and spec.get("frozen") else Role.OWN
@@ -384,6 +393,13 @@ def _node_role(node: Node, frozen_ok: bool) -> Role:
     if _random_name(name) or name in _STATEFUL_FUNCTIONS:
         return Role.OWN
     return Role.PURE
+
+
+def _stateful(node: Node) -> bool:
+    """Whether a module node keeps persistent buffers (for a frozen one: running
+    statistics, modspec.is_frozen)."""
+    return node.kind == "module" and module_facts(
+        json.dumps(node.op.spec or {}, sort_keys=True))[1]
 
 
 def _origin(model: Model, base_uids, node: Node, made: dict[int, int]) -> list:
@@ -453,19 +469,23 @@ def build_plan(models: Iterable[PlanModel]) -> LogicalPlan:
                                 f"input port {inputs.index(None)}")
             in_keys = [mine[i.uid] for i in inputs]
             role = _node_role(node, frozen_ok=node.uid in base_uids and node.uid not in changed)
+            stateful = role is Role.FROZEN and _stateful(node)
             if role is Role.DATA:
                 payload = ["data", pm.data_key if pm.data_key is not None else
                            ["alone", pm.trial_id], positions[node.uid], _op_data(node)]
             else:
                 payload = [role.value, _origin(model, base_uids, node, made), _op_data(node),
                            in_keys, pm.trial_id if role is Role.OWN else None]
+                if stateful:  # what it computes depends on its running statistics too
+                    payload.append(["state", pm.state.get(node.uid)])
             key = mine[node.uid] = _hash(payload)
             entry = nodes.get(key)
             if entry is None:
                 op_key = _hash(payload[:3] + payload[4:]) if role is not Role.DATA else key
                 nodes[key] = {"key": key, "role": role, "inputs": tuple(in_keys),
                               "mutates": _mutates(node), "name": node.name,
-                              "holders": [pm.trial_id], "op_key": op_key}
+                              "holders": [pm.trial_id], "op_key": op_key,
+                              "stateful": stateful}
             elif pm.trial_id not in entry["holders"]:
                 entry["holders"].append(pm.trial_id)
         keys[pm.trial_id] = mine

@@ -197,9 +197,11 @@ class Relaxation(nn.Module):
             with torch.no_grad():
                 for key, value in self.space._frozen[model.base].get(attr, {}).items():
                     name = key[len(attr) + 1:] if node.kind == "module" else "value"
-                    param = target.get_parameter(name)
-                    param.copy_(value)
-                    param.requires_grad_(False)
+                    owner, _, leaf = name.rpartition(".")
+                    tensor = getattr(target.get_submodule(owner), leaf)  # a frozen BatchNorm's
+                    tensor.copy_(value)  # running statistics are buffers
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.requires_grad_(False)
 
     # ---- modes ------------------------------------------------------------------------------
     def set_mode(self, mode: str, **settings: Any) -> None:

@@ -193,7 +193,9 @@ class SuperGraph:
             with torch.no_grad():
                 for name, value in self.space._frozen[base].get(op.attr, {}).items():
                     local = name[len(op.attr) + 1:] if name != op.attr else "value"
-                    module.get_parameter(local).copy_(value)
+                    # a parameter, or a frozen BatchNorm's running statistics (buffers)
+                    owner, _, leaf = local.rpartition(".")
+                    getattr(module.get_submodule(owner), leaf).copy_(value)
         if op.frozen:
             module.requires_grad_(False)
         module.to(self.device)
