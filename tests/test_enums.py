@@ -25,8 +25,7 @@ STRATEGIES = Path(rt.__file__).parent / "strategies"
     lambda mode: rt.strategies.HyperTrick("acc", mode),
     lambda mode: rt.strategies.MedianStopping("acc", mode),
     lambda mode: rt.strategies.PBT("acc", mode, {"lr": rt.strategies.Continuous(0.1, 1.0)}),
-    lambda mode: rt.Experiment(space, rt.strategies.Random(seed=0), trainer, mode=mode,
-                               executor=object()),
+    lambda mode: rt.Experiment(space, rt.strategies.Random(seed=0), trainer, mode=mode),
 ], ids=["strategy", "asha", "hyperband", "hypertrick", "median", "pbt", "experiment"])
 def test_every_mode_is_parsed_by_one_helper(make, tmp_path):
     with pytest.raises(ValueError, match="mode must be 'max' or 'min', got 'maximize'"):

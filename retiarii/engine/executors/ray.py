@@ -80,6 +80,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ..errors import EnvironmentFailure
 from . import ray_health
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
+from .ray_ranks import split_runtime_env
 from .ray_worker import WorkerActor
 
 __all__ = ["RayExecutor", "start_local_ray"]
@@ -361,8 +362,11 @@ class RayExecutor(Executor):
         if self._closed:
             raise RuntimeError("RayExecutor used after close(); create a new executor")
         self._started = True
+        job_env, actor_env = split_runtime_env(self.runtime_env)
         if self.address is not None:
-            ray.init(address=self.address)
+            # a local folder (the space file's, docs/ray.md) travels as the job's working_dir:
+            # Ray uploads it at ray.init; an actor's options may name only URIs
+            ray.init(address=self.address, **({"runtime_env": job_env} if job_env else {}))
             self._owns_ray = True
         elif not ray.is_initialized():
             # each slot, and the K rank actors of a ranked segment it runs
@@ -377,8 +381,8 @@ class RayExecutor(Executor):
                                    "max_task_retries": 0}
         if self.resources:
             options["resources"] = self.resources
-        if self.runtime_env:
-            options["runtime_env"] = self.runtime_env
+        if actor_env:  # (a private local instance reads the folder where it is)
+            options["runtime_env"] = actor_env
         self._actor_class = ray.remote(WorkerActor).options(**options)
         for slot in self._slots:
             self._create(slot)

@@ -55,7 +55,8 @@ from ...optim.mixed_parallel import (
     DEFAULT_TIMEOUT, RankError, gather_segment, loopback_interface, segment_rank,
 )
 
-__all__ = ["PlacementError", "RankGroup", "RankLost", "run_segment_on_actors", "remove_groups"]
+__all__ = ["PlacementError", "RankGroup", "RankLost", "run_segment_on_actors", "remove_groups",
+           "split_runtime_env"]
 
 # How long the placement group may take to be placed when the caller gives no limit.
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
@@ -199,8 +200,9 @@ class RankGroup:
                 "free. Give fewer ranks, smaller num_cpus/num_gpus, or a larger cluster")
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                                    "max_restarts": 0, "max_task_retries": 0}
-        if self.runtime_env:
-            options["runtime_env"] = self.runtime_env
+        actor_env = split_runtime_env(self.runtime_env)[1]  # the job's part: uploaded already
+        if actor_env:
+            options["runtime_env"] = actor_env
         cls = ray.remote(_RankActor)
         threads = max(1, int(self.num_cpus))
         for rank in range(world):
@@ -349,3 +351,19 @@ def remove_groups(*prefixes: str) -> int:
             except (ValueError, RayError):
                 pass  # removed meanwhile
     return removed
+
+
+def split_runtime_env(env: dict | None) -> tuple[dict, dict]:
+    """(the job's, the actors') parts of a Ray runtime environment: a ``working_dir`` (with its
+    ``excludes``) or ``py_modules`` naming local paths are uploaded by ``ray.init``, the job's;
+    the rest (pip, env_vars, URIs) is given to each actor."""
+    job: dict = {}
+    actor: dict = {}
+    for key, value in (env or {}).items():
+        local = key == "working_dir" and isinstance(value, str) and "://" not in value
+        if key == "py_modules":
+            local = any(isinstance(m, str) and "://" not in m for m in value)
+        (job if local or key == "excludes" else actor)[key] = value
+    if "excludes" in job and "working_dir" not in job and "py_modules" not in job:
+        actor["excludes"] = job.pop("excludes")
+    return job, actor
