@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 
 class SampleError(ValueError):
@@ -160,3 +160,20 @@ class PrefixSampler:
         self.arity.append(len(candidates))
         self.labels.append(label)
         return self.prefix[i] if i < len(self.prefix) else 0
+
+
+def walk_choices(run: Callable[[list[int]], tuple[Any, list[int]]]) -> Iterator[Any]:
+    """Every model of a finite tree of choices, once each, in a deterministic order (the
+    leftmost first): ``run(prefix)`` samples with a :class:`PrefixSampler` over ``prefix`` and
+    returns (the model, the arity of each choice it reached)."""
+    prefix: list[int] = []
+    while True:
+        model, arity = run(prefix)
+        yield model
+        full = prefix + [0] * (len(arity) - len(prefix))
+        j = len(full) - 1
+        while j >= 0 and full[j] + 1 >= arity[j]:
+            j -= 1
+        if j < 0:
+            return
+        prefix = full[:j] + [full[j] + 1]

@@ -32,7 +32,8 @@ from .choice_tracing import trace_space
 from .choices import ValueChoice
 from .graph import Graph
 from .mutator import BoundMutator, Context, Mutator
-from .sampler import PrefixSampler, RandomSampler, ReplaySampler, SampleError, as_sampler
+from .sampler import (PrefixSampler, RandomSampler, ReplaySampler, SampleError, as_sampler,
+                      walk_choices)
 from .shapes import has_lazy, propagate
 
 _TOUCHING = {"replace": ("node",), "delete_node": ("node",), "connect": ("dst",),
@@ -356,17 +357,7 @@ class ModelSpace:
         if self.open_ended:
             raise SpaceError("the space is unbounded (it has open-ended mutators); it cannot "
                              "be enumerated")
-        prefix: list[int] = []
-        while True:
-            model, arity = self._run(prefix)
-            yield model
-            full = prefix + [0] * (len(arity) - len(prefix))
-            j = len(full) - 1
-            while j >= 0 and full[j] + 1 >= arity[j]:
-                j -= 1
-            if j < 0:
-                return
-            prefix = full[:j] + [full[j] + 1]
+        yield from walk_choices(self._run)
 
     def size(self, exact: bool = False) -> int | float:
         """The number of distinct samples, counted without emitting any module.

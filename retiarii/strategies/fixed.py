@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from ..sampler import PrefixSampler, ReplaySampler, SampleError
+from ..sampler import PrefixSampler, ReplaySampler, SampleError, walk_choices
 from .base import Draw, SpaceExhausted, Strategy
 
 
@@ -20,17 +20,7 @@ class _FixedView:
         return model, free.arity
 
     def enumerate(self) -> Iterator[Any]:
-        prefix: list[int] = []
-        while True:
-            model, arity = self._run(prefix)
-            yield model
-            full = prefix + [0] * (len(arity) - len(prefix))
-            j = len(full) - 1
-            while j >= 0 and full[j] + 1 >= arity[j]:
-                j -= 1
-            if j < 0:
-                return
-            prefix = full[:j] + [full[j] + 1]
+        return walk_choices(self._run)
 
 
 class FixedArchitecture(Strategy):
