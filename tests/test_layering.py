@@ -188,9 +188,9 @@ OVER = {"retiarii.optim.build": 615,
         "retiarii.engine.grouped": 589,
         "retiarii.graph": 576,
         "retiarii.engine.trials": 564,
-        "retiarii.engine.executors.ray": 561,
         "retiarii.engine.store": 559,
         "retiarii.optim.relax": 534,
+        "retiarii.engine.executors.ray": 533,
         "retiarii.engine.executors.local": 520,
         "retiarii.optim.mixed_parallel": 519}
 

@@ -69,7 +69,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from typing import Any
@@ -80,44 +79,13 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from ..errors import EnvironmentFailure
 from . import ray_health
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
-from .ray_ranks import split_runtime_env
+from .ray_local import split_runtime_env, start_local_ray
 from .ray_worker import WorkerActor
 
 __all__ = ["RayExecutor", "start_local_ray"]
 
 _log = logging.getLogger("retiarii.engine.ray")
 _WAIT_SLICE = 60.0  # longest single ray.wait when next_event has no timeout (re-entered after)
-
-
-def start_local_ray(num_cpus: float, num_gpus: float | None = None) -> str:
-    """Start a private Ray instance on this machine that listens on 127.0.0.1 only.
-
-    No dashboard, and a temporary directory of its own (sockets, logs, the object store's
-    spill files), which the caller removes after ``ray.shutdown()``.
-
-    Example::
-
-        temp_dir = start_local_ray(num_cpus=4)
-        ...
-        ray.shutdown(); shutil.rmtree(temp_dir, ignore_errors=True)
-
-    Args:
-        num_cpus: logical CPUs the instance offers (Ray schedules by these, not by cores).
-        num_gpus: GPUs it offers; None lets Ray count the visible ones.
-
-    Returns:
-        The instance's temporary directory.
-    """
-    temp_dir = tempfile.mkdtemp(prefix="retiarii-ray-")
-    try:
-        # address="local": a new instance even when RAY_ADDRESS names a cluster.
-        # _node_ip_address: every server (GCS, raylet, object manager, workers) binds to it.
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir)
-    except BaseException:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise
-    return temp_dir
 
 
 # ---- the driver's side ----------------------------------------------------------------------

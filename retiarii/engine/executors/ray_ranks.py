@@ -55,8 +55,9 @@ from ...optim.mixed_parallel import (
     DEFAULT_TIMEOUT, RankError, gather_segment, loopback_interface, segment_rank,
 )
 
-__all__ = ["PlacementError", "RankGroup", "RankLost", "run_segment_on_actors", "remove_groups",
-           "split_runtime_env"]
+from .ray_local import split_runtime_env
+
+__all__ = ["PlacementError", "RankGroup", "RankLost", "run_segment_on_actors", "remove_groups"]
 
 # How long the placement group may take to be placed when the caller gives no limit.
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
@@ -351,19 +352,3 @@ def remove_groups(*prefixes: str) -> int:
             except (ValueError, RayError):
                 pass  # removed meanwhile
     return removed
-
-
-def split_runtime_env(env: dict | None) -> tuple[dict, dict]:
-    """(the job's, the actors') parts of a Ray runtime environment: a ``working_dir`` (with its
-    ``excludes``) or ``py_modules`` naming local paths are uploaded by ``ray.init``, the job's;
-    the rest (pip, env_vars, URIs) is given to each actor."""
-    job: dict = {}
-    actor: dict = {}
-    for key, value in (env or {}).items():
-        local = key == "working_dir" and isinstance(value, str) and "://" not in value
-        if key == "py_modules":
-            local = any(isinstance(m, str) and "://" not in m for m in value)
-        (job if local or key == "excludes" else actor)[key] = value
-    if "excludes" in job and "working_dir" not in job and "py_modules" not in job:
-        actor["excludes"] = job.pop("excludes")
-    return job, actor
