@@ -414,3 +414,17 @@ def test_seed_chapter_experiment_reclaims_compute_and_keeps_the_winner(sched):
     assert ours["best"] == base["best"]  # the chapter's winner, trial #39
     assert 1 - ours["epochs"] / base["epochs"] >= 0.35
     assert ours["wall"] < base["wall"]
+
+
+def test_the_timeline_keeps_the_latest_jobs_only(monkeypatch):
+    """The driver's memory does not grow with every job of a long search: the timeline keeps
+    the latest TIMELINE_JOBS finished jobs (the torture suite's long run found 0.5 KiB kept per
+    job before)."""
+    import retiarii.engine.trials as trials_module
+
+    monkeypatch.setattr(trials_module, "TIMELINE_JOBS", 4)
+    ex, runner = make(5, Scheduler(), workers=2, max_steps=3)
+    assert runner.run()
+    assert len(runner.timeline) == 4  # of 15 jobs, the last four
+    ends = [e["end"] for e in runner.timeline]
+    assert ends == sorted(ends) and ends[-1] == ex.now()

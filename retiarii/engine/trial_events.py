@@ -5,9 +5,15 @@ applied, or a retry (the base class of :class:`~.trials.TrialRunner`, which owns
 the trials, the journal and the executor).
 
 A result is fed to the scheduler at once, except a segment's last, which waits for the
-segment's checkpoint (a decision to continue must find one to continue from). A failure's kind
-decides the retry (:meth:`TrialEvents._fail`, the policy of the module docstring of
-:mod:`.trials`).
+segment's checkpoint (a decision to continue must find one to continue from).
+
+The failure policy (:meth:`TrialEvents._fail`): a failure's
+:class:`~.executors.base.FailureKind` decides the retry. The model's own failure is
+deterministic, so it fails the trial at once (unless ``model_retries`` asks otherwise); the
+environment's (I/O, a lost worker, out of memory) is retried ``max_failures`` times in a row,
+and when it persists the runner stops cleanly with the reason (``stop_reason``), leaving the
+trial resumable; an unreadable checkpoint is dropped and the trial resumes from its newest
+earlier one. Any other move than the lifecycle's raises :class:`~.trial.IllegalTransition`.
 """
 from __future__ import annotations
 

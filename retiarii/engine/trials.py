@@ -1,13 +1,7 @@
 """The control loop that steers trials with a scheduler's decisions: the :class:`TrialRunner`.
 
 A :class:`~.trial.Trial` moves through ``PENDING -> RUNNING -> PAUSED <-> RUNNING -> TERMINATED``, with
-``RUNNING -> ERRORED -> PENDING`` on a retry from its last checkpoint; any other move raises
-:class:`IllegalTransition`. A failure's :class:`~.executors.base.FailureKind` decides the retry:
-the model's own failure is deterministic, so it fails the trial at once (unless
-``model_retries`` asks otherwise); the environment's (I/O, a lost worker, out of memory) is
-retried ``max_failures`` times in a row, and when it persists the runner stops cleanly with the
-reason (:attr:`TrialRunner.stop_reason`), leaving the trial resumable; an unreadable checkpoint
-is dropped and the trial resumes from its newest earlier one.
+``RUNNING -> ERRORED -> PENDING`` on a retry (the failure policy: :mod:`.trial_events`).
 
 The :class:`TrialRunner` keeps every executor slot busy: it trains each trial one *segment*
 (a :class:`~.executors.Job`) at a time, asks the scheduler for a
@@ -22,6 +16,7 @@ beyond :class:`~retiarii.strategies.scheduler.Scheduler`.
 """
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Callable, Hashable
 
@@ -40,6 +35,9 @@ __all__ = ["TrialRunner", "failure_of", "Trial", "TrialState", "ALLOWED", "Illeg
            "Journal", "MemoryJournal"]
 
 _log = logging.getLogger("retiarii.engine")
+
+# Finished jobs kept in TrialRunner.timeline (Gantt charts, benchmarks/schedulers.py): ~5 MiB.
+TIMELINE_JOBS = 10_000
 
 
 class TrialRunner(TrialEvents):
@@ -116,7 +114,9 @@ class TrialRunner(TrialEvents):
         self.stop_reason: str | None = None  # why the run stopped with work left (environment)
         self.trials: dict[str, Trial] = {}
         self.steps_trained = 0  # every step any job reported, replays included
-        self.timeline: list[dict] = []  # one entry per finished job: worker, start, end
+        # one entry per finished job (worker, start, end), the latest TIMELINE_JOBS only: a
+        # search of 100,000 models must not keep 0.5 KiB per job in the driver forever
+        self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_JOBS)
         self._order: dict[str, int] = {}
         self._inflight: dict[str, JobFlight] = {}  # job id -> its trials
         self._flights: dict[str, Flight] = {}  # trial id -> its segment in flight
