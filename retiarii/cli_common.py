@@ -36,9 +36,21 @@ class Progress:
         # summary["best"] ranks finished trials only: the best never goes down
         best = f"{summary['best'][0]['value']:.4f}" if summary["best"] else "-"
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} trials done, "
-                f"{summary.get('running', 0)} running, best {best}")
+                f"{running_text(summary)}, best {best}")
         print(("\r" if self.tty else "") + line, end="" if self.tty else "\n",
               file=sys.stderr, flush=True)
+
+
+def running_text(summary: dict) -> str:
+    """What trains now, in the words of the workers' view: ``2 jobs, 11 models training``
+    (a grouped job trains several models on one worker), or ``3 models training`` when each
+    job is one model."""
+    models = summary.get("running", 0)
+    jobs = summary.get("jobs", models)
+    noun = "model" if models == 1 else "models"
+    if jobs == models:
+        return f"{models} {noun} training"
+    return f"{jobs} job{'' if jobs == 1 else 's'}, {models} {noun} training"
 
 
 def format_table(rows: list[list], headers: list[str]) -> str:

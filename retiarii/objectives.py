@@ -139,6 +139,12 @@ class Objectives:
         return len(self.metrics) > 1
 
     @property
+    def extended(self) -> bool:
+        """More than one plain metric (several objectives, or constraints): what a search's
+        config and store record beyond a single value."""
+        return self.multi or bool(self.constraints)
+
+    @property
     def needed(self) -> tuple[str, ...]:
         """Every metric the objectives and constraints read, objectives first."""
         extra = [c.metric for c in self.constraints if c.metric not in self.metrics]

@@ -424,3 +424,17 @@ def test_the_batching_pass_is_opt_in_and_recorded(tmp_path):
     assert all(r["passes"] == ["cse"] for r in _plans(plain))
     with pytest.raises(rt.ExperimentError, match="batching='yes'"):
         rt.Experiment(space, rt.strategies.Random(), TRAINER, batching="yes")
+
+
+def test_progress_counts_jobs_and_models(tmp_path):
+    """With grouped jobs a worker trains several models at once: the progress line says jobs
+    and models ("1 job, 3 models training"), not "3 running" on a machine with one worker."""
+    from retiarii.cli_common import running_text
+
+    seen = []
+    _run(tmp_path, "progress", optimize=True, max_models=4, progress=seen.append)
+    grouped = [s for s in seen if s["jobs"] < s["running"]]
+    assert grouped, [(s["jobs"], s["running"]) for s in seen]
+    assert running_text({"running": 3, "jobs": 1}) == "1 job, 3 models training"
+    assert running_text({"running": 2, "jobs": 2}) == "2 models training"
+    assert running_text({"running": 1}) == "1 model training"

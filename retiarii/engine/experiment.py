@@ -222,7 +222,7 @@ class Experiment(Proposals):
                                                                  ExperimentError,
                                                                  weight_sharing)
         self.one_shot = isinstance(strategy, OneShot)
-        if self.one_shot and self._outcomes_extended():
+        if self.one_shot and self.objectives.extended:
             raise ExperimentError(f"{type(strategy).__name__} is a one-shot search of one "
                                   f"metric: several objectives and constraints need a "
                                   f"multi-trial strategy (evolution, random, grid)")
@@ -272,9 +272,6 @@ class Experiment(Proposals):
         self._lock: StoreLock | None = None
         self._data_keys: dict[str, Any] = {}  # hparams (JSON) -> the trainer's data key
 
-    def _outcomes_extended(self) -> bool:
-        return self.objectives.multi or bool(self.objectives.constraints)
-
     def _cost_meter(self) -> CostMeter:
         """The meter of the costs the objectives read (on this machine's CPU, one thread)."""
         if self._meter is None or self._meter.store is not self.store:
@@ -316,7 +313,7 @@ class Experiment(Proposals):
                 "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
                 "mode": self.mode, "dedup": self.dedup, **self._determinism(),
                 # left out for one metric: stores from before several objectives still resume
-                **({"objectives": self.objectives.to_json()} if self._outcomes_extended()
+                **({"objectives": self.objectives.to_json()} if self.objectives.extended
                    else {}), **({"costs": sorted(self.costs)} if self.costs else {})}
 
     def _determinism(self) -> dict:
@@ -581,9 +578,10 @@ class Experiment(Proposals):
         else:
             best = store.best_models(self.metric, self.mode, 5, finished=True)
         runner = getattr(self, "runner", None)
-        running = runner.running if runner is not None else counts.get("RUNNING", 0)
+        running, jobs = ((runner.running, runner.jobs_running) if runner is not None
+                         else (counts.get("RUNNING", 0),) * 2)
         out = {"store": self.path, "models": self._count, "trials": counts, "best": best,
-               "running": running, "max_models": self.max_models}
+               "running": running, "jobs": jobs, "max_models": self.max_models}
         if self.objectives.multi:  # the result: every model on the front
             out["pareto"] = FrontTable(store).front()
             out["objectives"] = self.objectives.to_json()

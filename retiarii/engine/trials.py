@@ -114,8 +114,7 @@ class TrialRunner(TrialEvents):
         self.stop_reason: str | None = None  # why the run stopped with work left (environment)
         self.trials: dict[str, Trial] = {}
         self.steps_trained = 0  # every step any job reported, replays included
-        # one entry per finished job (worker, start, end), the latest TIMELINE_JOBS only: a
-        # search of 100,000 models must not keep 0.5 KiB per job in the driver forever
+        # finished jobs (worker, start, end), the latest only: 0.5 KiB a job is not kept forever
         self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_JOBS)
         self._order: dict[str, int] = {}
         self._inflight: dict[str, JobFlight] = {}  # job id -> its trials
@@ -176,17 +175,20 @@ class TrialRunner(TrialEvents):
                 or (self.max_time is not None and self.executor.now() >= self.max_time))
 
     def checkpoints(self) -> list[tuple[str, int, str]]:
-        """(trial, step, name) of every checkpoint written (input to garbage collection); a
-        name's file is ``self.folder.path(name)``."""
+        """(trial, step, name: ``self.folder.path(name)``) of every checkpoint written."""
         return [(t, s, p) for t, tr in self.trials.items()
                 for s, p in sorted(tr.checkpoints.items())]
 
     @property
     def running(self) -> int:
-        """Trials training now: a segment in flight and not yet ended (a trial whose end is
-        being handled still has its flight until its last event)."""
+        """Trials training now: a segment in flight, the trial RUNNING."""
         return sum(1 for f in self._flights.values()
                    if f.trial_id in self.trials and self.trials[f.trial_id].state is TrialState.RUNNING)
+
+    @property
+    def jobs_running(self) -> int:
+        """Jobs in flight (a grouped job trains several trials: ``running`` counts those)."""
+        return len(self._inflight)
 
     def states(self) -> dict[str, TrialState]:
         return {t: tr.state for t, tr in self.trials.items()}
@@ -379,7 +381,10 @@ class TrialRunner(TrialEvents):
             # placing.py: evenly, or packed by profiles
             for pack in self.packer.packs(batch, free, self.planner.memory.alone_s):
                 self._launch(pack)
-                self._note_packing(pack[0])
+                flight, note = self._flights.get(pack[0].trial_id), self.packer.take_note(
+                    pack[0].trial_id)  # the pack's decision, kept on its job for the plans table
+                if note is not None and flight is not None and flight.job_id in self._inflight:
+                    self._inflight[flight.job_id].extra["packing"] = note
 
     def _next_trial(self, key: Hashable | None = None, taken: frozenset = frozenset(),
                     new: bool = True) -> Trial | None:
@@ -544,14 +549,6 @@ class TrialRunner(TrialEvents):
             out.append(trial)
             taken = taken | {trial.trial_id}
         return out
-
-    def _note_packing(self, first: Trial) -> None:
-        """After launching a pack led by ``first``: keep its packing decision on its job
-        (``JobFlight.extra["packing"]``), for the plans table."""
-        note = self.packer.take_note(first.trial_id)
-        flight = self._flights.get(first.trial_id)
-        if note is not None and flight is not None and flight.job_id in self._inflight:
-            self._inflight[flight.job_id].extra["packing"] = note
 
     def _close_leftovers(self) -> None:
         """The search is over: trials the scheduler never ran again are terminated."""
