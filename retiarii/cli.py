@@ -421,6 +421,9 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--pareto", action="store_true",
                         help="a search of several objectives: list the models of its Pareto "
                              "front with their values")
+    status.add_argument("--model", type=int, default=None, metavar="ID",
+                        help="one model in full: its whole sample, value, why it failed, its "
+                             "trials' curves (the table cuts long samples)")
     status.add_argument("--errors", action="store_true",
                         help="show each ERRORED trial's whole traceback (default: one line)")
     status.set_defaults(fn=cmd_status)

@@ -26,6 +26,15 @@ def cmd_status(args) -> int:
     if is_one_shot(exp["config"]):
         print_status(store, args.db, args.json, format_table)
         return 0
+    if getattr(args, "model", None) is not None:  # one model in full
+        from .cli_model import model_detail, print_model
+
+        detail = model_detail(store, args.model)
+        if args.json:
+            print(json.dumps(detail, indent=2))
+        else:
+            print_model(detail)
+        return 0
     metric, mode = store_metric(store)
     objectives = objectives_of(exp["config"])
     several = objectives is not None and objectives.multi
