@@ -107,18 +107,27 @@ def optimization_line(plans: dict) -> str:
     """One paragraph on cross-model optimization: grouped jobs, merged models, speed-up."""
     jobs = ", ".join(f"{n} {status}" for status, n in sorted(plans["jobs"].items()))
     text = f"cross-model optimization: grouped jobs {jobs}; {plans['merged_trials']} trials trained merged"
-    if "speedup" in plans:
+    if "speedup" in plans:  # the whole segments, as measured: one figure per run
         s = plans["speedup"]
-        text += (f"; measured speed-up {s['median']}x (median of {s['measured_jobs']} jobs, "
-                 f"{s['min']}x-{s['max']}x)")
+        text += (f"; merged jobs ran at {s['median']}x the speed of their models apart (median "
+                 f"of {s['measured_jobs']} jobs, {s['min']}x-{s['max']}x)")
+        if plans.get("saved_s") is not None:
+            saved = plans["saved_s"]
+            text += f", saving {saved:.1f} s" if saved >= 0 else f", costing {-saved:.1f} s"
+        if plans.get("slower_kept"):
+            text += (f"; {plans['slower_kept']} of them slower than apart, kept until a second "
+                     f"slower segment confirms it (one noisy segment reverts nothing)")
+    if plans.get("shared"):
+        text += (f"; each merged job computed {plans['shared']['nodes']:g} nodes once for "
+                 f"{plans['shared']['models']:g} models (medians)")
     if plans.get("fused_trials"):
         text += f"; {plans['fused_trials']} trained fused"
     if plans.get("unfused_after_revert"):
         text += f"; fusion reverted for {plans['unfused_after_revert']}"
     if plans.get("alone_after_revert_or_failure"):
         text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
-    for line in plans.get("layouts", []):
-        text += f"\n  layout {line}"
+    for line in plans.get("layouts", []):  # measured on a group's first batches
+        text += f"\n  layout chosen on first batches, {line}"
     packing = plans.get("packing")
     if packing:
         text += (f"\n  packing: {packing['packs']} packs, {packing['models_per_pack']} models per "

@@ -372,8 +372,30 @@ def test_status_prints_the_layout_of_each_group_key():
     text = optimization_line({"jobs": {"merged": 3}, "merged_trials": 8,
                                "layouts": ["cpu: fused 2.40x (cse 1.30x)",
                                            "cpu: separate: cse 1.02x, fused 0.64x"]})
-    assert "\n  layout cpu: fused 2.40x (cse 1.30x)" in text
-    assert "\n  layout cpu: separate: cse 1.02x, fused 0.64x" in text
+    assert "\n  layout chosen on first batches, cpu: fused 2.40x (cse 1.30x)" in text
+    assert "\n  layout chosen on first batches, cpu: separate: cse 1.02x, fused 0.64x" in text
+
+
+def test_status_gives_one_figure_per_run_with_what_was_shared_and_the_time_saved():
+    """#28: one speed-up figure (whole segments), the time it saved, what was shared, and a
+    job kept while slower said so (it used to read "0.156x" yet "merged" with no word)."""
+    from retiarii.cli import optimization_line
+
+    rows = [{"status": "merged", "speedup": 2.0, "seconds": 3.0, "trials": ["a", "b"],
+             "alone": [], "reason": "", "packing": None,
+             "units": [{"merged": True, "trials": ["a", "b"], "shared_nodes": 9}]},
+            {"status": "merged", "speedup": 0.5, "seconds": 2.0, "trials": ["c", "d"],
+             "alone": [], "reason": "", "packing": None,
+             "units": [{"merged": True, "trials": ["c", "d"], "shared_nodes": 7}]}]
+    table = PlanTable.__new__(PlanTable)
+    table.rows = lambda: rows
+    summary = table.summary()
+    assert summary["saved_s"] == 3.0 * 1.0 + 2.0 * -0.5  # apart = speed-up x seconds
+    assert summary["slower_kept"] == 1 and summary["shared"] == {"nodes": 8, "models": 2}
+    text = optimization_line(summary)
+    assert "ran at 1.25x the speed of their models apart (median of 2 jobs, 0.5x-2.0x)" in text
+    assert "saving 2.0 s" in text and "1 of them slower than apart, kept until" in text
+    assert "computed 8 nodes once for 2 models" in text
 
 
 def test_a_layout_whose_warm_up_is_far_too_slow_is_not_timed(tmp_path, monkeypatch):

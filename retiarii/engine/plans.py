@@ -133,6 +133,15 @@ class PlanTable:
             out["speedup"] = {"median": round(statistics.median(speedups), 3),
                               "min": round(min(speedups), 3), "max": round(max(speedups), 3),
                               "measured_jobs": len(speedups)}
+            # apart would have taken speedup x a job's seconds: the difference is time saved
+            out["saved_s"] = round(sum(row["seconds"] * (row["speedup"] - 1) for row in merged
+                                       if row["speedup"] is not None and row["seconds"]), 2)
+            out["slower_kept"] = sum(1 for x in speedups if x < 1.0)
+        units = [u for row in merged for u in row["units"] if u.get("merged")]
+        shared = [u["shared_nodes"] for u in units if u.get("shared_nodes") is not None]
+        if shared:  # what the passes left computed once, and for how many models
+            out["shared"] = {"nodes": statistics.median(shared), "models": statistics.median(
+                len(u.get("trials") or ()) for u in units if u.get("shared_nodes") is not None)}
         layouts = self.layout_decisions()
         if layouts:  # "cpu: fused 2.40x (cse 1.30x)" per group key and device
             out["layouts"] = [f"{device}: {c.reason}" for key in sorted(layouts)
