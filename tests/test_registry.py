@@ -2,6 +2,7 @@
 arguments before it writes anything: the names resolve to the same classes in the CLI,
 ``retiarii nas`` and ``Experiment``; a name not found is refused with the valid ones."""
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -137,3 +138,15 @@ def test_experiment_refuses_a_bad_argument_and_writes_nothing(tmp_path, bad, mes
 def test_a_store_that_is_a_folder_is_refused(tmp_path):
     with pytest.raises(rt.ExperimentError, match="is a folder: give the path of a SQLite file"):
         rt.Experiment(space, "random", trainer, store=str(tmp_path))
+
+
+def test_epochs_of_a_one_shot_strategy_are_its_training_segments_as_the_docs_say():
+    """#28: `--epochs 2` ran 3 segments for SPOS while docs/cli.md said `--epochs` is the
+    segment count: the docs now say SPOS adds its search segment; this holds them to it."""
+    from retiarii import registry
+
+    assert registry.make_strategy("spos", segments=2).num_segments() == 3  # + the search
+    for name in ("darts", "gumbel", "proxyless", "enas"):
+        assert registry.make_strategy(name, segments=2).num_segments() == 2, name
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    assert "`--epochs 2`: 3 segments" in " ".join(text.split())
