@@ -13,7 +13,8 @@ import json
 import os
 import sys
 
-__all__ = ["is_one_shot", "print_status", "print_result", "export", "plot", "progress_line"]
+__all__ = ["is_one_shot", "print_status", "print_result", "export", "plot", "progress_line",
+           "split_by_scale"]
 
 
 def is_one_shot(config: dict) -> bool:
@@ -149,11 +150,31 @@ def plot(store, db: str, out: str, plt, error: type[Exception]) -> None:
     axes[0].set(xlabel="models evaluated", ylabel=f"{metric} (shared weights)",
                 title="models of the one-shot search")
     axes[0].legend()
-    for name in sorted({k for r in rows for k in r["metrics"]}):
-        points = [(r["segment"], r["metrics"][name]) for r in rows if name in r["metrics"]]
-        axes[1].plot([p for p, _ in points], [v for _, v in points], marker=".", label=name)
+    near, far = split_by_scale(rows, metric)
+    other = axes[1].twinx() if far else None  # counts (controller_steps: 50) on their own axis
+    for ax, names in ((axes[1], near), (other, far)):
+        for name in names:
+            points = [(r["segment"], r["metrics"][name]) for r in rows if name in r["metrics"]]
+            ax.plot([p for p, _ in points], [v for _, v in points], marker=".",
+                    linestyle="--" if ax is other else "-", label=name)
+        if names:
+            ax.set_ylabel(", ".join(names))
+            ax.legend(loc="upper left" if ax is axes[1] else "upper right")
     axes[1].set(xlabel="segment", title="the strategy's metrics per segment")
-    if rows and rows[0]["metrics"]:
-        axes[1].legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+
+
+def split_by_scale(rows: list[dict], metric: str) -> tuple[list[str], list[str]]:
+    """The strategy's per-segment metrics split by scale for the plot: those within 10x of the
+    search metric's largest value (accuracies, losses) on its axis, the others (step counts,
+    temperatures, sizes) on a second one, so neither flattens the other."""
+    values: dict[str, list[float]] = {}
+    for r in rows:
+        for name, v in r["metrics"].items():
+            if isinstance(v, (int, float)) and v == v:
+                values.setdefault(name, []).append(abs(float(v)))
+    ref = max(max(values.get(metric, [1.0])), 1.0)  # an accuracy's scale is 1 however low
+    near = sorted(n for n, vs in values.items() if max(vs) <= 10 * ref)
+    far = sorted(n for n in values if n not in near)
+    return near, far

@@ -575,3 +575,16 @@ def test_cli_shared_annotates_the_operators_that_share_weights(tmp_path, capsys,
     with Store(str(tmp_path / "ok.db")) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         assert store.get_experiment()["config"]["strategy"]["config"]["shared"] == ["fc1"]
+
+
+def test_the_one_shot_plot_puts_counts_on_their_own_axis():
+    """#28: the plot drew controller_steps (50) on the accuracy axis, flattening it."""
+    from retiarii.cli_one_shot import split_by_scale
+
+    rows = [{"segment": k, "metrics": {"val_acc": 0.3 + k / 10, "loss": 2.3 - k / 10,
+                                       "controller_steps": 50, "bad": float("nan")}}
+            for k in (1, 2)]
+    assert split_by_scale(rows, "val_acc") == (["loss", "val_acc"], ["controller_steps"])
+    assert split_by_scale(rows, "controller_steps") == (
+        ["controller_steps", "loss", "val_acc"], [])  # one scale when the metric is the count
+    assert split_by_scale([], "val_acc") == ([], [])
