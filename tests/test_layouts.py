@@ -190,7 +190,8 @@ def test_a_real_search_of_one_architecture_measures_fused_first(tmp_path, capsys
     first = units[0]["choice"]
     assert first["measured_on"] == "first batches" and "fused" in first["steps_s"]
     assert cli.main(["status", str(db)]) == 0  # the choice in force (a revert may move it)
-    assert f"layout cpu: {units[-1]['decision']['reason']}" in capsys.readouterr().out
+    reason = units[-1]["decision"]["reason"]
+    assert f"layout chosen on first batches, cpu: {reason}" in capsys.readouterr().out
     f._curves_close(o._curves(db), o._curves(off_db))
 
 
