@@ -153,10 +153,11 @@ def plot(store, db: str, out: str, plt, error: type[Exception]) -> None:
     near, far = split_by_scale(rows, metric)
     other = axes[1].twinx() if far else None  # counts (controller_steps: 50) on their own axis
     for ax, names in ((axes[1], near), (other, far)):
-        for name in names:
+        for name in names:  # one color per metric across both axes (a twin axis restarts them)
             points = [(r["segment"], r["metrics"][name]) for r in rows if name in r["metrics"]]
             ax.plot([p for p, _ in points], [v for _, v in points], marker=".",
-                    linestyle="--" if ax is other else "-", label=name)
+                    linestyle="--" if ax is other else "-", label=name,
+                    color=f"C{(near + far).index(name) % 10}")
         if names:
             ax.set_ylabel(", ".join(names))
             ax.legend(loc="upper left" if ax is axes[1] else "upper right")
