@@ -89,6 +89,9 @@ class JobPlanner:
         self.batch_models, self.group_key, self.profile = batch_models, group_key, profile
         self.fuse, self.merge, self.dedicated = fuse, merge, dict(dedicated or {})
         self.passes = {k: v for k, v in parse_settings(dict(passes or {})).items() if v}
+        # how workers find a pass registered outside the package: resolved once, not per job
+        refs = {n: pass_ref(get_pass(n)) for n in self.passes}
+        self._pass_refs = {n: r for n, r in refs.items() if r}
         self.memory = GroupMemory()
 
     def restore(self, memory: GroupMemory) -> None:
@@ -118,7 +121,6 @@ class JobPlanner:
         reverted, whom to profile, and the layouts already chosen for their group key (device
         -> :class:`~.job_contract.HeldLayout`; the worker measures the others)."""
         mem = self.memory
-        refs = {n: pass_ref(get_pass(n)) for n in self.passes}
         key = self.group_key(trial) if self.group_key else None
         chosen = mem.layouts.get(key_id(key), {}) if key is not None else {}
         # a key whose apart is bounded from below (measuring.py) profiles nobody alone
@@ -133,7 +135,7 @@ class JobPlanner:
             measured["alone_by_arch"] = {d: dict(list(a.items())[-512:])
                                          for d, a in mem.alone_arch.items()}
         order = GroupOrder(
-            passes=dict(self.passes), pass_refs={n: r for n, r in refs.items() if r},
+            passes=dict(self.passes), pass_refs=self._pass_refs,
             fuse=self.fuse, unfused=tuple(sorted(t.trial_id for t in tasks
                                                  if self.fuse and t.trial_id in mem.unfused)),
             layouts={device: HeldLayout(order=c.order, speedups=c.speedups)
