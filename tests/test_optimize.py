@@ -435,6 +435,8 @@ def test_progress_counts_jobs_and_models(tmp_path):
     _run(tmp_path, "progress", optimize=True, max_models=4, progress=seen.append)
     grouped = [s for s in seen if s["jobs"] < s["running"]]
     assert grouped, [(s["jobs"], s["running"]) for s in seen]
+    # a job whose trials all ended trains nothing: never more jobs than models
+    assert all(s["jobs"] <= s["running"] for s in seen), [(s["jobs"], s["running"]) for s in seen]
     assert running_text({"running": 3, "jobs": 1}) == "1 job, 3 models training"
     assert running_text({"running": 2, "jobs": 2}) == "2 models training"
     assert running_text({"running": 1}) == "1 model training"

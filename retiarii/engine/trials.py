@@ -36,8 +36,7 @@ __all__ = ["TrialRunner", "failure_of", "Trial", "TrialState", "ALLOWED", "Illeg
 
 _log = logging.getLogger("retiarii.engine")
 
-# Finished jobs kept in TrialRunner.timeline (Gantt charts, benchmarks/schedulers.py): ~5 MiB.
-TIMELINE_JOBS = 10_000
+TIMELINE_JOBS = 10_000  # finished jobs TrialRunner.timeline keeps (Gantt charts): ~5 MiB
 
 
 class TrialRunner(TrialEvents):
@@ -114,8 +113,7 @@ class TrialRunner(TrialEvents):
         self.stop_reason: str | None = None  # why the run stopped with work left (environment)
         self.trials: dict[str, Trial] = {}
         self.steps_trained = 0  # every step any job reported, replays included
-        # finished jobs (worker, start, end), the latest only: 0.5 KiB a job is not kept forever
-        self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_JOBS)
+        self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_JOBS)  # latest
         self._order: dict[str, int] = {}
         self._inflight: dict[str, JobFlight] = {}  # job id -> its trials
         self._flights: dict[str, Flight] = {}  # trial id -> its segment in flight
@@ -182,13 +180,15 @@ class TrialRunner(TrialEvents):
     @property
     def running(self) -> int:
         """Trials training now: a segment in flight, the trial RUNNING."""
-        return sum(1 for f in self._flights.values()
-                   if f.trial_id in self.trials and self.trials[f.trial_id].state is TrialState.RUNNING)
+        return len(self._training())
 
     @property
-    def jobs_running(self) -> int:
-        """Jobs in flight (a grouped job trains several trials: ``running`` counts those)."""
-        return len(self._inflight)
+    def jobs_running(self) -> int:  # a grouped job trains several; one all ended trains none
+        return len({f.job_id for f in self._training()})
+
+    def _training(self) -> list[Flight]:
+        return [f for f in self._flights.values()
+                if f.trial_id in self.trials and self.trials[f.trial_id].state is TrialState.RUNNING]
 
     def states(self) -> dict[str, TrialState]:
         return {t: tr.state for t, tr in self.trials.items()}
