@@ -135,3 +135,43 @@ def test_a_group_of_the_same_architectures_reuses_the_emitted_cells():
                 a[t] if isinstance(a[t], list) else [a[t]],
                 b[t] if isinstance(b[t], list) else [b[t]]))
     assert emit_cache.cache_info()["kept_bytes"] == 0  # skeletons keep no weights
+
+
+def test_ctrl_c_while_the_worker_server_starts_prints_no_traceback(tmp_path):
+    """A user's Ctrl-C reaches the whole process group, the forkserver included: while it was
+    still importing torch it printed a KeyboardInterrupt traceback under the driver's clean
+    "interrupted; continue with: retiarii resume" line. Its start now blocks SIGINT."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "retiarii.cli", "run", "demo", "--store",
+                             str(tmp_path / "d.db"), "--max-models", "2", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the driver has started the server (it preloads for seconds)
+    assert _children(proc.pid), "the driver started no worker server"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    out, err = proc.communicate(timeout=120)
+    assert "interrupted; continue with: retiarii resume" in err, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out

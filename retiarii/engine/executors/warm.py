@@ -30,6 +30,8 @@ Example::
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
+import threading
 from multiprocessing import forkserver
 import os
 from typing import Any, Callable
@@ -61,8 +63,18 @@ def worker_context(method: str = "forkserver") -> Any:
     # and a server already running (started by other code) keeps its own list.
     ctx.set_forkserver_preload(PRELOAD)
     # Started now, not by the first worker's start(), which runs with that slot's variables
-    # in os.environ: the server would keep them (its children get theirs anyway).
-    forkserver.ensure_running()
+    # in os.environ: the server would keep them (its children get theirs anyway). SIGINT is
+    # blocked while it starts (the mask survives its exec): Python's server ignores Ctrl-C only
+    # after its preload, so a Ctrl-C during those seconds printed its traceback into the
+    # user's terminal. Workers ignore SIGINT themselves (local.py): Ctrl-C is the driver's.
+    if threading.current_thread() is threading.main_thread():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    else:  # only the main thread gets SIGINT
+        forkserver.ensure_running()
     return ctx
 
 
