@@ -214,8 +214,8 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       packing=_OPTIMIZE[flags.get("packing") or "auto"],
                       batch_models=flags.get("batch_models") or 8,
                       # left out (None): "auto" under --optimize auto, else off
-                      fuse=_OPTIMIZE[flags["fuse"]] if flags.get("fuse") else None,
-                      batching=_OPTIMIZE[flags["batching"]] if flags.get("batching") else None,
+                      fuse=_LAYOUT[flags["fuse"]] if flags.get("fuse") else None,
+                      batching=_LAYOUT[flags["batching"]] if flags.get("batching") else None,
                       passes=_passes(flags.get("passes")),
                       progress=Progress(max_models),
                       weight_sharing=weight_sharing, ranks=ranks,
@@ -226,6 +226,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
 
 
 _OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize, --fuse: Experiment(...)
+_LAYOUT = {**_OPTIMIZE, "measure": "measure"}  # --fuse, --batching
 
 
 def _passes(text: str | None) -> dict | None:
@@ -376,19 +377,18 @@ def parser() -> argparse.ArgumentParser:
                           "memory): on, off (as evenly as they go), auto (on when workers use GPUs)")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
-    run.add_argument("--fuse", choices=tuple(_OPTIMIZE), default=None,
-                     help="with --optimize: models of one architecture in a job train as one "
-                          "fused model when measured faster (auto: the default under --optimize "
-                          "auto), always (on), or never (off: results bit for bit; the default "
-                          "under --optimize on): see docs/optimization.md")
-    run.add_argument("--batching", choices=tuple(_OPTIMIZE), default=None,
+    run.add_argument("--fuse", choices=tuple(_LAYOUT), default=None,
+                     help="with --optimize: a job's models of one architecture train fused when "
+                          "the device model predicts it faster (auto), when measured faster "
+                          "(measure), always (on) or never (off): see docs/optimization.md")
+    run.add_argument("--batching", choices=tuple(_LAYOUT), default=None,
                      help="with --optimize: frozen layers fed other values by each model run once "
-                          "on their inputs concatenated, when measured faster (auto: the default "
-                          "under --optimize auto), always (on), or never (off; the default under "
-                          "--optimize on): see docs/optimization.md")
+                          "on their inputs concatenated, when the device model says so (auto), "
+                          "when measured faster (measure), always (on) or never (off): see "
+                          "docs/optimization.md")
     run.add_argument("--passes", default=None, metavar="NAME=SETTING,...",
-                     help="with --optimize: settings of the optional plan passes, each on, off "
-                          "or auto (e.g. batching=auto,mypass=on; a pass registered by a module "
+                     help="with --optimize: settings of the optional plan passes, each on, off, "
+                          "auto or measure (e.g. batching=auto,mypass=on; a pass registered by a module "
                           "the space file imports): see docs/optimization.md, 'Adding a pass'")
     run.add_argument("--address", default=None,
                      help="with --executor ray: the Ray cluster to use (default: a private "

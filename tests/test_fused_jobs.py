@@ -179,7 +179,7 @@ def test_fused_report_is_measured(tmp_path):
     tasks = [_task(t, tmp_path) for t in "ade"]
     # the layout chosen already (no probe: its timing would decide between fused and apart)
     chosen = {"cpu": HeldLayout(order=("fused", "cse", "separate"))}
-    events = _g._run(_job(tasks, fuse="auto", profile=("a", "d", "e"), layouts=chosen))
+    events = _g._run(_job(tasks, fuse="measure", profile=("a", "d", "e"), layouts=chosen))
     from retiarii.engine.executors.base import JobProfiled
 
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
@@ -270,7 +270,7 @@ def test_fusion_measured_slower_is_reverted(tmp_path, fused_chosen):
             return self.rewrite(super().next_event(timeout))
 
     ex = Executor()
-    db, exp = o._run(tmp_path, "auto", executor=ex, optimize=True, fuse="auto")
+    db, exp = o._run(tmp_path, "auto", executor=ex, optimize=True, fuse="measure")
     rows = o._plans(db)
     reverted = [u for u in _fused_units(rows) if u.get("fusion_reverted")]
     assert reverted and all(u["fused_speedup"] == pytest.approx(0.5) for u in reverted)
@@ -298,7 +298,7 @@ def test_fusion_measured_faster_is_kept(tmp_path, fused_chosen):
         def next_event(self, timeout=None):
             return self.rewrite(super().next_event(timeout))
 
-    db, exp = o._run(tmp_path, "auto", executor=Executor(), optimize=True, fuse="auto")
+    db, exp = o._run(tmp_path, "auto", executor=Executor(), optimize=True, fuse="measure")
     fused = _fused_units(o._plans(db))
     assert fused and not any(u.get("fusion_reverted") for u in fused) and not exp.runner.planner.unfused
 

@@ -139,6 +139,12 @@ def probes(monkeypatch):
 
 
 def _search(tmp_path, name, space, executor, **kw):
+    """A search; under optimize="auto" its layouts are chosen by measurement
+    (``fuse="measure"``, ``batching="measure"``): what these tests check. The default
+    (the device model) is checked in tests/test_reproducible.py."""
+    if kw.get("optimize", "auto") == "auto":
+        kw.setdefault("fuse", "measure")
+        kw.setdefault("batching", "measure")
     db = tmp_path / f"{name}.db"
     exp = rt.Experiment(space, rt.strategies.Random(seed=0), lr_trainer, store=str(db),
                         executor=executor, seed=0, max_models=4, **kw)
@@ -157,7 +163,7 @@ def test_a_search_of_same_architecture_mlps_ends_up_fused(tmp_path, probes):
     db, exp = _search(tmp_path, "auto", mlp_space, ex)  # optimize="auto": fuse="auto"
     exp.run()
     grouped = [j for j in ex.submitted if j.meta.get("group")]
-    assert grouped and all(j.meta["group"].fuse == "auto" for j in grouped)
+    assert grouped and all(j.meta["group"].fuse == "measure" for j in grouped)
     assert probes.calls == 1  # the first job measured; the others were told
     assert "layouts" not in grouped[0].meta
     assert all(j.meta["group"].layouts["cpu"].order[0] == "fused" for j in grouped[1:])
@@ -283,7 +289,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     monkeypatch.setattr(layouts, "ABORT_CPU", float("inf"))
     monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 0.0)  # fusion measured, even for these
     probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
-    meta = {"group": GroupOrder(fuse="auto", passes={"batching": "auto"}, profile=tuple("adeb"))}
+    meta = {"group": GroupOrder(fuse="measure", passes={"batching": "measure"}, profile=tuple("adeb"))}
     events = g._run(Job("p", probed, meta=meta))
     assert isinstance(events[-1], JobFinished), events[-1]
     plain = [f._task(t, tmp_path, tag="c-") for t in "adeb"]
@@ -305,7 +311,7 @@ def test_a_given_choice_is_applied_without_measuring(tmp_path, monkeypatch):
     monkeypatch.setattr(layouts, "probe", lambda *a: pytest.fail("measured again"))
     tasks = [f._task(t, tmp_path) for t in "adeb"]
     chosen = {"cpu": HeldLayout(order=("separate", "cse", "fused"), speedups={"fused": 0.6})}
-    events = g._run(Job("s", tasks, meta={"group": GroupOrder(fuse="auto", profile=(),
+    events = g._run(Job("s", tasks, meta={"group": GroupOrder(fuse="measure", profile=(),
                                                               layouts=chosen)}))
     assert isinstance(events[-1], JobFinished), events[-1]
     units = next(e for e in events if isinstance(e, JobProfiled)).units
@@ -406,7 +412,7 @@ def test_a_layout_whose_warm_up_is_far_too_slow_is_not_timed(tmp_path, monkeypat
     monkeypatch.setattr(layouts, "ABORT", 0.0)  # every warm-up is "far too slow"
     monkeypatch.setattr(layouts, "ABORT_CPU", 0.0)
     tasks = [f._task(t, tmp_path) for t in "adeb"]
-    events = g._run(Job("p", tasks, meta={"group": GroupOrder(fuse="auto", profile=tuple("adeb"))}))
+    events = g._run(Job("p", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adeb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     # fused is not timed; CSE is, on the real batches (no copy to abort); the rest of the

@@ -154,7 +154,7 @@ def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monk
 
     monkeypatch.setattr(measuring.MeasuringGroup, "_speedups", spy)
     tasks = [_adapter_task(t, tmp_path, "m-") for t in SAMPLES]
-    meta = {"group": GroupOrder(passes={"batching": "auto"}, fuse="auto", profile=tuple(SAMPLES))}
+    meta = {"group": GroupOrder(passes={"batching": "measure"}, fuse="measure", profile=tuple(SAMPLES))}
     events = g._run(Job("m", tasks, meta=meta))
     assert isinstance(events[-1], JobFinished), events[-1]
     assert timed == [{C: 2, Layout.BATCHING: 2}]
@@ -176,7 +176,7 @@ def test_a_decisive_bound_skips_the_alone_profiles_and_fusion(tmp_path, monkeypa
     monkeypatch.setattr(measuring, "BOUND_SAFETY", 0.0)  # any bound decides
     monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion always ruled out
     tasks = [g._task(t, tmp_path, tag="b-") for t in "adb"]  # a and d: one architecture
-    events = g._run(Job("b", tasks, meta={"group": GroupOrder(fuse="auto", profile=tuple("adb"))}))
+    events = g._run(Job("b", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     choice = unit["choice"]
@@ -246,7 +246,7 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
 
     monkeypatch.setattr(grouped._Streams, "use", heavy_use)
     tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
-    events = g._run(Job("f", tasks, meta={"group": GroupOrder(fuse="auto", profile=tuple("adb"))}))
+    events = g._run(Job("f", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     assert unit["choice"]["skipped"].startswith("fused not measured: a grouped step's per-model")
@@ -274,7 +274,7 @@ def _mlp_tasks(tmp_path, tag, frozen, space="mlp_space", trainer=g.TRAINER, extr
 def _measured_job(tasks):
     """The tasks as one grouped job under ``fuse="auto", batching="auto"``, every trial to
     profile: (its events, its one unit's report)."""
-    meta = {"group": GroupOrder(passes={"batching": "auto"}, fuse="auto",
+    meta = {"group": GroupOrder(passes={"batching": "measure"}, fuse="measure",
                                 profile=tuple(t.trial_id for t in tasks))}
     events = g._run(Job("m", tasks, meta=meta))
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units

@@ -104,7 +104,7 @@ def test_settings_are_checked_against_the_registry(registered):
         parse_settings("batchin=auto")
     with pytest.raises(ValueError, match="required"):
         parse_settings({"cse": False})
-    with pytest.raises(ValueError, match="give True, False or 'auto'"):
+    with pytest.raises(ValueError, match="give True, False, 'auto'"):
         parse_settings({"batching": "sometimes"})
     with pytest.raises(ValueError, match="registered already"):
         register_pass(INPUTS_ONLY)

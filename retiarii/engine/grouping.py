@@ -111,8 +111,12 @@ class JobPlanner:
         if key is None:
             return None
         chosen = self.memory.layouts.get(key_id(key))
-        if chosen and all(c.order[0] == Layout.SEPARATE.value for c in chosen.values()):
-            return None  # measured faster apart on every device: each model its own job
+        if chosen and all(c.order[0] == Layout.SEPARATE.value for c in chosen.values()) \
+                and self.fuse != "auto":
+            # measured faster apart on every device: each model its own job. Not under
+            # fuse="auto": which models fuse is the device model's decision, made in each
+            # job, and must not depend on whether a measurement sent them apart first
+            return None
         return (key, trial.resume_point()[0])
 
     def order(self, tasks: list[TrialTask], trial: Trial) -> GroupOrder:
@@ -227,8 +231,12 @@ class JobPlanner:
                 continue
             steps.append((flight.trial_id, Step.CONTINUE, None, "", False))
         if record["status"] == "reverted":
-            self.memory.alone.update(job.trials)
-            record["alone"] = list(job.trials)
+            # the trials of the units measured slower; a unit whose layout the device model
+            # chose (fused, batched: other rounding) is never reverted by a measurement, so
+            # its trials stay together and every run of the search trains them alike
+            slower = [t for u in record["units"] if u.get("slower") for t in u.get("trials") or ()]
+            self.memory.alone.update(slower)
+            record["alone"] = slower
         self.memory.unfused.update(record["unfused"])
         return GroupEnd(record, tuple(steps))
 
@@ -259,7 +267,7 @@ class JobPlanner:
         for unit in merged:
             if unit.get("fused"):
                 unit["fused_speedup"] = fused_speedup(unit, alone[id(unit)])
-                if self.fuse == "auto":
+                if self.fuse == "measure":  # under "auto" the device model decided it
                     verdict = judge_segment(unit["fused_speedup"], unit.get("spread"),
                                             held(unit, "fusion"), margin=1.0)
                     unit["fusion_verdict"] = verdict.reason
@@ -319,7 +327,8 @@ class JobPlanner:
 
     def _measures(self) -> bool:
         """Whether grouped jobs measure a layout choice (fusion or a pass set ``"auto"``)."""
-        return self.fuse == "auto" or "auto" in self.passes.values()
+        return self.fuse in ("auto", "measure") or any(
+            v in ("auto", "measure") for v in self.passes.values())
 
     def _passes_of(self, merged: list[dict]) -> list[str]:
         """The passes a grouped job's merged units ran, in order (the plans row's
@@ -360,11 +369,13 @@ class JobPlanner:
 
 def _judged(unit: dict) -> bool:
     """Whether a unit's segment says anything of its layout: not when it trained apart
-    (its models' own steps in turn), nor when the segment measured the layouts on its first
-    batches and ended in one that is not the choice (it trained there only until the next
-    segment's switch: measuring.py)."""
+    (its models' own steps in turn), nor when the device model chose its layout
+    (``"decided"``: fused or batched, whose values differ by rounding: a measurement must
+    not change them), nor when the segment measured the layouts on its first batches and
+    ended in one that is not the choice (it trained there only until the next segment's
+    switch: measuring.py)."""
     choice = unit.get("choice") or {}
-    if unit.get("layout") == Layout.SEPARATE.value:
+    if unit.get("layout") == Layout.SEPARATE.value or unit.get("decided"):
         return False
     return not (choice.get("measured_on") and choice.get("order")
                 and unit.get("layout") != choice["order"][0])

@@ -44,6 +44,7 @@ from ..rng import swapped_in
 from . import checkpoint as ckpt
 from .fused import FusedGroup, fusable_sets
 from .job_contract import GroupOrder, HeldLayout
+from .layout_model import resolve
 from .grouped import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
 from .measuring import MeasuringGroup
 from ..training import to_device as _to_device
@@ -317,11 +318,13 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         make_group: ``make_group(plan, runs, trainer, profile)`` -> the unit training a merged
             group (a :class:`TrainingGroup`, or the worker's dedicated-device group).
     """
-    fuse = told.fuse
     passes = job_passes(told)
     device = device_label(runs[ids[0]].device)
     fusable = (fusable_sets({t: models[t] for t in ids}, told.unfused)
-               if fuse in ("auto", True) else [])
+               if told.fuse in ("auto", "measure", True) else [])
+    # fusion and batching under "auto": the device model's decision (layout_model.py)
+    resolved = resolve(told.fuse, fusable, passes, ids, models, runs, trainer, data_key)
+    fuse, fusable, passes = resolved.fuse, resolved.fusable, resolved.passes
     merged = passes.merged()
     given = told.layouts.get(device)
     if passes.measured and _measured_matters(given):
@@ -330,6 +333,8 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         if passes.worth_measuring(PassManager(passes.measured).run(base), runs[ids[0]].device):
             merged = [Layout.CSE, Layout.BATCHING]
     choice: dict[str, Any] = {"device": device, "probed": False}
+    if resolved.predicted:
+        choice["predicted"] = resolved.predicted
     # One architecture, one step time alone: a trial whose architecture was measured (in
     # this job or an earlier one on this kind of device) is not measured again.
     arch = {t: fusion_key(models[t]) for t in ids}
@@ -339,7 +344,8 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     measured = {t: by_arch[arch[t]] for t in ids if known.get(t) is None and arch[t] in by_arch}
     live = None  # merged layout -> plan, when measured on the real first batches
     if given is None and profile is not None and fuse is not True and (len(merged) > 1 or (
-            fuse == "auto" and fusable) or fuse == "auto" or passes.measured):
+            fuse == "auto" and fusable) or fuse == "auto" or passes.measured
+            or told.fuse == "auto"):
         # under "auto" a group with one merged layout still chooses between it and apart
         live = _live_plans(merged, ids, models, runs, data_key, bool(told.dedicated),
                            passes)
@@ -395,8 +401,12 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     for group in groups:
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
         group.twins, group.arch = twins, arch
-        group.extra = {"layout": Layout.FUSED.value if isinstance(group, FusedGroup) else
-                       (rest if layout is Layout.FUSED else layout).value, "choice": choice}
+        kind = Layout.FUSED if isinstance(group, FusedGroup) else (
+            rest if layout is Layout.FUSED else layout)
+        group.extra = {"layout": kind.value, "choice": choice}
+        if resolved.decided and (kind is Layout.FUSED and told.fuse == "auto" or kind is
+                                 Layout.BATCHING and "auto" in told.passes.values()):
+            group.extra["decided"] = True  # chosen by the device model: never reverted by time
         units.append(group)
     for trial, why in lone.items():
         mine = {trial: measured[trial]} if trial in measured else {}

@@ -24,10 +24,10 @@ _MODES = ("auto", True, False, "pack")
 
 
 def _setting(name: str, value: Any) -> None:
-    if value not in ("auto", True, False, None) or isinstance(value, (int, float)) \
+    if value not in ("auto", "measure", True, False, None) or isinstance(value, (int, float)) \
             and not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: give 'auto', True or False (or leave it out: "
-                         f"'auto' under optimize='auto', else False)")
+        raise ValueError(f"{name}={value!r}: give 'auto', 'measure', True or False (or leave "
+                         f"it out: 'auto' under optimize='auto', else False)")
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,20 @@ class OptimizeConfig:
         batch_models: the most trials one job trains.
         fuse: whether the trials of a grouped job with one architecture (the same choices,
             other hyper-parameters or seeds) train as one fused model (docs/optimization.md,
-            "Fused training of same-shape models"): ``"auto"`` when measured faster than the
-            other layouts and reverted when a segment measures it slower, True whenever
-            possible, False never (results then equal training alone bit for bit on CPU;
-            fused ones within float rounding); None: the mode's default (``"auto"`` under
-            ``mode="auto"``, else False).
+            "Fused training of same-shape models"): ``"auto"`` when the device model
+            (:mod:`retiarii.optim.device_model`: the models' shapes, never a measurement)
+            predicts it faster, so every run of a seeded search fuses the same models;
+            ``"measure"`` when measured faster on the first batches and reverted when a
+            segment measures it slower (faster where the device model is wrong, but results
+            then depend on the machine's load); True whenever possible, False never
+            (results then equal training alone bit for bit on CPU; fused ones within float
+            rounding); None: the mode's default (``"auto"`` under ``mode="auto"``, else
+            False).
         passes: the optional plan passes (:mod:`retiarii.optim.passes`), name -> True, False
-            or ``"auto"``; a pass left out takes its registered default under ``mode="auto"``
-            (``batching``: ``"auto"``, measured against CSE alone) and is off otherwise.
+            ``"auto"`` or ``"measure"``; a pass left out takes its registered default under
+            ``mode="auto"`` (``batching``: ``"auto"``: decided by the device model from the
+            plan and the batch size; ``"measure"``: measured against CSE alone) and is off
+            otherwise.
         packing: how a batch of trials is split over the free workers (docs/optimization.md,
             "Packing onto devices"): by profiles (True: models of similar iteration time
             together, every worker about equally busy, none over its memory; profiles are
@@ -69,7 +75,7 @@ class OptimizeConfig:
     mode: Any = "auto"
     # 8 keeps a job's memory modest (the paper plans in batches of 50 on larger GPUs).
     batch_models: int = 8
-    # None follows the mode: measured under "auto", off under True (bit for bit results).
+    # None follows the mode: the device model decides under "auto", off under True.
     fuse: Any = None
     # Optional pass -> setting; what is left out follows the mode (see the field's doc).
     passes: Mapping[str, Any] = field(default_factory=dict)

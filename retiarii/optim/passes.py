@@ -41,8 +41,8 @@ from .plan import LogicalPlan, PassResult, PlanError
 __all__ = ["LayoutPasses", "Pass", "PassManager", "Setting", "check_plan", "get_pass", "optional_passes",
            "parse_settings", "pass_ref", "register_pass", "registered_passes", "unregister_pass"]
 
-Setting = Any  # True, False or "auto"
-_SETTINGS = (True, False, "auto")
+Setting = Any  # True, False, "auto" (the device model decides) or "measure"
+_SETTINGS = (True, False, "auto", "measure")
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,8 @@ def parse_settings(settings: Mapping[str, Setting] | Iterable[str] | str | None,
                              f"optional ones: {', '.join(o.name for o in optional_passes())}")
         if value not in _SETTINGS or isinstance(value, (int, float)) and not isinstance(
                 value, bool):
-            raise ValueError(f"pass {name!r}: setting {value!r}: give True, False or 'auto'")
+            raise ValueError(f"pass {name!r}: setting {value!r}: give True, False, 'auto' "
+                             f"or 'measure'")
         out[name] = value
     return out
 
@@ -247,7 +248,7 @@ class LayoutPasses:
     @property
     def measured(self) -> tuple[str, ...]:
         return tuple(p.name for p in registered_passes() if p.optional
-                     and self.settings.get(p.name) == "auto")
+                     and self.settings.get(p.name) in ("auto", "measure"))
 
     def of(self, layout: Layout) -> tuple[str, ...]:
         """The passes the plan of merged ``layout`` runs, in order."""

@@ -1,0 +1,178 @@
+"""A deterministic model of a device: decides the layouts that change a model's values.
+
+Fusing K models (one batched matmul where each model ran its own) or batching a frozen layer
+over K models' concatenated inputs computes each model's values with other kernels, so with
+other float rounding, and which kernel a fused call picks depends on its companions too
+(measured on this CPU: a batched matmul's slice differs from the same matmul alone, and from
+the same slice among other companions). A search whose fusion were chosen by wall-clock time
+would then give other results on a busier machine. So the default (``fuse="auto"``,
+``batching="auto"``) decides these layouts here, from the models' shapes and a fixed model
+of the kind of device, never from a measurement; time may choose only between layouts that
+are bit-identical (a model apart or in a CSE group). ``"measure"`` keeps the decision by
+measurement (faster where the model is wrong; not reproducible).
+
+The model (constants per kind of device, measured once on the project's machines with
+``benchmarks/fusion.py``: benchmarks/README.md, "The device model"). One training step of a
+model of ``n`` operations whose layers compute ``F`` FLOPs forward costs alone::
+
+    n * OP_S  +  MODEL_S  +  3 F / RATE                      (3: forward, two backward products)
+
+and K such models fused, one call per operation (``d`` operations that differ between the
+models' architectures run once per distinct operation)::
+
+    (n + d) * FUSED_OP_S  +  K * FUSED_MODEL_S  +  3 K F / FUSED_RATE
+
+A CPU's batched matmul computes at a lower rate than its single matmul on large matrices, so
+wide layers lose when fused (16 MLPs of width 512 predicted 0.95x) and narrow ones win (width
+64: 2.5x measured); a GPU's per-kernel cost dominates small models and fusion wins there.
+Fusion is taken at or over :data:`FUSE_MARGIN`. Frozen layers count K times when fused and
+once apart (CSE computes a frozen part once for the group).
+
+Example::
+
+    costs = step_costs(model, batch_inputs)        # on meta tensors: no compute, no state
+    predicted_fused_speedup([costs] * 16, "cpu")   # e.g. 2.4
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["BATCH_CPU_EXAMPLES", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts",
+           "batching_wins", "predicted_fused_speedup", "step_costs"]
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """The constants of one kind of device (seconds, FLOP/s per thread on a CPU)."""
+
+    op_s: float          # one operation alone, forward and backward
+    model_s: float       # per model and step alone: its loss, its optimizer, its step
+    rate: float          # FLOP/s of one model's layers alone
+    fused_op_s: float    # one fused operation (K models), forward and backward
+    fused_model_s: float  # per model and step in a fused unit: its loss, its proxy
+    fused_rate: float    # FLOP/s of the fused layers
+
+
+# Fitted to benchmarks/fusion.py's MLPs (64-W-W-10, Adam, batch 128, one thread) at widths
+# 32-512 on the project's 2-core CPU (benchmarks/README.md, "The device model"); the GPU's
+# from the H100 figures of the same benchmark (16 MLPs 6.45x, 16 small CNNs 7.54x).
+DEVICES = {
+    "cpu": DeviceModel(op_s=0.12e-3, model_s=0.45e-3, rate=45e9,
+                       fused_op_s=0.2e-3, fused_model_s=0.33e-3, fused_rate=40e9),
+    "cuda": DeviceModel(op_s=30e-6, model_s=0.3e-3, rate=30e12,
+                        fused_op_s=40e-6, fused_model_s=0.1e-3, fused_rate=30e12),
+}
+FUSE_MARGIN = 1.2
+# Operator batching on a CPU saves per-call work only (benchmarks/README.md, "Operator
+# batching": faster than CSE alone at 4 and 16 examples per model, slower at 32).
+BATCH_CPU_EXAMPLES = 16
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What the device model reads of one model on one batch: its operations, the FLOPs of
+    its trainable and frozen layers (forward, one batch) and the names of its operations in
+    order (to count those that differ between architectures)."""
+
+    ops: tuple[str, ...]
+    flops: float
+    frozen_flops: float
+
+
+def _ops(module: nn.Module) -> tuple[str, ...]:
+    """The operations a generated model runs, in order (nested generated cells flattened);
+    a module that is not an ``fx.GraphModule`` counts as its leaf modules."""
+    if isinstance(module, fx.GraphModule):
+        out: list[str] = []
+        for node in module.graph.nodes:
+            if node.op == "call_module":
+                sub = module.get_submodule(node.target)
+                out.extend(_ops(sub) if isinstance(sub, fx.GraphModule) else
+                           (f"{node.target}:{type(sub).__name__}",))
+            elif node.op in ("call_function", "call_method"):
+                out.append(f"{node.name}:{getattr(node.target, '__name__', node.target)}")
+        return tuple(out)
+    return tuple(f"{n}:{type(m).__name__}" for n, m in module.named_modules()
+                 if not list(m.children()))
+
+
+def _layer_flops(module: nn.Module, out: Any) -> float:
+    """Forward FLOPs of a layer with weights from its output's shape (multiply-adds x 2)."""
+    if not isinstance(out, torch.Tensor):
+        return 0.0
+    if isinstance(module, nn.Linear):
+        return 2.0 * out.numel() * module.in_features
+    if isinstance(module, nn.modules.conv._ConvNd):
+        per = module.weight[0].numel() if not module.transposed else \
+            module.weight.shape[1] * module.weight[0, 0].numel()
+        return 2.0 * out.numel() * per
+    return 5.0 * out.numel()  # a norm, an embedding: a few element-wise operations
+
+
+def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
+    """The :class:`StepCosts` of ``model`` on a batch shaped like ``inputs``, from one
+    forward on **meta** tensors (a copy whose parameters are shapes only: nothing computed,
+    no running statistic moved, no random number drawn)."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        memo[id(t)] = (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                       if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+    shadow = copy.deepcopy(model, memo)
+    trainable, frozen = [0.0], [0.0]
+
+    def hook(module, _args, out):
+        params = list(module.parameters(recurse=False))
+        if params:
+            (trainable if any(p.requires_grad for p in params) else frozen)[0] += \
+                _layer_flops(module, out)
+    handles = [m.register_forward_hook(hook) for m in shadow.modules()
+               if any(True for _ in m.parameters(recurse=False))]
+    meta = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+            for x in inputs]
+    try:
+        with torch.no_grad():
+            shadow(*meta)
+    finally:
+        for h in handles:
+            h.remove()
+    return StepCosts(_ops(model), trainable[0], frozen[0])
+
+
+def _device(device: Any) -> tuple[DeviceModel, float]:
+    kind = torch.device(device).type if not isinstance(device, str) or ":" in device or \
+        device in ("cpu", "cuda") else device
+    model = DEVICES.get(kind, DEVICES["cpu"])
+    threads = torch.get_num_threads() if kind == "cpu" else 1
+    return model, max(1, threads) ** 0.8  # two threads are not twice one on small matrices
+
+
+def predicted_fused_speedup(costs: Sequence[StepCosts], device: Any = "cpu") -> float:
+    """The predicted speed-up of training the models of ``costs`` fused over training them
+    apart (their frozen layers once: what CSE gives), on ``device`` (a torch device or its
+    kind). Deterministic: the same costs give the same figure on every run."""
+    dev, threads = _device(device)
+    k = len(costs)
+    if k < 2:
+        return 1.0
+    rate, fused_rate = dev.rate * threads, dev.fused_rate * threads
+    apart = sum(len(c.ops) * dev.op_s + dev.model_s + 3 * c.flops / rate for c in costs)
+    apart += costs[0].frozen_flops / rate  # the frozen part once, forward only
+    n = max(len(c.ops) for c in costs)
+    differ = sum(len({c.ops[i] if i < len(c.ops) else "" for c in costs}) - 1 for i in range(n))
+    fused = ((n + differ) * dev.fused_op_s + k * dev.fused_model_s
+             + sum(3 * c.flops + c.frozen_flops for c in costs) / fused_rate)
+    return apart / fused
+
+
+def batching_wins(examples_per_model: int, device: Any = "cpu") -> bool:
+    """Whether operator batching is taken under ``batching="auto"``: on a GPU always (one
+    kernel for N small batches), on a CPU up to :data:`BATCH_CPU_EXAMPLES` examples per
+    model (it saves per-call work, and pays the concatenations, which grow with the batch)."""
+    kind = torch.device(device).type if not isinstance(device, str) else device.split(":")[0]
+    return kind != "cpu" or examples_per_model <= BATCH_CPU_EXAMPLES

@@ -1,0 +1,119 @@
+"""The default search is reproducible (issue #26 item 3): what changes values is not timed.
+
+Fusing models computes their values with other kernels (other float rounding), so under the
+default (``optimize="auto"``, ``fuse="auto"``, ``batching="auto"``) the device model
+(``retiarii/optim/device_model.py``) decides it from the models' shapes; time chooses only
+between a model apart and in a CSE group, which train it bit for bit alike. Here the
+worker's clock is replaced by a random one (each run its own): two runs of one seeded
+search still give every model the same metrics at every step, bit for bit, and the plans
+table says what the device model predicted.
+"""
+from __future__ import annotations
+
+import random
+import time
+import types
+
+import pytest
+import torch
+from torch import fx, nn
+
+import retiarii as rt
+import test_optimize as o
+from engine_helpers import InProcessExecutor
+from exp_space import lr_trainer, mlp_space
+from retiarii.engine import grouped, layouts, measuring, worker
+from retiarii.optim import device_model as dm
+
+
+def _random_clock(monkeypatch, seed):
+    """Every measurement of the worker reads a clock that runs at random speeds."""
+    rng = random.Random(seed)
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += rng.uniform(1e-5, 0.5)
+        return now[0]
+    fake = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time)
+                                    if not n.startswith("__")})
+    fake.perf_counter = perf_counter
+    for module in (grouped, layouts, measuring, worker):
+        monkeypatch.setattr(module, "time", fake)
+
+
+def _search(tmp_path, name, **kw):
+    db = tmp_path / f"{name}.db"
+    exp = rt.Experiment(mlp_space, rt.strategies.GridSearch(), lr_trainer, store=str(db),
+                        executor=InProcessExecutor(), seed=0, max_models=4, **kw)
+    exp.run()
+    return db
+
+
+def test_two_runs_of_the_default_are_bit_identical_whatever_the_timings(tmp_path, monkeypatch):
+    runs = []
+    for seed in (1, 2):
+        with monkeypatch.context() as m:
+            _random_clock(m, seed)
+            runs.append(_search(tmp_path, f"auto{seed}"))
+    first, second = (o._curves(db) for db in runs)
+    assert len(first) == 4 and first == second
+    # the device model fused the four learning rates of one small MLP (and said so)
+    units = [u for r in o._plans(runs[0]) for u in r["units"]]
+    assert any(u.get("fused") for u in units)
+    predicted = [line for u in units for line in (u.get("choice") or {}).get("predicted", ())]
+    assert predicted and all("predicted" in line and "fused" in line for line in predicted)
+    # fused values are separate training's within the fused tolerance
+    off = o._curves(_search(tmp_path, "off", optimize=False))
+    for key, (state, curves) in off.items():
+        for name, points in curves.items():
+            got = first[key][1][name]
+            assert [s for s, _ in got] == [s for s, _ in points]
+            assert [v for _, v in got] == pytest.approx([v for _, v in points], rel=1e-4)
+
+
+def test_a_model_the_device_model_does_not_fuse_trains_bit_for_bit_as_alone(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(dm, "FUSE_MARGIN", 1e9)  # nothing is predicted fast enough
+    with monkeypatch.context() as m:
+        _random_clock(m, 3)
+        auto = o._curves(_search(tmp_path, "auto"))
+    assert auto == o._curves(_search(tmp_path, "off", optimize=False))
+
+
+def _mlp(width):
+    return fx.symbolic_trace(nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width),
+                                           nn.ReLU(), nn.Linear(width, 10)))
+
+
+def test_the_device_model_fuses_narrow_layers_and_not_wide_ones_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    x = torch.zeros(128, 64)
+    narrow, wide = dm.step_costs(_mlp(64), [x]), dm.step_costs(_mlp(512), [x])
+    assert narrow.flops == 2 * 128 * (64 * 64 + 64 * 64 + 64 * 10)  # by hand
+    assert len(narrow.ops) == 5 and narrow.frozen_flops == 0
+    # measured (benchmarks/README.md): 16 fused 2.5x at width 64, 0.61x at 512 (4 models)
+    assert dm.predicted_fused_speedup([narrow] * 16, "cpu") >= dm.FUSE_MARGIN
+    assert dm.predicted_fused_speedup([wide] * 4, "cpu") < dm.FUSE_MARGIN
+    assert dm.predicted_fused_speedup([wide] * 4, "cuda") >= dm.FUSE_MARGIN
+    # the same costs give the same figure: a decision, not a measurement
+    assert dm.predicted_fused_speedup([narrow] * 8, "cpu") == dm.predicted_fused_speedup(
+        [narrow] * 8, "cpu")
+    assert dm.predicted_fused_speedup([narrow], "cpu") == 1.0
+
+
+def test_step_costs_run_on_meta_tensors_and_move_nothing():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    seq[0].requires_grad_(False)
+    model = fx.symbolic_trace(seq)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.get_rng_state()
+    costs = dm.step_costs(model, [torch.zeros(4, 8)])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(state, torch.get_rng_state())
+    assert costs.frozen_flops == 2 * 4 * 8 * 8 and costs.flops == 5 * 4 * 8 + 2 * 4 * 8 * 2
+
+
+def test_batching_is_decided_by_the_examples_per_model():
+    assert dm.batching_wins(16, "cpu") and not dm.batching_wins(32, "cpu")
+    assert dm.batching_wins(256, "cuda:0")
