@@ -2,7 +2,10 @@
 experiment so that an executor can say "the environment failed" without importing it."""
 from __future__ import annotations
 
-__all__ = ["EnvironmentFailure", "ExperimentError"]
+import os
+import sys
+
+__all__ = ["EnvironmentFailure", "ExperimentError", "main_guard_hint"]
 
 
 class ExperimentError(RuntimeError):
@@ -18,3 +21,16 @@ class EnvironmentFailure(ExperimentError):
     An executor raises it from ``submit``/``next_event`` (its message names what was lost); the
     experiment then stops with status ``stopped`` and re-raises it with the resume command.
     """
+
+
+def main_guard_hint() -> str:
+    """What to say when the driver runs a script: a worker process imports that script again
+    (Python's spawn and forkserver do), and a script that starts the search at import time,
+    not under ``if __name__ == "__main__":``, makes every worker fail at start (Python raises
+    "An attempt has been made to start a new process before ... bootstrapping phase")."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return ""
+    return (f", and that {os.path.basename(path)} starts the search under "
+            f"`if __name__ == \"__main__\":` (each worker process imports it again)")

@@ -40,7 +40,7 @@ import time
 from typing import Any, Sequence
 
 from ...determinism import prepare_worker
-from ..errors import EnvironmentFailure
+from ..errors import EnvironmentFailure, main_guard_hint
 from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 from .warm import in_environment, worker_context
 
@@ -505,14 +505,14 @@ class LocalExecutor(Executor):
                 self._events.put(JobFailed(
                     job.job_id, None, f"worker {slot.name} (pid {process.pid}) {cause}; "
                     "its trials resume from their last checkpoints", worker_lost=True))
-        if not slot.ready:
-            slot.failed_starts += 1
+        slot.failed_starts += 0 if slot.ready else 1
         slot.jobs_out.close()
         slot.events_in.close()
         slot.process = None
         if slot.failed_starts >= 3:
             self._broken = (f"worker {slot.name} failed to start 3 times in a row (last: {cause}); "
-                            "check that retiarii and torch import in a fresh python process")
+                            f"check that retiarii and torch import in a fresh python process"
+                            f"{main_guard_hint()}")
             self._events.put(_BROKEN)
             self._ready.notify_all()
             return
