@@ -9,7 +9,7 @@ import time
 
 from .cli_common import CliError, best_table, store_metric, open_store, positive_flag, format_table
 from .cli_pareto import front_rows, objectives_of, plot_front, print_front
-from .cli_source import trusted_source
+from .cli_source import export_header, trusted_source
 from .engine.failures import failure_summary, reason_of
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_status"]
@@ -201,9 +201,7 @@ def cmd_export(args) -> int:
         name = f"model_{row['model_id']}"
         source = trusted_source(model["graph"], f"Model{row['model_id']}", rule,
                                 f"model {row['model_id']} of {args.db}", CliError)
-        with open(os.path.join(args.out, name + ".py"), "w") as f:
-            f.write(source)
-        files = f"{name}.py"
+        files, weights = f"{name}.py", None
         ckpt = store.last_checkpoint(row["trial_id"])
         if ckpt is not None:
             try:
@@ -214,6 +212,11 @@ def cmd_export(args) -> int:
             else:
                 torch.save(weights, os.path.join(args.out, name + ".pt"))
                 files += f", {name}.pt"
+        what = (f"model {row['model_id']} of {os.path.basename(args.db)} (experiment "
+                f"{store.experiment_id}), ranked {rank} by {metric} {row['value']:.4f}")
+        with open(os.path.join(args.out, name + ".py"), "w") as f:
+            f.write(export_header(source, name, what, store.get_experiment()["config"],
+                                  weights is not None))
         with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump({"rank": rank, metric: row["value"], **row.get("values", {}),
                        "sample": row["sample"], "hash": row["hash"]}, f, indent=2)

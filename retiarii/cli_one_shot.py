@@ -30,17 +30,30 @@ def progress_line(summary: dict) -> str:
             f"evaluated, best {best}, selected {json.dumps(search['selected'])[:80]}")
 
 
-def _best_rows(best: list[dict]) -> list[list]:
-    return [[i + 1, b["model_id"], b["segment"], f"{b['value']:.4f}", json.dumps(b["sample"])[:90]]
+# Each architecture once: the latest of its evaluations, how many there were, and a * on the
+# one selected (ENAS draws one path many times; DARTS selects by its alphas, not by value).
+_BEST_HEADERS = ["rank", "model", "segment", "value", "evaluated", "sample"]
+
+
+def _best_rows(best: list[dict], selected: dict | None = None) -> list[list]:
+    return [[f"{i + 1}{' *' if b['sample'] == selected else ''}", b["model_id"], b["segment"],
+             f"{b['value']:.4f}", f"{b.get('count', 1)}x", json.dumps(b["sample"])[:90]]
             for i, b in enumerate(best)]
+
+
+def print_warnings(search: dict, file=None) -> None:
+    """The selection's warnings (not better than chance, a tie), one line each."""
+    for text in search.get("warnings") or []:
+        print(f"warning: the selection is {text}", file=file or sys.stdout)
 
 
 def print_result(summary: dict, table) -> None:
     """What ``retiarii run`` / ``resume`` print at the end of a one-shot search."""
     search = summary["one_shot"]
     if search["best"]:
-        print(table(_best_rows(search["best"]), ["rank", "model", "segment", "value", "sample"]))
+        print(table(_best_rows(search["best"], search["selected"]), _BEST_HEADERS))
     print(f"\nselected architecture: {json.dumps(search['selected'])}")
+    print_warnings(search)
 
 
 def _summary(store) -> dict:
@@ -66,11 +79,13 @@ def print_status(store, db: str, as_json: bool, table) -> None:
           f"evaluated")
     if search["metrics"]:
         print("last segment: " + ", ".join(f"{k} {v:.4g}" for k, v in search["metrics"].items()))
-    print(f"\nbest evaluated by {metric} (on the shared weights):")
-    print(table(_best_rows(search["best"]), ["rank", "model", "segment", "value", "sample"])
+    print(f"\nbest evaluated by {metric} (on the shared weights; each architecture once, "
+          f"at its latest evaluation; * selected):")
+    print(table(_best_rows(search["best"], search["selected"]), _BEST_HEADERS)
           if search["best"] else "(none yet)")
     what = "result (model %s)" % search["result_model"] if search["result_model"] else "so far"
     print(f"\nselected architecture, {what}: {json.dumps(search['selected'])}")
+    print_warnings(search)
     if search["error"]:
         lines = search["error"].strip().splitlines() or ["(no reason recorded)"]
         print(f"\nfailed: {lines[0]}")
@@ -86,7 +101,7 @@ def export(store, db: str, out: str, error: type[Exception]) -> int:
     from .engine.checkpoint import CheckpointError
     from .engine.checkpoint import load as load_checkpoint
     from .engine.segments import SegmentTable
-    from .cli_source import trusted_source
+    from .cli_source import export_header, trusted_source
     from .refs import TrustedRefs
 
     table = SegmentTable(store)
@@ -101,8 +116,6 @@ def export(store, db: str, out: str, error: type[Exception]) -> int:
     source = trusted_source(result["graph"], f"Model{result['id']}", rule,
                             f"model {result['id']} of {db}", error)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name + ".py"), "w") as f:
-        f.write(source)
     files, note = f"{name}.py", ""
     unit = table.last()["unit"]
     try:
@@ -114,7 +127,15 @@ def export(store, db: str, out: str, error: type[Exception]) -> int:
         files += f", {name}.pt (weights inherited from the super-network)"
     elif not note:
         note = "; the strategy offers no inherited weights (export_state): train it from scratch"
-    metric = store.get_experiment()["config"].get("metric", "val_acc")
+    config = store.get_experiment()["config"]
+    metric = config.get("metric", "val_acc")
+    value = "" if result["value"] is None else f", {metric} {result['value']:.4f} on them"
+    what = (f"the architecture selected by the one-shot search of {os.path.basename(db)} "
+            f"(experiment {store.experiment_id}, model {result['id']})" +
+            (f", with the weights it inherits from the super-network{value}"
+             if weights is not None else ""))
+    with open(os.path.join(out, name + ".py"), "w") as f:
+        f.write(export_header(source, name, what, config, weights is not None))
     with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump({"selected": True, metric: result["value"], "sample": result["sample"],
                    "hash": result["hash"]}, f, indent=2)

@@ -61,7 +61,7 @@ def test_the_engine_docs_examples_run(tmp_path):
 
 def test_the_fixed_arch_example_builds_a_plain_module(tmp_path):
     """docs/weight_sharing.md "Retraining the selection"."""
-    out = _run_file(tmp_path, "fixed.py", _block("weight_sharing.md", "rt.fixed_arch("))
+    out = _run_file(tmp_path, "fixed.py", _block("weight_sharing.md", 'rt.fixed_arch(space, {"width": 32'))
     assert out.strip() == "GeneratedModel torch.Size([4, 10])"
 
 
@@ -84,3 +84,10 @@ def test_the_multi_objective_docs_example_runs(tmp_path):
             assert "Pareto front of val_acc (max), params (min)" in out.stdout
             assert "constraints: latency_ms <= 50" in out.stdout
     assert list((tmp_path / "front").glob("model_*.json")) and (tmp_path / "multi.png").exists()
+
+
+def test_the_one_shot_export_example_reproduces_the_supernet(tmp_path):
+    """docs/weight_sharing.md "Export": DARTS' exported weights in a plain module compute what
+    the supernet computes for the selected architecture; the trainer says digits / 16."""
+    out = _run_file(tmp_path, "export.py", _block("weight_sharing.md", "s.relaxation.fix(best)"))
+    assert out.strip() == "True scikit-learn's 8x8 digits (sklearn.datas"

@@ -42,7 +42,7 @@ from .experiment_checks import (check_arguments, optimize_config, resolve_schedu
                                 resolve_strategy, warn_budget)
 from .failures import SearchFailed, with_failures
 from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
-                                 object_ref, space_fingerprint, trainer_spec)
+                                 object_ref, recorded_config, space_fingerprint, trainer_spec)
 from .function_trainer import experiment_space
 from .lock import StoreLock, StoreLocked
 from .costs import COSTS, CostMeter
@@ -335,8 +335,7 @@ class Experiment(Proposals):
             one_shot.warn_held(self.strategy, one_shot.held_hparams(self.trainer.value_choices()))
         self._open()
         try:
-            self.store.add_experiment({**self.config(), "origin": self.origin}, self.seed,
-                                      name=os.path.basename(self.path))
+            self.store.add_experiment(recorded_config(self), self.seed, name=os.path.basename(self.path))
             return self._loop(resume=False)
         finally:
             self._close()

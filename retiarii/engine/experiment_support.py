@@ -14,7 +14,7 @@ from .errors import EnvironmentFailure, ExperimentError  # (executors raise them
 from .trainer import Trainer
 
 __all__ = ["EnvironmentFailure", "ExperimentError", "DrawnModels", "comparable", "object_ref",
-           "space_fingerprint", "trainer_spec"]
+           "recorded_config", "space_fingerprint", "trainer_notes", "trainer_spec"]
 
 
 # ---- how workers find the space and the trainer ---------------------------------------------
@@ -83,6 +83,28 @@ def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
     return (object_ref(trainer, "trainer") if spec is None else spec), trainer.value_choices()
 
 
+def trainer_notes(trainer: Any, metric: str) -> dict:
+    """What an experiment keeps about its trainer's data, beside its config (resume does not
+    compare it): ``preprocessing``, the trainer's words for how raw data becomes model inputs
+    (``retiarii export`` writes them into each model file), and ``chance``, ``metric`` at
+    chance on the validation data (``retiarii status`` flags a one-shot selection no better).
+    A trainer that cannot say (a custom one, settings that are still choices) leaves None."""
+    notes: dict = {}
+    for key, ask in (("preprocessing", lambda: trainer.preprocessing()),
+                     ("chance", lambda: trainer.chance_level(metric))):
+        try:
+            notes[key] = ask()
+        except Exception:  # noqa: BLE001 (a description must never stop a run: it stays unknown)
+            notes[key] = None
+    return notes
+
+
+def recorded_config(exp: Any) -> dict:
+    """What an experiment's row keeps: its ``config()``, its ``origin`` and its
+    :func:`trainer_notes`."""
+    return {**exp.config(), "origin": exp.origin, **trainer_notes(exp.trainer, exp.metric)}
+
+
 class DrawnModels:
     """The search space as the strategy sees it, keeping the models its draws built during one
     proposal (TPE draws 24 candidates) so that instantiating the sample it settles on does not
@@ -126,6 +148,8 @@ def comparable(config: dict) -> dict:
     is compared (the space's fingerprint, the trainer's settings)."""
     config = dict(config)
     config.pop("origin", None)
+    for note in ("preprocessing", "chance"):  # descriptions of the data (trainer_notes)
+        config.pop(note, None)
     if isinstance(config.get("space"), dict):
         config["space"] = {k: v for k, v in config["space"].items() if k != "ref"}
     if isinstance(config.get("trainer"), str):  # a reference: its file may have moved

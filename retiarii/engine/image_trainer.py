@@ -20,7 +20,7 @@ import torch
 
 from ..codec import ref_of
 from . import data
-from .trainer import ClassifierConfig, ClassifierTrainer
+from .trainer import ClassifierConfig, ClassifierTrainer, chance_of_labels
 
 __all__ = ["ImageFolderConfig", "ImageFolderTrainer"]
 
@@ -91,6 +91,25 @@ class ImageFolderTrainer(ClassifierTrainer):
         config = dataclasses.asdict(self.config)
         config.update({k: v.default for k, v in self.value_choices().items()})
         return {"class": ref_of(ImageFolderTrainer), "config": config}
+
+    def preprocessing(self) -> str | None:
+        """The validation transform (what a deployed model gets) and what training adds."""
+        c = self.config
+        size = c.image_size if not hasattr(c.image_size, "candidates") else "image_size"
+        return (f"each image opened with PIL and converted to RGB; for inference (as "
+                f"validation): resized (bilinear) so its shorter side is round({size} * "
+                f"{c.val_resize}), center-cropped to {size}x{size}, pixel values divided by "
+                f"255 (to [0, 1]), then normalized per channel as (x - mean) / std with mean="
+                f"{tuple(c.mean)}, std={tuple(c.std)}; float32 of shape (N, 3, {size}, {size}); "
+                f"label i is the i-th class subfolder in sorted order; training adds random "
+                f"resized crops (area share in [{c.min_scale}, 1]) instead of the resize and "
+                f"center crop" + (", and horizontal flips" if c.flip else ""))
+
+    def chance_level(self, metric: str) -> dict | None:
+        """``val_acc`` at chance: the majority class's share of the validation images."""
+        if metric != "val_acc":
+            return None
+        return chance_of_labels(metric, list(self._folders({})[1].labels))
 
     # ---- what the batches depend on ------------------------------------------------------
 

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from ..enums import Mode, ModelStatus
+from .selection_notes import selection_warnings
 
 __all__ = ["SegmentTable", "finite"]
 
@@ -142,15 +143,25 @@ class SegmentTable:
                  "metrics": json.loads(r[3] or "{}"), "value": r[4], "status": r[5]}
                 for r in rows]
 
-    def best(self, mode: Mode | str = "max", k: int = 5) -> list[dict]:
-        """The ``k`` best evaluated models by value (ties: the earlier first)."""
-        order = "DESC" if Mode.parse(mode) is Mode.MAX else "ASC"
+    def best(self, mode: Mode | str = "max", k: int | None = 5) -> list[dict]:
+        """The ``k`` best architectures the segments evaluated, each listed once: a sample
+        evaluated several times (ENAS' controller draws the same path again and again) is
+        judged on its latest value (the most trained weights, as the result is) and says how
+        many times it was evaluated (``count``); ties: the earlier first. ``k=None``: all."""
         rows = self.store.db.execute(
-            f"SELECT id, segment, sample, value FROM models WHERE experiment_id = ? AND "
-            f"segment IS NOT NULL AND value IS NOT NULL ORDER BY value {order}, id LIMIT ?",
-            [self.store.experiment_id, int(k)]).fetchall()
-        return [{"model_id": r[0], "segment": r[1], "sample": json.loads(r[2]), "value": r[3]}
-                for r in rows]
+            "SELECT id, segment, sample, value FROM models WHERE experiment_id = ? AND "
+            "segment IS NOT NULL AND value IS NOT NULL ORDER BY id",
+            [self.store.experiment_id]).fetchall()
+        latest: dict[str, dict] = {}
+        for model_id, segment, sample, value in rows:
+            first = latest.get(sample, {}).get("first", model_id)
+            count = latest.get(sample, {}).get("count", 0) + 1
+            latest[sample] = {"model_id": model_id, "segment": segment, "value": value,
+                              "count": count, "first": first}
+        sign = Mode.parse(mode).sign
+        ranked = sorted(latest.items(), key=lambda kv: (-sign * kv[1]["value"], kv[1]["first"]))
+        return [{"model_id": r["model_id"], "segment": r["segment"], "sample": json.loads(key),
+                 "value": r["value"], "count": r["count"]} for key, r in ranked[:k]]
 
     def result(self) -> dict | None:
         """The result model's row (``sample``, ``graph`` decoded), or None before the end."""
@@ -176,7 +187,13 @@ class SegmentTable:
             [self.store.experiment_id]).fetchone()[0]
         selected = result["sample"] if result is not None else \
             (last["selected"] if last is not None else None)
+        candidates = self.best(mode, None)
+        config = self.store.get_experiment()["config"]
+        value = result["value"] if result is not None else next(
+            (c["value"] for c in candidates if c["sample"] == selected), None)
         return {"segment": last["segment"] if last else 0, "segments": segments,
-                "models": count, "best": self.best(mode, k), "selected": selected,
+                "models": count, "best": candidates[:k], "selected": selected,
                 "result_model": None if result is None else result["id"],
-                "metrics": last["metrics"] if last else {}, "error": self.error()}
+                "metrics": last["metrics"] if last else {}, "error": self.error(),
+                "warnings": selection_warnings(candidates, value, config.get("chance"),
+                                               config.get("metric", "val_acc"), mode)}

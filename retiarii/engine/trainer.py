@@ -29,6 +29,7 @@ from ..codec import ref_of
 from .trial_run import TrainingError, TrialRun, check_segment, train_trial
 
 __all__ = ["Trainer", "ClassifierConfig", "ClassifierTrainer", "TrialRun", "TrainingError",
+           "chance_of_labels",
            "train_trial", "check_segment", "load_dataset"]
 
 
@@ -97,6 +98,20 @@ class Trainer(abc.ABC):
         The default is Adam with ``hparams["lr"]`` (1e-3 when absent)."""
         return torch.optim.Adam(model.parameters(), lr=float(hparams.get("lr", 1e-3)))
 
+    def preprocessing(self) -> str | None:
+        """How this trainer turns the raw data into model inputs, in words a user follows to
+        feed an exported model (``retiarii export`` writes it into the model file's header):
+        scaling, shapes, dtypes, crops, normalization, label encoding. None (the default):
+        not described, and the export says so."""
+        return None
+
+    def chance_level(self, metric: str) -> dict | None:
+        """What ``metric`` is at chance on the validation data, as
+        ``{"metric", "value", "n", "how"}`` (``n``: validation examples, for the standard
+        error), or None (the default: unknown). A one-shot search whose selection is not
+        better than it is flagged by ``retiarii status`` (docs/weight_sharing.md)."""
+        return None
+
     @abc.abstractmethod
     def train_dataloader(self, hparams: dict, epoch: int) -> Iterable:
         """The batches of ``epoch`` (0-based), in an order determined by the epoch."""
@@ -134,6 +149,19 @@ def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.tensor(pixels / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # (N, 64) -> (N, 1, 8, 8)
     y = torch.tensor(target, dtype=torch.int64)
     return x, y
+
+
+def chance_of_labels(metric: str, labels: Any) -> dict | None:
+    """An accuracy at chance on validation ``labels`` (class indices): the majority class's
+    share, with the number of examples and classes (see :meth:`Trainer.chance_level`)."""
+    y = torch.as_tensor(labels).long().reshape(-1)
+    if len(y) == 0 or int(y.min()) < 0:
+        return None
+    counts = torch.bincount(y)
+    share = float(counts.max()) / len(y)
+    return {"metric": metric, "value": share, "n": int(len(y)),
+            "how": f"always its most frequent class ({int((counts > 0).sum())} classes "
+                   f"among {len(y)} validation examples)"}
 
 
 _LOADERS: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {"digits": _load_digits}
@@ -237,6 +265,32 @@ class ClassifierTrainer(Trainer):
         except TypeError:
             return None
         return {"class": ref_of(ClassifierTrainer), "config": config}
+
+    def preprocessing(self) -> str | None:
+        """For ``dataset="digits"``: the 1/16 scaling of its 0..16 pixels and the (N, 1, 8, 8)
+        shape; for tensors: none (the model gets them as given)."""
+        dataset = self.config.dataset
+        split = (f"; validation: {self.config.val_fraction:.0%} of the examples held out "
+                 f"(split_seed {self.config.split_seed})")
+        if dataset == "digits":
+            return ("scikit-learn's 8x8 digits (sklearn.datasets.load_digits): each image's 64 "
+                    "pixel values, integers 0..16, divided by 16 (to [0, 1]), as float32 of "
+                    "shape (N, 1, 8, 8) (x = torch.tensor(digits.data / 16.0, "
+                    "dtype=torch.float32).reshape(-1, 1, 8, 8)); labels: the digit 0..9 as "
+                    "int64; the model outputs 10 logits, the prediction is their argmax" + split)
+        if isinstance(dataset, str):
+            return f"the data set {dataset!r} as load_dataset gives it" + split
+        return ("the (X, y) tensors given to the trainer, fed to the model as given (the "
+                "trainer applies no preprocessing): prepare new inputs as X was prepared; "
+                "the prediction is the argmax of the outputs" + split)
+
+    def chance_level(self, metric: str) -> dict | None:
+        """``val_acc`` at chance: the share of the validation split's most frequent class
+        (what always answering it scores; 1/classes for balanced classes)."""
+        if metric != "val_acc":
+            return None
+        _, (_, y) = self._split({})
+        return chance_of_labels(metric, y)
 
     def data_key(self, hparams: dict) -> str | None:
         """The data set (its name, or a hash of the tensors given), the split (``val_fraction``,

@@ -217,6 +217,15 @@ class RelaxedOneShot(OneShot):
         relax = self._need_setup()
         return relax.export(sample if sample is not None else relax.derive())
 
+    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
+        """The weights ``sample`` inherits from the supernet (each chosen candidate's, its
+        BatchNorm statistics included), as the ``state_dict`` of ``space.build(sample)``:
+        what the engine exports with the selected architecture. The standalone module then
+        computes what the supernet computes in mode ``"fixed"`` on that sample."""
+        with torch.random.fork_rng(devices=[]):  # building the module draws initial weights
+            net = self.export(sample)
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
 
 class _Cycle:
     """The validation batches, from the first, round and round."""

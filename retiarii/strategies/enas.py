@@ -58,9 +58,14 @@ class ENAS(ExportsInherited, OneShot):
     :mod:`~retiarii.strategies.rl`'s LSTM (one decoder and embedding per choice, created when
     the choice is first met, logits bounded by ``tanh_constant * tanh``).
 
-    :meth:`selected` is the controller's most likely path (each choice at its argmax); with
-    ``select_samples > 0`` the last segment also evaluates that many sampled paths and the
-    most likely one on ``eval_batches`` validation batches and selects the best.
+    The last segment ends with a **selection**: the controller's most likely path (each
+    choice at its argmax), ``select_samples`` paths sampled from it, and every path the
+    controller steps evaluated during the search (once each) are evaluated on the same first
+    ``eval_batches`` validation batches with the final weights, and the best is selected
+    (ties: the most likely path, then the earliest). Rewards of the controller steps are
+    measured on other batches and older weights, so they do not compare; this makes the
+    selected path the best of what the search evaluated, judged alike. :meth:`selected` is
+    that path; before the selection, the most likely path.
 
     Example (``space`` a ModelSpace, ``trainer`` a Trainer)::
 
@@ -85,7 +90,8 @@ class ENAS(ExportsInherited, OneShot):
             rising rewards of a short search).
         entropy_weight: the entropy bonus that keeps exploring (ENAS: 1e-4).
         tanh_constant: bound on the logits (ENAS: 1.5); ``None`` leaves them free.
-        select_samples: sampled paths compared by validation at the end (0: the argmax path).
+        select_samples: paths sampled from the controller for the final selection, besides
+            the most likely one and the paths the search evaluated.
         metric: the validation metric used as reward.
         mode: ``"max"`` (default) or ``"min"`` (the reward is then ``-metric``).
         seed: seeds the weights, the controller and every draw.
@@ -135,6 +141,7 @@ class ENAS(ExportsInherited, OneShot):
         self._baseline: float | None = None
         self._updates = 0  # controller updates so far: where the validation batches resume
         self._selected: dict | None = None
+        self._seen: dict[str, dict] = {}  # paths the controller steps evaluated, by key
 
     # -- the controller -----------------------------------------------------------------------
 
@@ -188,6 +195,7 @@ class ENAS(ExportsInherited, OneShot):
                                       shared=self.shared)
         self._new_controller()
         self._baseline, self._updates, self._selected = None, 0, None
+        self._seen = {}
 
     def num_segments(self) -> int:
         return self.segments
@@ -197,7 +205,7 @@ class ENAS(ExportsInherited, OneShot):
         with shared.own_rng():
             metrics = self._train(shared, ctx)
             models, rewards = self._update_controller(shared, ctx)
-            if ctx.segment == self.segments - 1 and self.select_samples and not ctx.should_stop():
+            if ctx.segment == self.segments - 1 and not ctx.should_stop():
                 models += self._select(shared, ctx)
         if ctx.rank != 0:  # every rank evaluated the same paths (rewards averaged)
             models = []
@@ -260,6 +268,7 @@ class ENAS(ExportsInherited, OneShot):
             self.reinforce(sampler.log_prob, sampler.entropy, reward)
             self._updates += 1
             rewards.append(reward)
+            self._seen.setdefault(sample_key(model.sample), dict(model.sample))
             models.append(EvaluatedModel(dict(model.sample), {**metrics, "controller_step": step}))
         return models, rewards
 
@@ -271,6 +280,8 @@ class ENAS(ExportsInherited, OneShot):
         for draw_rng in [None] + [rng] * self.select_samples:  # the argmax path first
             model, _ = self._draw(draw_rng)
             candidates.setdefault(sample_key(model.sample), dict(model.sample))
+        for key, sample in self._seen.items():  # every path evaluated, judged alike now
+            candidates.setdefault(key, dict(sample))
         models, best = [], None
         for sample in candidates.values():
             metrics = mean_over_ranks(shared.evaluate(sample, valid), ctx)
@@ -299,7 +310,7 @@ class ENAS(ExportsInherited, OneShot):
                 "controller": self._controller.state_dict(),
                 "controller_optimizer": self._optimizer.state_dict(),
                 "baseline": self._baseline, "updates": self._updates,
-                "selected": self._selected}
+                "selected": self._selected, "seen": list(self._seen.values())}
 
     def load_state_dict(self, state: dict) -> None:
         if self._shared is None:
@@ -316,3 +327,5 @@ class ENAS(ExportsInherited, OneShot):
         self._baseline = state["baseline"]
         self._updates = state["updates"]
         self._selected = state["selected"]
+        # (a unit written before the selection judged every path has no "seen")
+        self._seen = {sample_key(s): dict(s) for s in state.get("seen", [])}

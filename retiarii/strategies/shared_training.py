@@ -383,6 +383,18 @@ class SharedTraining:
             if saved is not None:
                 _load_bn_state(net, saved)
 
+    def calibrated_state(self, sample_or_model: Any, batches: Iterable) -> dict:
+        """The ``state_dict`` of a standalone copy of a path with its inherited weights and
+        its BatchNorm statistics recomputed on ``batches`` as :meth:`evaluate` recomputes
+        them: the weights a path evaluated with ``calibrate`` was judged with. The shared
+        weights and the RNG streams are left as they were."""
+        self.net(sample_or_model)  # (under a device budget: its operators loaded first)
+        net = self.supergraph.export(sample_or_model)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda"
+                                   else []):
+            self._recalibrate(net, batches)
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
     def _recalibrate(self, net: nn.Module, batches: Iterable) -> None:
         from ..training import to_device as _to_device
 

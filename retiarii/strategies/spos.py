@@ -263,6 +263,18 @@ class SPOS(ExportsInherited, OneShot):
         sample, metrics = max(self._evaluated.values(), key=lambda sm: sign * sm[1][self.metric])
         return sample, metrics[self.metric]
 
+    def export_state(self, sample: dict) -> dict[str, torch.Tensor]:
+        """The weights ``sample`` inherits, with the BatchNorm statistics its evaluation
+        used when ``recalibrate_bn`` (recomputed on the search segment's first
+        ``calibrate_batches`` training batches): the exported module computes what the
+        search measured."""
+        if not self.recalibrate_bn or self._shared is None:
+            return super().export_state(sample)
+        shared = self._shared
+        batches = take(shared.trainer.train_dataloader(shared.hparams, self.num_segments() - 1),
+                       self.calibrate_batches)
+        return shared.calibrated_state(sample, batches)
+
     def selected(self) -> dict:
         best = self._best()
         if best is not None:
