@@ -1,4 +1,4 @@
-"""The ``retiarii`` command: run, status, resume, export, plot.
+"""The ``retiarii`` command: run, status, resume, export, plot, dashboard.
 
 Example::
 
@@ -326,6 +326,7 @@ def cmd_resume(args) -> int:
 def parser() -> argparse.ArgumentParser:
     from .cli_nas import add_nas_parser
     from .cli_retrain import add_retrain_parser
+    from .dashboard.cli import add_dashboard_parser
 
     p = argparse.ArgumentParser(prog="retiarii", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -467,6 +468,7 @@ def parser() -> argparse.ArgumentParser:
     plot.set_defaults(fn=cmd_plot)
 
     add_nas_parser(sub)
+    add_dashboard_parser(sub)
     return p
 
 
