@@ -1,4 +1,4 @@
-"""The ``retiarii`` command: run, status, resume, export, plot.
+"""The ``retiarii`` command: run, status, resume, export, plot, dashboard.
 
 Example::
 
@@ -217,7 +217,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       fuse=_LAYOUT[flags["fuse"]] if flags.get("fuse") else None,
                       batching=_LAYOUT[flags["batching"]] if flags.get("batching") else None,
                       passes=_passes(flags.get("passes")),
-                      progress=Progress(max_models),
+                      progress=_progress(Progress(max_models), flags),
                       weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
                       deterministic=bool(flags.get("deterministic")),  # stores before it: off
@@ -227,6 +227,16 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
 
 _OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize, --fuse: Experiment(...)
 _LAYOUT = {**_OPTIMIZE, "measure": "measure"}  # --fuse, --batching
+
+
+def _progress(progress: Progress, flags: dict):
+    """The progress display, also writing TensorBoard event files under --tensorboard."""
+    from .tensorboard_log import with_tensorboard
+
+    try:
+        return with_tensorboard(progress, flags["store"], flags.get("tensorboard"))
+    except ImportError as err:
+        raise CliError(str(err)) from None
 
 
 def _passes(text: str | None) -> dict | None:
@@ -257,9 +267,10 @@ def cmd_run(args) -> int:
              "batching": args.batching, "passes": args.passes, "packing": args.packing,
              "device_memory": args.device_memory, "shared": args.shared,
              "deterministic": args.deterministic, "metric": args.metric, "mode": args.mode,
-             "constraint": args.constraint}
+             "constraint": args.constraint, "tensorboard": args.tensorboard}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
+    getattr(exp.progress, "close", lambda: None)()  # --tensorboard: what is left
     print(file=sys.stderr)
     print_best(summary)
     _print_failures(summary, exp.path)
@@ -286,6 +297,8 @@ def cmd_resume(args) -> int:
         origin = exp["config"].get("origin") or {}
     finally:
         store.close()
+    if args.tensorboard and ("retrain" in origin or "nas" in origin):
+        raise CliError("--tensorboard applies to searches started with `retiarii run`")
     if "retrain" in origin:  # `retiarii retrain DB --model ID`: rebuilt from the model
         from .cli_retrain import resume_retrain
 
@@ -316,8 +329,11 @@ def cmd_resume(args) -> int:
             cli["address"] = None  # the recorded cluster is not used on local workers
     if args.address:
         cli["address"] = args.address  # the cluster's head may have moved
+    if args.tensorboard:  # else the folder the run was started with, if any
+        cli["tensorboard"] = args.tensorboard
     exp = _build(space, cli, recorded_space=recorded)
     summary = exp.resume(experiment=args.experiment)
+    getattr(exp.progress, "close", lambda: None)()
     print(file=sys.stderr)
     print_best(summary)
     _print_failures(summary, args.db)
@@ -327,6 +343,8 @@ def cmd_resume(args) -> int:
 def parser() -> argparse.ArgumentParser:
     from .cli_nas import add_nas_parser
     from .cli_retrain import add_retrain_parser
+    from .dashboard.cli import add_dashboard_parser
+    from .tensorboard_log import add_tensorboard_flag
 
     p = argparse.ArgumentParser(prog="retiarii", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -409,6 +427,7 @@ def parser() -> argparse.ArgumentParser:
                      help="train with deterministic kernels only (no TF32, no cuDNN "
                           "benchmarking) in every worker: two runs give the same metrics on "
                           "a GPU too, slower; resume keeps it (docs/engine.md)")
+    add_tensorboard_flag(run)
     run.set_defaults(fn=cmd_run)
 
     status = sub.add_parser("status", help="trials by state and the best models of a store")
@@ -442,6 +461,7 @@ def parser() -> argparse.ArgumentParser:
     resume.add_argument("--executor", choices=("local", "ray"), default=None,
                         help="continue on local worker processes or on Ray, whichever the run "
                              "started on (default: the executor it was started with)")
+    add_tensorboard_flag(resume)
     resume.set_defaults(fn=cmd_resume)
 
     export = sub.add_parser("export", help="standalone .py + state_dict of the best models")
@@ -467,6 +487,7 @@ def parser() -> argparse.ArgumentParser:
     plot.set_defaults(fn=cmd_plot)
 
     add_nas_parser(sub)
+    add_dashboard_parser(sub)
     return p
 
 
