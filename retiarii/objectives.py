@@ -30,7 +30,8 @@ from .enums import Mode
 
 __all__ = ["Constraint", "Objectives", "ObjectiveError", "ParetoFront", "Scored",
            "constrained_dominates",
-           "crowding_distance", "dominates", "hypervolume", "nondominated_sort", "nsga_keys",
+           "crowding_distance", "dominates", "hypervolume", "hypervolume_contributions",
+           "nondominated_sort", "nsga_keys",
            "pareto_indices", "ranks"]
 
 Point = Sequence[float]
@@ -327,6 +328,19 @@ def hypervolume(points: Iterable[Point], reference: Point) -> float:
         return 0.0
     keep = pareto_indices(inside)
     return _volume(sorted(set(inside[i] for i in keep)), ref)
+
+
+def hypervolume_contributions(points: Sequence[Point], reference: Point) -> list[float]:
+    """Each point's exclusive hypervolume: what the set loses without it (0 for a point
+    another one dominates or repeats).
+
+    Example:
+        >>> hypervolume_contributions([(0, 4), (1, 2), (4, 0)], reference=(5, 5))
+        [1.0, 6.0, 2.0]
+    """
+    whole = hypervolume(points, reference)
+    return [whole - hypervolume([p for j, p in enumerate(points) if j != i], reference)
+            for i in range(len(points))]
 
 
 def _volume(points: list[tuple[float, ...]], ref: tuple[float, ...]) -> float:

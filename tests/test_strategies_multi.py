@@ -1,13 +1,19 @@
 """Strategies with several objectives: the tell protocol, fronts, NSGA-II selection, saved
 state, and the search quality of evolution against random on a toy trade-off."""
+import math
 import random
 import statistics
 
 import pytest
 
 from retiarii.objectives import Scored, hypervolume, pareto_indices
-from retiarii.strategies import TPE, GridSearch, Random, RegularizedEvolution
+from retiarii.scalarization import MnasNetReward, WeightedSum, scalarization_from_json
+from retiarii.strategies import (
+    TPE, GridSearch, PolicyBasedRL, Predictor, Random, RegularizedEvolution,
+)
 from retiarii.strategies.evolution import crowded_tournament
+from retiarii.strategies.predictor import improvement_order
+from retiarii.strategies.tpe import motpe_split, motpe_weights, reference_point
 
 OPS = list(range(4))
 N = 6
@@ -46,9 +52,9 @@ def search(strategy, n, space=None, constraint=None):
 
 
 def test_one_metric_strategies_refuse_several_objectives():
-    with pytest.raises(ValueError, match="TPE optimizes one metric; for several objectives "
-                                         "use RegularizedEvolution"):
-        TPE(seed=0).use_objectives(["max", "min"])
+    with pytest.raises(ValueError, match="PolicyBasedRL optimizes one metric; for several "
+                                         "objectives give it reward=MnasNetReward"):
+        PolicyBasedRL(seed=0).use_objectives(["max", "min"])
     with pytest.raises(ValueError, match="two modes or more"):
         Random(seed=0).use_objectives(["max"])
 
@@ -93,8 +99,11 @@ def test_crowded_tournament_by_hand():
     assert crowded_tournament([("x", Scored((-9.0, -9.0), 0.1)), pop[3]], 2, rng) == "d"
 
 
-@pytest.mark.parametrize("make", [lambda: RegularizedEvolution(8, 3, seed=3),
-                                  lambda: Random(seed=3)])
+@pytest.mark.parametrize("make", [
+    lambda: RegularizedEvolution(8, 3, seed=3), lambda: Random(seed=3),
+    lambda: TPE(seed=3, n_startup=5), lambda: Predictor(seed=3, n_startup=5, n_candidates=8),
+    lambda: PolicyBasedRL(seed=3, reward=MnasNetReward("acc", "cost", target=10.0))],
+    ids=["evolution", "random", "motpe", "predictor", "rl"])
 def test_saved_and_restored_search_equals_uninterrupted(make):
     whole = make()
     search(whole, 40, constraint=8.0)
@@ -147,3 +156,123 @@ def test_nsga_evolution_beats_random_on_a_trade_off():
         rnd = _hv(search(Random(seed=seed), 120))
         gains.append(evo - rnd)
     assert statistics.mean(gains) > 2 * statistics.stdev(gains) / len(gains) ** 0.5, gains
+
+
+# ---- MOTPE ------------------------------------------------------------------------------------
+
+
+def test_motpe_split_by_hand():
+    # fronts: {0, 1, 2}, then {3} (dominated by 1), then the infeasible 4 (Deb: last)
+    points = [(0, 4), (1, 2), (4, 0), (2, 3), (-1, -1)]
+    violations = [0, 0, 0, 0, 1.0]
+    assert motpe_split(points, violations, 4) == [0, 1, 2, 3]
+    assert motpe_split(points, violations, 5) == [0, 1, 2, 3, 4]
+    # front 0 does not fit: reference (4 + 0.5, 4 + 0.5) past the worst of all five points;
+    # contributions 1 * 0.5 = 0.5, 3 * 2 = 6, 0.5 * 2 = 1: (1, 2) then (4, 0) then (0, 4)
+    assert reference_point(points) == (4.5, 4.5)
+    assert motpe_split(points, violations, 1) == [1]
+    assert motpe_split(points, violations, 2) == [1, 2]
+    assert motpe_split(points, violations, 3) == [0, 1, 2]
+
+
+def test_motpe_weights_by_hand():
+    assert motpe_weights([(0, 4), (1, 2), (4, 0)], (5, 5)) == [1 / 3, 2.0, 2 / 3]
+    # with (2, 3), dominated by (1, 2), in the set (reference (5, 5)): the hypervolume is 15,
+    # 11 without (1, 2), 14 without (0, 4), 13 without (4, 0): contributions 1, 4, 2, 0 (mean
+    # 7/4); the dominated point keeps a tenth of the mean, never zero
+    weights = motpe_weights([(0, 4), (1, 2), (4, 0), (2, 3)], (5, 5))
+    assert weights == pytest.approx([4 / 7, 16 / 7, 8 / 7, 0.1])
+
+
+class Dominated:
+    """'good' = a beats b in both objectives; the other choices are noise."""
+
+    def sample(self, sampler):
+        s = {"good": ["a", "b"][sampler.choose("good", ["a", "b"], {})]}
+        for i in range(3):
+            s[f"n{i}"] = OPS[sampler.choose(f"n{i}", OPS, dict(s))]
+        return type("Model", (), {"sample": s})()
+
+    def size(self):
+        return 2 * len(OPS) ** 3
+
+
+def _dominated_values(sample):
+    noise = sum(sample[f"n{i}"] for i in range(3)) / 30
+    return ([0.9 - noise, 1.0 + noise] if sample["good"] == "a" else
+            [0.5 - noise, 3.0 + noise])
+
+
+@pytest.mark.parametrize("make", [lambda: TPE(seed=0, n_startup=6),
+                                  lambda: Predictor(seed=0, n_startup=6, n_candidates=16)],
+                         ids=["motpe", "predictor"])
+def test_model_based_strategies_learn_the_dominating_choice(make):
+    """After its start-up, a strategy of several objectives proposes the choice that
+    dominates far more often than random's half."""
+    s = make()
+    s.use_objectives(["max", "min"])
+    picks = []
+    for n in range(30):
+        sample = s.ask(Dominated())
+        s.tell(sample, _dominated_values(sample))
+        if n >= 6:
+            picks.append(sample["good"] == "a")
+    assert sum(picks) / len(picks) >= 0.7, picks
+
+
+# ---- RL with MnasNet's reward ---------------------------------------------------------------
+
+
+def test_mnasnet_reward_by_hand():
+    soft = MnasNetReward("acc", "lat", target=5.0)
+    assert soft({"acc": 0.8, "lat": 5.0}) == 0.8
+    assert soft({"acc": 0.8, "lat": 10.0}) == pytest.approx(0.8 * 2 ** -0.07)
+    assert soft({"acc": 0.8, "lat": 2.5}) == pytest.approx(0.8 * 0.5 ** -0.07)
+    hard = MnasNetReward("acc", "lat", target=5.0, alpha=0.0, beta=-1.0)
+    assert hard({"acc": 0.8, "lat": 1.0}) == 0.8 and hard({"acc": 0.8, "lat": 10.0}) == 0.4
+    assert math.isnan(soft({"acc": 0.8})) and math.isnan(soft({"acc": 0.8, "lat": float("nan")}))
+    assert WeightedSum({"acc": 1.0, "lat": -0.1})({"acc": 0.8, "lat": 2.0}) == pytest.approx(0.6)
+    for r in (soft, hard, WeightedSum({"acc": 2.0})):
+        assert scalarization_from_json(r.to_json()) == r
+    with pytest.raises(ValueError, match="target must be a positive number"):
+        MnasNetReward("acc", "lat", target=0)
+    with pytest.raises(ValueError, match="alpha must be a number <= 0"):
+        MnasNetReward("acc", "lat", target=1, alpha=0.5)
+    with pytest.raises(ValueError, match="metric -> finite weight"):
+        WeightedSum({})
+
+
+def test_rl_learns_mnasnet_reward_by_metric_name():
+    reward = MnasNetReward("val_acc", "latency_ms", target=2.0, alpha=0.0, beta=-1.0)
+    # dedup=False: 60 proposals would otherwise use up the 64 models with b
+    s = PolicyBasedRL(seed=0, reward=reward, dedup=False)
+    # the objectives in another order than the reward's: read by name
+    s.use_objectives(["min", "max"], ["latency_ms", "val_acc"])
+    assert s.scalar_reward([4.0, 0.8]) == 0.4
+    with pytest.raises(ValueError, match="make every metric of the reward an objective"):
+        PolicyBasedRL(seed=0, reward=reward).use_objectives(["max", "min"], ["val_acc", "x"])
+
+    # "a" is accurate and slow (0.9, 4 ms: reward 0.45), "b" less accurate and fast
+    # (0.8, 1 ms: reward 0.8): MnasNet's reward prefers b, plain accuracy a
+    def told(sample):
+        return [1.0, 0.8] if sample["good"] == "b" else [4.0, 0.9]
+
+    picks = []
+    for _ in range(60):
+        sample = s.ask(Dominated())
+        s.tell(sample, told(sample))
+        picks.append(sample["good"])
+    assert picks[-20:].count("b") >= 17, picks
+
+
+# ---- Predictor: one surrogate per objective -------------------------------------------------
+
+
+def test_improvement_order_by_hand():
+    # front {(1, 1)}, reference (4, 4): hypervolume 9; (0.5, 0.5) adds 3.25, (0, 3) adds 1,
+    # (2, 2) adds nothing
+    assert improvement_order([(1.0, 1.0)], [(2.0, 2.0), (0.0, 3.0), (0.5, 0.5)],
+                             (4.0, 4.0)) == [2, 1, 0]
+    # nobody improves: NSGA-II order among the predictions (front first, its ends first)
+    assert improvement_order([(0.0, 0.0)], [(2.0, 2.0), (1.0, 3.0), (3.0, 1.0), (2.0, 2.5)],
+                             (4.0, 4.0)) == [1, 2, 0, 3]

@@ -95,8 +95,8 @@ class Experiment(Proposals):
             lists of several metrics and their directions (``metric=["val_acc",
             "latency_ms"], mode=["max", "min"]``): a multi-objective search, whose result
             is its Pareto front (docs/multi_objective.md). The strategy must take several
-            objectives (evolution, random, grid). A metric may be a cost the engine measures
-            (``params``, ``flops``, ``latency_ms``...: engine/costs.py).
+            objectives (evolution, TPE, predictor, random, grid, RL with a reward). A metric
+            may be a cost the engine measures (``params``, ``latency_ms``: engine/costs.py).
         constraints: conditions every result must meet (``["latency_ms <= 5", "params <=
             2e6"]``): a model that misses one is never on the front (with one metric, never
             the best, and its strategy is told it failed).
@@ -225,10 +225,10 @@ class Experiment(Proposals):
         if self.one_shot and self.objectives.extended:
             raise ExperimentError(f"{type(strategy).__name__} is a one-shot search of one "
                                   f"metric: several objectives and constraints need a "
-                                  f"multi-trial strategy (evolution, random, grid)")
+                                  f"multi-trial strategy (evolution, TPE, predictor, random, grid)")
         if self.objectives.multi:
             try:
-                strategy.use_objectives(self.objectives.modes)
+                strategy.use_objectives(self.objectives.modes, self.objectives.metrics)
             except ValueError as err:
                 raise ExperimentError(f"metric={list(self.objectives.metrics)}: {err}") \
                     from None

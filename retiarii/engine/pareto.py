@@ -76,6 +76,21 @@ class Outcomes:
             told = value if violation == 0 else None
         return Outcome(value, told, violation, values, None)
 
+    def ruled_out(self, costs: dict) -> str | None:
+        """Why a model must not be trained, its costs (measured before training) missing a
+        constraint on them; None when they meet every one they can be checked against.
+
+        Example::
+
+            Outcomes(Objectives.of("val_acc", constraints=["params <= 100"])).ruled_out(
+                {"params": 120.0})   # 'not trained: params = 120 misses params <= 100 ...'
+        """
+        for c in self.objectives.constraints:
+            if c.metric in costs and not c.met(costs[c.metric]):
+                return (f"not trained: {c.metric} = {costs[c.metric]:.6g} misses the "
+                        f"constraint {c} (measured before training)")
+        return None
+
     def known(self, row: dict) -> tuple[Any, float]:
         """``(told, violation)`` of a finished model of the store, to tell a strategy that
         proposes its structure again (dedup)."""

@@ -127,6 +127,17 @@ class Proposals:
                 self._tell(sample, *self._known[key])
                 self._save_strategy()
                 continue
+            costs = self._proposal_costs(model, structure)
+            ruled_out = self._outcomes.ruled_out(costs)
+            if ruled_out is not None:  # a constraint rules it out: recorded, never trained
+                self._count += 1
+                _log.info("model %s %s", sample, ruled_out)
+                self.store.add_model(sample, model.graph.to_data(), structure,
+                                     status=ModelStatus.FAILED, error=ruled_out)
+                self._known[key] = (None, 0.0)
+                self.strategy.tell(sample, None)
+                self._save_strategy()
+                continue
             self._count += 1
             # The model, its trial and the strategy's state after proposing it are written in
             # one transaction, when the runner journals the trial: a crash leaves all or none
@@ -139,7 +150,8 @@ class Proposals:
             self._model_of[sample_key(sample)] = model_id
             self._known[key] = None
             self._keys[model_id] = key
-            self._measure_costs(model, model_id, structure)
+            if costs:
+                self._costs[model_id] = costs
             config = {"space": self.space_ref, "trainer": self.trainer_spec,
                       "sample": {k: v for k, v in sample.items()
                                  if k not in self._trainer_labels},
@@ -148,6 +160,8 @@ class Proposals:
             runner = getattr(self, "runner", None)
             if self.optimize and runner is not None and runner.packer.packing:
                 config["profile"] = self._estimate(model)
+            if costs:  # schedulers of several objectives read them (MOASHA, Scalarized)
+                config["costs"] = costs
             if self.deterministic:  # its worker trains it in deterministic mode
                 config["deterministic"] = True
             frozen = self.space.frozen_fingerprint()
@@ -260,13 +274,15 @@ class Proposals:
         else:
             self.strategy.tell(sample, told)
 
-    def _measure_costs(self, model, model_id: int, structure: str) -> None:
-        """The costs the objectives read, measured once per architecture (engine/costs.py);
-        kept until the model's trial ends."""
+    def _proposal_costs(self, model, structure: str) -> dict:
+        """The costs the objectives read, measured once per architecture (engine/costs.py)
+        when the model is proposed, before it trains: a constraint on them rules it out
+        there; they are kept until the model's trial ends. ``{}``: none needed."""
         from .costs import needed_costs
 
-        if needed_costs(self.objectives.needed, self.costs):
-            self._costs[model_id] = self._cost_meter().measure(model, structure)
+        if not needed_costs(self.objectives.needed, self.costs):
+            return {}
+        return self._cost_meter().measure(model, structure)
 
     def _model_costs(self, model_id: int | None) -> dict:
         """The measured costs of a model whose trial ended (after a resume: from the store's

@@ -224,14 +224,14 @@ class Strategy(abc.ABC):
         self._started_at: float | None = None
         self._checked: int | None = None  # id() of the space check() accepted
         self._size: tuple[int, float | int] | None = None  # (id(space), space.size())
-        # The directions of several objectives (use_objectives), None for one metric: then a
-        # tell carries one value per objective and _on_tell gets a Scored.
+        # several objectives' directions and names (use_objectives; _on_tell gets a Scored)
         self.objectives: tuple[Mode, ...] | None = None
+        self.objective_names: tuple[str, ...] | None = None  # None: one metric, or not given
 
-    def use_objectives(self, modes: Iterable[str | Mode]) -> None:
-        """Search several objectives, ``modes[i]`` the direction of the i-th: each ``tell``
-        then gives a list of as many values (and the constraints' violation). The engine calls
-        it for ``Experiment(metric=[...], mode=[...])``.
+    def use_objectives(self, modes: Iterable[str | Mode], names: Iterable[str] | None = None):
+        """Search several objectives, ``modes[i]`` the direction of the i-th (``names[i]``
+        its metric's name): each ``tell`` then gives a list of as many values (and the
+        constraints' violation). The engine calls it for ``Experiment(metric=[...], ...)``.
 
         Raises:
             ValueError: this strategy optimizes one metric (naming those that take several).
@@ -239,12 +239,12 @@ class Strategy(abc.ABC):
         modes = tuple(Mode.parse(m, type(self).__name__) for m in modes)
         if not self.multi_objective:
             raise ValueError(f"{type(self).__name__} optimizes one metric; for several "
-                             f"objectives use RegularizedEvolution (NSGA-II selection), Random "
-                             f"or GridSearch")
+                             f"objectives use RegularizedEvolution, TPE (MOTPE), Predictor, "
+                             f"PolicyBasedRL(reward=...), Random or GridSearch")
         if len(modes) < 2:
             raise ValueError(f"{type(self).__name__}.use_objectives: give two modes or more "
                              f"(one metric needs no objectives; use mode=)")
-        self.objectives = modes
+        self.objectives, self.objective_names = modes, None if names is None else tuple(names)
 
     # -- the public interface ----------------------------------------------------------------
 

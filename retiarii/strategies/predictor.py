@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..objectives import Scored, hypervolume, nsga_keys, pareto_indices
 from ..sampler import RandomSampler, ReplaySampler, index_of, sample_key
 from .base import Draw, Strategy, draw
 from .evolution import mutable_labels
@@ -87,6 +88,43 @@ def rank(encoder: Encoder, told: list[tuple[dict, float]], candidates: list[Draw
     return sorted(range(len(candidates)), key=lambda i: (-predicted[i], i))
 
 
+def improvement_order(front: list[tuple[float, ...]], predicted: list[tuple[float, ...]],
+                      reference: tuple[float, ...]) -> list[int]:
+    """Indices of ``predicted`` points (to minimize) from the largest hypervolume improvement
+    over ``front`` to the smallest; ties (none improves, say) by NSGA-II's crowded comparison
+    among the predicted points, then by index.
+
+    Example:
+        >>> improvement_order([(1.0, 1.0)], [(2.0, 2.0), (0.0, 3.0), (0.5, 0.5)], (4.0, 4.0))
+        [2, 1, 0]
+    """
+    base = hypervolume(front, reference)
+    gain = [hypervolume([*front, p], reference) - base for p in predicted]
+    keys = nsga_keys(predicted)
+    return sorted(range(len(predicted)), key=lambda i: (-gain[i], keys[i], i))
+
+
+def rank_objectives(encoder: Encoder, told: list[tuple[dict, Scored]], candidates: list[Draw],
+                    kind: str, seed: int) -> list[int]:
+    """Several objectives: indices of ``candidates`` from best to worst by one surrogate per
+    objective, fitted on ``told`` (sample, :class:`Scored`), and the hypervolume improvement
+    of each candidate's predicted point over the told front (:func:`improvement_order`)."""
+    for c in candidates:
+        encoder.add(c.trace)
+    x = encoder.encode([s for s, _ in told])
+    y = np.array([score.point for _, score in told])  # (N, M), to minimize
+    xc = encoder.encode([c.sample for c in candidates])
+    columns = [fit_surrogate(x, y[:, m], kind, seed + m).predict(xc) for m in range(y.shape[1])]
+    predicted = [tuple(float(col[i]) for col in columns) for i in range(len(candidates))]
+    told_points = [score.point for _, score in told]
+    front = [told_points[i] for i in pareto_indices(told_points,
+                                                    [score.violation for _, score in told])]
+    every = np.array(told_points + predicted)  # the reference: past the worst of both
+    spread = every.max(axis=0) - every.min(axis=0)
+    reference = tuple(every.max(axis=0) + np.where(spread > 0, 0.1 * spread, 1.0))
+    return improvement_order(front, predicted, reference)
+
+
 def neighbour(strategy: Strategy, space: Any, parent_key: str) -> Draw:
     """``parent`` with one choice (among those with two candidates or more) changed at random;
     choices the change opens are drawn at random."""
@@ -122,6 +160,12 @@ class Predictor(Strategy):
     space. Its state is the told results and the random generator (the surrogate is refitted
     from them, deterministically, at each proposal), so a restored search continues the same.
 
+    Several objectives (``Experiment(metric=[...], mode=[...])``, :meth:`use_objectives`):
+    one surrogate per objective; the candidate proposed is the one whose predicted point adds
+    the most hypervolume to the front of the told models (:func:`improvement_order`), and the
+    neighbours are drawn around the told models best by NSGA-II's crowded comparison
+    (feasible first). The search's result is its front (:meth:`pareto`).
+
     Foreign samples are accepted (``tell`` of a sample never proposed): results of an earlier
     run train the surrogate too.
 
@@ -154,6 +198,7 @@ class Predictor(Strategy):
     """
 
     accepts_foreign = True
+    multi_objective = True
     # one proposal already skips known candidates: repeats mean the candidates ran out
     max_duplicate_tries = 4
 
@@ -178,12 +223,18 @@ class Predictor(Strategy):
         """The encoder over every told sample's choices, the (sample, score) pairs, and the
         keys of the told samples from best to worst."""
         encoder, told, keys = Encoder(), [], []
+        violations = self._violations() if self.objectives is not None else {}
         for key, value in self._told:
             if value is not None:
                 encoder.add(self._trace(key, space))
-                told.append((self._records[key].sample, self._score(value)))
+                told.append((self._records[key].sample,
+                             self._score(value, violations.get(key, 0.0))))
                 keys.append(key)
-        order = sorted(range(len(told)), key=lambda i: (-told[i][1], i))
+        if self.objectives is not None:
+            nsga = nsga_keys([s.point for _, s in told], [s.violation for _, s in told])
+            order = sorted(range(len(told)), key=lambda i: (nsga[i], i))
+        else:
+            order = sorted(range(len(told)), key=lambda i: (-told[i][1], i))
         return encoder, told, [keys[i] for i in order]
 
     def _propose(self, space: Any) -> Draw:
@@ -202,7 +253,8 @@ class Predictor(Strategy):
                 candidates.append(c)
         if not candidates:  # every candidate known: the base class asks again, then random
             return self._random_draw(space)
-        order = rank(encoder, told, candidates, self.surrogate, self._rng.randrange(2 ** 31))
+        ranking = rank if self.objectives is None else rank_objectives
+        order = ranking(encoder, told, candidates, self.surrogate, self._rng.randrange(2 ** 31))
         return candidates[order[0]]
 
     def random_startup(self) -> tuple[int, str] | None:

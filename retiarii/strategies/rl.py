@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..sampler import ReplaySampler, index_of
+from ..scalarization import MnasNetReward, WeightedSum
 from ..threads import one_thread
 from .base import Draw, Strategy, draw
 
@@ -146,6 +147,13 @@ class PolicyBasedRL(Strategy):
     slightly off-policy update: the policy may have moved since that sample was drawn). A proposal that
     repeats a known sample is redrawn (``dedup=True``) without a gradient step.
 
+    Several objectives (MnasNet, Tan et al., CVPR 2019): give ``reward=`` a scalarization
+    of them, ``MnasNetReward("val_acc", "latency_ms", target=5.0)`` for MnasNet's
+    ``ACC x (LAT / target) ** w``, and the controller learns from that one number
+    (``Experiment(metric=["val_acc", "latency_ms"], mode=["max", "min"])`` names the metrics
+    it reads). A model that misses a constraint is rewarded as given; the search's result is
+    still the front of the told models (:meth:`pareto`).
+
     Example:
         >>> from retiarii.strategies import PolicyBasedRL
         >>> class Space:
@@ -177,14 +185,24 @@ class PolicyBasedRL(Strategy):
         tanh_constant: bound on the logits (ENAS: 2.5); ``None`` leaves them free.
         init_scale: weights start uniform in ``[-init_scale, init_scale]`` (ENAS: 0.1), so the
             first policy is close to uniform.
+        reward: with several objectives, the scalarization the controller maximizes
+            (:class:`~retiarii.scalarization.MnasNetReward` or
+            :class:`~retiarii.scalarization.WeightedSum`); None: one metric.
         mode, dedup, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
     """
 
     def __init__(self, *, seed: int | None = None, hidden_size: int = 32,
                  learning_rate: float = 0.01, baseline_decay: float = 0.9,
                  entropy_weight: float = 1e-3, tanh_constant: float | None = 2.5,
-                 init_scale: float = 0.1, **common: Any):
+                 init_scale: float = 0.1, reward: MnasNetReward | WeightedSum | None = None,
+                 **common: Any):
         super().__init__(seed=seed, **common)
+        if reward is not None and not isinstance(reward, (MnasNetReward, WeightedSum)):
+            raise ValueError(f"PolicyBasedRL: reward must be a MnasNetReward or a WeightedSum "
+                             f"(retiarii.scalarization), got {reward!r}")
+        self.reward = reward
+        # several objectives only with a reward that makes them one number
+        self.multi_objective = reward is not None
         for name, value in [("hidden_size", hidden_size), ("learning_rate", learning_rate),
                             ("init_scale", init_scale)]:
             if not value > 0:
@@ -246,9 +264,31 @@ class PolicyBasedRL(Strategy):
         with one_thread():
             return draw(space, _ControllerSampler(self))
 
-    def _on_tell(self, key: str, score: float | None) -> None:
+    def use_objectives(self, modes, names=None) -> None:
+        if self.reward is None:
+            raise ValueError("PolicyBasedRL optimizes one metric; for several objectives give "
+                             "it reward=MnasNetReward(accuracy, latency, target=...) "
+                             "(MnasNet's accuracy x (latency/target)^w) or a WeightedSum")
+        super().use_objectives(modes, names)
+        names = self.objective_names or self.reward.metrics  # direct use: in reward order
+        missing = [m for m in self.reward.metrics if m not in names]
+        if missing or len(names) != len(self.objectives):
+            raise ValueError(f"PolicyBasedRL: the reward reads {list(self.reward.metrics)} but "
+                             f"the objectives are {list(names)}; make every metric of the "
+                             f"reward an objective")
+        self.objective_names = tuple(names)
+
+    def scalar_reward(self, values: list[float]) -> float:
+        """The reward of a model's objective values (several objectives: the scalarization)."""
+        return self.reward(dict(zip(self.objective_names, values)))
+
+    def _on_tell(self, key: str, score: Any) -> None:
         if score is None:  # a failed model teaches nothing about the metric
             return
+        if self.objectives is not None:
+            score = self.scalar_reward(self._records[key].values[-1])
+            if not math.isfinite(score):
+                return
         decay = self.baseline_decay
         if self._baseline is None:
             self._baseline = score
@@ -277,7 +317,9 @@ class PolicyBasedRL(Strategy):
         return {**super().config(), "hidden_size": self.hidden_size,
                 "learning_rate": self.learning_rate, "baseline_decay": self.baseline_decay,
                 "entropy_weight": self.entropy_weight, "tanh_constant": self.tanh_constant,
-                "init_scale": self.init_scale}
+                "init_scale": self.init_scale,
+                # (left out without a reward: states saved before it existed still load)
+                **({"reward": self.reward.to_json()} if self.reward is not None else {})}
 
     def _state(self) -> dict:
         return {

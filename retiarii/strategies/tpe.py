@@ -1,47 +1,114 @@
 """TPE, the Tree-structured Parzen Estimator (Bergstra et al., NeurIPS 2011), over the choices
-of a sample."""
+of a sample; with several objectives MOTPE (Ozaki et al., GECCO 2020)."""
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Sequence
 
+from ..objectives import hypervolume_contributions, nondominated_sort
 from ..sampler import sample_key
 from .base import Draw, Strategy, draw
 
 
-def parzen_categorical(keys: list, candidates: list, prior_weight: float) -> list[float]:
-    """Smoothed frequencies of ``keys`` over ``candidates``: each observation weighs 1 and a
-    uniform prior of total weight ``prior_weight`` keeps every candidate possible.
+def reference_point(points: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """Past the worst value of each objective (minimized) by a tenth of its range, or by 1
+    where the range is 0: every point of a front then contributes some hypervolume.
+
+    Example:
+        >>> reference_point([(0, 4), (4, 0), (2, 2)])
+        (4.4, 4.4)
+    """
+    out = []
+    for m in range(len(points[0])):
+        values = [p[m] for p in points]
+        spread = max(values) - min(values)
+        out.append(max(values) + (0.1 * spread if spread > 0 else 1.0))
+    return tuple(out)
+
+
+def motpe_weights(points: Sequence[Sequence[float]], reference: Sequence[float]) -> list[float]:
+    """Weights of the good observations in l(x) (Ozaki et al.'s weighting, JAIR 2022): each
+    point's hypervolume contribution within the good set, over their mean, so that the ends
+    and the sparse parts of the front pull the density as much as its crowded middle; a
+    point that contributes nothing (dominated within the set) keeps a tenth of the mean.
+
+    Example:
+        >>> motpe_weights([(0, 4), (1, 2), (4, 0)], reference=(5, 5))   # contributions 1, 6, 2
+        [0.3333333333333333, 2.0, 0.6666666666666666]
+    """
+    contribution = hypervolume_contributions(points, reference)
+    mean = sum(contribution) / len(contribution) if contribution else 0.0
+    if mean <= 0:
+        return [1.0] * len(points)
+    return [max(c / mean, 0.1) for c in contribution]
+
+
+def motpe_split(points: Sequence[Sequence[float]], violations: Sequence[float],
+                n_good: int) -> list[int]:
+    """MOTPE's good set: the indices of ``n_good`` points (to minimize), whole non-dominated
+    fronts first (Deb's constraints: feasible before infeasible); of the front that does not
+    fit whole, the points of the largest hypervolume contribution within it (ties: the
+    earlier index). The reference point lies past the worst value of each objective over all
+    points (:func:`reference_point`).
+
+    Example:
+        >>> motpe_split([(0, 4), (1, 2), (4, 0), (2, 3)], [0, 0, 0, 0], 2)   # (1, 2) and (4, 0)
+        [1, 2]
+    """
+    good: list[int] = []
+    for front in nondominated_sort(points, violations):
+        if len(good) + len(front) <= n_good:
+            good.extend(front)
+            continue
+        need = n_good - len(good)
+        if need > 0:
+            contribution = hypervolume_contributions([points[i] for i in front],
+                                                     reference_point(points))
+            order = sorted(range(len(front)), key=lambda k: (-contribution[k], front[k]))
+            good.extend(front[k] for k in order[:need])
+        break
+    return sorted(good)
+
+
+def parzen_categorical(keys: list, candidates: list, prior_weight: float,
+                       weights: list[float] | None = None) -> list[float]:
+    """Smoothed frequencies of ``keys`` over ``candidates``: each observation weighs 1 (or its
+    entry of ``weights``) and a uniform prior of total weight ``prior_weight`` keeps every
+    candidate possible.
 
     Example:
         >>> parzen_categorical(["a", "a", "b"], ["a", "b", "c"], prior_weight=3.0)
         [0.5, 0.3333333333333333, 0.16666666666666666]
     """
     position = {json.dumps(c): i for i, c in enumerate(candidates)}  # JSON: 1 and True differ
-    weights = [prior_weight / len(candidates)] * len(candidates)
-    for key in keys:
+    mass = [prior_weight / len(candidates)] * len(candidates)
+    for n, key in enumerate(keys):
         i = position.get(json.dumps(key))
         if i is not None:  # a key no longer among the candidates says nothing here
-            weights[i] += 1.0
-    total = sum(weights)
-    return [w / total for w in weights]
+            mass[i] += 1.0 if weights is None else weights[n]
+    total = sum(mass)
+    return [w / total for w in mass]
 
 
 class _Densities:
     """l(x) and g(x) of each choice (a label with its candidates), computed once per proposal."""
 
-    def __init__(self, good: list[dict], bad: list[dict], prior_weight: float):
+    def __init__(self, good: list[dict], bad: list[dict], prior_weight: float,
+                 good_weights: list[float] | None = None):
         self.good, self.bad, self.prior_weight = good, bad, prior_weight
+        self.good_weights = good_weights or [1.0] * len(good)
         self.cache: dict[str, tuple[list[float], list[float]] | None] = {}
 
     def __call__(self, label: str, candidates: list):
         name = json.dumps([label, candidates])
         if name not in self.cache:
-            good = [sample[label] for sample in self.good if label in sample]
+            had = [(s[label], w) for s, w in zip(self.good, self.good_weights) if label in s]
+            good = [key for key, _ in had]
             bad = [sample[label] for sample in self.bad if label in sample]
             self.cache[name] = None if not good else (
-                parzen_categorical(good, candidates, self.prior_weight),
+                parzen_categorical(good, candidates, self.prior_weight,
+                                   [w for _, w in had]),
                 parzen_categorical(bad, candidates, self.prior_weight))
         return self.cache[name]
 
@@ -83,6 +150,12 @@ class TPE(Strategy):
     with a list of results and one ``random.Random`` state. ``benchmarks/strategies.py``
     compares the two.
 
+    Several objectives (``Experiment(metric=[...], mode=[...])``, :meth:`use_objectives`):
+    MOTPE. The split into good and bad is by non-dominated rank instead of by value (whole
+    fronts, feasible models first by Deb's rule, then the models of the largest hypervolume
+    contribution in the front that does not fit, :func:`motpe_split`); l(x), g(x) and the
+    choice among candidates are TPE's. The search's result is its front (:meth:`pareto`).
+
     Foreign samples are accepted: ``tell`` of a sample this strategy never proposed adds an
     observation (e.g. results of an earlier run to warm-start from).
 
@@ -116,6 +189,7 @@ class TPE(Strategy):
     """
 
     accepts_foreign = True
+    multi_objective = True
     # One proposal already weighs n_ei_candidates draws and skips the known ones, so a few
     # proposals that still repeat mean the densities are stuck: go random sooner.
     max_duplicate_tries = 4
@@ -141,12 +215,16 @@ class TPE(Strategy):
         observations = list(self._observations())
         if len(observations) < self.n_startup:
             return self._random_draw(space)
-        # Sort by score, best first; ties keep the tell order (sorted is stable).
-        observations.sort(key=lambda o: -o[1])
         n_good = max(1, math.ceil(self.gamma * len(observations)))
-        good = [sample for sample, _ in observations[:n_good]]
-        bad = [sample for sample, _ in observations[n_good:]]
-        densities = _Densities(good, bad, self.prior_weight)
+        good_weights = None
+        if self.objectives is not None:
+            good, bad, good_weights = self._split_by_rank(n_good)
+        else:
+            # Sort by score, best first; ties keep the tell order (sorted is stable).
+            observations.sort(key=lambda o: -o[1])
+            good = [sample for sample, _ in observations[:n_good]]
+            bad = [sample for sample, _ in observations[n_good:]]
+        densities = _Densities(good, bad, self.prior_weight, good_weights)
         best, best_ratio = None, -math.inf
         for _ in range(self.n_ei_candidates):
             sampler = _TPESampler(densities, self._rng)
@@ -158,6 +236,19 @@ class TPE(Strategy):
         # Every candidate known: return one; the base class counts it as a repeat and asks
         # again (then falls back to a random new sample).
         return best if best is not None else candidate
+
+    def _split_by_rank(self, n_good: int) -> tuple[list[dict], list[dict], list[float]]:
+        """MOTPE's good and bad samples (:func:`motpe_split`) of the successful tells, and
+        the weights of the good ones (:func:`motpe_weights`)."""
+        violations = self._violations()
+        told = [(k, v) for k, v in self._told if v is not None]
+        points = [self._score(v).point for _, v in told]
+        chosen = motpe_split(points, [violations.get(k, 0.0) for k, _ in told], n_good)
+        good = [self._records[told[i][0]].sample for i in chosen]
+        rest = set(range(len(told))) - set(chosen)
+        bad = [self._records[k].sample for i, (k, _) in enumerate(told) if i in rest]
+        weights = motpe_weights([points[i] for i in chosen], reference_point(points))
+        return good, bad, weights
 
     def random_startup(self) -> tuple[int, str] | None:
         return self.n_startup, f"n_startup={self.n_startup}"
