@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # retiarii and model_spaces from this
 sys.path.insert(0, HERE)
 
 import retiarii as rt  # noqa: E402
+from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
 from retiarii.engine.plans import PlanTable  # noqa: E402
 from retiarii.engine.store import Store  # noqa: E402
 from retiarii.refs import resolve_ref  # noqa: E402
@@ -106,13 +107,21 @@ def run_search(case: str, mode: str, setup: dict, args, folder: str) -> dict:
     """One whole search: its wall seconds, every model's curves and the plans summary."""
     db = os.path.join(folder, f"{case}-{mode}-{time.monotonic_ns()}.db")
     kwargs = {} if MODES[mode] is None else {"optimize": MODES[mode]}
+    devices = [] if args.device == "cpu" else None
+    executor = None
+    if args.threads is not None:  # the engine's local workers, with other torch threads
+        executor = LocalExecutor(args.workers, devices, threads_per_worker=args.threads)
     exp = rt.Experiment(setup["space"], setup["strategy"](), setup["trainer"], store=db,
-                        workers=args.workers, devices=[] if args.device == "cpu" else None,
-                        max_models=setup["models"], seed=0, **kwargs)
+                        workers=args.workers, devices=devices, max_models=setup["models"],
+                        seed=0, executor=executor, **kwargs)
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    exp.run()
-    wall = time.perf_counter() - start
+    try:
+        exp.run()
+    finally:
+        wall = time.perf_counter() - start
+        if executor is not None:  # given, not made by the experiment: ours to close
+            executor.close()
     with Store(db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         curves = {}
@@ -183,7 +192,8 @@ def _rows(case: str, setup: dict, results: dict, target, args) -> list[dict]:
     """Compare metrics, print the case's summary, and make its CSV rows."""
     ref = results["off"][0]["curves"] if "off" in results else None
     base = statistics.median(r["wall"] for r in results["off"]) if "off" in results else None
-    common = {"case": case, "workers": args.workers, "device": args.device,
+    common = {"case": case, "workers": args.workers, "threads": args.threads or "default",
+              "device": args.device,
               "models": setup["models"], "quick": args.quick, "target": target}
     rows, verdict = [], {}
     for mode, runs in results.items():
@@ -284,19 +294,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, choices=[1, 2], default=1)
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: the engine's, cores // workers); "
+                        "1 keeps a machine other jobs load from thrashing")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes (few models, 1 epoch, small images): a smoke test")
     p.add_argument("--out", help="folder of the CSV and PNG (default benchmarks/out)")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
     names = list(CASES) if "all" in args.workload else args.workload
     cases = [c for w in names for c in CASES[w] if w != "a" or int(c[1:]) in args.heads]
     import torch
 
     print(f"whole searches: {', '.join(cases)}; modes {', '.join(args.modes)}; {args.runs} runs "
-          f"each, workers={args.workers}, {args.device}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+          f"each, workers={args.workers}, threads {args.threads or 'default'}, {args.device}, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
     folder = tempfile.mkdtemp(prefix="optimize_e2e-")
     rows: list[dict] = []
     try:

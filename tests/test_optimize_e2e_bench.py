@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "optimize_e2e.py")
-COLUMNS = ["case", "workers", "device", "models", "quick", "target", "mode", "run", "wall_s",
+COLUMNS = ["case", "workers", "threads", "device", "models", "quick", "target", "mode", "run", "wall_s",
            "ratio_to_off", "same_as_off", "max_rel_diff_vs_off", "same_as_first_run",
            "grouped_jobs", "merged_trials", "fused_trials", "measured_speedup", "slower_kept",
            "load", "passes"]
