@@ -19,11 +19,11 @@ import os
 import sys
 from typing import Any
 
-from .cli_common import CliError, Progress, open_store, positive_flag, print_best
+from .cli_common import (CliError, Progress, open_store, passes_flag, positive_flag, print_best,
+                         progress_for)
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
 from .cli_inspect import optimization_line  # noqa: F401 (tests import it from here)
 from . import registry
-from .optim.passes import parse_settings
 
 __all__ = ["CliError", "main", "parser"]
 
@@ -216,8 +216,8 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       # left out (None): "auto" under --optimize auto, else off
                       fuse=_LAYOUT[flags["fuse"]] if flags.get("fuse") else None,
                       batching=_LAYOUT[flags["batching"]] if flags.get("batching") else None,
-                      passes=_passes(flags.get("passes")),
-                      progress=_progress(Progress(max_models), flags),
+                      passes=passes_flag(flags.get("passes")),
+                      progress=progress_for(Progress(max_models), flags),
                       weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
                       deterministic=bool(flags.get("deterministic")),  # stores before it: off
@@ -227,27 +227,6 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
 
 _OPTIMIZE = {"auto": "auto", "on": True, "off": False}  # --optimize, --fuse: Experiment(...)
 _LAYOUT = {**_OPTIMIZE, "measure": "measure"}  # --fuse, --batching
-
-
-def _progress(progress: Progress, flags: dict):
-    """The progress display, also writing TensorBoard event files under --tensorboard."""
-    from .tensorboard_log import with_tensorboard
-
-    try:
-        return with_tensorboard(progress, flags["store"], flags.get("tensorboard"))
-    except ImportError as err:
-        raise CliError(str(err)) from None
-
-
-def _passes(text: str | None) -> dict | None:
-    """``--passes batching=auto,mine=on`` -> the Experiment's ``passes`` (refused naming the
-    registered passes when a name or setting is unknown)."""
-    if not text:
-        return None
-    try:
-        return parse_settings(text)
-    except Exception as err:  # noqa: BLE001 (PlanError or ValueError: the message says why)
-        raise CliError(f"--passes {text!r}: {err}") from None
 
 
 # ---- commands ---------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from .optim.passes import parse_settings
+
 __all__ = ["CliError"]
 
 
@@ -111,3 +113,24 @@ def open_store(db: str, experiment: int | None = None):
 def store_metric(store) -> tuple[str, str]:
     config = store.get_experiment()["config"]
     return config.get("metric", "val_acc"), config.get("mode", "max")
+
+
+def progress_for(progress: Progress, flags: dict):
+    """The progress display, also writing TensorBoard event files under --tensorboard."""
+    from .tensorboard_log import with_tensorboard
+
+    try:
+        return with_tensorboard(progress, flags["store"], flags.get("tensorboard"))
+    except ImportError as err:
+        raise CliError(str(err)) from None
+
+
+def passes_flag(text: str | None) -> dict | None:
+    """``--passes batching=auto,mine=on`` -> the Experiment's ``passes`` (refused naming the
+    registered passes when a name or setting is unknown)."""
+    if not text:
+        return None
+    try:
+        return parse_settings(text)
+    except Exception as err:  # noqa: BLE001 (PlanError or ValueError: the message says why)
+        raise CliError(f"--passes {text!r}: {err}") from None
