@@ -20,7 +20,8 @@ storage of its own, and the others are fused again (their current values restack
 middle of an epoch if need be. One left is trained by its own optimizer.
 
 Which trials fuse is the worker's decision (:func:`fusable_sets`): equal
-:func:`~retiarii.optim.fusion_key` (one architecture, one state-dict layout) within one group
+:func:`~retiarii.optim.fusion_family` (one architecture up to its activations, one state-dict
+layout) within one group
 of :func:`~.grouped.group_tasks` (one space, trainer, data key and position); building the
 group then checks the modules and the optimizers (``FusionError``: those trials train as a
 CSE-grouped :class:`~.grouped.TrainingGroup` instead). A frozen part of identical
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..optim import FusedOptimizer, fuse_models, fusion_key, unfuse
+from ..optim import FusedOptimizer, fuse_models, fusion_family, unfuse
 from .grouped import TrainingGroup
 from .trial_run import TrialRun
 
@@ -43,18 +44,19 @@ __all__ = ["FusedGroup", "fusable_sets", "fused_backward", "fused_step", "fused_
 
 
 def fusable_sets(models: Mapping[str, Any], excluded: Iterable[str] = ()) -> list[tuple[str, ...]]:
-    """The trials that may train fused: two or more with an equal :func:`fusion_key`, in
-    input order; ``excluded`` trials (fusion reverted for them) never fuse.
+    """The trials that may train fused: two or more with an equal :func:`fusion_family`
+    (one architecture, or architectures differing in their activations only), in input
+    order; ``excluded`` trials (fusion reverted for them) never fuse.
 
     Example::
 
-        fusable_sets({"a": m1, "b": m1_other_seed, "c": m2})   # [("a", "b")]
+        fusable_sets({"a": m1, "b": m1_other_seed, "c": m1_gelu, "d": m2})   # [("a", "b", "c")]
     """
     out: dict[str, list[str]] = {}
     skip = set(excluded)
     for trial, model in models.items():
         if trial not in skip:
-            out.setdefault(fusion_key(model), []).append(trial)
+            out.setdefault(fusion_family(model), []).append(trial)
     return [tuple(ids) for ids in out.values() if len(ids) > 1]
 
 

@@ -20,6 +20,7 @@ fused values live, and their ``load_state_dict`` writes into the fused ones.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
@@ -29,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["FusedBatchNorm", "FusedConv", "FusedDropout", "FusedLayerNorm", "FusedLinear",
+           "PerModelPointwise",
            "FusionError", "stack_tensors"]
 
 
@@ -280,3 +282,38 @@ class FusedDropout(nn.Module):
             with stream() if stream is not None else contextlib.nullcontext():
                 out.append(self.layer(part.contiguous()))  # the mask of a (B, ...) tensor
         return torch.cat(out, 1) if self.layout == "C" else torch.stack(out)
+
+
+class PerModelPointwise(nn.Module):
+    """Weightless element-wise layers that differ between the K fused models (one model's
+    ReLU where another has a GELU: models of a space that chose other activations). Each
+    distinct layer runs once, on the slices of the models that hold it; input and output K
+    ``(K, B, ...)``.
+
+    Example::
+
+        act = PerModelPointwise([nn.ReLU(), nn.GELU(), nn.ReLU()])
+        y = act(x)          # y[0] = relu(x[0]), y[1] = gelu(x[1]), y[2] = relu(x[2])
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        super().__init__()
+        keys = [f"{type(m).__name__}({m.extra_repr()})" for m in layers]
+        distinct = list(dict.fromkeys(keys))
+        # copies: model k set to eval mode alone (its validation) must not switch ours
+        self.fns = nn.ModuleList(copy.deepcopy(layers[keys.index(d)]) for d in distinct)
+        self.members = [[i for i, k in enumerate(keys) if k == d] for d in distinct]
+        order = [i for group in self.members for i in group]
+        self.inverse = [order.index(i) for i in range(len(layers))]
+        self._index: dict[torch.device, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def _indices(self, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if device not in self._index:
+            self._index[device] = ([torch.tensor(g, device=device) for g in self.members],
+                                   torch.tensor(self.inverse, device=device))
+        return self._index[device]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups, inverse = self._indices(x.device)
+        parts = [fn(x.index_select(0, idx)) for fn, idx in zip(self.fns, groups)]
+        return torch.cat(parts).index_select(0, inverse)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import itertools
 import inspect
 import operator
@@ -45,7 +46,8 @@ from ..space import Model
 from . import fused_ops as ops
 from .fused_ops import FusionError, shift_dim
 
-__all__ = ["FusedModel", "FusionError", "fusable_groups", "fuse_models", "fusion_key"]
+__all__ = ["FusedModel", "FusionError", "fusable_groups", "fuse_models", "fusion_family",
+           "fusion_key"]
 
 
 _FALLBACK = "train these models separately (unfused)"
@@ -57,6 +59,37 @@ def fusion_key(model: Model) -> str:
     the same state-dict layout): they may fuse."""
     attrs = [n.attr for n in model.graph.nodes if n.kind in ("module", "param", "subgraph")]
     payload = model.graph.structural_hash() + "|" + ",".join(attrs)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def fusion_family(model: Model) -> str:
+    """Models with equal families may fuse: :func:`fusion_key` except that a weightless
+    element-wise layer (an activation module: ``nn.ReLU``, ``nn.GELU``, ``nn.Tanh``, ...) may
+    differ between them, as the models of a space choosing activations do. Their layers with
+    weights are then one fused call each, and each distinct activation runs on the slices
+    of the models holding it (:class:`~.fused_ops.PerModelPointwise`)."""
+    hashes: dict[int, str] = {}
+    attrs: list[str] = []
+    seen: set[str] = set()
+    for node in model.graph.nodes:
+        op = node.op.to_data(with_names=False)
+        if node.kind == "subgraph":
+            op["graph"] = node.op.graph.structural_hash()
+        if node.kind == "module":
+            op["reuses_module"] = node.attr in seen
+            seen.add(node.attr)
+            if (op.get("spec") or {}).get("cls") in _POINTWISE_SPECS:
+                op["spec"] = "pointwise"  # which one may differ between the models
+            else:
+                attrs.append(node.attr)
+        elif node.kind in ("param", "subgraph"):
+            attrs.append(node.attr)
+        if node.kind == "input":
+            op.pop("target", None)
+            op["position"] = [n.uid for n in model.graph.input_nodes].index(node.uid)
+        ins = [hashes[i.uid] if i is not None else None for i in node.inputs]
+        hashes[node.uid] = hashlib.sha256(json.dumps([op, ins], sort_keys=True).encode()).hexdigest()
+    payload = "".join(sorted(hashes.values())) + "|" + ",".join(attrs)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
@@ -75,6 +108,11 @@ S, K, C = "S", "K", "C"
 
 _POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Tanh,
                       nn.Sigmoid, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity)
+# the IR's spelling of the weightless activations (a module spec's "cls"): what may differ
+# between models of one fusion family
+_POINTWISE_SPECS = frozenset(f"{c.__module__}:{c.__name__}" for c in (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Tanh, nn.Sigmoid,
+    nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity))
 _CHANNEL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d,
                     nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
                     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
@@ -226,14 +264,21 @@ def _generated_signature(model: nn.Module) -> tuple | None:
     return tuple(layers), tensors  # (fx makes a class per GraphModule: not compared)
 
 
-def _signature(gm: fx.GraphModule, model: nn.Module) -> tuple:
+def _signature(gm: fx.GraphModule, model: nn.Module, family: bool = False) -> tuple:
     """What must be equal for models to fuse: the traced code, every layer's type and
-    configuration, every tensor's name, shape, dtype, device and requires_grad."""
-    layers = tuple((name, type(m).__name__, m.extra_repr(), m.training)
+    configuration, every tensor's name, shape, dtype, device and requires_grad; with
+    ``family``, a weightless activation layer counts as any other (:func:`fusion_family`)."""
+    layers = tuple((name, "pointwise", m.training) if family and _pointwise(m) else
+                   (name, type(m).__name__, m.extra_repr(), m.training)
                    for name, m in gm.named_modules() if name)
     tensors = tuple((name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
                     for name, t in model.state_dict(keep_vars=True).items())
     return gm.code, layers, tensors
+
+
+def _pointwise(m: nn.Module) -> bool:
+    return isinstance(m, _POINTWISE_MODULES) and not any(True for _ in m.parameters()) \
+        and not any(True for _ in m.buffers())
 
 
 def _get(root: nn.Module, target: str) -> Any:
@@ -303,6 +348,11 @@ class _Emitter:
         if len(node.args) != 1 or node.kwargs:
             raise self.fail(node, f"{type(first).__name__} called with more than one input")
         call = self.graph.call_module
+        if len({(type(m), m.extra_repr()) for m in layers}) > 1:  # activations that differ
+            if not all(_pointwise(m) for m in layers):
+                raise self.fail(node, "layers that differ between the models")
+            return call(self.add(node.target, ops.PerModelPointwise(layers)),
+                        (self.to((x, layout), K),)), K
         if any(True for _ in first.parameters()) or any(True for _ in first.buffers()):
             self.adopt(node, layers)
         if isinstance(first, nn.Linear):
@@ -454,16 +504,18 @@ def fuse_models(models: Sequence[nn.Module]) -> FusedModel:
         raise FusionError(f"fusing needs two or more models, got {len(models)}")
     traced = [_trace(models[0], 0)]
     first = _signature(traced[0], models[0])
+    family = _signature(traced[0], models[0], family=True)
     known = _generated_signature(models[0])
     for i, m in enumerate(models[1:], 1):
         if known is not None and _generated_signature(m) == known:
             traced.append(m)  # traces as model 0 does: its own tensors are read by path
             continue
         gm = _trace(m, i)
-        if _signature(gm, m) != first:
+        if _signature(gm, m) != first and _signature(gm, m, family=True) != family:
             raise FusionError(f"model {i} differs from model 0 (its graph, a layer's type or "
-                              f"configuration, a tensor's shape, dtype or device, or a train/"
-                              f"eval mode): only same-shape models fuse; {_FALLBACK}")
+                              f"configuration other than an activation's, a tensor's shape, "
+                              f"dtype or device, or a train/eval mode): only same-shape models "
+                              f"fuse; {_FALLBACK}")
         traced.append(gm)
     em = _Emitter(traced)
     for node in traced[0].graph.nodes:
