@@ -111,3 +111,13 @@ def open_store(db: str, experiment: int | None = None):
 def store_metric(store) -> tuple[str, str]:
     config = store.get_experiment()["config"]
     return config.get("metric", "val_acc"), config.get("mode", "max")
+
+
+def print_failures(summary: dict, db: str) -> None:
+    """Models that failed in a search that trained others (one where all failed raised
+    SearchFailed): how many, and the most common reason."""
+    failures = summary.get("failures") or {}
+    if failures.get("failed"):
+        reason, n = failures["reasons"][0]
+        print(f"\n{failures['failed']} of {failures['models']} models failed; most common "
+              f"reason ({n}): {reason}  (retiarii status {db} --errors)", file=sys.stderr)
