@@ -20,8 +20,9 @@ import sys
 from typing import Any
 
 from .cli_common import (CliError, Progress, open_store, passes_flag, positive_flag, print_best,
-                         progress_for)
+                         print_failures)
 from .cli_inspect import cmd_export, cmd_plot, cmd_status
+from .tensorboard_log import with_tensorboard
 from .cli_inspect import optimization_line  # noqa: F401 (tests import it from here)
 from . import registry
 
@@ -217,7 +218,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                       fuse=_LAYOUT[flags["fuse"]] if flags.get("fuse") else None,
                       batching=_LAYOUT[flags["batching"]] if flags.get("batching") else None,
                       passes=passes_flag(flags.get("passes")),
-                      progress=progress_for(Progress(max_models), flags),
+                      progress=with_tensorboard(Progress(max_models), flags),
                       weight_sharing=weight_sharing, ranks=ranks,
                       device_memory=flags.get("device_memory"),
                       deterministic=bool(flags.get("deterministic")),  # stores before it: off
@@ -249,22 +250,11 @@ def cmd_run(args) -> int:
              "constraint": args.constraint, "tensorboard": args.tensorboard}
     exp = _build(args.space, flags, recorded_space=_space_for_store(args.space, args.store))
     summary = exp.run()
-    getattr(exp.progress, "close", lambda: None)()  # --tensorboard: what is left
     print(file=sys.stderr)
     print_best(summary)
-    _print_failures(summary, exp.path)
+    print_failures(summary, exp.path)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
-
-
-def _print_failures(summary: dict, db: str) -> None:
-    """Models that failed in a search that trained others (one where all failed raised
-    SearchFailed): how many, and the most common reason."""
-    failures = summary.get("failures") or {}
-    if failures.get("failed"):
-        reason, n = failures["reasons"][0]
-        print(f"\n{failures['failed']} of {failures['models']} models failed; most common "
-              f"reason ({n}): {reason}  (retiarii status {db} --errors)", file=sys.stderr)
 
 
 def cmd_resume(args) -> int:
@@ -308,22 +298,19 @@ def cmd_resume(args) -> int:
             cli["address"] = None  # the recorded cluster is not used on local workers
     if args.address:
         cli["address"] = args.address  # the cluster's head may have moved
-    if args.tensorboard:  # else the folder the run was started with, if any
-        cli["tensorboard"] = args.tensorboard
+    cli["tensorboard"] = args.tensorboard or cli.get("tensorboard")  # else the run's folder
     exp = _build(space, cli, recorded_space=recorded)
     summary = exp.resume(experiment=args.experiment)
-    getattr(exp.progress, "close", lambda: None)()
     print(file=sys.stderr)
     print_best(summary)
-    _print_failures(summary, args.db)
+    print_failures(summary, args.db)
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
     from .cli_nas import add_nas_parser
     from .cli_retrain import add_retrain_parser
-    from .dashboard.cli import add_dashboard_parser
-    from .tensorboard_log import add_tensorboard_flag
+    from .dashboard.cli import add_watch_parsers
 
     p = argparse.ArgumentParser(prog="retiarii", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -406,7 +393,6 @@ def parser() -> argparse.ArgumentParser:
                      help="train with deterministic kernels only (no TF32, no cuDNN "
                           "benchmarking) in every worker: two runs give the same metrics on "
                           "a GPU too, slower; resume keeps it (docs/engine.md)")
-    add_tensorboard_flag(run)
     run.set_defaults(fn=cmd_run)
 
     status = sub.add_parser("status", help="trials by state and the best models of a store")
@@ -440,7 +426,6 @@ def parser() -> argparse.ArgumentParser:
     resume.add_argument("--executor", choices=("local", "ray"), default=None,
                         help="continue on local worker processes or on Ray, whichever the run "
                              "started on (default: the executor it was started with)")
-    add_tensorboard_flag(resume)
     resume.set_defaults(fn=cmd_resume)
 
     export = sub.add_parser("export", help="standalone .py + state_dict of the best models")
@@ -466,7 +451,7 @@ def parser() -> argparse.ArgumentParser:
     plot.set_defaults(fn=cmd_plot)
 
     add_nas_parser(sub)
-    add_dashboard_parser(sub)
+    add_watch_parsers(sub, run, resume)  # `dashboard`; --tensorboard of run and resume
     return p
 
 

@@ -115,16 +115,6 @@ def store_metric(store) -> tuple[str, str]:
     return config.get("metric", "val_acc"), config.get("mode", "max")
 
 
-def progress_for(progress: Progress, flags: dict):
-    """The progress display, also writing TensorBoard event files under --tensorboard."""
-    from .tensorboard_log import with_tensorboard
-
-    try:
-        return with_tensorboard(progress, flags["store"], flags.get("tensorboard"))
-    except ImportError as err:
-        raise CliError(str(err)) from None
-
-
 def passes_flag(text: str | None) -> dict | None:
     """``--passes batching=auto,mine=on`` -> the Experiment's ``passes`` (refused naming the
     registered passes when a name or setting is unknown)."""
@@ -134,3 +124,13 @@ def passes_flag(text: str | None) -> dict | None:
         return parse_settings(text)
     except Exception as err:  # noqa: BLE001 (PlanError or ValueError: the message says why)
         raise CliError(f"--passes {text!r}: {err}") from None
+
+
+def print_failures(summary: dict, db: str) -> None:
+    """Models that failed in a search that trained others (one where all failed raised
+    SearchFailed): how many, and the most common reason."""
+    failures = summary.get("failures") or {}
+    if failures.get("failed"):
+        reason, n = failures["reasons"][0]
+        print(f"\n{failures['failed']} of {failures['models']} models failed; most common "
+              f"reason ({n}): {reason}  (retiarii status {db} --errors)", file=sys.stderr)

@@ -88,17 +88,22 @@ class TensorBoardLog:
         self._writers.clear()
 
 
-def with_tensorboard(progress: Callable[[dict], None], store: str,
-                     folder: str | None) -> Callable[[dict], None]:
-    """``progress`` (the CLI's display, called after each finished trial), also syncing the
-    TensorBoard folder when ``folder`` is given; ``.close()`` writes what is left."""
+def with_tensorboard(progress: Callable[[dict], None], flags: dict) -> Callable[[dict], None]:
+    """``progress`` (the CLI's display, called after each finished trial, the last included),
+    also syncing the TensorBoard folder of ``flags["tensorboard"]`` (the CLI's flags) when
+    given; refused with a :class:`~retiarii.cli_common.CliError` without tensorboard."""
+    from .cli_common import CliError
+
+    folder = flags.get("tensorboard")
     if not folder:
         return progress
-    log = TensorBoardLog(store, folder)
+    try:
+        log = TensorBoardLog(flags["store"], folder)
+    except ImportError as err:
+        raise CliError(str(err)) from None
 
     def call(summary: dict) -> None:
         progress(summary)
         log.sync()
 
-    call.close = log.close  # type: ignore[attr-defined]
     return call

@@ -287,3 +287,21 @@ def test_cli_prints_the_url_and_warns_beyond_loopback(store, monkeypatch, capsys
     assert main(["dashboard", store, "--port", "70000"]) == 2
     assert "--port 70000" in capsys.readouterr().err
     assert os.path.exists(store)
+
+
+def test_the_pareto_page_marks_the_stored_front(tmp_path, serve):
+    db = str(tmp_path / "p.db")
+    rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=db, seed=0,
+                  executor=InProcessExecutor(), max_models=5, optimize=False,
+                  metric=["val_acc", "params"], mode=["max", "min"]).run()
+    p = api(serve(db), "pareto")
+    with Store(db) as s:
+        exp = s.experiments()[-1]
+        front = set(json.loads(s.db.execute("SELECT front FROM experiments WHERE id = ?",
+                                             [exp["id"]]).fetchone()[0]))
+        values = {r[0]: json.loads(r[1]) for r in s.db.execute(
+            'SELECT id, "values" FROM models WHERE "values" IS NOT NULL')}
+    assert p["objectives"] == ["val_acc", "params"] and p["note"] is None
+    assert {q["model"] for q in p["points"] if q["front"]} == front and front
+    for q in p["points"]:
+        assert q["values"] == [values[q["model"]]["val_acc"], values[q["model"]]["params"]]

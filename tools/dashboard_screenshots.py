@@ -27,10 +27,12 @@ PAGES = [("experiments", "/"), ("overview", "/overview"), ("trials", "/trials"),
 
 def demo_store(folder: str, models: int, epochs: int) -> str:
     store = os.path.join(folder, "demo.db")
-    for seed in (0, 1):  # two experiments: the compare page has two curves
+    # two experiments, the compare page's two curves: the README's demo, then one of two
+    # objectives (accuracy against parameter count) for the Pareto page
+    for seed, extra in ((0, []), (1, ["--metric", "val_acc,params", "--mode", "max,min"])):
         subprocess.run([sys.executable, "-m", "retiarii.cli", "run", "demo", "--max-models",
                         str(models), "--epochs", str(epochs), "--store", store, "--seed",
-                        str(seed)], check=True, cwd=ROOT,
+                        str(seed), *extra], check=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT})
     return store
 
@@ -42,8 +44,9 @@ def shoot(store: str, out: str, width: int = 1400) -> list[str]:
 
     db = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
     last = db.execute("SELECT max(id) FROM experiments").fetchone()[0]
+    # the best model that an evolution derived from a parent: its changes are outlined
     model = db.execute("SELECT id FROM models WHERE experiment_id = ? AND value IS NOT NULL "
-                       "ORDER BY value DESC LIMIT 1", [last]).fetchone()[0]
+                       "ORDER BY parent IS NULL, value DESC LIMIT 1", [last]).fetchone()[0]
     trial = db.execute("SELECT id FROM trials WHERE model_id = ?", [model]).fetchone()[0]
     db.close()
     server = Dashboard(store, port=0)
@@ -72,8 +75,8 @@ def shoot(store: str, out: str, width: int = 1400) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", help="a store to read (default: run a demo search first)")
-    ap.add_argument("--models", type=int, default=24)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--models", type=int, default=20)
+    ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "dashboard"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

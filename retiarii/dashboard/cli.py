@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["add_dashboard_parser", "cmd_dashboard"]
+__all__ = ["add_watch_parsers", "cmd_dashboard"]
 
 
-def add_dashboard_parser(sub) -> None:
+def add_watch_parsers(sub, run, resume) -> None:
+    """The ``dashboard`` command, and ``--tensorboard`` of ``run`` and ``resume``: the ways
+    to watch a search."""
+    from ..tensorboard_log import add_tensorboard_flag
+
+    add_tensorboard_flag(run)
+    add_tensorboard_flag(resume)
     p = sub.add_parser("dashboard", help="a live web dashboard of a store (read-only)")
     p.add_argument("db", help="the SQLite file of a run (it may not exist yet: the pages say so "
                               "until the search creates it)")

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import secrets
+import socket
 import sys
 import urllib.parse
 
@@ -108,8 +109,8 @@ class Dashboard(http.server.ThreadingHTTPServer):
             raise ValueError(f"host {host!r} is reachable from other machines: give a token")
         self.path, self.experiment, self.token = os.path.abspath(path), experiment, token
         self.checkpoint_dir = os.path.splitext(self.path)[0] + ".checkpoints"
-        if ":" in host:
-            self.address_family = __import__("socket").AF_INET6
+        if ":" in host:  # an IPv6 address (::1)
+            self.address_family = socket.AF_INET6
         super().__init__((host, port), Handler)
 
     @property

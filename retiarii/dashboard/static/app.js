@@ -301,6 +301,7 @@ const RENDER = {
           text: d.speedups.map(r => r[3]), marker: {color: d.speedups.map(
             r => r[2] >= 1 ? "#66bb6a" : "#ef5350")}}],
           {height: 260, yaxis: {title: "time apart / time grouped"},
+           xaxis: {type: "category", title: "grouped job (plans row)"},
            shapes: [{type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1,
                      line: {dash: "dot", color: "#555"}}]});
     dataTable(card("c-plans", "Grouped jobs: what each shared, layout and decision", true),
