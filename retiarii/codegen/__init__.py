@@ -12,6 +12,14 @@ order: outputs are bit-identical to the original model's on CPU.
 of the user's own leaf modules (and what they use) is copied in before it (``inline.py``).
 """
 from .fx_backend import to_module
-from .source_backend import to_source
 
 __all__ = ["to_module", "to_source"]
+
+
+def to_source(*args, **kwargs) -> str:
+    """:func:`.source_backend.to_source`, imported on first use: libcst costs 0.3-0.7 s to
+    import, which every worker process and every ``import retiarii`` paid though only an
+    export writes source (issue #26 item 4, fixed costs)."""
+    from .source_backend import to_source as emit
+
+    return emit(*args, **kwargs)

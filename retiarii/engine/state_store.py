@@ -12,10 +12,14 @@ runner's) is handled the same way, its lists named by path (``"scheduler/log"``)
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the driver imports it with the store
+    import sqlite_utils
+
 import json
 import time as _time
 
-import sqlite_utils
 
 from .store_schema import StoreError
 

@@ -30,11 +30,10 @@ import sqlite3
 import time as _time
 from typing import Any, Callable, Iterable
 
-import sqlite_utils
 
 from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
 from .state_store import StateTables
-from .store_queries import StoreQueries, json_text, encode_state, decode_json_columns
+from .store_queries import StoreQueries, decode_json_columns, encode_state, json_text, not_found_error
 from .store_schema import APPLICATION, MIGRATIONS, SCHEMA_VERSION, STATES, StoreError
 from ..enums import ModelStatus
 
@@ -76,6 +75,7 @@ class Store(StoreQueries):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.db = None  # type: ignore[assignment]
         try:
+            import sqlite_utils  # here, not with the package: it imports pandas (0.7 s)
             self.db = sqlite_utils.Database(self.path)
             self.db.execute("PRAGMA busy_timeout=10000")  # a second opener waits, not fails
             self.db.enable_wal()
@@ -179,7 +179,7 @@ class Store(StoreQueries):
         experiment_id = self._experiment(experiment_id)
         try:
             return decode_json_columns(self.db["experiments"].get(experiment_id), "config")
-        except sqlite_utils.db.NotFoundError:
+        except not_found_error():
             raise StoreError(f"{self.path} has no experiment {experiment_id}") from None
 
     def experiments(self) -> list[dict]:
@@ -258,7 +258,7 @@ class Store(StoreQueries):
         """A model row with ``sample`` and ``graph`` decoded."""
         try:
             return decode_json_columns(self.db["models"].get(model_id), "sample", "graph")
-        except sqlite_utils.db.NotFoundError:
+        except not_found_error():
             raise StoreError(f"{self.path} has no model {model_id}") from None
 
     def set_model_status(self, model_id: int, status: ModelStatus | str,

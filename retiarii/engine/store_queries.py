@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-import sqlite_utils
 
 from ..enums import Mode
 from .store_schema import STATES, StoreError
 
-__all__ = ["StoreQueries"]
+__all__ = ["StoreQueries", "not_found_error"]
 
 
 def encode_state(state: Any) -> str:
@@ -61,7 +60,7 @@ class StoreQueries:
         self.flush()
         try:
             return decode_json_columns(self.db["trials"].get(trial_id), *_TRIAL_JSON)
-        except sqlite_utils.db.NotFoundError:
+        except not_found_error():
             raise StoreError(f"{self.path} has no trial {trial_id!r}") from None
 
     def trials(self, states: Iterable[Any] | None = None) -> list[dict]:
@@ -160,3 +159,10 @@ class StoreQueries:
                         "step": row["step"], "sample": model["sample"], "hash": model["hash"],
                         "status": model["status"]})
         return out
+
+
+def not_found_error() -> type:
+    """sqlite_utils's error for a missing row (imported by then: a store is open)."""
+    from sqlite_utils.db import NotFoundError
+
+    return NotFoundError

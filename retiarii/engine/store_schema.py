@@ -6,7 +6,11 @@ all, an older one the ones it lacks (:meth:`.store.Store._migrate`, each in one 
 """
 from __future__ import annotations
 
-import sqlite_utils
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the driver imports it with the store
+    import sqlite_utils
+
 
 __all__ = ["StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES", "APPLICATION"]
 
