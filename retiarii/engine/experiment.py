@@ -450,7 +450,8 @@ class Experiment(Proposals):
                 profile=self.optimize == "auto", fuse=self.fuse, passes=self.passes,
                 merge=self.optimize != "pack", dedicated=self.dedicated),
                 packer=Packer(self._packs(executor), getattr(
-                    executor, "slot_memory", lambda: float("inf"))(), self.batch_models),
+                    executor, "slot_memory", lambda: float("inf"))(), self.batch_models,
+                    self.optimization.memory_budget),
                 on_group=self._on_group)
         self.runner = None
         started = time.monotonic()

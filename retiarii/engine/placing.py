@@ -52,11 +52,16 @@ class Packer:
         packing: by profiles (True), or as evenly as they go (False).
         slot_memory: the bytes each slot lends to models.
         batch_models: the most trials one pack holds.
+        memory_budget: what one pack may use of ``slot_memory``: a fraction in (0, 1], or
+            bytes (``OptimizeConfig.memory_budget``).
     """
 
     def __init__(self, packing: bool = False, slot_memory: float = float("inf"),
-                 batch_models: int = 1):
+                 batch_models: int = 1, memory_budget: float = 1.0):
         self.packing, self.slot_memory, self.batch_models = packing, slot_memory, batch_models
+        self.budget = slot_memory * memory_budget if memory_budget <= 1 else float(memory_budget)
+        if self.packing:  # profiles pack within the budget
+            self.slot_memory = min(slot_memory, self.budget)
         self.placements: list[dict] = []  # every placement made, in order
         self._notes: dict[str, dict] = {}  # first trial of a pack -> its decision, until launched
         self._units: dict[str, float] = {}  # trial -> its estimate, in units
@@ -69,7 +74,7 @@ class Packer:
         ``alone_s``: trial -> its step time alone, measured by grouped jobs so far."""
         self._alone_s = alone_s or {}
         if not self.packing or len(batch) < 2:
-            return even_split(batch, slots)
+            return self._within_budget(even_split(batch, slots))
         profiles = self._profiles(batch)
         if profiles is None:
             return even_split(batch, slots)
@@ -88,6 +93,31 @@ class Packer:
                     "predicted_iter_s": round(placement.pack_time(members), 6),
                     "balance": record["balance"],
                     "source": "measured" if self._scale is not None else "estimated (units)"}
+        return out
+
+    def _within_budget(self, packs: list[list[Trial]]) -> list[list[Trial]]:
+        """``packs`` with each one whose models' estimated memory (the sum of each alone:
+        merging only shares) is over the budget cut into consecutive packs that fit; a
+        model over it alone is a pack of its own. A trial without an estimate counts 0."""
+        if self.budget == float("inf"):
+            return packs
+        out: list[list[Trial]] = []
+        for job in packs:
+            cut: list[list[Trial]] = [[]]
+            used = 0.0
+            for trial in job:
+                need = float((trial.config.get("profile") or {}).get("memory") or 0)
+                if cut[-1] and used + need > self.budget:
+                    cut.append([])
+                    used = 0.0
+                cut[-1].append(trial)
+                used += need
+            if len(cut) > 1:  # said in the plans rows of these jobs
+                for part in cut:
+                    self._notes[part[0].trial_id] = {
+                        "split": "memory", "budget_bytes": self.budget, "models": len(part),
+                        "of": len(job)}
+            out.extend(p for p in cut if p)
         return out
 
     def take_note(self, first: str) -> dict | None:

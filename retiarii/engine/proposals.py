@@ -158,8 +158,9 @@ class Proposals:
                       "hparams": model.hparams, "seed": self.seed + self._count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
             runner = getattr(self, "runner", None)
-            if self.optimize and runner is not None and runner.packer.packing:
-                config["profile"] = self._estimate(model)
+            if self.optimize and runner is not None and (
+                    runner.packer.packing or runner.packer.budget != float("inf")):
+                config["profile"] = self._estimate(model)  # packing, or the memory budget
             if costs:  # schedulers of several objectives read them (MOASHA, Scalarized)
                 config["costs"] = costs
             if self.deterministic:  # its worker trains it in deterministic mode

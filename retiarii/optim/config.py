@@ -68,6 +68,11 @@ class OptimizeConfig:
             computed there one batch ahead of the models (docs/optimization.md, "Dedicated
             devices"). Results are unchanged.
         dedicated_device: ``"process"``, ``"thread"`` or ``"cuda:N"``; None: per worker.
+        memory_budget: what one job's models may use of a worker slot's memory (the GPU's, or
+            on a CPU the machine's shared by the slots): a fraction in (0, 1], or bytes. A
+            job whose models' estimated memory (the sum of each alone, from the IR: merging
+            only shares) is over it is split into jobs that fit (a model over it alone
+            trains alone).
     """
 
     # "auto": the search decides per group, by measurement, and reverts what loses; the
@@ -85,6 +90,10 @@ class OptimizeConfig:
     # Nothing dedicated unless asked: a device of its own pays only for a large shared part.
     dedicated: tuple[str, ...] = ()
     dedicated_device: str | None = None
+    # 0.8: room for the data pipeline and the allocator's slack; the total memory of a slot,
+    # not what is free now, so that which models share a job never depends on the machine's
+    # load (fused values depend on their companions: docs/optimization.md)
+    memory_budget: float = 0.8
 
     def __post_init__(self):
         if self.mode not in _MODES or isinstance(self.mode, int) and not isinstance(
@@ -105,6 +114,10 @@ class OptimizeConfig:
                 self.dedicated_device).startswith("cuda"):
             raise ValueError(f"dedicated_device={self.dedicated_device!r}: give 'process', "
                              f"'thread' or 'cuda:N' (None: chosen per worker)")
+        if isinstance(self.memory_budget, bool) or not isinstance(
+                self.memory_budget, (int, float)) or not self.memory_budget > 0:
+            raise ValueError(f"memory_budget={self.memory_budget!r}: give a fraction of each "
+                             f"slot's memory in (0, 1] (e.g. 0.8) or a number of bytes")
         for name, value in dict(self.passes).items():
             _setting(name, value)
         object.__setattr__(self, "passes", parse_settings(dict(self.passes)))
@@ -127,7 +140,8 @@ class OptimizeConfig:
         """The options as JSON (kept in an experiment's origin; :meth:`from_json` reads it)."""
         return {"mode": self.mode, "batch_models": self.batch_models, "fuse": self.fuse,
                 "passes": dict(self.passes), "packing": self.packing,
-                "dedicated": list(self.dedicated), "dedicated_device": self.dedicated_device}
+                "dedicated": list(self.dedicated), "dedicated_device": self.dedicated_device,
+                "memory_budget": self.memory_budget}
 
     @classmethod
     def from_json(cls, data: Mapping) -> OptimizeConfig:
