@@ -22,7 +22,7 @@ import retiarii as rt
 import test_optimize as o
 from engine_helpers import InProcessExecutor
 from exp_space import lr_trainer, mlp_space
-from retiarii.engine import grouped, layouts, measuring, worker
+from retiarii.engine import clock, grouped, layouts, measuring, worker
 from retiarii.optim import device_model as dm
 
 
@@ -36,8 +36,8 @@ def _random_clock(monkeypatch, seed):
         return now[0]
     fake = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time)
                                     if not n.startswith("__")})
-    fake.perf_counter = perf_counter
-    for module in (grouped, layouts, measuring, worker):
+    fake.perf_counter = fake.process_time = perf_counter
+    for module in (clock, grouped, layouts, measuring, worker):
         monkeypatch.setattr(module, "time", fake)
 
 
@@ -117,3 +117,12 @@ def test_step_costs_run_on_meta_tensors_and_move_nothing():
 def test_batching_is_decided_by_the_examples_per_model():
     assert dm.batching_wins(16, "cpu") and not dm.batching_wins(32, "cpu")
     assert dm.batching_wins(256, "cuda:0")
+
+
+def test_compute_is_timed_in_cpu_time_on_a_one_thread_cpu_worker(monkeypatch):
+    """A neighbour's load on a CPU worker with one torch thread is not counted (clock.py)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert clock.compute_clock("cpu") is time.process_time
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert clock.compute_clock("cpu") is time.perf_counter
+    assert clock.compute_clock(torch.device("cuda", 0)) is time.perf_counter

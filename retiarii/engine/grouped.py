@@ -45,6 +45,7 @@ from . import checkpoint as ckpt
 from ..optim.plan import LogicalPlan, PlanModel
 from ..training import to_device as _to_device
 from .trial_run import TrainingError, TrialRun, batch_size_of, set_training
+from .clock import compute_clock
 
 __all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
 
@@ -348,7 +349,7 @@ class TrainingGroup:
         if first.batch:  # resuming mid-epoch: every run is at the same position
             batches = itertools.islice(iter(batches), first.batch, None)
         batches = self._feed(iter(batches))
-        sync = sync_device if self._measure else (lambda device: None)
+        sync, clock = sync_device if self._measure else (lambda device: None), compute_clock(first.device)
         while True:
             sync(first.device)
             t0 = time.perf_counter()
@@ -356,15 +357,14 @@ class TrainingGroup:
             if batch is _END:
                 break
             batch = _to_device(batch, first.device)
-            t1 = time.perf_counter()
-            load = t1 - t0  # before any work on copies, which is neither load nor compute
-            if self._before_step(batch):  # measured on copies: not the group's time
-                t1 = time.perf_counter()
+            load = time.perf_counter() - t0  # before any work on copies: neither load nor compute
+            self._before_step(batch)  # measured on copies: not the group's time
+            t1 = clock()
             failed = self._step(batch, sums)
             sync(first.device)
             self._batches += 1
             self._loads.append(load)
-            self._steps.append(time.perf_counter() - t1)
+            self._steps.append(clock() - t1)
             self._compute_s += self._steps[-1]
             outcome.update(failed)
             self.drop(failed)
@@ -552,17 +552,17 @@ def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
         batch: on the run's device.
     """
     model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> the copies
-    times: list[float] = []
+    times, clock = [], compute_clock(run.device)
     while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S
                                        and len(times) < 1 + MAX_REPEATS):
         sync_device(run.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = trainer.training_step(model, batch, run.hparams)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sync_device(run.device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times[1:])
 
 

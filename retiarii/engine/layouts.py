@@ -48,6 +48,7 @@ from .layout_model import resolve
 from .grouped import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
 from .measuring import MeasuringGroup
 from ..training import to_device as _to_device
+from .clock import compute_clock
 
 __all__ = ["ABORT", "ABORT_CPU", "device_label", "group_units", "job_passes", "probe", "step_times"]
 
@@ -252,16 +253,17 @@ def _group_step_seconds(group: TrainingGroup, batch: Any, repeats: int = 1,
     sums = {t: [torch.zeros((), device=r.device), 0] for t, r in group.runs.items()}
     device = next(iter(group.runs.values())).device
     times: list[float] = []
+    clock = compute_clock(device)
     while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S and len(times) < 1 + MAX_REPEATS):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         failed = group._step(batch, sums)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if failed:
             raise next(iter(failed.values()))
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         if limit is not None and times[0] > limit:
             return None
     return min(times[1:])

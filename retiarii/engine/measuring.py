@@ -70,6 +70,7 @@ from ..optim.plan import LogicalPlan, Role
 from . import checkpoint as ckpt
 from .fused import fused_backward, fused_step, fused_unit
 from .grouped import TrainingGroup, sync_device
+from .clock import compute_clock
 
 __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
            "MeasuringGroup", "PER_MODEL_BOUND", "TIMED"]
@@ -348,12 +349,12 @@ class MeasuringGroup(TrainingGroup):
             return self._step_in(batch, sums)
         device = next(iter(self.runs.values())).device
         sync_device(device)
-        t0 = time.perf_counter()
+        t0 = (clock := compute_clock(device))()
         failed = self._guarded(batch, sums)
         if failed is None:  # fused undone: this batch again, in the next layout
             return self._step_in(batch, sums)
         sync_device(device)
-        seconds = time.perf_counter() - t0
+        seconds = clock() - t0
         warm = layout not in self._stepped
         self._stepped.add(layout)
         if not failed:  # a step with a failed trial measured fewer models
@@ -415,16 +416,15 @@ class MeasuringGroup(TrainingGroup):
         forward makes (``GroupModule.forward``), under ``no_grad`` as there."""
         if self._position >= len(self._schedule) or self._layout is not Layout.CSE:
             return None
-        group = self._group
-        device = next(iter(self.runs.values())).device
+        group, device = self._group, next(iter(self.runs.values())).device
 
         def common(inputs: tuple) -> tuple:
             sync_device(device)
-            t0 = time.perf_counter()
+            t0 = (clock := compute_clock(device))()
             with torch.no_grad():
                 out = group.shared(*inputs)
             sync_device(device)
-            self._shared.append(time.perf_counter() - t0)
+            self._shared.append(clock() - t0)
             return out
 
         return common
