@@ -50,6 +50,7 @@ from .pareto import FrontTable, Outcomes
 from . import one_shot
 from .grouping import JobPlanner
 from .placing import Packer
+from .executors.warm import start_server_for
 from .plans import PlanTable
 from .proposals import Proposals
 from .segments import SegmentTable
@@ -193,8 +194,7 @@ class Experiment(Proposals):
         self.dedicated = {"dedicated": list(opt.dedicated)} if opt.dedicated else {}
         if opt.dedicated and opt.dedicated_device:
             self.dedicated["dedicated_device"] = opt.dedicated_device
-        # Left out: chosen by measurement when the search measures (optimize="auto"), off when
-        # it groups by keys alone (optimize=True: nothing measured, results bit for bit).
+        # Left out: the device model decides under optimize="auto"; off under True (bit for bit)
         self.fuse = opt.effective_fuse
         self.passes = opt.effective_passes
         # None: a model-free search (a FunctionTrainer's hparams alone); one-shot refused
@@ -214,9 +214,9 @@ class Experiment(Proposals):
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()
         self.metric, self.mode = metric, Mode.parse(mode, "Experiment")
-        self.max_failures, self.dedup = max_failures, dedup
-        self.model_retries = model_retries
+        self.max_failures, self.dedup, self.model_retries = max_failures, dedup, model_retries
         self.executor, self.progress, self.origin = executor, progress, origin
+        start_server_for(executor)  # local workers: their server imports torch while we set up
         if weight_sharing is not False:
             self.strategy = strategy = one_shot.wrap_weight_sharing(strategy, trainer,
                                                                  ExperimentError,

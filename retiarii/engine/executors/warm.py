@@ -16,7 +16,8 @@ the server's instead (the driver's when the server started). :func:`in_environme
 two alike: the child takes the driver's environment of the moment, plus the slot's
 ``CUDA_VISIBLE_DEVICES`` and thread counts, before the worker runs (CUDA reads its variables
 when it starts, later, in the worker). Variables that torch reads while it is imported are
-the server's: set them before the first executor starts.
+the server's: set them before the first executor starts (or the first ``Experiment`` with
+local workers is made: :func:`start_server_for`).
 
 When the forkserver method does not exist (Windows), or it was started before this module
 set its preload (by other code of the process), workers are still correct: spawned, or
@@ -36,7 +37,7 @@ from multiprocessing import forkserver
 import os
 from typing import Any, Callable
 
-__all__ = ["PRELOAD", "in_environment", "worker_context"]
+__all__ = ["PRELOAD", "in_environment", "start_server_for", "worker_context"]
 
 # What every worker imports before its first job: torch, retiarii (package, engine, worker)
 # and torch._dynamo, which the first optimizer imports (~2 s of CPU alone).
@@ -89,3 +90,12 @@ def in_environment(env: dict[str, str], body: Callable[..., None], *args: Any) -
     os.environ.clear()
     os.environ.update(env)
     body(*args)
+
+
+def start_server_for(executor: Any) -> None:
+    """Start the workers' server now when a search will use local workers (``executor``
+    None or ``"local"``): it imports :data:`PRELOAD` in its own process (seconds of CPU) while
+    the driver makes its store, strategy and first proposals, instead of after them, when the
+    first worker starts (issue #26 item 4, fixed costs). Nothing else is started."""
+    if executor is None or executor == "local":
+        worker_context()
