@@ -63,7 +63,7 @@ def test_quick_heads_and_mlps_run_and_grouping_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_quick_every_workload_twice(tmp_path):
-    """All of (a)-(e), two interleaved runs per mode (about two minutes on 2 busy cores)."""
+    """All of (a)-(e), two interleaved runs per mode (48 searches: 7 minutes at load 5)."""
     rows = _bench(tmp_path, "--workload", "all", "--runs", "2")
     _check_exact_where_nothing_fuses(rows, ["a4", "a8", "b", "bfreeze", "c64", "c512", "d", "e"], 2)
 
