@@ -49,7 +49,7 @@ def _check_exact_where_nothing_fuses(rows: list[dict], cases: list[str], runs: i
             if r["mode"] == "on" and r["fused_trials"] == "0":
                 assert r["same_as_off"] == "True", (case, r)
                 assert float(r["max_rel_diff_vs_off"]) == 0.0
-            if r["mode"] != "off":  # optimize=True and the default group the models
+            if r["mode"] == "on":  # optimize=True groups them (the default may keep them apart)
                 assert int(r["merged_trials"]) > 0, (case, r)
         median = next(r for r in mine if r["mode"] == "auto" and r["run"] == "median")
         assert median["passes"] in ("True", "False")
@@ -63,7 +63,7 @@ def test_quick_heads_and_mlps_run_and_grouping_is_exact(tmp_path):
 
 @pytest.mark.slow
 def test_quick_every_workload_twice(tmp_path):
-    """All of (a)-(e), two interleaved runs per mode (about two minutes on 2 busy cores)."""
+    """All of (a)-(e), two interleaved runs per mode (48 searches: 7 minutes at load 5)."""
     rows = _bench(tmp_path, "--workload", "all", "--runs", "2")
     _check_exact_where_nothing_fuses(rows, ["a4", "a8", "b", "bfreeze", "c64", "c512", "d", "e"], 2)
 
