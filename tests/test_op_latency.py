@@ -86,3 +86,53 @@ def test_predicted_latency_as_an_objective(tmp_path):
         ops = store.db.execute("SELECT count(*) FROM costs WHERE hash LIKE 'op:%'").fetchone()[0]
     assert len(models) == 2 and all(m["values"]["predicted_latency_ms"] > 0 for m in models)
     assert ops >= 3  # the two linear layers and the activation, at least
+
+
+class Choice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.op = rt.LayerChoice({"id": torch.nn.Identity(),
+                                  "convrelu": torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1),
+                                                                  torch.nn.ReLU())},
+                                 label="op")
+        self.width = rt.ValueChoice([2, 4], label="width")
+        self.fc = rt.nn.Linear(64, self.width)
+
+    def forward(self, x):
+        return self.fc(self.op(x).flatten(1))
+
+
+def test_choice_latencies_are_each_candidates_difference_over_the_base(monkeypatch):
+    # every operator call costs 1 ms: a model's prediction counts its calls
+    monkeypatch.setattr(op_latency, "time_call", lambda repeat, device, config=None: (1.0, 0.0))
+    choice_space = rt.ModelSpace(Choice(), example_input=torch.zeros(1, 1, 8, 8))
+    table = op_latency.choice_latencies(choice_space, OpLatencyTable())
+    # base: id, width 2; convrelu adds one call (conv and relu for identity); the width
+    # changes no call count
+    assert table == {"op": {"id": 0.0, "convrelu": 1.0}, "width": {2: 0.0, 4: 0.0}}
+
+
+@pytest.mark.slow  # ~30 s: 150 models of the space built for the table
+def test_nas_proxylessnas_gets_its_latency_term_and_resumes_with_it(tmp_path, monkeypatch):
+    from retiarii import nas
+
+    timed = []
+
+    def fake(repeat, device, config=None):
+        timed.append(1)
+        return 0.001 * len(timed), 0.0
+
+    monkeypatch.setattr(op_latency, "time_call", fake)
+    db = str(tmp_path / "p.db")
+    first = nas.experiment("proxylessnas", epochs=1, workers=1, store=db)
+    labels = [f"layer{i}" for i in range(1, 22)]
+    assert sorted(first.strategy.latency) == sorted(labels)
+    assert first.strategy.latency_weight == nas.LATENCY_TERM["proxylessnas"] == 1.0
+    measured = len(timed)
+    again = nas.experiment("proxylessnas", epochs=1, workers=1, store=db)
+    assert len(timed) == measured  # read from the store: nothing timed again
+    assert again.strategy.latency == first.strategy.latency
+    # a latency given by the user wins
+    mine = nas.experiment("proxylessnas", epochs=1, workers=1, store=db,
+                          options={"latency": {"layer1": {"k3_e3": 1.0}}})
+    assert mine.strategy.latency == {"layer1": {"k3_e3": 1.0}}

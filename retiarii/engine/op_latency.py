@@ -30,7 +30,8 @@ from torch import fx
 from ..threads import one_thread
 from .pareto import FrontTable
 
-__all__ = ["CostConfig", "OpLatencyTable", "describe", "operator_calls", "time_call"]
+__all__ = ["CostConfig", "OpLatencyTable", "choice_latencies", "describe", "operator_calls",
+           "time_call"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ class _Calls(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if n.op == "call_module":
             mod = self.fetch_attr(n.target)
-            name, call = f"{type(mod).__name__}({mod.extra_repr()})", mod
+            # repr, not type and extra_repr: a leaf block (an MBConv kept whole) prints its
+            # children there, so two blocks of one class but other kernels differ
+            name, call = " ".join(repr(mod).split()), mod
         elif n.op == "call_function":
             name, call = getattr(n.target, "__name__", str(n.target)), n.target
         else:  # a method of its first argument
@@ -183,3 +186,44 @@ class OpLatencyTable:
                 FrontTable(self.store).add_costs(f"op:{key}", device,
                                                  {"latency_ms": (value, spread)})
         return total
+
+
+class _First:
+    """Every choice at its first candidate, recording the choices met (the base model)."""
+
+    def __init__(self):
+        self.trace: list[tuple[str, list]] = []
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        self.trace.append((label, list(candidates)))
+        return 0
+
+
+def choice_latencies(space, table: OpLatencyTable, device: str | None = None) -> dict:
+    """ProxylessNAS's and FBNet's latency lookup table from the operator table:
+    ``{label: {candidate key: ms}}``, each candidate's predicted latency over the base model's
+    (every choice at its first candidate) when only that choice changes. The expected latency
+    ``sum_label sum_c p_c * table[label][c]`` then differs from the predicted latency of the
+    expected architecture by a constant, which moves no gradient. A candidate whose model
+    cannot be built alone (a choice another one conditions) is left out.
+
+    Example::
+
+        latency = choice_latencies(space, OpLatencyTable(store))
+        rt.strategies.ProxylessNAS(epochs=10, latency=latency, latency_weight=0.1)
+    """
+    first = _First()
+    base = space.sample(first).sample
+    example = space.example_input
+    example = (example[0] if isinstance(example, (tuple, list)) else example)[:1]
+    reference = table.predict(space.instantiate(base).to_module(), example, device)
+    out: dict = {}
+    for label, candidates in first.trace:
+        out[label] = {}
+        for key in candidates:
+            try:
+                module = space.instantiate({**base, label: key}).to_module()
+            except Exception:  # noqa: BLE001 (not buildable alone: no entry, said above)
+                continue
+            out[label][key] = table.predict(module, example, device) - reference
+    return out
