@@ -40,10 +40,6 @@ def _strategy(name: str, seed: int, epochs: int | None = None):
         raise CliError(f"--strategy {name}: {err}") from None
 
 
-def _scheduler(name: str, epochs: int, metric: str, mode: str = "max"):
-    return registry.make_scheduler(name, metric, mode, epochs)
-
-
 def _name_of(kind: str):
     """An argparse type: a name of the registry, refused with the valid ones and "did you
     mean" (argparse's ``choices`` would list them without the near miss)."""
@@ -194,9 +190,6 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
     metric = metrics.split(",") if "," in metrics else metrics
     modes = flags.get("mode") or "max"
     mode = modes.split(",") if "," in modes else modes
-    scheduler = _scheduler(flags["scheduler"], trainer.epochs,
-                           metric if isinstance(metric, str) else metric[0],
-                           mode if isinstance(mode, str) else mode[0])
     executor = flags.get("executor") or "local"  # stores from before --executor: local
     if flags.get("address"):
         if executor != "ray":
@@ -210,7 +203,9 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
                                runtime_env=_shipped_folder(ref, flags["store"]))
     return Experiment(space_ref, strategy, trainer, store=flags["store"],
                       workers=flags["workers"], max_models=max_models,
-                      seed=flags["seed"], scheduler=scheduler, executor=executor,
+                      seed=flags["seed"], executor=executor,
+                      # a name: built on the objectives and the trainer's epochs as horizon
+                      scheduler=flags["scheduler"],
                       optimize={**_OPTIMIZE, "pack": "pack"}[flags.get("optimize") or "auto"],
                       packing=_OPTIMIZE[flags.get("packing") or "auto"],
                       batch_models=flags.get("batch_models") or 8,

@@ -176,7 +176,8 @@ ROWS: tuple[Row, ...] = (
     _row(17, "proxylessnas", "ProxylessNAS", "ProxylessNAS space", "differentiable and RL",
          "Cai et al., ICLR 2019", "model_spaces.proxylessnas", "ProxylessNAS",
          "its differentiable variant: binary gates, one path per weight step, two per "
-         "architecture step; no latency term; " + _LEAF + "whole blocks",
+         "architecture step; the expected-latency term from the operator table measured on "
+         "this machine (nas.LATENCY_TERM); " + _LEAF + "whole blocks",
          _proxyless("proxylessnas", leaf_blocks=True)),
     _row(18, "fairnas", "FairNAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., ICCV 2021",
@@ -297,6 +298,27 @@ _LAUNCHER = {
 }
 
 
+# Rows whose paper adds a latency term from a lookup table to the architecture loss, and its
+# weight: ProxylessNAS's expected latency, one ms of which weighs as a unit of cross-entropy
+# (the small preset's candidates differ by 0.01-0.2 ms: the term moves the choice, it does
+# not swamp the accuracy). The table is measured on this machine (engine/op_latency.py) and
+# kept in the run's store, so that a resume rebuilds the very same strategy.
+LATENCY_TERM = {"proxylessnas": 1.0}
+
+
+def latency_table(name: str, preset: str, store: str) -> dict:
+    """``{label: {candidate: ms}}`` of row ``name``'s space: each candidate's predicted
+    latency over the base model's, from the operator table kept in ``store``."""
+    import os
+
+    from .engine.op_latency import OpLatencyTable, choice_latencies
+    from .engine.store import Store
+
+    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+    with Store(store) as db:
+        return choice_latencies(getattr(getattr(SPACES, name), preset), OpLatencyTable(db))
+
+
 # Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host):
 # the class names of the registry's one-shot strategies
 ONE_SHOT = tuple(e.class_name for e in registry.ONE_SHOT.values())
@@ -357,10 +379,13 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
     if not row.one_shot:
         kwargs["max_models"] = 8 if max_models is None else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
+    store = store or f"runs/nas-{name}-{preset}.db"
+    if name in LATENCY_TERM and "latency" not in (options or {}):  # the paper's cost term
+        options = {"latency": latency_table(name, preset, store),
+                   "latency_weight": LATENCY_TERM[name], **(options or {})}
     return Experiment(ref, strategy(name, seed, epochs, options),
                       ClassifierTrainer(dataset="digits", epochs=epochs),
-                      store=store or f"runs/nas-{name}-{preset}.db", workers=workers,
-                      seed=seed, **kwargs)
+                      store=store, workers=workers, seed=seed, **kwargs)
 
 
 def runs(row: Row) -> str:

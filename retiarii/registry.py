@@ -86,6 +86,8 @@ SCHEDULERS = _table(
     Entry("asha", _S + "asha:ASHA", (("grace_period", 1), ("reduction_factor", 2))),
     Entry("median", _S + "median_stopping:MedianStopping",
           (("grace_period", 1), ("min_samples_required", 3))),
+    # several objectives (--metric a,b): promotion by non-dominated rank, ASHA's rungs
+    Entry("moasha", _S + "moasha:MOASHA", (("grace_period", 1), ("reduction_factor", 2))),
 )
 EXECUTORS = _table(
     Entry("local", "retiarii.engine.executors.local:LocalExecutor"),

@@ -3,7 +3,9 @@
 ``params`` (parameters), ``flops`` (one forward pass at batch 1, torch's
 :class:`~torch.utils.flop_counter.FlopCounterMode`), ``peak_mem_mb`` (parameters, buffers and
 the peak of live activations of one forward pass at batch 1, in MiB), ``latency_ms`` (one
-forward pass at batch 1) and ``latency_batch_ms`` (at the trainer's batch size). A latency is
+forward pass at batch 1), ``latency_batch_ms`` (at the trainer's batch size) and
+``predicted_latency_ms`` (the sum of its operators' latencies in the store's per-operator
+table, engine/op_latency.py: each distinct operator timed once, not the model). A latency is
 the median of ``runs`` timed passes after ``warmup`` untimed ones, with its spread (the
 interquartile range) kept beside it; on a CPU with one torch thread (measurements of a
 multi-threaded pass depend on what else runs), on a GPU with CUDA events. Users add their own
@@ -22,10 +24,7 @@ Example::
 """
 from __future__ import annotations
 
-import statistics
-import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -33,27 +32,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..threads import one_thread
+from .op_latency import CostConfig, OpLatencyTable, time_call
 from .pareto import FrontTable
 
 __all__ = ["COSTS", "CostConfig", "CostMeter", "needed_costs"]
 
-COSTS = ("params", "flops", "peak_mem_mb", "latency_ms", "latency_batch_ms")
+COSTS = ("params", "flops", "peak_mem_mb", "latency_ms", "latency_batch_ms",
+         "predicted_latency_ms")
 
 
 def needed_costs(needed: Iterable[str], user: dict | None = None) -> list[str]:
     """The costs among the metrics ``needed`` (fixed names and the user's own)."""
     names = set(COSTS) | set(user or {})
     return [m for m in needed if m in names]
-
-
-@dataclass(frozen=True)
-class CostConfig:
-    """How latencies are measured."""
-
-    # untimed passes first: the allocator, caches and lazy initialisation settle
-    warmup: int = 3
-    # the median of 15 passes is stable to a few percent for millisecond models on a CPU
-    runs: int = 15
 
 
 class _PeakMemory(TorchDispatchMode):
@@ -163,6 +154,9 @@ class CostMeter:
                     out[name] = self._latency(module, self.one)
                 elif name == "latency_batch_ms":
                     out[name] = self._latency(module, self.batch)
+                elif name == "predicted_latency_ms":  # the operators' table (op_latency.py)
+                    table = OpLatencyTable(self.store, str(self.device), self.config)
+                    out[name] = (table.predict(module, self.one), None)
                 elif name in self.user:
                     out[name] = (float(self.user[name](module)), None)
                 else:
@@ -188,21 +182,4 @@ class CostMeter:
 
     def _latency(self, module: torch.nn.Module, x: torch.Tensor) -> tuple[float, float]:
         """(median, interquartile range) in milliseconds of ``runs`` timed passes."""
-        for _ in range(self.config.warmup):
-            module(x)
-        times = []
-        for _ in range(self.config.runs):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                module(x)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                module(x)
-                times.append((time.perf_counter() - t0) * 1e3)
-        q = statistics.quantiles(times, n=4)
-        return statistics.median(times), q[2] - q[0]
+        return time_call(lambda: module(x), self.device, self.config)

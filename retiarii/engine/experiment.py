@@ -183,7 +183,7 @@ class Experiment(Proposals):
                         max_failures=max_failures, model_retries=model_retries, dedup=dedup,
                         executor=executor, progress=progress, origin=origin)
         strategy = resolve_strategy(strategy, seed)
-        scheduler = resolve_scheduler(scheduler, metric, mode, getattr(trainer, "epochs", None))
+        scheduler = resolve_scheduler(scheduler, self.objectives, getattr(trainer, "epochs", None))
         self.optimization = optimize_config(optimize, batch_models=batch_models, fuse=fuse,
                                              batching=batching, passes=passes, packing=packing,
                                              dedicated=dedicated,

@@ -45,15 +45,26 @@ def resolve_strategy(strategy: Any, seed: int) -> Any:
     return strategy
 
 
-def resolve_scheduler(scheduler: Any, metric: str, mode: str, epochs: Any) -> Any:
+def resolve_scheduler(scheduler: Any, objectives: Any, epochs: Any) -> Any:
     """``scheduler`` as an object or None: a name (``"asha"``, ``"median"``, ``"none"``) is
-    built by the registry on ``metric`` with the trainer's ``epochs`` as its horizon."""
+    built by the registry on the objective (``"moasha"``: the objectives) with the trainer's
+    ``epochs`` as its horizon; a scheduler of one metric is refused for several."""
     if isinstance(scheduler, str):
+        several = objectives.multi
+        if several and scheduler not in ("moasha", "none"):
+            raise ExperimentError(f"scheduler={scheduler!r} ranks one metric; with several "
+                                  f"objectives use 'moasha' (promotion by non-dominated rank) "
+                                  f"or rt.strategies.Scalarized(...) over a stated "
+                                  f"scalarization")
+        metric, mode = ((list(objectives.metrics), [str(m) for m in objectives.modes])
+                        if several else (objectives.metrics[0], objectives.modes[0]))
         try:
             return registry.make_scheduler(scheduler, metric, mode,
                                            epochs if isinstance(epochs, int) else None)
         except registry.UnknownName as err:
             raise ExperimentError(f"scheduler={scheduler!r}: {err} (or 'none')") from None
+        except ValueError as err:  # moasha with one metric
+            raise ExperimentError(f"scheduler={scheduler!r}: {err}") from None
     if scheduler is not None and not isinstance(scheduler, Scheduler):
         raise ExperimentError(f"scheduler={scheduler!r} is not a scheduler: give one of "
                               f"rt.strategies (ASHA, MedianStopping, PBT...), a name "

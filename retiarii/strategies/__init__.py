@@ -5,6 +5,8 @@ One algorithm per file; each is importable from here.
 from .scheduler import Decision, Scheduler, Spawn
 from .median_stopping import MedianStopping
 from .asha import ASHA
+from .moasha import MOASHA
+from .scalarized import Scalarized
 from .hyperband import Hyperband
 from .hypertrick import HyperTrick
 from .pbt import PBT, Categorical, Continuous, Discrete, Integer

@@ -1,0 +1,349 @@
+"""Multi-objective search on the tabular benchmark: accuracy against measured latency.
+
+**costs** measures every model of the tabular benchmark's space (benchmarks/tabular.py) the
+way the engine does (retiarii/engine/costs.py: params, flops, latency_ms at batch 1 on one
+CPU thread, the median of 15 passes after 3) and writes ``benchmarks/data/nb201_digits_costs.csv``.
+
+**compare** replays the table with two objectives, the final ``val_acc`` (max) and
+``latency_ms`` (min): each strategy searches the same 1,024 models over ``--seeds`` seeds
+and is told each model's values from the tables. The measure is the hypervolume of the
+front found after 50 and 100 models, the objectives normalised to [0, 1] over the whole table
+(0 its best value, 1 its worst), the reference point the table's worst value of each
+objective (1, 1); the true front of the table is the ceiling. Strategies are compared with
+random paired by seed (the mean gain and its standard error). ``rl`` learns from MnasNet's
+reward ``val_acc * (latency_ms / target) ** -0.07`` with the table's median latency as its
+target, and is judged by its best accuracy under that target, against random's.
+
+**moasha** replays the table's per-epoch curves under MOASHA (promotion by non-dominated
+rank over val_acc and latency_ms, one worker at a time, grace 1 epoch, 3 epochs, rf 3)
+against running every model to the end: the compute reclaimed (epochs not trained) and the
+share of the run-all hypervolume kept, with the same models (random order, 20 seeds).
+
+    python benchmarks/multi_objective.py costs            # ~2 min; one thread
+    python benchmarks/multi_objective.py compare [--seeds 20]
+    python benchmarks/multi_objective.py moasha [--seeds 20] [--models 100]
+    python benchmarks/multi_objective.py latency [--models 200]
+
+**latency** compares the latency predicted from the per-operator table (the sum over a
+model's operator calls, each distinct call timed once) with the measured one, model by
+model on the same machine in the same minute: the median error of the prediction.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import random
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+
+import torch  # noqa: E402
+
+from model_spaces.nasbench201 import TABLE_OPS, arch_string, full_sample  # noqa: E402
+from retiarii.engine.costs import CostConfig, CostMeter  # noqa: E402
+from retiarii.engine.op_latency import OpLatencyTable  # noqa: E402
+from retiarii.objectives import hypervolume, pareto_indices  # noqa: E402
+from retiarii.scalarization import MnasNetReward  # noqa: E402
+from retiarii.strategies import (  # noqa: E402
+    MOASHA, TPE, Decision, PolicyBasedRL, Predictor, Random, RegularizedEvolution,
+)
+from tabular import EPOCHS, SPACE, ChoiceSpace, load_table  # noqa: E402
+
+COSTS = os.path.join(HERE, "data", "nb201_digits_costs.csv")
+OBJECTIVES = ("val_acc", "latency_ms")
+MODES = ("max", "min")
+
+
+# ---- costs ----------------------------------------------------------------------------------
+
+
+def measure_costs(path: str = COSTS, rounds: int = 3) -> None:
+    """Every model of the space: params, flops and latency_ms as the engine measures them.
+    The latency is the smallest of ``rounds`` medians taken in rounds over all the models:
+    on a shared machine a burst of other work inflates one median (we saw 14 ms for a 1 ms
+    model at a load of 7 on 2 cores), rarely all of them."""
+    example = SPACE.example_input
+    meter = CostMeter(None, example, 1, ["params", "flops", "latency_ms"])
+    samples = [m.sample for m in ChoiceSpace().enumerate()]
+    modules = [SPACE.instantiate(s).to_module() for s in samples]
+    rows = []
+    start = time.perf_counter()
+    for sample, module in zip(samples, modules):
+        got = meter.measure_module(module, ["params", "flops", "latency_ms"])
+        rows.append({"arch": arch_string(full_sample(sample, TABLE_OPS)),
+                     "params": int(got["params"][0]), "flops": int(got["flops"][0]),
+                     "latency_ms": got["latency_ms"][0], "latency_iqr_ms": got["latency_ms"][1]})
+    for _ in range(rounds - 1):
+        for row, module in zip(rows, modules):
+            median, iqr = meter.measure_module(module, ["latency_ms"])["latency_ms"]
+            if median < row["latency_ms"]:
+                row["latency_ms"], row["latency_iqr_ms"] = median, iqr
+    for row in rows:
+        row["latency_ms"] = round(row["latency_ms"], 5)
+        row["latency_iqr_ms"] = round(row["latency_iqr_ms"], 5)
+    with open(path, "w", newline="") as f:
+        f.write(f"# costs of the tabular benchmark's models (benchmarks/multi_objective.py costs)\n"
+                f"# latency: batch 1, one CPU thread, median of {CostConfig().runs} passes after "
+                f"{CostConfig().warmup}, the smallest of {rounds} rounds; torch "
+                f"{torch.__version__}; {time.perf_counter() - start:.0f} s\n")
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}: {len(rows)} models")
+
+
+def load_costs(path: str = COSTS) -> dict[str, dict]:
+    with open(path, newline="") as f:
+        lines = [line for line in f if not line.startswith("#")]
+    return {r["arch"]: {k: float(v) for k, v in r.items() if k != "arch"}
+            for r in csv.DictReader(lines)}
+
+
+# ---- the normalised objectives --------------------------------------------------------------
+
+
+class Table:
+    """Both objectives of every model, normalised over the table (0 best, 1 worst)."""
+
+    def __init__(self):
+        rows, _ = load_table()
+        costs = load_costs()
+        self.values = {r["arch"]: (r[f"val_acc_{EPOCHS}"], costs[r["arch"]]["latency_ms"])
+                       for r in rows}
+        self.curves = {r["arch"]: [r[f"val_acc_{e}"] for e in range(1, EPOCHS + 1)]
+                       for r in rows}
+        accs = [a for a, _ in self.values.values()]
+        lats = [la for _, la in self.values.values()]
+        self.acc_range, self.lat_range = (min(accs), max(accs)), (min(lats), max(lats))
+        self.target = statistics.median(lats)
+        true = [self.point(v) for v in self.values.values()]
+        self.true_hv = hypervolume([true[i] for i in pareto_indices(true)], (1.0, 1.0))
+
+    def point(self, values: tuple[float, float]) -> tuple[float, float]:
+        (a0, a1), (l0, l1) = self.acc_range, self.lat_range
+        acc, lat = values
+        return ((a1 - acc) / (a1 - a0), (lat - l0) / (l1 - l0))
+
+    def of(self, sample: dict) -> tuple[float, float]:
+        return self.values[arch_string(full_sample(sample, TABLE_OPS))]
+
+    def hv(self, told: list[tuple[float, float]]) -> float:
+        points = [self.point(v) for v in told]
+        return hypervolume([points[i] for i in pareto_indices(points)], (1.0, 1.0))
+
+
+STRATEGIES = {
+    "random": lambda seed, t: Random(seed=seed),
+    "evolution": lambda seed, t: RegularizedEvolution(population_size=20, sample_size=5,
+                                                      seed=seed),
+    "tpe": lambda seed, t: TPE(seed=seed),
+    "predictor": lambda seed, t: Predictor(seed=seed),
+    "rl": lambda seed, t: PolicyBasedRL(
+        seed=seed, reward=MnasNetReward("val_acc", "latency_ms", target=t.target)),
+}
+
+
+def replay(name: str, seed: int, budget: int, table: Table) -> list[tuple[float, float]]:
+    """One sequential search told the table's values; the values of the models, in order."""
+    space = ChoiceSpace()
+    strategy = STRATEGIES[name](seed, table)
+    strategy.use_objectives(MODES, OBJECTIVES)
+    told = []
+    for _ in range(budget):
+        sample = strategy.ask(space)
+        values = table.of(sample)
+        strategy.tell(sample, list(values))
+        told.append(values)
+    return told
+
+
+def _paired(gains: list[float]) -> str:
+    mean = statistics.mean(gains)
+    se = statistics.stdev(gains) / math.sqrt(len(gains)) if len(gains) > 1 else 0.0
+    return f"{mean:+.4f} ± {se:.4f} ({mean / se:+.1f} s.e.)" if se > 0 else f"{mean:+.4f}"
+
+
+def compare(seeds: int = 20, budget: int = 100, only: list[str] | None = None) -> list[dict]:
+    table = Table()
+    print(f"table: {len(table.values)} models; true front hypervolume {table.true_hv:.4f}; "
+          f"latency target (median) {table.target:.4f} ms; {seeds} seeds")
+    names = only or list(STRATEGIES)
+    if "random" not in names:
+        names = ["random", *names]
+    runs: dict[str, list[list]] = {}
+    seconds = {}
+    for name in names:
+        start = time.perf_counter()
+        runs[name] = [replay(name, seed, budget, table) for seed in range(seeds)]
+        seconds[name] = time.perf_counter() - start
+    rows = []
+    for name in names:
+        row = {"strategy": name}
+        for b in (50, budget):
+            hvs = [table.hv(run[:b]) for run in runs[name]]
+            base = [table.hv(run[:b]) for run in runs["random"]]
+            row[f"hv@{b}"] = round(statistics.mean(hvs), 4)
+            row[f"of_true@{b}"] = round(statistics.mean(hvs) / table.true_hv, 4)
+            row[f"vs_random@{b}"] = _paired([h - r for h, r in zip(hvs, base)])
+        under = [max((a for a, la in run if la <= table.target), default=0.0)
+                 for run in runs[name]]
+        base = [max((a for a, la in run if la <= table.target), default=0.0)
+                for run in runs["random"]]
+        row["best_acc_under_target"] = round(statistics.mean(under), 4)
+        row["vs_random_acc"] = _paired([u - r for u, r in zip(under, base)])
+        row["seconds"] = round(seconds[name], 1)
+        rows.append(row)
+    _print(rows)
+    from _out import write_csv
+
+    print("wrote", write_csv(rows, "multi_objective"))
+    return rows
+
+
+# ---- predicted latency against measured -----------------------------------------------------
+
+
+def _timed(module, x) -> float:
+    start = time.perf_counter()
+    module(x)
+    return (time.perf_counter() - start) * 1e3
+
+
+def latency(n_models: int = 200, seed: int = 0) -> dict:
+    """Predicted latency (the per-operator table, engine/op_latency.py) against the measured
+    one (engine/costs.py) of ``n_models`` random models, measured one after the other on
+    this machine (one thread), so that both see the same load."""
+    samples = random.Random(seed).sample([m.sample for m in ChoiceSpace().enumerate()],
+                                         n_models)
+    meter = CostMeter(None, SPACE.example_input, 1, ["latency_ms"])
+    table = OpLatencyTable(None)
+    one = SPACE.example_input[:1]
+    errors, fastest, seconds = [], [], {"measure": 0.0, "predict": 0.0}
+    for sample in samples:
+        module = SPACE.instantiate(sample).to_module().eval()
+        start = time.perf_counter()
+        measured = meter.measure_module(module, ["latency_ms"])["latency_ms"][0]
+        seconds["measure"] += time.perf_counter() - start
+        start = time.perf_counter()
+        predicted = table.predict(module, one)
+        seconds["predict"] += time.perf_counter() - start
+        errors.append((predicted - measured) / measured)
+        # the fastest of 45 passes: what a pass costs when nothing else takes the core (a
+        # busy machine inflates the median of whole passes more than that of tiny operators)
+        with torch.inference_mode():
+            low = min(_timed(module, one) for _ in range(45))
+        fastest.append((predicted - low) / low)
+
+    def summary(errs: list[float], name: str) -> dict:
+        return {f"{name}_median_abs": round(statistics.median(abs(e) for e in errs), 4),
+                f"{name}_median_signed": round(statistics.median(errs), 4)}
+
+    row = {"models": n_models, "operators_in_table": len(table._memory),
+           **summary(errors, "vs_median"), **summary(fastest, "vs_fastest"),
+           "load_average": round(os.getloadavg()[0], 1),
+           "seconds_measuring": round(seconds["measure"], 1),
+           "seconds_predicting": round(seconds["predict"], 1)}
+    _print([row])
+    from _out import write_csv
+
+    print("wrote", write_csv([row], "multi_objective_latency"))
+    return row
+
+
+# ---- MOASHA against running every model to the end ----------------------------------------
+
+
+def moasha_replay(seed: int, n_models: int, table: Table, rf: float = 3) -> dict:
+    """One worker runs ``n_models`` random models of the table under MOASHA (one epoch a
+    step, the table's curve; latency from the trial's costs): the epochs it trained, and the
+    hypervolume of the models it trained to the end against that of all of them."""
+    archs = random.Random(seed).sample(sorted(table.values), n_models)
+    s = MOASHA(list(OBJECTIVES), list(MODES), grace_period=1, max_t=EPOCHS,
+               reduction_factor=rf)
+    trials = {f"t{i}": arch for i, arch in enumerate(archs)}
+    for t, arch in trials.items():
+        s.on_trial_add(t, {"costs": {"latency_ms": table.values[arch][1]}})
+    pending, paused, done = list(trials), [], set()
+    step = dict.fromkeys(trials, 0)
+    epochs = 0
+    while True:
+        t = s.choose_trial_to_run(pending + paused)
+        if t is None:
+            break
+        (pending if t in pending else paused).remove(t)
+        while True:
+            step[t] += 1
+            epochs += 1
+            result = {"training_iteration": step[t],
+                      "val_acc": table.curves[trials[t]][step[t] - 1]}
+            decision = s.on_trial_result(t, result)
+            if decision is Decision.STOP or step[t] >= EPOCHS:
+                done.add(t)
+                break
+            if decision is Decision.PAUSE:
+                paused.append(t)
+                break
+    kept = table.hv([table.values[trials[t]] for t in done])
+    every = table.hv([table.values[a] for a in archs])
+    return {"reclaimed": 1 - epochs / (n_models * EPOCHS), "hv_kept": kept / every,
+            "finished": len(done)}
+
+
+def moasha(seeds: int = 20, n_models: int = 100) -> list[dict]:
+    table = Table()
+    rows = []
+    for rf in (2, 3):
+        runs = [moasha_replay(seed, n_models, table, rf) for seed in range(seeds)]
+        rows.append({"reduction_factor": rf, "models": n_models, "seeds": seeds,
+                     "finished_mean": round(statistics.mean(r["finished"] for r in runs), 1),
+                     "reclaimed_mean": round(statistics.mean(r["reclaimed"] for r in runs), 4),
+                     "hv_kept_mean": round(statistics.mean(r["hv_kept"] for r in runs), 4),
+                     "hv_kept_min": round(min(r["hv_kept"] for r in runs), 4)})
+    _print(rows)
+    from _out import write_csv
+
+    print("wrote", write_csv(rows, "multi_objective_moasha"))
+    return rows
+
+
+def _print(rows: list[dict]) -> None:
+    head = list(rows[0])
+    cells = [[str(r[k]) for k in head] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    for line in [head, *cells]:
+        print("  ".join(x.rjust(w) for x, w in zip(line, widths)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("costs", help="measure every model's params, flops and latency")
+    p = sub.add_parser("compare", help="hypervolume of each strategy against random")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--budget", type=int, default=100)
+    p.add_argument("--only", nargs="*", choices=list(STRATEGIES))
+    p = sub.add_parser("latency", help="predicted latency (operator table) against measured")
+    p.add_argument("--models", type=int, default=200)
+    p = sub.add_parser("moasha", help="MOASHA against running every model to the end")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--models", type=int, default=100)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.command == "costs":
+        measure_costs()
+    elif args.command == "compare":
+        compare(args.seeds, args.budget, args.only)
+    elif args.command == "latency":
+        latency(args.models)
+    else:
+        moasha(args.seeds, args.models)
+
+
+if __name__ == "__main__":
+    main()
