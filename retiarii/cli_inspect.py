@@ -128,6 +128,8 @@ def optimization_line(plans: dict) -> str:
         text += f"; {plans['alone_after_revert_or_failure']} trials train alone after a revert or failure"
     for line in plans.get("layouts", []):  # measured on a group's first batches
         text += f"\n  layout chosen on first batches, {line}"
+    for line in plans.get("predicted", []):  # fusion: the device model's, never timed
+        text += f"\n  fusion by the device model, {line}"
     packing = plans.get("packing")
     if packing:
         text += (f"\n  packing: {packing['packs']} packs, {packing['models_per_pack']} models per "

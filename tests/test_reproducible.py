@@ -19,6 +19,9 @@ import torch
 from torch import fx, nn
 
 import retiarii as rt
+from retiarii.cli_inspect import optimization_line
+from retiarii.engine.plans import PlanTable
+from retiarii.engine.store import Store
 import test_optimize as o
 from engine_helpers import InProcessExecutor
 from exp_space import lr_trainer, mlp_space
@@ -62,6 +65,10 @@ def test_two_runs_of_the_default_are_bit_identical_whatever_the_timings(tmp_path
     assert any(u.get("fused") for u in units)
     predicted = [line for u in units for line in (u.get("choice") or {}).get("predicted", ())]
     assert predicted and all("predicted" in line and "fused" in line for line in predicted)
+    with Store(runs[0]) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        line = optimization_line(PlanTable(store).summary())
+    assert "fusion by the device model, cpu: 4 models: predicted" in line
     # fused values are separate training's within the fused tolerance
     off = o._curves(_search(tmp_path, "off", optimize=False))
     for key, (state, curves) in off.items():

@@ -146,6 +146,10 @@ class PlanTable:
         if layouts:  # "cpu: fused 2.40x (cse 1.30x)" per group key and device
             out["layouts"] = [f"{device}: {c.reason}" for key in sorted(layouts)
                               for device, c in sorted(layouts[key].items())]
+        predicted = {f"{(u.get('choice') or {}).get('device')}: {line}" for row in rows
+                     for u in row["units"] for line in (u.get("choice") or {}).get("predicted", ())}
+        if predicted:  # fusion decided by the device model (engine/layout_model.py)
+            out["predicted"] = sorted(predicted)[:5]
         reasons = sorted({row["reason"] for row in rows
                           if row["status"] != "merged" and row["reason"]})
         if reasons:
