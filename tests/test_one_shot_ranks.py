@@ -89,7 +89,11 @@ def test_spos_on_two_ranks_equals_one_process_averaging_over_users():
 def test_enas_on_two_ranks_reports_each_controller_step_once():
     result, state = run_segment_on_ranks(functools.partial(build_enas, 0), None, WORLD,
                                          timeout=300)
-    assert result.metrics["controller_steps"] == 4 and len(result.models) == 4
+    steps = [m for m in result.models if not m.metrics.get("select")]
+    assert result.metrics["controller_steps"] == 4 and len(steps) == 4
+    # the last segment also evaluates every distinct path once, for the selection (#28)
+    finals = [m for m in result.models if m.metrics.get("select")]
+    assert len({tuple(sorted(m.sample.items())) for m in finals}) == len(finals) >= 1
     assert result.metrics["batches"] == 6 // WORLD
     # the controller state came back whole and loads into a fresh strategy
     s, _ = build_enas(0)
