@@ -290,7 +290,10 @@ class JobPlanner:
         judged = [s for u, s in zip(merged, speedups) if not u.get("fusion_reverted")]
         if key is not None:
             self._choose(key_id(key), units)
-        known = [s for s in speedups if s is not None]
+        # a unit that measured its layouts and then trained apart says nothing of a merged
+        # speed-up: the row's figure is the merged units' alone
+        known = [s for u, s in zip(merged, speedups) if s is not None
+                 and u.get("layout") != Layout.SEPARATE.value]
         errors = {t: f"{kind.value} error: {err}" for t, kind, err in
                   getattr(event, "failures", ())}
         status, reason = "merged", ""
