@@ -139,3 +139,39 @@ def test_the_digits_trainer_knows_chance_and_records_it():
     assert chance["value"] == pytest.approx(float(torch.bincount(y).max()) / len(y))
     assert 0.1 <= chance["value"] < 0.15 and "10 classes" in chance["how"]
     assert ClassifierTrainer().chance_level("val_loss") is None
+
+
+class _SameEither(torch.nn.Module):
+    """Two choices that compute the same thing: any selection is a tie."""
+
+    def __init__(self):
+        super().__init__()
+        import retiarii as rt
+        self.fc = torch.nn.Linear(64, 10)
+        self.act = rt.nn.LayerChoice({"a": torch.nn.Identity(), "b": torch.nn.Identity()},
+                                     label="act")
+
+    def forward(self, x):
+        return self.act(self.fc(x.flatten(1)))
+
+
+def _tie_space():
+    import retiarii as rt
+    return rt.ModelSpace(_SameEither(), example_input=torch.zeros(2, 1, 8, 8))
+
+
+TIE_SPACE = _tie_space()
+
+
+def test_a_python_user_is_warned_of_a_tied_selection(tmp_path):
+    import retiarii as rt
+    from engine_helpers import InProcessExecutor
+    from retiarii.engine.one_shot import SelectionWarning
+
+    spos = rt.strategies.SPOS(train_segments=1, search_population=2, search_generations=1,
+                              seed=1)
+    exp = rt.Experiment(TIE_SPACE, spos, rt.Trainer(dataset="digits", epochs=1, batch_size=256),
+                        store=str(tmp_path / "tie.db"), seed=0, executor=InProcessExecutor())
+    with pytest.warns(SelectionWarning, match="tie"):
+        summary = exp.run()
+    assert any("tie" in w for w in summary["one_shot"]["warnings"])

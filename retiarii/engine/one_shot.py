@@ -41,7 +41,7 @@ from .executors.base import (
 from .one_shot_worker import build_strategy, strategy_spec
 from .segments import SegmentTable, finite
 
-__all__ = ["OneShotRun", "check_options", "wrap_weight_sharing", "one_shot_spec"]
+__all__ = ["OneShotRun", "SelectionWarning", "check_options", "wrap_weight_sharing", "one_shot_spec"]
 
 _log = logging.getLogger("retiarii.engine")
 
@@ -308,7 +308,15 @@ class OneShotRun:
                 value = finite(row["value"])
                 break
         self.table.record_result(selected, model.graph.to_data(), model.structural_hash(), value)
+        # a selection no better than chance, or tied: said to a Python user too (status and
+        # the run's output say it as well; selection_notes.py)
+        for text in self.table.summary(None, self.exp.mode)["warnings"]:
+            warnings.warn(f"{self.exp.path}: {text}", SelectionWarning, stacklevel=2)
         return "done", ""
+
+
+class SelectionWarning(UserWarning):
+    """A one-shot search's selected architecture is no better than chance, or ties others."""
 
 
 def _first_line(text: str) -> str:
