@@ -74,6 +74,23 @@ def test_probe_speedups_by_hand():
     got = probe_speedups({"a": 0.2, "b": 0.3}, {C: 0.4, F: 0.1}, 0.1)
     assert got == {C: pytest.approx(0.7 / 0.5), F: pytest.approx(0.7 / 0.2)}
     assert probe_speedups({"a": 0.1}, {C: 0.0}, 0.0) == {}  # nothing measured: no ratio
+    # a loader that makes a batch in 0.03 s on its own (JPEGs decoded by a DataLoader worker):
+    # each of 4 models alone (0.01 s steps) waits for it; the group's 0.04 s step hides it
+    alone = {t: 0.01 for t in "abcd"}
+    assert probe_speedups(alone, {C: 0.04}, 0.0, produce_s=0.03) == {C: pytest.approx(3.0)}
+    assert probe_speedups(alone, {C: 0.04}, 0.0) == {C: pytest.approx(1.0)}  # as it looked
+
+
+def test_a_segment_judged_with_its_loaders_pace_by_hand():
+    from retiarii.optim.cost import merged_speedup
+
+    unit = {"trials": ["a", "b"], "merged": True, "batches": 10, "load_s": 0.1,
+            "compute_s": 0.5, "setup_s": 0.0}
+    alone = {"a": 0.02, "b": 0.02}
+    # apart: 2 x (10 x 0.02 + 0.1) = 0.6 over 0.1 + 0.5
+    assert merged_speedup(unit, alone) == pytest.approx(1.0)
+    # apart waits 10 x 0.05 s per model for its own loader: 2 x 0.5 = 1.0 over 0.6
+    assert merged_speedup({**unit, "produce_s": 0.05}, alone) == pytest.approx(1.0 / 0.6)
 
 
 # ---- in a search ----------------------------------------------------------------------------

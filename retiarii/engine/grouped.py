@@ -270,9 +270,8 @@ class TrainingGroup:
         every model's own part, backward, optimizer steps), and each profiled trial's separate
         step time, and the relative spread of its step times (the first, a warm-up, left
         out: :func:`~retiarii.optim.cost.relative_spread`): how noisy the measurement is."""
-        # A loader's first batch of an epoch also pays what is paid once, not per model (a data
-        # set read into memory and cached, worker processes starting): every batch is counted
-        # at the median wait of the others, so N models apart are not charged it N times.
+        # A loader's first batch pays what is paid once (a data set cached, workers starting):
+        # every batch counts at the median wait of the others, not charged N times apart.
         loads = self._loads
         typical = sorted(loads[1:])[len(loads[1:]) // 2] if len(loads) > 1 else sum(loads)
         alone = dict(self._alone_s)
@@ -281,7 +280,8 @@ class TrainingGroup:
                 alone.update({t: alone[trial] for t in others if t not in alone})
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
-                "compute_s": self._compute_s, "setup_s": self.setup_s, "alone_s": alone,
+                "produce_s": getattr(self, "produce_s", 0.0), "compute_s": self._compute_s,
+                "setup_s": self.setup_s, "alone_s": alone,
                 "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
                 "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
                 # what the plan's passes left it: nodes computed once, evaluations per step

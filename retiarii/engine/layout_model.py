@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import time
+
 import torch
 from torch import nn
 
@@ -38,7 +40,8 @@ from .grouped import plan_group
 
 __all__ = ["Resolved", "resolve"]
 
-_INPUTS: dict[str, tuple[tuple, int] | None] = {}   # data key -> (meta inputs, examples)
+# data key -> (meta inputs, examples, seconds the loader takes to make a batch on its own)
+_INPUTS: dict[str, tuple[tuple, int, float] | None] = {}
 _COSTS: dict[tuple, Any] = {}                        # (architecture, shapes) -> StepCosts
 
 
@@ -69,7 +72,14 @@ def _inputs(trainer: Any, run: Any, data_key: str) -> tuple[tuple, int] | None:
     outer = ckpt.native_rng()
     found = None
     try:
-        batch = next(iter(trainer.train_dataloader(run.hparams, 0)), None)
+        batches = iter(trainer.train_dataloader(run.hparams, 0))
+        batch = next(batches, None)
+        produce = []  # the next batches' waits: the loader's own pace (its start paid above)
+        for _ in range(2):
+            t0 = time.perf_counter()
+            if next(batches, None) is None:
+                break
+            produce.append(time.perf_counter() - t0)
         if batch is not None:
             rec = _Recorder()
             try:
@@ -77,7 +87,7 @@ def _inputs(trainer: Any, run: Any, data_key: str) -> tuple[tuple, int] | None:
             except _Stop:
                 pass
             if rec.args is not None:
-                found = (rec.args, batch_size(batch))
+                found = (rec.args, batch_size(batch), min(produce, default=0.0))
     except Exception:  # noqa: BLE001 (a trainer that cannot be read so: no prediction)
         found = None
     finally:
@@ -103,12 +113,13 @@ class Resolved:
         passes: the optional passes' settings (True, or ``"auto"`` for measured ones).
         decided: whether the device model made a decision (its units are not reverted by time).
         predicted: one line per set the model judged, for the plans row.
+        produce_s: the loader's time to make a batch on its own (the estimate of apart).
     """
 
     def __init__(self, fuse: Any, fusable: list, passes: LayoutPasses, decided: bool,
-                 predicted: list[str]):
+                 predicted: list[str], produce_s: float = 0.0):
         self.fuse, self.fusable, self.passes = fuse, fusable, passes
-        self.decided, self.predicted = decided, predicted
+        self.decided, self.predicted, self.produce_s = decided, predicted, produce_s
 
 
 def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids: list[str],
@@ -117,8 +128,7 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
     (``fusable``: its sets that may fuse), see the module docstring."""
     settings = dict(passes.settings)
     device = runs[ids[0]].device
-    needs = fuse == "auto" and fusable or any(v == "auto" for v in settings.values())
-    found = _inputs(trainer, runs[ids[0]], data_key) if needs else None
+    found = _inputs(trainer, runs[ids[0]], data_key)  # once per data key and process
     predicted: list[str] = []
     chosen: list[tuple[str, ...]] = []
     if fuse == "auto":
@@ -153,7 +163,8 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
         out_fuse = fuse
     return Resolved(out_fuse, fusable if out_fuse else [],
                     LayoutPasses({k: v for k, v in settings.items() if v}),
-                    decided or any(v == "auto" for v in passes.settings.values()), predicted)
+                    decided or any(v == "auto" for v in passes.settings.values()), predicted,
+                    found[2] if found is not None else 0.0)
 
 
 def _pass_wins(name: str, found: tuple | None, ids: list[str], models: Mapping, runs: Mapping,

@@ -403,12 +403,12 @@ class MeasuringGroup(TrainingGroup):
         return alone
 
     def _apart_s(self) -> float | None:
-        """One batch of every trial apart (their alone steps and N - 1 more loads than the
-        group's one), when every trial's alone time is known."""
+        """One batch of every trial apart, each with its own loader (None: an alone unknown)."""
         alone = self._alone_now()
         if len(alone) < len(self.runs):
             return None
-        return sum(alone.values()) + (len(self.runs) - 1) * _median(self._loads)
+        load, produce = _median(self._loads), getattr(self, "produce_s", 0.0)
+        return sum(max(s + load, produce) for s in alone.values()) - load  # the group's one
 
     def _ahead(self, batch: Any) -> Any:
         """While measuring in CSE: the shared cell computed here, timed (what every model
@@ -572,7 +572,7 @@ class MeasuringGroup(TrainingGroup):
             self.choice["bound_s"] = shared
         if skipped:
             self.choice["skipped"] = skipped
-        return probe_speedups(estimate, steps, load)
+        return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0))
 
     def _reprofile(self, batch: Any, early: Mapping[str, float]) -> None:
         """The trials to profile alone, profiled now (on copies, RNG streams restored); each

@@ -126,7 +126,9 @@ def merged_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
     merged = float(unit.get("setup_s") or 0.0) + load + _compute(unit)
     if merged <= 0.0:
         return None
-    separate = batches * sum(float(alone_s[t]) for t in trials) + len(trials) * load
+    # a model alone waits for its loader's batches when it steps faster than they come
+    produce = batches * float(unit.get("produce_s") or 0.0)
+    separate = sum(max(batches * float(alone_s[t]) + load, produce) for t in trials)
     return separate / merged
 
 
@@ -263,12 +265,17 @@ def describe(layout: Layout | str, speedups: Mapping, reverted: Iterable = (),
 
 
 def probe_speedups(alone_s: Mapping[str, float], steps_s: Mapping[Layout, float],
-                   load_s: float) -> dict[Layout, float]:
+                   load_s: float, produce_s: float = 0.0) -> dict[Layout, float]:
     """Each measured layout's speed-up over ``SEPARATE`` from one batch's measurements: apart,
     each model pays its own loader and its own step; merged, one loader and the layout's step
     for every model of the group::
 
-        speedup[L] = (sum(alone_s) + N * load_s) / (steps_s[L] + load_s)
+        speedup[L] = sum(max(alone_s[t] + load_s, produce_s)) / max(steps_s[L] + load_s, produce_s)
+
+    ``produce_s``: how long the loader takes to make a batch when nothing else waits for it
+    (a DataLoader's worker decoding JPEGs): a model alone, whose step is shorter, waits for
+    it at every batch, which the group's wait per batch (``load_s``, hidden by prefetching
+    behind N models' steps) does not show.
 
     Example::
 
@@ -280,10 +287,11 @@ def probe_speedups(alone_s: Mapping[str, float], steps_s: Mapping[Layout, float]
         alone_s: trial -> its step time alone (every trial of the group).
         steps_s: layout -> seconds of one step of every trial of the group in it.
         load_s: seconds the loader takes for one batch.
+        produce_s: seconds the loader takes to make one batch on its own (0: not known).
     """
-    apart = sum(float(s) for s in alone_s.values()) + len(alone_s) * load_s
-    return {Layout(k): apart / (float(v) + load_s) for k, v in steps_s.items()
-            if float(v) + load_s > 0.0}
+    apart = sum(max(float(s) + load_s, produce_s) for s in alone_s.values())
+    return {Layout(k): apart / max(float(v) + load_s, produce_s) for k, v in steps_s.items()
+            if max(float(v) + load_s, produce_s) > 0.0}
 
 
 # ---- reverting on evidence ------------------------------------------------------------------
