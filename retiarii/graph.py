@@ -510,12 +510,13 @@ class Graph:
         return cls.from_data(data)
 
     # ---- structural hash -----------------------------------------------------------------
-    def node_hashes(self) -> dict[int, str]:
-        """uid -> hash of (operation, hashes of its inputs in port order); names/uids ignored."""
+    def node_hashes(self, view=None) -> dict[int, str]:
+        """uid -> hash of (operation, inputs' hashes in port order), names/uids ignored; ``view``."""
         hashes: dict[int, str] = {}
         seen_attrs: set[str] = set()
         for node in self.nodes:
-            op = node.op.to_data(with_names=False)
+            op = node.op.to_data(with_names=False) if view is None else view(
+                node, node.op.to_data(with_names=False))
             if node.kind == "subgraph":
                 op["graph"] = node.op.graph.structural_hash()
             if node.kind == "module":
@@ -526,8 +527,7 @@ class Graph:
                 op.pop("target", None)
                 op["position"] = [n.uid for n in self.input_nodes].index(node.uid)
             ins = [hashes[i.uid] if i is not None else None for i in node.inputs]
-            payload = json.dumps([op, ins], sort_keys=True)
-            hashes[node.uid] = hashlib.sha256(payload.encode()).hexdigest()
+            hashes[node.uid] = hashlib.sha256(json.dumps([op, ins], sort_keys=True).encode()).hexdigest()
         return hashes
 
     def structural_hash(self) -> str:

@@ -9,7 +9,6 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping
 
 from torch import nn
@@ -40,28 +39,15 @@ def fusion_family(model: Model) -> str:
     differ between them, as the models of a space choosing activations do. Their layers with
     weights are then one fused call each, and each distinct activation runs on the slices
     of the models holding it (:class:`~.fused_ops.PerModelPointwise`)."""
-    hashes: dict[int, str] = {}
-    attrs: list[str] = []
-    seen: set[str] = set()
-    for node in model.graph.nodes:
-        op = node.op.to_data(with_names=False)
-        if node.kind == "subgraph":
-            op["graph"] = node.op.graph.structural_hash()
-        if node.kind == "module":
-            op["reuses_module"] = node.attr in seen
-            seen.add(node.attr)
-            if (op.get("spec") or {}).get("cls") in _POINTWISE_SPECS:
-                op["spec"] = "pointwise"  # which one may differ between the models
-            else:
-                attrs.append(node.attr)
-        elif node.kind in ("param", "subgraph"):
-            attrs.append(node.attr)
-        if node.kind == "input":
-            op.pop("target", None)
-            op["position"] = [n.uid for n in model.graph.input_nodes].index(node.uid)
-        ins = [hashes[i.uid] if i is not None else None for i in node.inputs]
-        hashes[node.uid] = hashlib.sha256(json.dumps([op, ins], sort_keys=True).encode()).hexdigest()
-    payload = "".join(sorted(hashes.values())) + "|" + ",".join(attrs)
+    def pointwise(op: dict) -> bool:
+        return (op.get("spec") or {}).get("cls") in _POINTWISE_SPECS
+
+    def view(node, op: dict) -> dict:
+        return {**op, "spec": "pointwise"} if pointwise(op) else op  # which may differ
+
+    attrs = [n.attr for n in model.graph.nodes if n.kind in ("param", "subgraph") or (
+        n.kind == "module" and not pointwise(n.op.to_data(with_names=False)))]
+    payload = "".join(sorted(model.graph.node_hashes(view).values())) + "|" + ",".join(attrs)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
