@@ -18,8 +18,8 @@ Example::
 
     >>> from retiarii import nas
     >>> row = nas.get("nasbench201")
-    >>> row.status
-    'implemented'
+    >>> row.status                                          # or 'variant: <what differs>'
+    'faithful'
     >>> space = nas.build_space("nasbench201", "small")    # a ModelSpace for (1, 8, 8) digits
     >>> exp = nas.experiment("nasbench201", max_models=4, store="runs/nb201.db")
     >>> summary = exp.run()                                 # (under `if __name__ == "__main__":`)
@@ -63,10 +63,16 @@ class Row:
     options: tuple = ()
     # a weight-sharing paper run by a multi-trial stand-in: why no one-shot strategy runs it
     stand_in: str = ""
+    # what differs from the paper's method or space in a few words; "" when the row runs the
+    # paper's method on the paper's space (at the reduced scale its presets state)
+    variant: str = ""
 
     @property
     def status(self) -> str:
-        return "implemented" if self.module else "not yet"
+        """``faithful``, or ``variant: <what differs>`` (``nas show`` lists every difference)."""
+        if not self.module:
+            return "not yet"
+        return f"variant: {self.variant}" if self.variant else "faithful"
 
     @property
     def one_shot(self) -> bool:
@@ -75,9 +81,11 @@ class Row:
 
 
 def _row(number, name, title, space, strategy, paper, module=None, runs_with=None, note="",
-         presets: dict | None = None, options: dict | None = None, stand_in: str = "") -> Row:
+         presets: dict | None = None, options: dict | None = None, stand_in: str = "",
+         variant: str = "") -> Row:
     row = Row(number, name, title, space, strategy, paper, module, runs_with, note,
-              options=tuple(sorted((options or {}).items())), stand_in=stand_in)
+              options=tuple(sorted((options or {}).items())), stand_in=stand_in,
+              variant=variant)
     if presets:
         row = dataclasses.replace(row, presets=tuple(
             (preset, fn, tuple(sorted(kwargs.items()))) for preset, (fn, kwargs) in
@@ -106,7 +114,8 @@ _LEAF = "blocks as opaque nodes (model_spaces/_mobile.py: LeafMBConv) so the rel
 ROWS: tuple[Row, ...] = (
     _row(1, "mnasnet", "MnasNet", "MobileNetV2 blocks: kernel, expansion, layers, SE", "RL",
          "Tan et al., CVPR 2019", "model_spaces.mnasnet", "PolicyBasedRL",
-         "conv type, skip op and filter sizes fixed (MnasNet-A1's)"),
+         "conv type, skip op and filter sizes fixed (MnasNet-A1's)",
+         variant="no latency term in the reward"),
     _row(2, "enas_cnn", "ENAS-CNN", "ENAS micro cell and macro space", "RL, weight sharing",
          "Pham et al., ICML 2018", "model_spaces.enas", "ENAS",
          "micro cell (macro space: model_spaces.enas.macro_space); an LSTM controller samples "
@@ -114,11 +123,13 @@ ROWS: tuple[Row, ...] = (
     _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
          "model_spaces.nasnet", "PolicyBasedRL",
          "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
-         _NASNET),
+         _NASNET,
+         variant="normal cells only, 5 of the 13 operations"),
     _row(4, "amoebanet", "AmoebaNet", "NASNet cell", "regularized evolution",
          "Real et al., AAAI 2019", "model_spaces.nasnet", "RegularizedEvolution",
          "model_spaces/nasnet.py: normal cells only (no reduction cell), 5 ops of NASNet's 13",
-         _NASNET),
+         _NASNET,
+         variant="normal cells only, 5 of the 13 operations"),
     _row(5, "spos", "SPOS", "ShuffleNetV2 blocks", "evolution over a super-net",
          "Guo et al., ECCV 2020", "model_spaces.spos", "SPOS",
          "uniform single paths train the super-net, then evolution ranks candidates with "
@@ -127,22 +138,27 @@ ROWS: tuple[Row, ...] = (
          "evolving: insert node, add connection, change activation", "evolution",
          "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "RegularizedEvolution",
          "nodes are layers of 16 units; the one shared weight is trained, not swept",
-         options={"initial": "base"}),
+         options={"initial": "base"},
+         variant="the shared weight is trained, not swept; no complexity objective"),
     _row(7, "path_level", "Path-level NAS", "evolving by replication and split", "RL",
          "Cai et al., ICML 2018", "model_spaces.path_level", "PolicyBasedRL",
-         "a plain conv stack transformed (the paper: DenseNet, PyramidNet cells)"),
+         "a plain conv stack transformed (the paper: DenseNet, PyramidNet cells)",
+         variant="a plain conv stack transformed, not the paper's cells"),
     _row(8, "large_scale_evolution", "Large-Scale Evolution",
          "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017",
          "model_spaces.large_scale_evolution", "RegularizedEvolution",
          "structural mutations and the learning rate; no weight inheritance",
-         options={"initial": "base"}),
+         options={"initial": "base"},
+         variant="no weight inheritance"),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
          "Tan & Le, ICML 2019", "model_spaces.efficientnet", "PolicyBasedRL",
-         "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together"),
+         "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together",
+         variant="B0's blocks and the scaling searched together, not in two steps"),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
          "surrogate-guided progressive search", "Liu et al., ECCV 2018", "model_spaces.pnas",
          "Progressive", "surrogate: gradient-boosted trees (the paper: LSTM, MLP ensemble)",
-         options={"depth_label": "blocks", "beam": 4, "n_candidates": 64}),
+         options={"depth_label": "blocks", "beam": 4, "n_candidates": 64},
+         variant="gradient-boosted trees, not the paper's RNN/MLP ensemble"),
     _row(11, "enas_rnn", "ENAS-RNN", "recurrent cell", "RL, weight sharing",
          "Pham et al., ICML 2018", "model_spaces.recurrent", "ENAS",
          "classifies digit rows as sequences (the paper: language models)",
@@ -156,10 +172,12 @@ ROWS: tuple[Row, ...] = (
          "batch: path dropout at its limit; the paper drops paths of the whole model), then "
          "random architectures are ranked with its weights, as Bender et al.'s two phases "
          "(WeightSharing(Random) would interleave training and ranking)",
-         options={"search_generations": 1, "search_population": 24}),
+         options={"search_generations": 1, "search_population": 24},
+         variant="one uniform path a batch, not the paper's scheduled path dropout"),
     _row(14, "darts", "DARTS", "DARTS cell (normal + reduction)", "differentiable",
          "Liu et al., ICLR 2019", "model_spaces.darts", "DARTS",
-         "first-order DARTS (softmax relaxation of every op and input choice)"),
+         "first-order DARTS (softmax relaxation of every op and input choice)",
+         variant="op and input chosen apart, no mixed op per edge with none, no top-2 derivation"),
     _row(15, "darts_rnn", "DARTS (language models)", "recurrent cell", "differentiable",
          "Liu et al., ICLR 2019", "model_spaces.recurrent", "RegularizedEvolution",
          "classifies digit rows as sequences (the paper: language models)",
@@ -167,12 +185,14 @@ ROWS: tuple[Row, ...] = (
          stand_in="DARTS refuses the space (RelaxError: node 'rnn' depends jointly on the "
                   "15 labels of the cell, 2,642,411,520 combinations: the cell unrolled over "
                   "time is one leaf module built from the whole genotype); SPOS and ENAS "
-                  "take it (enas_rnn runs ENAS on it)"),
+                  "take it (enas_rnn runs ENAS on it)",
+         variant="multi-trial stand-in: regularized evolution, not differentiable search"),
     _row(16, "fbnet", "FBNet", "FBNet blocks", "differentiable (Gumbel)", "Wu et al., CVPR 2019",
          "model_spaces.fbnet", "GumbelDARTS",
          "Gumbel-softmax over each layer's 9 blocks, temperature annealed; no latency term; "
          + _LEAF + "whole blocks",
-         {preset: (preset, {"leaf_blocks": True}) for preset in PRESETS}),
+         {preset: (preset, {"leaf_blocks": True}) for preset in PRESETS},
+         variant="no latency term"),
     _row(17, "proxylessnas", "ProxylessNAS", "ProxylessNAS space", "differentiable and RL",
          "Cai et al., ICLR 2019", "model_spaces.proxylessnas", "ProxylessNAS",
          "its differentiable variant: binary gates, one path per weight step, two per "
@@ -185,19 +205,22 @@ ROWS: tuple[Row, ...] = (
          "19 layers, no skip; SPOS(fair=True): every block of a layer once per 6 paths (the "
          "paper sums those 6 paths' gradients into one step; here each path steps); "
          "single-objective evolution (the paper: NSGA-II with FLOPs)", _proxyless("fairnas"),
-         options={"fair": True}),
+         options={"fair": True},
+         variant="each path steps; the paper sums K paths into one step"),
     _row(19, "scarlet_nas", "SCARLET-NAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., 2019 (arXiv:1908.06022)",
          "model_spaces.proxylessnas", "SPOS",
          "FairNAS's space + skip; SPOS(fair=True) as fairnas; the skip is the identity in the "
          "super-net too (the paper: a linearly equivalent transformation, LET); "
-         "single-objective evolution", _proxyless("scarlet_nas"), options={"fair": True}),
+         "single-objective evolution", _proxyless("scarlet_nas"), options={"fair": True},
+         variant="no scalable skip (LET); each path steps"),
     _row(20, "single_path_nas", "Single-Path NAS", "MobileNetV2 kernels as a super-kernel",
          "differentiable", "Stamoulis et al., ECML-PKDD 2019", "model_spaces.proxylessnas",
          "ProxylessNAS", "the closest one-shot strategy: one path per step with binary gates "
          "learnt by gradient (the paper: thresholds on the super-kernel's weight norms); the "
          "super-kernel's candidates are separate MBConvs (a 3x3 is not the 5x5's centre); "
-         + _LEAF + "whole blocks", _proxyless("single_path_nas", leaf_blocks=True)),
+         + _LEAF + "whole blocks", _proxyless("single_path_nas", leaf_blocks=True),
+         variant="ProxylessNAS gates, not the super-kernel with thresholds"),
     _row(21, "nasbench101", "NAS-Bench-101", "cell of up to 7 nodes, 9 edges", "any",
          "Ying et al., ICML 2019", "model_spaces.nasbench101", "RegularizedEvolution"),
     _row(22, "nasbench201", "NAS-Bench-201", "cell of 4 nodes, 5 ops per edge", "any",
@@ -207,22 +230,26 @@ ROWS: tuple[Row, ...] = (
          "SPOS", "the closest one-shot strategy: uniform sub-networks train one super-net "
          "whose kernels and widths are sliced from the largest (the paper: progressive "
          "shrinking), then evolution ranks them with inherited weights (the paper: guided by "
-         "accuracy and latency predictors)"),
+         "accuracy and latency predictors)",
+         variant="SPOS with weight slicing: no progressive shrinking, no predictors"),
     _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
          "Liu et al., ICLR 2018", "model_spaces.hierarchical", "RegularizedEvolution",
          "motif nodes sum their inputs (the paper: depthwise concatenation)",
-         options={"initial": "base"}),
+         options={"initial": "base"},
+         variant="motif nodes sum their inputs (the paper concatenates)"),
     _row(25, "textnas", "TextNAS", "text cell over embeddings", "RL", "Wang et al., AAAI 2020",
          "model_spaces.textnas", "PolicyBasedRL",
          "on digits, pixels read as 64 tokens; token input in textnas_space"),
     _row(26, "chamnet", "ChamNet", "MobileNetV2 blocks", "predictor-guided search",
          "Dai et al., CVPR 2019", "model_spaces.chamnet", "Predictor",
          "gradient-boosted trees as the accuracy predictor (the paper: Gaussian processes and "
-         "a genetic search); grids ours"),
+         "a genetic search); grids ours",
+         variant="gradient-boosted trees, not the paper's Gaussian process"),
     _row(27, "neural_predictor", "Neural Predictor", "NAS-Bench-101 cell", "predictor",
          "Wen et al., ECCV 2020", "model_spaces.nasbench101", "Predictor",
          "an MLP over one-hot choices (the paper: a GCN over the cell)",
-         options={"surrogate": "mlp", "n_startup": 4}),
+         options={"surrogate": "mlp", "n_startup": 4},
+         variant="an MLP over one-hot choices, not the paper's graph network"),
 )
 
 _BY_NAME = {row.name: row for row in ROWS}

@@ -55,7 +55,7 @@ def paper_space(name: str, image_size: int = 32):
 def test_the_rows_are_registered_and_implemented():
     for name in MOBILE:
         row = nas.get(name)
-        assert row.status == "implemented" and row.runs_with and row.note
+        assert row.module and row.status != "not yet" and row.runs_with and row.note
         assert {p for p, _, _ in row.presets} == set(nas.PRESETS)
     # the rows whose published search shares weights run a one-shot strategy
     # (tests/test_nas_one_shot.py runs each)
