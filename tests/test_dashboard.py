@@ -117,24 +117,51 @@ def test_pages_show_what_the_store_holds(store, serve):
     assert api(server, "overview")["experiment"] == 2
 
 
-def test_a_changed_node_is_marked_against_the_parent(store, serve):
+def _changed(child_graph: dict, reference_graph: dict) -> list[str]:
+    """The names of the child's nodes that differ from (or are missing in) the reference,
+    computed here from the two graphs."""
+    before = {n["name"]: n["op"] for n in reference_graph["nodes"]}
+    return sorted(n["name"] for n in child_graph["nodes"]
+                  if n["name"] not in before or json.dumps(before[n["name"]], sort_keys=True)
+                  != json.dumps(n["op"], sort_keys=True))
+
+
+def _marked(m: dict) -> list[str]:
+    cols = m["tables"]["nodes"]["columns"]
+    return sorted(r[cols.index("name")] for r in m["tables"]["nodes"]["rows"]
+                  if r[cols.index("diff")] != "same")
+
+
+def test_a_changed_node_is_marked_against_the_base_or_the_parent(store, serve):
     server = serve(store)
     with Store(store) as s:
         s.use_experiment(1)
         child = next(m for m in s.models() if m["parent"] is not None and m["graph"])
         parent = s.get_model(child["parent"])
+    # by default against the base model the mutators started from, as the store keeps it
+    base = failing_space.bases[0][0].to_data()
     m = api(server, "model", exp=1, id=child["id"])
-    assert m["reference"] == parent["id"]
-    before = {n["name"]: n["op"] for n in parent["graph"]["nodes"]}
-    expected = sorted(n["name"] for n in child["graph"]["nodes"]
-                      if n["name"] not in before or json.dumps(before[n["name"]], sort_keys=True)
-                      != json.dumps(n["op"], sort_keys=True))
-    cols = m["tables"]["nodes"]["columns"]
-    marked = sorted(r[cols.index("name")] for r in m["tables"]["nodes"]["rows"]
-                    if r[cols.index("diff")] != "same")
-    assert marked == expected
+    assert m["reference"] is None and m["reference_is_base"]
+    assert _marked(m) == _changed(child["graph"], base) and _marked(m)
+    # against the parent on request (what an evolution mutated)
+    m = api(server, "model", exp=1, id=child["id"], vs=parent["id"])
+    assert m["reference"] == parent["id"] and not m["reference_is_base"]
+    assert _marked(m) == _changed(child["graph"], parent["graph"])
     if child["hash"] != parent["hash"]:  # another architecture: something is marked
-        assert marked or m["removed"]
+        assert _marked(m) or m["removed"]
+
+
+def test_a_file_without_base_graphs_compares_with_the_parent(store, serve, tmp_path):
+    old = str(tmp_path / "old.db")
+    with sqlite3.connect(store) as src, sqlite3.connect(old) as dst:
+        src.backup(dst)
+    with sqlite3.connect(old) as db:
+        db.execute("DELETE FROM base_graphs")  # as a file written before schema 10
+    with Store(old) as s:
+        s.use_experiment(1)
+        child = next(m for m in s.models() if m["parent"] is not None and m["graph"])
+    m = api(serve(old), "model", exp=1, id=child["id"])
+    assert m["reference"] == child["parent"] and not m["reference_is_base"]
 
 
 def test_every_table_downloads_as_csv(store, serve):
@@ -305,3 +332,41 @@ def test_the_pareto_page_marks_the_stored_front(tmp_path, serve):
     assert {q["model"] for q in p["points"] if q["front"]} == front and front
     for q in p["points"]:
         assert q["values"] == [values[q["model"]]["val_acc"], values[q["model"]]["params"]]
+
+
+def test_the_overview_names_every_objective_and_the_front(tmp_path, serve):
+    db = str(tmp_path / "o.db")
+    rt.Experiment(space, rt.strategies.Random(seed=0), trainer, store=db, seed=0,
+                  executor=InProcessExecutor(), max_models=4, optimize=False,
+                  metric=["val_acc", "params"], mode=["max", "min"],
+                  constraints=["params <= 1000000"]).run()
+    o = api(serve(db), "overview")
+    with Store(db) as s:
+        front = json.loads(s.db.execute("SELECT front FROM experiments").fetchone()[0])
+    assert o["objectives"]["metrics"] == ["val_acc", "params"]
+    assert o["objectives"]["modes"] == ["max", "min"]
+    assert o["objectives"]["constraints"] == ["params <= 1000000"]
+    assert sorted(o["front"]) == sorted(front) and front
+
+
+def test_a_one_shot_search_shows_its_segments(tmp_path, serve):
+    from one_shot_helpers import space as shared_space, trainer as shared_trainer
+
+    db = str(tmp_path / "s.db")
+    rt.Experiment(shared_space, rt.strategies.SPOS(train_segments=2, search_population=2,
+                                                   search_generations=1, seed=1),
+                  shared_trainer, store=db, seed=0, executor=InProcessExecutor()).run()
+    e = api(serve(db), "engine")
+    with Store(db) as s:
+        stored = s.db.execute("SELECT segment, unit, models, metrics FROM segments ORDER BY "
+                              "segment").fetchall()
+    t = e["tables"]["segments"]
+    cols = t["columns"]
+    assert [r[cols.index("segment")] for r in t["rows"]] == [r[0] for r in stored]
+    assert [r[cols.index("unit")] for r in t["rows"]] == [r[1] for r in stored]
+    assert [r[cols.index("models_evaluated")] for r in t["rows"]] == [r[2] for r in stored]
+    for name, points in e["segments"].items():  # every numeric metric, segment by segment
+        expected = [[seg, json.loads(m)[name]] for seg, _, _, m in stored
+                    if name in json.loads(m or "{}")]
+        assert points == expected
+    assert e["segments"]

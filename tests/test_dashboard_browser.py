@@ -135,6 +135,7 @@ def test_every_page_of_a_demo_search(demo_store, browser, serve, tmp_path):
         elif name == "model":  # one drawn node per node of the IR
             assert page.locator("#arch-svg svg g.node").count() == len(ir["nodes"])
             assert "class Model" in page.inner_text("#source")
+            assert "the base model" in page.inner_text("#kv-reference")
         elif name == "engine":
             with Store(store) as s:
                 n_jobs = s.db.execute("SELECT count(*) FROM plans").fetchone()[0]
@@ -252,3 +253,23 @@ def test_a_live_search_appears_without_reload(tmp_path, browser, serve):
         if search.poll() is None:
             search.kill()
             search.wait()
+
+
+def test_a_one_shot_search_shows_its_segments(tmp_path, browser, serve):
+    """The engine page of a one-shot search: a row and a chart point per stored segment."""
+    import retiarii as rt
+    from engine_helpers import InProcessExecutor
+    from one_shot_helpers import space, trainer
+
+    db = str(tmp_path / "spos.db")
+    rt.Experiment(space, rt.strategies.SPOS(train_segments=2, search_population=2,
+                                            search_generations=1, seed=1),
+                  trainer, store=db, seed=0, executor=InProcessExecutor()).run()
+    with Store(db) as s:
+        segments = s.db.execute("SELECT count(*) FROM segments").fetchone()[0]
+    page, errors = _open(browser, serve(db) + "/engine")
+    assert segments and _rows(page, "segments").count() == segments
+    assert "one-shot search" in page.inner_text("#jobs-note")
+    assert page.locator("#chart-segments .scatterlayer .point").count() >= segments
+    assert not errors, errors
+    page.close()

@@ -20,19 +20,24 @@ from retiarii.dashboard import Dashboard  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 # (file, path): one screenshot per page; the model page shows the best model
-PAGES = [("experiments", "/"), ("overview", "/overview"), ("trials", "/trials"),
-         ("trial", "/trial?id={trial}"), ("space", "/space"), ("model", "/model?id={model}"),
-         ("engine", "/engine"), ("pareto", "/pareto"), ("compare", "/compare?a=1&b={last}")]
+PAGES = [("experiments", "/"), ("overview", "/overview?exp={main}"),
+         ("trials", "/trials?exp={main}"), ("trial", "/trial?id={trial}&exp={main}"),
+         ("space", "/space?exp={main}"), ("model", "/model?id={model}&exp={main}"),
+         ("engine", "/engine?exp={main}"), ("engine_one_shot", "/engine?exp={one_shot}"),
+         ("pareto", "/pareto?exp={main}"), ("compare", "/compare?a=1&b={main}")]
 
 
 def demo_store(folder: str, models: int, epochs: int) -> str:
     store = os.path.join(folder, "demo.db")
-    # two experiments, the compare page's two curves: the README's demo, then one of two
-    # objectives (accuracy against parameter count) for the Pareto page
-    for seed, extra in ((0, []), (1, ["--metric", "val_acc,params", "--mode", "max,min"])):
-        subprocess.run([sys.executable, "-m", "retiarii.cli", "run", "demo", "--max-models",
-                        str(models), "--epochs", str(epochs), "--store", store, "--seed",
-                        str(seed), *extra], check=True, cwd=ROOT,
+    # three experiments: the README's demo and one of two objectives (accuracy against
+    # parameter count), the compare page's two curves and the Pareto page; then a one-shot
+    # search (ENAS) for the engine page's segments
+    for seed, extra in ((0, ["--max-models", str(models), "--epochs", str(epochs)]),
+                        (1, ["--max-models", str(models), "--epochs", str(epochs),
+                             "--metric", "val_acc,params", "--mode", "max,min"]),
+                        (2, ["--strategy", "enas", "--epochs", "4"])):
+        subprocess.run([sys.executable, "-m", "retiarii.cli", "run", "demo", "--store", store,
+                        "--seed", str(seed), *extra], check=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT})
     return store
 
@@ -43,10 +48,11 @@ def shoot(store: str, out: str, width: int = 1400) -> list[str]:
     from playwright.sync_api import sync_playwright
 
     db = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
-    last = db.execute("SELECT max(id) FROM experiments").fetchone()[0]
+    # the multi-trial search of two objectives, and the one-shot search (the latest)
+    main, one_shot = 2, db.execute("SELECT max(id) FROM experiments").fetchone()[0]
     # the best model that an evolution derived from a parent: its changes are outlined
     model = db.execute("SELECT id FROM models WHERE experiment_id = ? AND value IS NOT NULL "
-                       "ORDER BY parent IS NULL, value DESC LIMIT 1", [last]).fetchone()[0]
+                       "ORDER BY parent IS NULL, value DESC LIMIT 1", [main]).fetchone()[0]
     trial = db.execute("SELECT id FROM trials WHERE model_id = ?", [model]).fetchone()[0]
     db.close()
     server = Dashboard(store, port=0)
@@ -58,8 +64,8 @@ def shoot(store: str, out: str, width: int = 1400) -> list[str]:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": width, "height": 900})
             for name, path in PAGES:
-                page.goto(server.url.rstrip("/") + path.format(model=model, trial=trial,
-                                                               last=last))
+                page.goto(server.url.rstrip("/") + path.format(
+                    model=model, trial=trial, main=main, one_shot=one_shot))
                 page.wait_for_selector("#app[data-loaded]")
                 page.wait_for_timeout(500)  # Plotly's transitions
                 target = os.path.join(out, f"{name}.png")

@@ -172,13 +172,42 @@ def engine(db, exp_id: int) -> dict:
     for row in jobs:
         by_status[row[4]] = by_status.get(row[4], 0) + 1
     decisions, reclaimed = _scheduler_decisions(db, exp_id, e["config"])
+    segs = one_shot_segments(db, exp_id)
     return {"jobs_by_status": by_status, "speedups": speedups, "reclaimed_epochs": reclaimed,
-            "tables": {
+            "segments": segs["series"], "tables": {"segments": segs["table"],
                 "jobs": table(["id", "job", "trials", "passes", "status", "reason", "alone_after",
                                "speedup", "seconds", "shared_nodes", "layout", "decision",
                                "device", "predicted_iter_s", "balance", "time"], jobs),
                 "scheduler": table(["trial", "from", "to", "reason", "worker", "time",
                                     "epochs_reclaimed"], decisions)}}
+
+
+def one_shot_segments(db, exp_id: int) -> dict:
+    """A one-shot search's segments (one super-network job each): the strategy's numeric
+    metrics per segment as series, and a row per segment (unit, seconds, the models it
+    evaluated with their best value, the architecture selected then)."""
+    if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'segments'").fetchone():
+        return {"series": {}, "table": table(["segment"], [])}
+    rows = db.execute("SELECT segment, unit, metrics, selected, models, seconds, time FROM "
+                      "segments WHERE experiment_id = ? ORDER BY segment", [exp_id]).fetchall()
+    series: dict[str, list] = {}
+    names: list[str] = []
+    decoded = []
+    for seg, unit, metrics, selected, models, seconds, when in rows:
+        metrics = loads_json(metrics, {}) or {}
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if k not in series:
+                    series[k], names = [], names + [k]
+                series[k].append([seg, v])
+        decoded.append((seg, unit, metrics, selected, models, seconds, when))
+    best = dict(db.execute("SELECT segment, max(value) FROM models WHERE experiment_id = ? AND "
+                           "segment IS NOT NULL GROUP BY segment", [exp_id]).fetchall())
+    body = [[seg, unit, seconds, models, best.get(seg), *[metrics.get(k) for k in names],
+             selected, when] for seg, unit, metrics, selected, models, seconds, when in decoded]
+    return {"series": series, "table": table(
+        ["segment", "unit", "seconds", "models_evaluated", "best_evaluated", *names,
+         "selected", "time"], body)}
 
 
 def pareto(db, exp_id: int) -> dict:

@@ -16,6 +16,7 @@ import json
 import shutil
 import subprocess
 
+from ..engine.base_graphs import base_graph
 from .store_view import NotInStore, experiment, loads_json, table
 
 __all__ = ["model", "graph_rows", "render_svg", "source", "weights"]
@@ -107,17 +108,19 @@ def render_svg(dot_source: str) -> tuple[str | None, str | None]:
 
 
 def _reference(db, exp_id: int, row: dict, vs: int | None) -> dict | None:
-    """The model compared against: ``vs`` when given, else the model's parent (what an
-    evolution mutated), else the experiment's first model with a graph (the base graph itself
-    is not stored, only its hash)."""
-    ref_id = vs if vs is not None else row["parent"]
+    """What the model is compared against: model ``vs`` when given, else the base model it was
+    built from (stored since schema 10: ``id`` None), else, in older files, its parent (what an
+    evolution mutated) or the experiment's first model with a graph."""
+    if vs is not None:
+        return _model_row(db, exp_id, vs)
+    base = base_graph(db, exp_id, row["sample"])
+    if base is not None:
+        return {"id": None, "graph": base}
+    ref_id = row["parent"]
     if ref_id is None:
-        first = db.execute("SELECT min(id) FROM models WHERE experiment_id = ? AND graph IS NOT "
-                           "NULL AND id != ?", [exp_id, row["id"]]).fetchone()[0]
-        ref_id = first
-    if ref_id is None:
-        return None
-    return _model_row(db, exp_id, ref_id)
+        ref_id = db.execute("SELECT min(id) FROM models WHERE experiment_id = ? AND graph IS "
+                            "NOT NULL AND id != ?", [exp_id, row["id"]]).fetchone()[0]
+    return None if ref_id is None else _model_row(db, exp_id, ref_id)
 
 
 def _costs(db, model_hash: str | None) -> dict:
@@ -201,7 +204,8 @@ def model(db, exp_id: int, model_id: int, checkpoint_dir: str, vs: int | None = 
                                           "ORDER BY seq", [model_id])]
     return {"model": model_id, "status": row["status"], "value": row["value"],
             "sample": row["sample"], "hash": row["hash"], "parent": row["parent"],
-            "reference": reference and reference["id"], "removed": removed,
+            "reference": reference and reference["id"],
+            "reference_is_base": bool(reference) and reference["id"] is None, "removed": removed,
             "changed": sum(n["diff"] != "same" for n in nodes), "svg": svg, "svg_note": note,
             "params": params, "has_weights": state is not None, "costs": _costs(db, row["hash"]),
             "source": code, "source_note": why,

@@ -118,6 +118,21 @@ def metric_of(config: dict) -> tuple[str, str]:
     return config.get("metric") or "val_acc", config.get("mode") or "max"
 
 
+def objectives_of(config: dict) -> dict:
+    """Every objective with its direction, and the constraints (one metric for old stores)."""
+    spec = config.get("objectives") or {}
+    if spec.get("metrics"):
+        return {"metrics": list(spec["metrics"]), "modes": list(spec["modes"]),
+                "constraints": list(spec.get("constraints") or [])}
+    metric, mode = metric_of(config)
+    return {"metrics": [metric], "modes": [mode], "constraints": []}
+
+
+def _front(e: dict) -> list | None:
+    """The ids of the models on the experiment's Pareto front, or None (one objective)."""
+    return loads_json(e.get("front")) if len(objectives_of(e["config"])["metrics"]) > 1 else None
+
+
 def stamp(db, exp_id: int) -> str:
     """What changes whenever the store gains a row the pages show: the pages poll this (one
     cheap query, index lookups only) and fetch their data again when it changes."""
@@ -201,6 +216,7 @@ def overview(db, exp_id: int) -> dict:
     done = models.get("trained", 0) + models.get("failed", 0)
     return {"experiment": exp_id, "name": e["name"], "status": e["status"], "seed": e["seed"],
             "config": e["config"], "metric": metric, "mode": mode, "created": e["created"],
+            "objectives": objectives_of(e["config"]), "front": _front(e),
             "updated": e["updated"], "error": e.get("error"),
             "budget": {"models_done": done, "models": sum(models.values()),
                        "max_models": _budget(e["config"])},

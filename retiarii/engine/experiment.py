@@ -47,7 +47,7 @@ from .function_trainer import experiment_space
 from .lock import StoreLock, StoreLocked
 from .costs import COSTS, CostMeter
 from .pareto import FrontTable, Outcomes
-from . import one_shot
+from . import base_graphs, one_shot
 from .grouping import JobPlanner
 from .placing import Packer
 from .executors.warm import start_server_for
@@ -335,7 +335,7 @@ class Experiment(Proposals):
             one_shot.warn_held(self.strategy, one_shot.held_hparams(self.trainer.value_choices()))
         self._open()
         try:
-            self.store.add_experiment(recorded_config(self), self.seed, name=os.path.basename(self.path))
+            base_graphs.start(self.store, recorded_config(self), self.seed, self.path, self.search_space)
             return self._loop(resume=False)
         finally:
             self._close()

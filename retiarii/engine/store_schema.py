@@ -143,7 +143,16 @@ def _schema_v9(db: sqlite_utils.Database) -> None:
                        not_null=["value"])
 
 
+def _schema_v10(db: sqlite_utils.Database) -> None:
+    """``base_graphs``: each experiment's base models as graph IR JSON (engine/base_graphs.py),
+    what the dashboard shows a model's changes against. Older files have none (their model
+    pages compare with the parent or the first model)."""
+    db["base_graphs"].create({"experiment_id": int, "idx": int, "name": str, "graph": str,
+                              "hash": str}, pk=("experiment_id", "idx"), not_null=["graph"],
+                             foreign_keys=[("experiment_id", "experiments", "id")])
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
 MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6,
-              _schema_v7, _schema_v8, _schema_v9]
-SCHEMA_VERSION = 9
+              _schema_v7, _schema_v8, _schema_v9, _schema_v10]
+SCHEMA_VERSION = 10

@@ -176,12 +176,19 @@ const RENDER = {
   },
 
   overview(d) {
-    const b = d.budget, best = d.best;
+    const b = d.budget, best = d.best, o = d.objectives;
     const bestLink = best ? el("a", {href: withExp("/model", {id: best.model_id})},
                                `model ${best.model_id}: ${fmt(best.value)}`) : "no result yet";
+    const several = o.metrics.length > 1;
+    const front = several ? el("a", {href: withExp("/pareto")},
+      d.front && d.front.length ? `${d.front.length} models on the Pareto front`
+                                : "no model on the front yet") : null;
     keyValues(card("c-summary", `Experiment ${d.experiment}: ${d.name}`), [
-      ["status", d.status, "kv-status"], ["optimizes", `${d.metric} (${d.mode})`],
-      ["best model", bestLink, "kv-best"],
+      ["status", d.status, "kv-status"],
+      ["optimizes", o.metrics.map((m, i) => `${m} (${o.modes[i]})`).join(", "), "kv-optimizes"],
+      ...(o.constraints.length ? [["subject to", o.constraints.join(", "), "kv-constraints"]] : []),
+      several ? ["result", front, "kv-front"] : ["best model", bestLink, "kv-best"],
+      ...(several ? [[`best ${d.metric}`, bestLink, "kv-best"]] : []),
       ["budget used", b.max_models ? `${b.models_done} of ${b.max_models} models`
                                    : `${b.models_done} models finished`, "kv-budget"],
       ["models", b.models], ["seed", d.seed], ["started", d.created], ["updated", d.updated],
@@ -273,8 +280,13 @@ const RENDER = {
       ...Object.entries(d.costs).map(([k, v]) => [k, v]),
       ["parent", d.parent ? el("a", {href: withExp("/model", {id: d.parent})}, `model ${d.parent}`)
                           : null],
-      ["compared with", d.reference ? el("a", {href: withExp("/model", {id: d.reference})},
-                                             `model ${d.reference}`) : null],
+      ["compared with", d.reference_is_base ? el("span", {}, "the base model",
+          d.parent ? el("span", {}, " (", el("a", {href: withExp("/model", {id: d.model, vs: d.parent})},
+                                             "compare with the parent"), ")") : "")
+        : d.reference ? el("span", {}, el("a", {href: withExp("/model", {id: d.reference})},
+                                            `model ${d.reference}`), " (",
+                           el("a", {href: withExp("/model", {id: d.model})}, "with the base"), ")")
+        : null, "kv-reference"],
       ["nodes changed", d.changed, "kv-changed"],
       ["nodes removed", d.removed.join(", ") || null], ["hash", d.hash], ["download", dl]]);
     dataTable(card("c-sample", "Choices"), "sample", "model", "choices", d.tables.choices);
@@ -294,6 +306,8 @@ const RENDER = {
     chart(s, "chart-jobs", [{type: "bar", x: Object.keys(d.jobs_by_status),
           y: Object.values(d.jobs_by_status)}], {height: 260});
     note(s, "jobs-note", Object.keys(d.jobs_by_status).length ? "" :
+         d.tables.segments.rows.length ? "a one-shot search: each segment trains one " +
+         "super-network (below), no grouped job" :
          "no grouped job: this search trained every model alone (optimize off, or a trainer " +
          "that shares no data pipeline)");
     chart(card("c-speedups", "Measured speed-up per job"), "chart-speedups", [{type: "bar",
@@ -306,6 +320,13 @@ const RENDER = {
                      line: {dash: "dot", color: "#555"}}]});
     dataTable(card("c-plans", "Grouped jobs: what each shared, layout and decision", true),
               "jobs", "engine", "jobs", d.tables.jobs);
+    if (d.tables.segments.rows.length) {
+      const seg = card("c-segments", "One-shot segments: the super-network, segment by segment", true);
+      chart(seg, "chart-segments", Object.entries(d.segments).map(([name, pts]) => ({
+            x: pts.map(p => p[0]), y: pts.map(p => p[1]), name, mode: "lines+markers"})),
+            {xaxis: {title: "segment", dtick: 1}, yaxis: {title: "the strategy's metrics"}});
+      dataTable(seg, "segments", "engine", "segments", d.tables.segments);
+    }
     const sch = card("c-sched", "Scheduler decisions", true);
     note(sch, "reclaimed", `stopping trials early reclaimed ${d.reclaimed_epochs} epochs`);
     dataTable(sch, "scheduler", "engine", "scheduler", d.tables.scheduler);
