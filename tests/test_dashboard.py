@@ -370,3 +370,20 @@ def test_a_one_shot_search_shows_its_segments(tmp_path, serve):
                     if name in json.loads(m or "{}")]
         assert points == expected
     assert e["segments"]
+
+
+def test_the_model_page_counts_flops_without_the_space_code(store, serve):
+    """FLOPs of one example, from the stored graph alone, equal torch's count on the model
+    the space builds."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with Store(store) as s:
+        s.use_experiment(1)
+        row = next(m for m in s.models() if m["graph"] and m["status"] == "trained")
+    m = api(serve(store), "model", exp=1, id=row["id"])
+    arch = {k: v for k, v in row["sample"].items() if k != "lr"}  # lr: a trainer choice
+    built = failing_space.instantiate(arch).to_module()
+    with FlopCounterMode(display=False) as counter:
+        built(torch.zeros(1, 1, 8, 8))
+    assert m["flops"] == counter.get_total_flops() > 0 and m["flops_note"] is None

@@ -136,6 +136,7 @@ def test_every_page_of_a_demo_search(demo_store, browser, serve, tmp_path):
             assert page.locator("#arch-svg svg g.node").count() == len(ir["nodes"])
             assert "class Model" in page.inner_text("#source")
             assert "the base model" in page.inner_text("#kv-reference")
+            assert float(page.inner_text("#kv-flops")) > 0
         elif name == "engine":
             with Store(store) as s:
                 n_jobs = s.db.execute("SELECT count(*) FROM plans").fetchone()[0]

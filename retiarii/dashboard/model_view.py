@@ -19,7 +19,7 @@ import subprocess
 from ..engine.base_graphs import base_graph
 from .store_view import NotInStore, experiment, loads_json, table
 
-__all__ = ["model", "graph_rows", "render_svg", "source", "weights"]
+__all__ = ["model", "flops", "graph_rows", "render_svg", "source", "weights"]
 
 NO_DOT = ("Graphviz's `dot` is not installed, so the architecture is listed as a table; install "
           "it (Debian: apt-get install graphviz) to see it drawn")
@@ -123,6 +123,53 @@ def _reference(db, exp_id: int, row: dict, vs: int | None) -> dict | None:
     return None if ref_id is None else _model_row(db, exp_id, ref_id)
 
 
+_FLOPS: dict[str, tuple] = {}  # structural hash -> (flops, why not); the page polls at 1 Hz
+
+
+def flops(graph: dict | None, model_hash: str | None) -> tuple[float | None, str | None]:
+    """``(FLOPs of one example's forward pass, None)`` by torch's flop counter, or ``(None,
+    why)``: the model is built from its stored graph on the meta device (no memory, no
+    values) with its references resolved under :class:`~retiarii.refs.TrustedRefs` and no
+    space, so the space's own code is never imported; the input's shape is the one the
+    engine recorded on the graph's input node, at batch 1."""
+    key = model_hash or json.dumps(graph, sort_keys=True)[:4096]
+    if key not in _FLOPS:
+        if len(_FLOPS) > 512:
+            _FLOPS.clear()
+        _FLOPS[key] = _count_flops(graph)
+    return _FLOPS[key]
+
+
+def _count_flops(graph: dict | None) -> tuple[float | None, str | None]:
+    if graph is None:
+        return None, "the model has no stored graph"
+    shapes = [(n.get("meta") or {}).get("shape") for n in graph.get("nodes", [])
+              if n["op"]["kind"] == "input"]
+    if not shapes or not all(isinstance(s, list) and s for s in shapes):
+        return None, "its graph records no input shape (a store written before shapes were)"
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..cli_source import check_attributes
+    from ..graph import Graph
+    from ..refs import RefError, TrustedRefs, only_trusted
+
+    rule = TrustedRefs(None)
+    try:
+        with only_trusted(rule), torch.device("meta"):
+            g = Graph.from_data(graph)
+            check_attributes(g, rule)
+            module = g.to_module()
+            inputs = [torch.empty([1, *s[1:]]) for s in shapes]
+            with FlopCounterMode(display=False) as counter:
+                module(*inputs)
+        return float(counter.get_total_flops()), None
+    except RefError as err:
+        return None, f"{err}: the dashboard never imports the space's own code"
+    except Exception as err:  # noqa: BLE001 (a graph this version cannot rebuild)
+        return None, f"cannot count: {type(err).__name__}: {err}"
+
+
 def _costs(db, model_hash: str | None) -> dict:
     if model_hash is None or not db.execute("SELECT 1 FROM sqlite_master WHERE name = "
                                             "'costs'").fetchone():
@@ -200,6 +247,7 @@ def model(db, exp_id: int, model_id: int, checkpoint_dir: str, vs: int | None = 
         t.numel() for k, t in state.items() if hasattr(t, "numel") and "running_" not in k
         and not k.endswith("num_batches_tracked")))
     code, why = source(row["graph"], model_id)
+    n_flops, flops_note = flops(row["graph"], row["hash"])
     trials = [list(r) for r in db.execute("SELECT id, state, step FROM trials WHERE model_id = ? "
                                           "ORDER BY seq", [model_id])]
     return {"model": model_id, "status": row["status"], "value": row["value"],
@@ -208,6 +256,7 @@ def model(db, exp_id: int, model_id: int, checkpoint_dir: str, vs: int | None = 
             "reference_is_base": bool(reference) and reference["id"] is None, "removed": removed,
             "changed": sum(n["diff"] != "same" for n in nodes), "svg": svg, "svg_note": note,
             "params": params, "has_weights": state is not None, "costs": _costs(db, row["hash"]),
+            "flops": n_flops, "flops_note": flops_note,
             "source": code, "source_note": why,
             "tables": {"choices": table(["choice", "value"], [
                            [k, v if isinstance(v, (str, int, float)) or v is None else json.dumps(v)]

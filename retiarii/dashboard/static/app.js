@@ -277,6 +277,7 @@ const RENDER = {
     keyValues(card("c-model", `Model ${d.model}`), [
       ["status", d.status], ["value", d.value, "kv-value"],
       ["parameters", d.params, "kv-params"],
+      ["FLOPs (one example)", d.flops !== null ? d.flops : d.flops_note, "kv-flops"],
       ...Object.entries(d.costs).map(([k, v]) => [k, v]),
       ["parent", d.parent ? el("a", {href: withExp("/model", {id: d.parent})}, `model ${d.parent}`)
                           : null],
