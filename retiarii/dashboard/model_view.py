@@ -130,7 +130,7 @@ def _costs(db, model_hash: str | None) -> dict:
 
 def checkpoint_file(db, model_id: int, checkpoint_dir: str) -> str | None:
     """The file of the latest checkpoint of the model's last trial, or None."""
-    from ..engine.checkpoint import CheckpointDir, CheckpointPathError, legacy_name
+    from ..engine.storage.checkpoint import CheckpointDir, CheckpointPathError, legacy_name
 
     row = db.execute("SELECT c.path FROM checkpoints c JOIN trials t ON t.id = c.trial_id WHERE "
                      "t.model_id = ? ORDER BY t.seq DESC, c.step DESC LIMIT 1",
@@ -145,8 +145,8 @@ def checkpoint_file(db, model_id: int, checkpoint_dir: str) -> str | None:
 
 def weights(db, model_id: int, checkpoint_dir: str) -> dict | None:
     """The model's trained weights (its state dict), or None when no checkpoint is readable."""
-    from ..engine.checkpoint import CheckpointError
-    from ..engine.checkpoint import load as load_checkpoint
+    from ..engine.storage.checkpoint import CheckpointError
+    from ..engine.storage.checkpoint import load as load_checkpoint
 
     path = checkpoint_file(db, model_id, checkpoint_dir)
     if path is None:

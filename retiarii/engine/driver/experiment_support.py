@@ -1,0 +1,162 @@
+"""What the experiment checks and keeps beside its loop: its errors, how workers find the space
+and the trainer (references checked the way a worker resolves them), the models a strategy's
+draws built, and the fingerprints a resume compares."""
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any
+
+from ...choices import ValueChoice
+from ...refs import SCRIPT_MODULES, EncodeError, load_file_module, ref_of, resolve_ref, split_ref
+from ...sampler import sample_key
+from ..errors import EnvironmentFailure, ExperimentError  # (executors raise them too)
+from ..trainers.trainer import Trainer
+
+__all__ = ["EnvironmentFailure", "ExperimentError", "DrawnModels", "comparable", "object_ref",
+           "recorded_config", "space_fingerprint", "trainer_notes", "trainer_spec"]
+
+
+# ---- how workers find the space and the trainer ---------------------------------------------
+
+
+def object_ref(obj: Any, what: str) -> str:
+    """The reference (``"pkg.mod:name"``, or ``"/abs/file.py:name"`` for a script's object) by
+    which a worker process finds ``obj``, checked now the way a worker will resolve it.
+
+    ``obj`` may be the reference itself. Raises :class:`ExperimentError` naming the object and
+    the fix when workers could not find it (not at module level, or bound only under the
+    script's ``if __name__ == "__main__":``).
+    """
+    if isinstance(obj, str):
+        ref = obj
+        try:
+            obj = resolve_ref(ref)
+        except (ImportError, ValueError) as e:
+            raise ExperimentError(f"the {what} reference {ref!r} does not resolve: {e}") from None
+    else:
+        try:
+            ref = ref_of(obj)
+        except EncodeError:
+            raise ExperimentError(
+                f"the {what} is not a module-level variable of an importable module or script, "
+                f"so worker processes cannot rebuild it. Define it at module level (e.g. `space "
+                f"= ModelSpace(...)` in myspace.py) or pass its reference as a string "
+                f"('/abs/path/myspace.py:space')") from None
+    _check_workers_see(ref, obj, what)
+    return ref
+
+
+def _check_workers_see(ref: str, obj: Any, what: str) -> None:
+    """Refuse now a reference a new worker process would not resolve to the same object.
+
+    A worker loads a script as a module, where its ``if __name__ == "__main__":`` block does
+    not run; so a name bound (or rebound) there is not what the worker finds. Only the running
+    script is in doubt: importable modules and files loaded as modules resolve in a worker as
+    they do here.
+    """
+    where, attr, is_file = split_ref(ref)
+    if not is_file or load_file_module(where).__name__ not in SCRIPT_MODULES:
+        return
+    fix = (f"Bind it at module level of {os.path.basename(where)}, outside the "
+           f"`if __name__ == \"__main__\":` block (or in a module the script imports); "
+           f"worker processes load the script as a module, where that block does not run")
+    try:
+        seen = resolve_ref(ref, fresh=True)
+    except ImportError as e:
+        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, which worker "
+                              f"processes cannot see: {e}. {fix}") from None
+    except Exception as e:  # noqa: BLE001 (the script fails when loaded as a module)
+        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, but loading the "
+                              f"script as worker processes do fails ({type(e).__name__}: {e}). "
+                              f"{fix}") from None
+    if type(seen).__qualname__ != type(obj).__qualname__:
+        raise ExperimentError(f"the {what} is `{attr}` of the script {where}, which worker "
+                              f"processes see as a {type(seen).__name__}, not this "
+                              f"{type(obj).__name__} (is it rebound under `if __name__ == "
+                              f"\"__main__\":`?). {fix}")
+
+
+def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
+    """(what a worker rebuilds the trainer from, the trainer's ValueChoice hyper-parameters)."""
+    spec = trainer.to_spec()
+    return (object_ref(trainer, "trainer") if spec is None else spec), trainer.value_choices()
+
+
+def trainer_notes(trainer: Any, metric: str) -> dict:
+    """What an experiment keeps about its trainer's data, beside its config (resume does not
+    compare it): ``preprocessing``, the trainer's words for how raw data becomes model inputs
+    (``retiarii export`` writes them into each model file), and ``chance``, ``metric`` at
+    chance on the validation data (``retiarii status`` flags a one-shot selection no better).
+    A trainer that cannot say (a custom one, settings that are still choices) leaves None."""
+    notes: dict = {}
+    for key, ask in (("preprocessing", lambda: trainer.preprocessing()),
+                     ("chance", lambda: trainer.chance_level(metric))):
+        try:
+            notes[key] = ask()
+        except Exception:  # noqa: BLE001 (a description must never stop a run: it stays unknown)
+            notes[key] = None
+    return notes
+
+
+def recorded_config(exp: Any) -> dict:
+    """What an experiment's row keeps: its ``config()``, its ``origin`` and its
+    :func:`trainer_notes`."""
+    return {**exp.config(), "origin": exp.origin, **trainer_notes(exp.trainer, exp.metric)}
+
+
+class DrawnModels:
+    """The search space as the strategy sees it, keeping the models its draws built during one
+    proposal (TPE draws 24 candidates) so that instantiating the sample it settles on does not
+    build that model a second time."""
+
+    def __init__(self, space, keep: int = 32):
+        self._space, self._keep = space, keep
+        self._models: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def sample(self, sampler):
+        model = self._space.sample(sampler)
+        self._models[sample_key(model.sample)] = model
+        while len(self._models) > self._keep:
+            self._models.popitem(last=False)
+        return model
+
+    def take(self, sample: dict):
+        """The model a draw built for ``sample``, or None; the other draws are forgotten (the
+        strategy has settled)."""
+        model = self._models.pop(sample_key(sample), None)
+        self._models.clear()
+        return model
+
+    def __getattr__(self, name):  # size(), enumerate(), hparams, ...: the space's own
+        return getattr(self._space, name)
+
+
+def space_fingerprint(space) -> dict:
+    out = {"bases": [g.structural_hash() for g, _ in space.bases],
+           "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
+           "hparams": {k: v.values for k, v in space.hparams.items()}}
+    frozen = space.frozen_fingerprint()
+    if frozen is not None:  # only spaces with frozen values: older stores still resume
+        out["frozen"] = frozen
+    return out
+
+
+def comparable(config: dict) -> dict:
+    """An experiment's config as resume compares it: where the space and trainer files lie is
+    left out (a run directory may be moved or copied with its space file); what they define
+    is compared (the space's fingerprint, the trainer's settings)."""
+    config = dict(config)
+    config.pop("origin", None)
+    for note in ("preprocessing", "chance"):  # descriptions of the data (trainer_notes)
+        config.pop(note, None)
+    if isinstance(config.get("space"), dict):
+        config["space"] = {k: v for k, v in config["space"].items() if k != "ref"}
+    if isinstance(config.get("trainer"), str):  # a reference: its file may have moved
+        config["trainer"] = config["trainer"].rsplit(":", 1)[-1]
+    trainer = config.get("trainer")
+    if isinstance(trainer, dict) and isinstance((trainer.get("config") or {}).get("train"), str):
+        # a FunctionTrainer's function, by reference: its file may have moved too
+        train = trainer["config"]["train"].rsplit(":", 1)[-1]
+        config["trainer"] = {**trainer, "config": {**trainer["config"], "train": train}}
+    return config
