@@ -9,6 +9,7 @@ from typing import Any
 
 from ...choices import ValueChoice
 from ...refs import SCRIPT_MODULES, EncodeError, load_file_module, ref_of, resolve_ref, split_ref
+from ...moved import current_refs
 from ...sampler import sample_key
 from ..errors import EnvironmentFailure, ExperimentError  # (executors raise them too)
 from ..trainers.trainer import Trainer
@@ -145,8 +146,9 @@ def space_fingerprint(space) -> dict:
 def comparable(config: dict) -> dict:
     """An experiment's config as resume compares it: where the space and trainer files lie is
     left out (a run directory may be moved or copied with its space file); what they define
-    is compared (the space's fingerprint, the trainer's settings)."""
-    config = dict(config)
+    is compared (the space's fingerprint, the trainer's settings). References to modules that
+    have moved since the config was saved are read at their new names (:mod:`retiarii.moved`)."""
+    config = current_refs(config)
     config.pop("origin", None)
     for note in ("preprocessing", "chance"):  # descriptions of the data (trainer_notes)
         config.pop(note, None)
