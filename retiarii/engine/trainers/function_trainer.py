@@ -18,7 +18,7 @@ from torch import nn
 from ...choices import ValueChoice
 from ...refs import ref_of, resolve_ref
 from ...space import ModelSpace
-from ..driver.experiment_support import object_ref
+from ..jobs.worker_refs import object_ref
 from .trainer import Trainer
 from .trial_training import check_segment
 
