@@ -46,8 +46,8 @@ import time
 import torch
 
 import retiarii as rt
-from retiarii.engine.grouped import TrainingGroup, plan_group
-from retiarii.engine.trial_run import TrialRun
+from retiarii.engine.worker_side.training_group import TrainingGroup, plan_group
+from retiarii.engine.trainers.trial_training import TrialRun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # model_spaces/, beside retiarii

@@ -3,7 +3,7 @@ item 3: at least 0.95 of the best on every workload).
 
 Each workload is N x G models (``--models``, ``--groups``) trained for ``--epochs`` epochs
 by the engine's own loop: a
-:class:`~retiarii.engine.trials.TrialRunner` over an in-process executor (``worker.run_job``,
+:class:`~retiarii.engine.runner.trial_runner.TrialRunner` over an in-process executor (``worker.run_job``,
 the code a search runs, one job per segment), three ways, one after the other:
 
 - **separate**: one job per model and epoch (``batch_models=1``);
@@ -60,8 +60,8 @@ import frozen_prefix  # noqa: E402
 import fusion  # noqa: E402
 from engine import InlineExecutor  # noqa: E402
 
-from retiarii.engine.grouping import JobPlanner  # noqa: E402
-from retiarii.engine.trials import TrialRunner  # noqa: E402
+from retiarii.engine.runner.planner import JobPlanner  # noqa: E402
+from retiarii.engine.runner.trial_runner import TrialRunner  # noqa: E402
 from retiarii.strategies import Scheduler  # noqa: E402
 
 EXAMPLES = int(os.environ.get("AUTO_EXAMPLES", "1024"))  # --quick sets it lower

@@ -25,8 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import retiarii as rt  # noqa: E402
-from retiarii.engine.store import Store  # noqa: E402
-from retiarii.engine.trainer import ClassifierTrainer  # noqa: E402
+from retiarii.engine.storage.store import Store  # noqa: E402
+from retiarii.engine.trainers.trainer import ClassifierTrainer  # noqa: E402
 
 
 

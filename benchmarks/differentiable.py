@@ -38,7 +38,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _out import pyplot, write_csv  # noqa: E402
 
 from model_spaces import darts  # noqa: E402
-from retiarii.engine.trainer import ClassifierTrainer  # noqa: E402
+from retiarii.engine.trainers.trainer import ClassifierTrainer  # noqa: E402
 from retiarii.strategies import DARTS, GumbelDARTS, ProxylessNAS, SegmentContext  # noqa: E402
 
 STRATEGIES = {

@@ -12,7 +12,7 @@ reports as the metric ``trainer_s``.
 
 Two executors, side by side in one process:
 
-- ``inline``: :class:`InlineExecutor` below, which runs :func:`retiarii.engine.worker.run_job`
+- ``inline``: :class:`InlineExecutor` below, which runs :func:`retiarii.engine.worker_side.worker.run_job`
   in this process when the runner asks for the next event: the engine alone, no IPC;
 - ``local``: the real :class:`~retiarii.engine.executors.local.LocalExecutor`, 2 worker
   processes (started and warm before the clock starts).
@@ -20,7 +20,7 @@ Two executors, side by side in one process:
 The inline run is broken down by where the time goes, in exclusive times (nothing counted
 twice): ``ask`` (the strategy), ``instantiate`` (the driver's replay and shape check, structural
 hash, dedup), ``tell + strategy state_dict``, ``store`` (every
-:class:`~retiarii.engine.store.Store` call: journal, model rows, strategy and scheduler state),
+:class:`~retiarii.engine.storage.store.Store` call: journal, model rows, strategy and scheduler state),
 ``worker`` (``run_job`` outside the trainer's code: rebuilding the model from its sample,
 optimizer, RNG streams, the checkpoint) and the rest (trial runner, event handling, experiment
 bookkeeping). In the local run two models are in flight at once, so the driver's parts are
@@ -54,10 +54,10 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine import worker
-from retiarii.engine.executors.base import Executor, JobFailed
-from retiarii.engine.store import Store
-from retiarii.engine.trainer import Trainer, TrialRun
+from retiarii.engine.worker_side import worker
+from retiarii.engine.jobs.job import Executor, JobFailed
+from retiarii.engine.storage.store import Store
+from retiarii.engine.trainers.trainer import Trainer, TrialRun
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 TARGET_MS = 20.0  # issue #4: median engine overhead per model

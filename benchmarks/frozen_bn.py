@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import retiarii as rt  # noqa: E402 (after the path: runs from a checkout without installing)
-from retiarii.engine.plans import PlanTable  # noqa: E402
-from retiarii.engine.store import Store  # noqa: E402
+from retiarii.engine.storage.plans_table import PlanTable  # noqa: E402
+from retiarii.engine.storage.store import Store  # noqa: E402
 
 # The workload's size comes from the environment of the process that imports this module:
 # run as a script, its flags set it first, so the driver's objects (this module is also the

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine.executors.base import Job, JobFailed, TrialResult, TrialTask
-from retiarii.engine.worker import WorkerContext, run_job
+from retiarii.engine.jobs.job import Job, JobFailed, TrialResult, TrialTask
+from retiarii.engine.worker_side.worker import WorkerContext, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The data sets' size comes from the environment of the process that imports this module

@@ -6,9 +6,9 @@ result ASHA or median stopping has seen, every sample a strategy proposed) then 
 save the longer the search runs, unless only what is new is written: the store keeps the lists
 a state names in ``append_only`` one row per item and writes only new items (docs/store.md).
 
-This script runs a real :class:`~retiarii.engine.trials.TrialRunner` on the
+This script runs a real :class:`~retiarii.engine.runner.trial_runner.TrialRunner` on the
 :class:`~retiarii.engine.executors.simulated.SimulatedExecutor` (virtual time: no training),
-journaled to a real :class:`~retiarii.engine.store.Store` on disk, side by side:
+journaled to a real :class:`~retiarii.engine.storage.store.Store` on disk, side by side:
 
 - ``full``:  a Store that drops ``append_only`` before saving, so every save rewrites the whole
              state as one JSON row (what the store did before, and what a naive journal does);
@@ -31,8 +31,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from retiarii.engine.executors.simulated import SimulatedExecutor  # noqa: E402
-from retiarii.engine.store import Store  # noqa: E402
-from retiarii.engine.trials import TrialRunner  # noqa: E402
+from retiarii.engine.storage.store import Store  # noqa: E402
+from retiarii.engine.runner.trial_runner import TrialRunner  # noqa: E402
 from retiarii.strategies import ASHA, Hyperband, MedianStopping  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")

@@ -53,7 +53,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import retiarii as rt
-from retiarii.engine.trainer import load_dataset
+from retiarii.engine.trainers.trainer import load_dataset
 from retiarii.optim.mixed_parallel import average_used_gradients, spawn
 from retiarii.optim.supergraph import SuperGraph
 

@@ -46,8 +46,8 @@ sys.path[:0] = [ROOT, HERE]
 import torch  # noqa: E402
 
 from model_spaces.nasbench201 import TABLE_OPS, arch_string, full_sample  # noqa: E402
-from retiarii.engine.costs import CostConfig, CostMeter  # noqa: E402
-from retiarii.engine.op_latency import OpLatencyTable  # noqa: E402
+from retiarii.engine.driver.costs import CostConfig, CostMeter  # noqa: E402
+from retiarii.engine.driver.op_latency import OpLatencyTable  # noqa: E402
 from retiarii.objectives import hypervolume, pareto_indices  # noqa: E402
 from retiarii.scalarization import MnasNetReward  # noqa: E402
 from retiarii.strategies import (  # noqa: E402

@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: retiarii, model_spaces
 
 from model_spaces import darts  # noqa: E402
-from retiarii.engine.trainer import ClassifierTrainer, TrialRun, load_dataset  # noqa: E402
+from retiarii.engine.trainers.trainer import ClassifierTrainer, TrialRun, load_dataset  # noqa: E402
 from retiarii.strategies import (ENAS, SPOS, Random, SegmentContext,  # noqa: E402
                                  SpaceExhausted, WeightSharing)
 

@@ -38,11 +38,11 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine import checkpoint
-from retiarii.engine.executors.base import Executor, JobFailed
+from retiarii.engine.storage import checkpoint
+from retiarii.engine.jobs.job import Executor, JobFailed
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.worker import WorkerContext, run_job
-from retiarii.strategies.one_shot import SegmentContext
+from retiarii.engine.worker_side.worker import WorkerContext, run_job
+from retiarii.strategies.one_shot.base import SegmentContext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _out import pyplot, write_csv  # noqa: E402

@@ -57,8 +57,8 @@ sys.path.insert(0, HERE)
 
 import retiarii as rt  # noqa: E402
 from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
-from retiarii.engine.plans import PlanTable  # noqa: E402
-from retiarii.engine.store import Store  # noqa: E402
+from retiarii.engine.storage.plans_table import PlanTable  # noqa: E402
+from retiarii.engine.storage.store import Store  # noqa: E402
 from retiarii.refs import resolve_ref  # noqa: E402
 
 WORKLOADS_FILE = os.path.join(HERE, "e2e_workloads.py")

@@ -54,8 +54,8 @@ sys.path.insert(0, HERE)
 import retiarii as rt  # noqa: E402 (after the path: runs from a checkout without installing)
 from _out import pyplot, write_csv  # noqa: E402
 from model_spaces.mnasnet import small  # noqa: E402
-from retiarii.engine.plans import PlanTable  # noqa: E402
-from retiarii.engine.store import Store  # noqa: E402
+from retiarii.engine.storage.plans_table import PlanTable  # noqa: E402
+from retiarii.engine.storage.store import Store  # noqa: E402
 
 # The workers import this file anew (the space is "path:SPACE"): its shape comes from the
 # environment main() sets before the experiments start.
@@ -216,7 +216,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU")
     if args.data == "jpeg" and args.loader == "dali":
-        from retiarii.engine.data import dali_available
+        from retiarii.engine.trainers.data import dali_available
 
         if not dali_available():
             raise SystemExit("--loader dali: NVIDIA DALI is not installed (pip install -e .[dali])")

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import engine as bench  # noqa: E402  benchmarks/engine.py: the space, trainer and timing
 import retiarii as rt  # noqa: E402
-from retiarii.engine.executors.base import (Executor, JobFailed, JobFinished,  # noqa: E402
+from retiarii.engine.jobs.job import (Executor, JobFailed, JobFinished,  # noqa: E402
                                             JobStarted, TrialResult)
 from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
 
@@ -133,7 +133,7 @@ class TimedExecutor(Executor):
 def run_demo(kind: str, workers: int, args) -> dict:
     """The demo's search of ``--models`` models on ``kind``; its per-segment and per-trial figures."""
     import retiarii.demo as demo
-    from retiarii.engine.trainer import ClassifierTrainer
+    from retiarii.engine.trainers.trainer import ClassifierTrainer
 
     folder = os.path.join(OUT, "ray-overhead-demo-db")
     shutil.rmtree(folder, ignore_errors=True)

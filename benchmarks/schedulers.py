@@ -26,11 +26,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from retiarii.engine.executors.simulated import SimulatedExecutor  # noqa: E402
-from retiarii.engine.trials import TrialRunner  # noqa: E402
+from retiarii.engine.runner.trial_runner import TrialRunner  # noqa: E402
 from retiarii.strategies import (  # noqa: E402
     ASHA, HyperTrick, Hyperband, MedianStopping, Scheduler,
 )
-from retiarii.strategies.scheduler import Decision  # noqa: E402
+from retiarii.strategies.schedulers.base import Decision  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "out")
 RUNGS, EPOCHS, WORKERS, TRIALS = 6, 5, 4, 40

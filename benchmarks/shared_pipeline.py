@@ -39,9 +39,9 @@ from torch import nn
 
 import retiarii as rt
 from retiarii.codec import ref_of
-from retiarii.engine.data import dali_available, make_jpeg_folder
-from retiarii.engine.executors.base import Job, JobFailed, TrialResult, TrialTask
-from retiarii.engine.worker import WorkerContext, run_job
+from retiarii.engine.trainers.data import dali_available, make_jpeg_folder
+from retiarii.engine.jobs.job import Job, JobFailed, TrialResult, TrialTask
+from retiarii.engine.worker_side.worker import WorkerContext, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The space is read from this file anew by the worker code (run_job resolves "path:SPACE"),

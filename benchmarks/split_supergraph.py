@@ -38,10 +38,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retiarii as rt  # noqa: E402 (the checkout's, beside benchmarks/)
-from retiarii.engine.trainer import ClassifierTrainer, load_dataset  # noqa: E402
+from retiarii.engine.trainers.trainer import ClassifierTrainer, load_dataset  # noqa: E402
 from retiarii.optim.mixed_parallel import run_segment_on_ranks  # noqa: E402
 from retiarii.strategies import SPOS  # noqa: E402
-from retiarii.strategies.one_shot import SegmentContext  # noqa: E402
+from retiarii.strategies.one_shot.base import SegmentContext  # noqa: E402
 
 WAYS = ["replicated", "split"]
 
@@ -109,7 +109,7 @@ def build(cfg: Config, segment: int, memory: float | None):
 def _whole_bytes(cfg: Config) -> int:
     """Bytes of every operator of the space (weights, gradients, SGD momentum)."""
     from retiarii.optim.supergraph import SuperGraph
-    from retiarii.strategies.split_training import optimizer_slots
+    from retiarii.strategies.one_shot.split_training import optimizer_slots
 
     space = _space(cfg)
     sg = SuperGraph(space)

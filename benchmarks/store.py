@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import sqlite_utils
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from retiarii.engine.store import Store  # noqa: E402
+from retiarii.engine.storage.store import Store  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 METRICS = ("train_loss", "val_loss", "val_acc", "lr")

@@ -54,7 +54,7 @@ from model_spaces.nasbench201 import (  # noqa: E402
     EDGE_LABELS, TABLE_OPS, arch_string, full_sample, small,
 )
 from retiarii.engine.executors.simulated import SimulatedExecutor  # noqa: E402
-from retiarii.engine.trainer import ClassifierTrainer  # noqa: E402
+from retiarii.engine.trainers.trainer import ClassifierTrainer  # noqa: E402
 from retiarii.strategies import (  # noqa: E402
     TPE, PolicyBasedRL, Predictor, Progressive, Random, RegularizedEvolution,
 )
@@ -115,7 +115,7 @@ def make(workers: int = 2, max_models: int | None = None) -> None:
 
 def _rows_from_store() -> tuple[list[dict], dict]:
     """The table's rows (grid order) and facts about the run, read back from the store."""
-    from retiarii.engine.store import Store
+    from retiarii.engine.storage.store import Store
 
     with Store(STORE) as store:
         store.use_experiment(store.experiments()[-1]["id"])
@@ -154,7 +154,7 @@ def _rows_from_store() -> tuple[list[dict], dict]:
 
 
 def _plans(store) -> list[dict]:
-    from retiarii.engine.plans import PlanTable
+    from retiarii.engine.storage.plans_table import PlanTable
 
     return [p for p in PlanTable(store).rows() if p.get("status") not in ("reverted", "failed")]
 
@@ -324,7 +324,7 @@ def engine_replay(name: str, seed: int, budget: int, rows: list[dict],
         store = os.path.join(folder, "replay.db")
         rt.Experiment(SPACE, STRATEGIES[name](seed), TRAINER, store=store, executor=executor,
                       seed=seed, optimize=False).run(max_models=budget)
-        from retiarii.engine.store import Store
+        from retiarii.engine.storage.store import Store
 
         with Store(store) as db:
             db.use_experiment(db.experiments()[-1]["id"])

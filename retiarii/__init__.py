@@ -3,13 +3,14 @@
 The public API: trace a PyTorch model into the graph IR, define a space with mutators, pick a
 strategy, run an experiment. See README.md and docs/.
 """
+from . import moved  # noqa: F401  (first: old import paths of moved modules keep working)
 from . import engine, mutators, nn, ops, registry, strategies
 from .cell import Cell
 from .choices import InputChoice, LayerChoice, Repeat, ValueChoice
 from .engine import Experiment, ExperimentError, SearchFailed
-from .engine.function_trainer import FunctionTrainer
-from .engine.image_trainer import ImageFolderTrainer
-from .engine.trainer import ClassifierTrainer as Trainer
+from .engine.trainers.function_trainer import FunctionTrainer
+from .engine.trainers.image_trainer import ImageFolderTrainer
+from .engine.trainers.trainer import ClassifierTrainer as Trainer
 from .fixed_arch import fixed_arch
 from .frozen import FrozenBatchNorm, freeze
 from .graph import Graph, GraphError, Node, Operation

@@ -128,10 +128,10 @@ def _space_from_store(space: str, store: str) -> str:
 def _build(space_arg: str, flags: dict, recorded_space: str):
     """An Experiment from the CLI flags (also what `resume` rebuilds from the store);
     ``recorded_space`` is the space argument as the store keeps it."""
-    from .engine.experiment import Experiment
-    from .engine.trainer import ClassifierTrainer
+    from .engine.driver.experiment import Experiment
+    from .engine.trainers.trainer import ClassifierTrainer
 
-    from .engine.function_trainer import FunctionTrainer
+    from .engine.trainers.function_trainer import FunctionTrainer
 
     ref, module = _load_space_file(space_arg)
     trainer = getattr(module, "trainer", None)
@@ -177,7 +177,7 @@ def _build(space_arg: str, flags: dict, recorded_space: str):
         if weight_sharing:
             weight_sharing = list(shared)
         elif flags["strategy"] in ("spos", "enas"):
-            from .strategies.shared_training import check_shared
+            from .strategies.one_shot.shared_training import check_shared
 
             strategy.shared = check_shared(type(strategy).__name__, shared)
         else:
@@ -451,8 +451,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .engine.experiment import ExperimentError, SearchFailed
-    from .engine.store import StoreError
+    from .engine.driver.experiment import ExperimentError, SearchFailed
+    from .engine.storage.store import StoreError
 
     args = parser().parse_args(argv)
     try:

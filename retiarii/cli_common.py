@@ -86,7 +86,7 @@ def print_best(summary: dict) -> None:
 def open_store(db: str, experiment: int | None = None):
     """The store ``db`` (which must exist: nothing is created), on experiment ``experiment``
     (``--experiment N``; default: its latest)."""
-    from .engine.store import Store
+    from .engine.storage.store import Store
 
     if not os.path.exists(db):
         raise CliError(f"{db} does not exist: give the SQLite file of a run (retiarii run "

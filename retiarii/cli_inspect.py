@@ -10,7 +10,7 @@ import time
 from .cli_common import CliError, best_table, store_metric, open_store, positive_flag, format_table
 from .cli_pareto import front_rows, objectives_of, plot_front, print_front
 from .cli_source import export_header, trusted_source
-from .engine.failures import failure_summary, reason_of
+from .engine.driver.failures import failure_summary, reason_of
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_status"]
 
@@ -56,12 +56,12 @@ def cmd_status(args) -> int:
            "failed_models": [{"model_id": m["id"], "sample": m["sample"],
                               "error": m.get("error") or ""} for m in failed],
            "experiments": [{"id": e["id"], "status": e["status"]} for e in experiments]}
-    from .engine.plans import PlanTable
+    from .engine.storage.plans_table import PlanTable
 
     plans = PlanTable(store).summary()
     if plans["jobs"]:
         out["optimization"] = plans
-    from .engine.function_trainer import NOT_OPTIMIZED, is_function_spec
+    from .engine.trainers.function_trainer import NOT_OPTIMIZED, is_function_spec
 
     if is_function_spec(exp["config"].get("trainer")):  # said once, not per job or trial
         out["optimization_note"] = NOT_OPTIMIZED
@@ -172,8 +172,8 @@ def _print_failed(out: dict, with_trial: set, whole: bool) -> None:
 def cmd_export(args) -> int:
     import torch
 
-    from .engine.checkpoint import CheckpointError
-    from .engine.checkpoint import load as load_checkpoint
+    from .engine.storage.checkpoint import CheckpointError
+    from .engine.storage.checkpoint import load as load_checkpoint
     from .refs import TrustedRefs
 
     positive_flag(args.top, "--top")

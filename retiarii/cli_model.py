@@ -12,7 +12,7 @@ __all__ = ["model_detail", "print_model"]
 def model_detail(store, model_id: int) -> dict:
     """What ``status --model`` shows, as JSON: the model row (sample, hash, status, value,
     error) and its trials (state, steps, error, the metric's curve)."""
-    from .engine.store import StoreError
+    from .engine.storage.store import StoreError
 
     try:
         model = store.get_model(model_id)

@@ -2,7 +2,7 @@
 
 ``retiarii run SPACE --strategy darts|gumbel|proxyless|spos|enas`` (or a space file whose
 ``strategy`` is one-shot, or ``--weight-sharing`` with a multi-trial strategy) runs a search
-segment by segment (:mod:`retiarii.engine.one_shot`). ``status`` then shows the search
+segment by segment (:mod:`retiarii.engine.driver.one_shot_host`). ``status`` then shows the search
 (segment k of n, models evaluated, the best so far, the selected architecture, the error of a
 failed search) and ``export`` writes the selected architecture, with the weights it inherits
 from the super-network when the strategy offers them. :mod:`retiarii.cli` calls these.
@@ -57,7 +57,7 @@ def print_result(summary: dict, table) -> None:
 
 
 def _summary(store) -> dict:
-    from .engine.segments import SegmentTable
+    from .engine.storage.segments_table import SegmentTable
 
     config = store.get_experiment()["config"]
     return SegmentTable(store).summary(config["strategy"].get("segments"),
@@ -98,9 +98,9 @@ def export(store, db: str, out: str, error: type[Exception]) -> int:
     trust rule, as for any export (:mod:`retiarii.cli_source`)."""
     import torch
 
-    from .engine.checkpoint import CheckpointError
-    from .engine.checkpoint import load as load_checkpoint
-    from .engine.segments import SegmentTable
+    from .engine.storage.checkpoint import CheckpointError
+    from .engine.storage.checkpoint import load as load_checkpoint
+    from .engine.storage.segments_table import SegmentTable
     from .cli_source import export_header, trusted_source
     from .refs import TrustedRefs
 
@@ -149,7 +149,7 @@ def export(store, db: str, out: str, error: type[Exception]) -> int:
 def plot(store, db: str, out: str, plt, error: type[Exception]) -> None:
     """``retiarii plot`` of a one-shot search: each evaluated model's value on the shared
     weights with the best so far, and the strategy's own metrics per segment."""
-    from .engine.segments import SegmentTable
+    from .engine.storage.segments_table import SegmentTable
 
     table = SegmentTable(store)
     config = store.get_experiment()["config"]

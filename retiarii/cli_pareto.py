@@ -24,7 +24,7 @@ def objectives_of(config: dict) -> Objectives | None:
 
 def front_rows(store) -> list[dict]:
     """The models on the front, each with the id of the trial that trained it (its last)."""
-    from .engine.pareto import FrontTable
+    from .engine.storage.pareto import FrontTable
 
     rows = FrontTable(store).front()
     for row in rows:
@@ -77,7 +77,7 @@ def plot_front(store, objectives: Objectives, axes) -> bool:
     """The front of the first two objectives on ``axes[0]`` (every finished model, the
     infeasible ones marked), the hypervolume by models finished on ``axes[1]``; False when no
     model has finished."""
-    from .engine.pareto import FrontTable
+    from .engine.storage.pareto import FrontTable
 
     models = FrontTable(store).models()
     if not models:

@@ -43,8 +43,8 @@ def retrain_experiment(db: str, settings: dict):
     """The experiment that retrains model ``settings["model"]`` of ``db`` (settings: model,
     epochs, workers, seed; kept as the experiment's ``origin["retrain"]``)."""
     from .cli_one_shot import is_one_shot
-    from .engine.experiment import Experiment
-    from .strategies.fixed import FixedArchitecture
+    from .engine.driver.experiment import Experiment
+    from .strategies.multi_trial.fixed import FixedArchitecture
 
     store = open_store(db)
     try:

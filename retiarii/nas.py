@@ -338,8 +338,8 @@ def latency_table(name: str, preset: str, store: str) -> dict:
     latency over the base model's, from the operator table kept in ``store``."""
     import os
 
-    from .engine.op_latency import OpLatencyTable, choice_latencies
-    from .engine.store import Store
+    from .engine.driver.op_latency import OpLatencyTable, choice_latencies
+    from .engine.storage.store import Store
 
     os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
     with Store(store) as db:
@@ -394,8 +394,8 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
     Raises:
         ValueError: ``max_models`` given for a one-shot row.
     """
-    from .engine.experiment import Experiment
-    from .engine.trainer import ClassifierTrainer
+    from .engine.driver.experiment import Experiment
+    from .engine.trainers.trainer import ClassifierTrainer
 
     row = get(name)
     _check(row, preset)

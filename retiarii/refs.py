@@ -168,7 +168,7 @@ def resolve_ref(ref: str, fresh: bool = False) -> Any:
 
     Example::
 
-        resolve_ref("retiarii.engine.trainer:ClassifierTrainer")
+        resolve_ref("retiarii.engine.trainers.trainer:ClassifierTrainer")
         resolve_ref("/home/me/project/spaces.py:SPACE")
 
     Args:

@@ -11,9 +11,9 @@ import signal
 import torch
 from torch import nn
 
-from retiarii.engine.executors.base import Executor, JobFailed
-from retiarii.engine.trainer import ClassifierTrainer
-from retiarii.engine.worker import WorkerContext, run_job
+from retiarii.engine.jobs.job import Executor, JobFailed
+from retiarii.engine.trainers.trainer import ClassifierTrainer
+from retiarii.engine.worker_side.worker import WorkerContext, run_job
 
 
 def ref(attr: str) -> str:
@@ -158,7 +158,7 @@ TRAINER_SGD_COSINE = ClassifierTrainer(dataset="digits", epochs=4, batch_size=32
 
 # ---- a journal that dies mid-write (the driver crashing) ------------------------------------
 
-from retiarii.engine.trials import MemoryJournal  # noqa: E402
+from retiarii.engine.runner.trial_runner import MemoryJournal  # noqa: E402
 
 
 class Crash(Exception):

@@ -9,7 +9,7 @@ jobs of cross-model optimization will.
 """
 from __future__ import annotations
 
-from retiarii.engine.executors.base import (
+from retiarii.engine.jobs.job import (
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine.trainer import Trainer
+from retiarii.engine.trainers.trainer import Trainer
 
 # Synthetic 4-class data, made once per process from a fixed generator.
 _g = torch.Generator().manual_seed(1234)

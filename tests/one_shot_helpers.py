@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.strategies.one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
+from retiarii.strategies.one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 
 
 class PerArchitecture(OneShot):

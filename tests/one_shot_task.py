@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine.trainer import Trainer
-from retiarii.strategies.one_shot import SegmentContext
+from retiarii.engine.trainers.trainer import Trainer
+from retiarii.strategies.one_shot.base import SegmentContext
 
 DIM = 8
 BEST = {"op": "linear", "act": "identity"}

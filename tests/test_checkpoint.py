@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine_helpers import SPACE, TRAINER, TRAINER_SGD_COSINE
-from retiarii.engine import checkpoint as ckpt
-from retiarii.engine.checkpoint import CheckpointError
-from retiarii.engine.trainer import ClassifierTrainer, TrainingError, TrialRun, train_trial
+from retiarii.engine.storage import checkpoint as ckpt
+from retiarii.engine.storage.checkpoint import CheckpointError
+from retiarii.engine.trainers.trainer import ClassifierTrainer, TrainingError, TrialRun, train_trial
 
 SAMPLE = {"width": 6, "dropout": 0.25}  # dropout draws from the torch RNG every batch
 

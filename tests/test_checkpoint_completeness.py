@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine_helpers import TinyCNN, ref
-from retiarii.engine.checkpoint import load
-from retiarii.engine.executors.base import (
+from retiarii.engine.storage.checkpoint import load
+from retiarii.engine.jobs.job import (
     Job, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.local import LocalExecutor
@@ -18,7 +18,7 @@ SPEC = {
     "sample": {"width": 8, "dropout": 0.2},  # dropout: the torch RNG stream must carry over
     # The default trainer by class + config, with momentum and a cosine schedule: every piece
     # of optimizer and scheduler state matters for the next epoch.
-    "trainer": {"class": "retiarii.engine.trainer:ClassifierTrainer",
+    "trainer": {"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
                 "config": {"dataset": "digits", "epochs": EPOCHS, "batch_size": 32,
                            "optimizer": "sgd", "lr": 0.05, "momentum": 0.9,
                            "lr_schedule": "cosine", "seed": 5}},

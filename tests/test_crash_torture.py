@@ -24,7 +24,7 @@ import torch
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space
-from retiarii.engine.store import Store
+from retiarii.engine.storage.store import Store
 
 MODELS = {"evolution": 5,  # population 2: children from the third on (the old bug: the 5th)
           "predictor": 4, "progressive": 4}  # the surrogate ranks the 3rd and 4th
@@ -113,7 +113,7 @@ def _outcome(path) -> dict:
 
 def _run_dying(path, strategy, die_at, how, monkeypatch):
     """Run until the driver dies at write ``die_at`` (or the run ends first); True if it died."""
-    monkeypatch.setattr("retiarii.engine.experiment.Store", DyingStore)
+    monkeypatch.setattr("retiarii.engine.driver.experiment.Store", DyingStore)
     DyingStore.die_at, DyingStore.how, DyingStore.writes, DyingStore.dead = die_at, how, 0, False
     exp = _experiment(path, strategy)
     try:
@@ -125,7 +125,7 @@ def _run_dying(path, strategy, die_at, how, monkeypatch):
         if exp.store is not None and exp.store.db is not None:
             exp.store.db.conn.close()  # what was not committed is lost, as in a dead process
             exp.store.db = None
-        monkeypatch.setattr("retiarii.engine.experiment.Store", Store)
+        monkeypatch.setattr("retiarii.engine.driver.experiment.Store", Store)
     return died
 
 

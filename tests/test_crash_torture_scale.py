@@ -37,8 +37,8 @@ import torch
 
 import torture_driver
 from engine_helpers import InProcessExecutor
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-4  # the fused tolerance of docs/optimization.md

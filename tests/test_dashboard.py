@@ -20,8 +20,8 @@ from exp_space import failing_space, space, trainer
 from retiarii.cli import main
 from retiarii.dashboard import Dashboard
 from retiarii.dashboard.analysis import importance
-from retiarii.engine.lock import StoreLock
-from retiarii.engine.store import Store
+from retiarii.engine.storage.lock import StoreLock
+from retiarii.engine.storage.store import Store
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from retiarii.dashboard import Dashboard
-from retiarii.engine.store import Store
+from retiarii.engine.storage.store import Store
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import test_grouped_jobs as g
-from retiarii.engine.dedicated import DedicatedGroup, EncoderWorker, dedicated_modules
-from retiarii.engine.executors.base import Job, JobFailed, JobFinished, JobProfiled
-from retiarii.engine.grouped import plan_group
-from retiarii.engine.worker import WorkerContext, _units
+from retiarii.engine.worker_side.dedicated_group import DedicatedGroup, EncoderWorker, dedicated_modules
+from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, JobProfiled
+from retiarii.engine.worker_side.training_group import plan_group
+from retiarii.engine.worker_side.worker import WorkerContext, _units
 from retiarii.optim import build_group
-from retiarii.engine.job_contract import GroupOrder
+from retiarii.engine.jobs.contract import GroupOrder
 
 
 def _group_module():
@@ -117,8 +117,8 @@ def test_a_search_with_a_dedicated_device_gives_the_results_of_training_alone(tm
 
     import retiarii as rt
     from engine_helpers import InProcessExecutor
-    from retiarii.engine.plans import PlanTable
-    from retiarii.engine.store import Store
+    from retiarii.engine.storage.plans_table import PlanTable
+    from retiarii.engine.storage.store import Store
 
     def curves(**kwargs):
         db = tmp_path / f"{len(kwargs)}.db"

@@ -31,13 +31,13 @@ from one_shot_helpers import PerArchitecture
 from one_shot_helpers import space as one_shot_space
 from retiarii import determinism
 from retiarii.cli import main
-from retiarii.engine.dedicated import EncoderWorker
-from retiarii.engine.executors.base import FailureKind, Job, JobFailed, JobStarted, TrialTask
+from retiarii.engine.worker_side.dedicated_group import EncoderWorker
+from retiarii.engine.jobs.job import FailureKind, Job, JobFailed, JobStarted, TrialTask
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.segments import SegmentTable
-from retiarii.engine.store import Store
-from retiarii.engine.trainer import ClassifierTrainer
-from retiarii.engine.worker import run_job
+from retiarii.engine.storage.segments_table import SegmentTable
+from retiarii.engine.storage.store import Store
+from retiarii.engine.trainers.trainer import ClassifierTrainer
+from retiarii.engine.worker_side.worker import run_job
 from retiarii.optim.mixed_parallel import spawn
 
 HERE = os.path.abspath(__file__)

@@ -9,8 +9,8 @@ import pytest
 
 import retiarii as rt
 import retiarii.enums
-from retiarii.engine.store import Store
-from retiarii.engine.trials import TrialState as RunnerTrialState
+from retiarii.engine.storage.store import Store
+from retiarii.engine.runner.trial_runner import TrialState as RunnerTrialState
 from retiarii.enums import Mode, ModelStatus, TrialState
 
 from exp_space import space, trainer

@@ -28,10 +28,10 @@ import pytest
 import retiarii as rt
 from engine_helpers import InProcessExecutor, ref
 from retiarii.engine import EnvironmentFailure
-from retiarii.engine.executors.base import Job, JobFailed, JobFinished, TrialResult, TrialTask
+from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, TrialResult, TrialTask
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.store import Store
-from retiarii.engine.worker import run_job
+from retiarii.engine.storage.store import Store
+from retiarii.engine.worker_side.worker import run_job
 
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "retiarii.cli"]
@@ -61,7 +61,7 @@ def _uninterrupted(tmp_path, max_models: int, demo: bool = False) -> list[tuple]
     from exp_space import space, trainer
 
     if demo:
-        from retiarii.engine.trainer import ClassifierTrainer
+        from retiarii.engine.trainers.trainer import ClassifierTrainer
 
         space, trainer = "retiarii.demo:space", ClassifierTrainer(dataset="digits", epochs=3)
     whole = rt.Experiment(space, rt.strategies.Random(seed=0), trainer,
@@ -257,7 +257,7 @@ def test_a_node_removed_from_a_two_node_cluster_stops_then_resumes_on_a_new_node
     from ray.cluster_utils import Cluster
 
     from retiarii.engine.executors.ray import RayExecutor
-    from retiarii.engine.trainer import ClassifierTrainer
+    from retiarii.engine.trainers.trainer import ClassifierTrainer
 
     space, trainer = "retiarii.demo:space", ClassifierTrainer(dataset="digits", epochs=3)
 

@@ -14,7 +14,7 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_driver import experiment
 from exp_space import failing_space, space, trainer
-from retiarii.engine.store import Store
+from retiarii.engine.storage.store import Store
 
 HERE = Path(__file__).resolve().parent
 FINAL = {"TERMINATED", "ERRORED"}
@@ -303,17 +303,17 @@ def test_a_non_finite_final_metric_fails_the_model_and_the_strategy_hears_it(tmp
 
 def test_a_trainer_says_how_workers_rebuild_it():
     """Issue #11.8: Trainer.to_spec() and value_choices(), no special case in the engine."""
-    from retiarii.engine.experiment import trainer_spec
+    from retiarii.engine.driver.experiment import trainer_spec
 
     spec, choices = trainer_spec(trainer)
-    assert spec["class"] == "retiarii.engine.trainer:ClassifierTrainer"
+    assert spec["class"] == "retiarii.engine.trainers.trainer:ClassifierTrainer"
     assert spec["config"]["lr"] == 0.01 and set(choices) == {"lr"}  # the choice's default
 
     class Described(rt.Trainer):  # local: no import reference reaches it, its spec does
         def to_spec(self):
-            return {"class": "retiarii.engine.trainer:ClassifierTrainer", "config": {"lr": 0.5}}
+            return {"class": "retiarii.engine.trainers.trainer:ClassifierTrainer", "config": {"lr": 0.5}}
 
-    assert trainer_spec(Described()) == ({"class": "retiarii.engine.trainer:ClassifierTrainer",
+    assert trainer_spec(Described()) == ({"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
                                          "config": {"lr": 0.5}}, {})
     with pytest.raises(rt.ExperimentError, match="module-level"):
         trainer_spec(rt.Trainer(dataset=(torch.zeros(4, 1, 8, 8), torch.zeros(4).long())))

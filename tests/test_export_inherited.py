@@ -19,9 +19,9 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from retiarii.cli import main
 from retiarii.cli_source import export_header
-from retiarii.engine.segments import SegmentTable
-from retiarii.engine.store import Store
-from retiarii.engine.trainer import ClassifierTrainer
+from retiarii.engine.storage.segments_table import SegmentTable
+from retiarii.engine.storage.store import Store
+from retiarii.engine.trainers.trainer import ClassifierTrainer
 from retiarii.strategies import (DARTS, ENAS, SPOS, GumbelDARTS, ProxylessNAS, SegmentContext)
 
 CPU = torch.device("cpu")

@@ -12,8 +12,8 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from failing_spaces import always_fails, half_builds
 from retiarii import cli
-from retiarii.engine import store_schema
-from retiarii.engine.store import Store
+from retiarii.engine.storage import schema as store_schema
+from retiarii.engine.storage.store import Store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAST = rt.Trainer(dataset="digits", epochs=1, batch_size=512)

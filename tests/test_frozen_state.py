@@ -13,14 +13,14 @@ from torch import nn
 
 import retiarii as rt
 from engine_helpers import InProcessExecutor
-from retiarii.engine import checkpoint as ckpt
-from retiarii.engine.executors.base import Job, JobFinished, TrialResult, TrialTask
-from retiarii.engine.dedicated import DedicatedGroup, dedicated_modules
-from retiarii.engine.grouped import TrainingGroup
-from retiarii.engine.job_contract import GroupOrder
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
-from retiarii.engine.worker import WorkerContext, _open_task, _units, run_job
+from retiarii.engine.storage import checkpoint as ckpt
+from retiarii.engine.jobs.job import Job, JobFinished, TrialResult, TrialTask
+from retiarii.engine.worker_side.dedicated_group import DedicatedGroup, dedicated_modules
+from retiarii.engine.worker_side.training_group import TrainingGroup
+from retiarii.engine.jobs.contract import GroupOrder
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
+from retiarii.engine.worker_side.worker import WorkerContext, _open_task, _units, run_job
 from retiarii.optim.build import GroupError, build_group
 from retiarii.optim.cse import cse
 from retiarii.optim.plan import PlanModel, Role, build_plan
@@ -68,7 +68,7 @@ def _space(dropout=0.0):
 
 SPACE = _space()
 DROP_SPACE = _space(dropout=0.2)
-TRAINER = {"class": "retiarii.engine.trainer:ClassifierTrainer",
+TRAINER = {"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
            "config": {"batch_size": 128, "epochs": 2, "lr": 3e-3, "lr_schedule": "cosine"}}
 HEAD = {"a": "lin", "b": "mlp", "c": "bn", "d": "drop"}
 

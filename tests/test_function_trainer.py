@@ -15,9 +15,9 @@ import torch
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from func_space import LRS, func_trainer, ref_trainer, space, train, tuner
-from retiarii.engine.function_run import FunctionRun
-from retiarii.engine.store import Store
-from retiarii.engine.trial_run import TrainingError
+from retiarii.engine.trainers.function_run import FunctionRun
+from retiarii.engine.storage.store import Store
+from retiarii.engine.trainers.trial_training import TrainingError
 
 HERE = Path(__file__).resolve().parent
 METRICS = ("train_loss", "val_loss", "val_acc")

@@ -7,12 +7,12 @@ the job train CSE-grouped as before."""
 import pytest
 import torch
 
-from retiarii.engine import checkpoint as ckpt
-from retiarii.engine.executors.base import Job, JobFailed, JobFinished, TrialCheckpointed
-from retiarii.engine.fused import FusedGroup, fusable_sets
-from retiarii.engine.grouped import TrainingGroup
-from retiarii.engine.worker import WorkerContext, _units
-from retiarii.engine.job_contract import GroupOrder, HeldLayout
+from retiarii.engine.storage import checkpoint as ckpt
+from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, TrialCheckpointed
+from retiarii.engine.worker_side.fused_group import FusedGroup, fusable_sets
+from retiarii.engine.worker_side.training_group import TrainingGroup
+from retiarii.engine.worker_side.worker import WorkerContext, _units
+from retiarii.engine.jobs.contract import GroupOrder, HeldLayout
 
 import test_grouped_jobs as _g
 
@@ -180,7 +180,7 @@ def test_fused_report_is_measured(tmp_path):
     # the layout chosen already (no probe: its timing would decide between fused and apart)
     chosen = {"cpu": HeldLayout(order=("fused", "cse", "separate"))}
     events = _g._run(_job(tasks, fuse="measure", profile=("a", "d", "e"), layouts=chosen))
-    from retiarii.engine.executors.base import JobProfiled
+    from retiarii.engine.jobs.job import JobProfiled
 
     unit, = next(e for e in events if isinstance(e, JobProfiled)).units
     assert unit["fused"] is True and unit["merged"] is True and unit["batches"] == 24
@@ -230,7 +230,7 @@ class _SaysFusedSlower:
         self.speedup = speedup
 
     def __call__(self, event):
-        from retiarii.engine.executors.base import JobProfiled
+        from retiarii.engine.jobs.job import JobProfiled
 
         if not isinstance(event, JobProfiled):
             return event
@@ -249,7 +249,7 @@ class _SaysFusedSlower:
 def fused_chosen(monkeypatch):
     """The first job's measurement of the layouts (timing-free): fused 2x, CSE 1.5x (on
     copies, ``layouts.probe``, or on the first batches, ``MeasuringGroup._speedups``)."""
-    from retiarii.engine import layouts, measuring
+    from retiarii.engine.worker_side import group_layouts as layouts, measuring_group as measuring
     from retiarii.optim.cost import Layout
 
     monkeypatch.setattr(layouts, "probe", lambda *a, **k: (
@@ -260,8 +260,8 @@ def fused_chosen(monkeypatch):
 
 def test_fusion_measured_slower_is_reverted(tmp_path, fused_chosen):
     import test_optimize as o
-    from retiarii.engine.plans import PlanTable
-    from retiarii.engine.store import Store
+    from retiarii.engine.storage.plans_table import PlanTable
+    from retiarii.engine.storage.store import Store
 
     class Executor(o.Recording):
         rewrite = _SaysFusedSlower(0.5)

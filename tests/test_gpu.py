@@ -40,16 +40,16 @@ import test_grouped_jobs as grouped_jobs
 from retiarii import determinism
 from engine_helpers import DeviceReportingTrainer, TinyCNN
 from exp_space import space as MLP_SPACE
-from retiarii.engine import checkpoint as ckpt
-from retiarii.engine.executors.base import (
+from retiarii.engine.storage import checkpoint as ckpt
+from retiarii.engine.jobs.job import (
     FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.grouped import TrainingGroup
-from retiarii.engine.store import Store
-from retiarii.engine.trainer import ClassifierTrainer
-from retiarii.engine.trial_run import TrialRun
-from retiarii.engine.worker import WorkerContext, _open_task, _units, classify_error
+from retiarii.engine.worker_side.training_group import TrainingGroup
+from retiarii.engine.storage.store import Store
+from retiarii.engine.trainers.trainer import ClassifierTrainer
+from retiarii.engine.trainers.trial_training import TrialRun
+from retiarii.engine.worker_side.worker import WorkerContext, _open_task, _units, classify_error
 from retiarii.optim import build_group, build_plan, cse
 from retiarii.optim.plan import PlanModel
 
@@ -399,7 +399,7 @@ class OomSpace:
 
 
 OOM_SPACE = OomSpace()
-OOM_TRAINER = {"class": "retiarii.engine.trainer:ClassifierTrainer",
+OOM_TRAINER = {"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
                "config": {"dataset": "digits", "epochs": 2, "batch_size": 128, "lr": 3e-3}}
 
 

@@ -8,15 +8,15 @@ import torch
 import retiarii as rt
 from torch import nn
 
-from retiarii.engine import checkpoint as ckpt
-from retiarii.engine.executors.base import (
+from retiarii.engine.storage import checkpoint as ckpt
+from retiarii.engine.jobs.job import (
     Job, JobFailed, JobFinished, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.grouped import GroupCandidate, TrainingGroup, group_tasks, plan_group
-from retiarii.engine.trainer import ClassifierTrainer
-from retiarii.engine.worker import WorkerContext, _units, run_job
-from retiarii.engine.job_contract import GroupOrder
+from retiarii.engine.worker_side.training_group import GroupCandidate, TrainingGroup, group_tasks, plan_group
+from retiarii.engine.trainers.trainer import ClassifierTrainer
+from retiarii.engine.worker_side.worker import WorkerContext, _units, run_job
+from retiarii.engine.jobs.contract import GroupOrder
 
 import test_optim_build as _optim_build
 
@@ -49,7 +49,7 @@ class CloneTrainer(ClassifierTrainer):
 
 CLONE = CloneTrainer(batch_size=128, epochs=2)
 DIE = DieTrainer(batch_size=128, epochs=2, lr=3e-3, lr_schedule="cosine")
-TRAINER = {"class": "retiarii.engine.trainer:ClassifierTrainer",
+TRAINER = {"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
            "config": {"batch_size": 128, "epochs": 2, "lr": 3e-3, "lr_schedule": "cosine"}}
 HEAD = {"a": "drop", "b": "bn", "c": "lin", "d": "drop"}  # d: a's model, another seed
 SEED = {"a": 1, "b": 2, "c": 3, "d": 4}
@@ -135,7 +135,7 @@ def test_grouped_segments_resume_like_one_segment_alone(tmp_path):
 
 
 def _open(task):
-    from retiarii.engine.worker import _open_task
+    from retiarii.engine.worker_side.worker import _open_task
     return _open_task(task, WorkerContext())
 
 
@@ -337,7 +337,7 @@ class _FrozenStats(nn.Module):
 
 
 def test_set_training_sets_every_module_as_module_train_does():
-    from retiarii.engine.trial_run import set_training
+    from retiarii.engine.trainers.trial_training import set_training
 
     def make():
         return nn.Sequential(nn.Linear(4, 4), _FrozenStats(), nn.Sequential(nn.Dropout(0.1)))

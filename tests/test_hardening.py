@@ -19,8 +19,8 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space
 from retiarii import cli
-from retiarii.engine.experiment import ExperimentError
-from retiarii.engine.store import Store
+from retiarii.engine.driver.experiment import ExperimentError
+from retiarii.engine.storage.store import Store
 
 FAST = rt.Trainer(dataset="digits", epochs=1, batch_size=512)
 
@@ -101,7 +101,7 @@ def test_a_second_driver_is_refused_naming_the_holder_and_a_dead_ones_lock_is_ta
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
-            from retiarii.engine.lock import StoreLock
+            from retiarii.engine.storage.lock import StoreLock
             StoreLock({str(db)!r}).acquire()
             print("locked", flush=True)
             time.sleep(120)

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine import checkpoint as ckpt
-from retiarii.engine import data
-from retiarii.engine.executors.base import Job, JobFinished, TrialCheckpointed, TrialTask
-from retiarii.engine.image_trainer import ImageFolderTrainer
-from retiarii.engine.worker import WorkerContext, _open_task, _units
+from retiarii.engine.storage import checkpoint as ckpt
+from retiarii.engine.trainers import data
+from retiarii.engine.jobs.job import Job, JobFinished, TrialCheckpointed, TrialTask
+from retiarii.engine.trainers.image_trainer import ImageFolderTrainer
+from retiarii.engine.worker_side.worker import WorkerContext, _open_task, _units
 
 from test_grouped_jobs import _results, _run, _same
 
@@ -61,7 +61,7 @@ def _config(folder, **kw):
 
 
 def _trainer_spec(folder, **kw):
-    return {"class": "retiarii.engine.image_trainer:ImageFolderTrainer",
+    return {"class": "retiarii.engine.trainers.image_trainer:ImageFolderTrainer",
             "config": _config(folder, **kw)}
 
 

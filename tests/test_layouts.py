@@ -13,12 +13,12 @@ import pytest
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import cnn_space, lr_trainer, mlp_space
-from retiarii.engine import layouts, measuring
-from retiarii.engine.executors.base import JobFailed, JobFinished, JobProfiled, JobStarted
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
+from retiarii.engine.worker_side import group_layouts as layouts, measuring_group as measuring
+from retiarii.engine.jobs.job import JobFailed, JobFinished, JobProfiled, JobStarted
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
 from retiarii.optim.cost import Layout, choose_layout, describe, probe_speedups
-from retiarii.engine.job_contract import GroupOrder, HeldLayout
+from retiarii.engine.jobs.contract import GroupOrder, HeldLayout
 
 import test_fused_jobs as f
 import test_optimize as o
@@ -296,7 +296,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     their streams): every candidate gets a speed-up, and with CSE applied whatever it measured,
     every metric and checkpoint equals a job that measured nothing, bit for bit."""
     import test_grouped_jobs as g
-    from retiarii.engine.executors.base import Job
+    from retiarii.engine.jobs.job import Job
 
     real = layouts.choose_layout
     monkeypatch.setattr(layouts, "choose_layout", lambda speedups: real(
@@ -323,7 +323,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
 
 def test_a_given_choice_is_applied_without_measuring(tmp_path, monkeypatch):
     import test_grouped_jobs as g
-    from retiarii.engine.executors.base import Job
+    from retiarii.engine.jobs.job import Job
 
     monkeypatch.setattr(layouts, "probe", lambda *a: pytest.fail("measured again"))
     tasks = [f._task(t, tmp_path) for t in "adeb"]
@@ -357,8 +357,8 @@ def test_one_alone_profile_per_architecture(tmp_path, monkeypatch):
     trial gets its architecture's time; a later job told the times per architecture (as the
     runner tells it) profiles none."""
     import test_grouped_jobs as g
-    from retiarii.engine import grouped
-    from retiarii.engine.executors.base import Job
+    from retiarii.engine.worker_side import training_group as grouped
+    from retiarii.engine.jobs.job import Job
 
     calls = []
     real = grouped.step_seconds
@@ -424,7 +424,7 @@ def test_status_gives_one_figure_per_run_with_what_was_shared_and_the_time_saved
 
 def test_a_layout_whose_warm_up_is_far_too_slow_is_not_timed(tmp_path, monkeypatch):
     import test_grouped_jobs as g
-    from retiarii.engine.executors.base import Job
+    from retiarii.engine.jobs.job import Job
 
     monkeypatch.setattr(layouts, "ABORT", 0.0)  # every warm-up is "far too slow"
     monkeypatch.setattr(layouts, "ABORT_CPU", 0.0)

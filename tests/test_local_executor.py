@@ -12,15 +12,15 @@ import torch
 
 from engine_helpers import ref
 from executor_contract import ExecutorContract, wait_for
-from retiarii.engine.checkpoint import load
-from retiarii.engine.executors.base import (
+from retiarii.engine.storage.checkpoint import load
+from retiarii.engine.jobs.job import (
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.store import Store
-from retiarii.engine.trials import TrialRunner
-from retiarii.strategies.scheduler import Scheduler
-from retiarii.engine.worker import WorkerContext, run_job
+from retiarii.engine.storage.store import Store
+from retiarii.engine.runner.trial_runner import TrialRunner
+from retiarii.strategies.schedulers.base import Scheduler
+from retiarii.engine.worker_side.worker import WorkerContext, run_job
 from retiarii.refs import resolve_ref
 
 TIMEOUT = 120  # seconds to wait for any one event: generous for a loaded 2-core machine
@@ -281,21 +281,21 @@ def test_several_failures_in_one_job_name_every_culprit():
 
 def test_trainer_spec_forms_and_references():
     context = WorkerContext()
-    trainer = context.trainer({"class": "retiarii.engine.trainer:ClassifierTrainer",
+    trainer = context.trainer({"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
                                "config": {"epochs": 2, "lr": 0.01}})
     assert trainer.config.lr == 0.01
-    assert context.trainer({"class": "retiarii.engine.trainer:ClassifierTrainer",
+    assert context.trainer({"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
                             "config": {"lr": 0.01, "epochs": 2}}) is trainer  # cached
     assert context.trainer(ref("TRAINER")).config.epochs == 4
-    assert resolve_ref("retiarii.engine.store:Store.close").__name__ == "close"
+    assert resolve_ref("retiarii.engine.storage.store:Store.close").__name__ == "close"
     with pytest.raises(ValueError, match="must be absolute"):
         resolve_ref("relative/file.py:X")
     with pytest.raises(ValueError, match="must look like"):
         resolve_ref("no_colon")
     with pytest.raises(TypeError, match="no build"):
-        context.space("retiarii.engine.store:Store")
+        context.space("retiarii.engine.storage.store:Store")
     with pytest.raises(TypeError, match="not a Trainer subclass"):
-        context.trainer({"class": "retiarii.engine.store:Store"})
+        context.trainer({"class": "retiarii.engine.storage.store:Store"})
 
 
 def test_pump_thread_blocks_without_polling(ex):

@@ -20,12 +20,12 @@ import retiarii as rt
 import test_grouped_jobs as g
 import test_optimize as o
 from exp_space import EXAMPLE, mlp_space
-from retiarii.engine import grouped, measuring
-from retiarii.engine.executors.base import Job, JobFailed, JobFinished, JobProfiled, TrialTask
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
+from retiarii.engine.worker_side import training_group as grouped, measuring_group as measuring
+from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, JobProfiled, TrialTask
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
 from retiarii.optim.cost import NOISE_FLOOR, Layout, Verdict, judge_segment
-from retiarii.engine.job_contract import GroupOrder
+from retiarii.engine.jobs.contract import GroupOrder
 from test_layouts import Measured
 
 C, F = Layout.CSE, Layout.FUSED
@@ -228,14 +228,14 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
     """A fused step pays each model's share of a grouped step (proxies, RNG streams): when
     what the CSE step costs beyond the models' own steps is over the best step (forced
     here by weighting it), no fused copy is built or stepped."""
-    from retiarii.engine import layouts
+    from retiarii.engine.worker_side import group_layouts as layouts
 
     monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 1e9)
     monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
     monkeypatch.setattr(layouts, "step_times", lambda *a, **k: pytest.fail("fused measured"))
     # Per-model work a grouped step pays and a model alone does not (switching its RNG streams
     # in): made heavy, so that it shows above the noise of the steps measured alone.
-    from retiarii.engine import grouped
+    from retiarii.engine.worker_side import training_group as grouped
     use = grouped._Streams.use
 
     def heavy_use(self, trial):
@@ -284,7 +284,7 @@ def _measured_job(tasks):
 def _close_to_alone(events, tasks, alone_tasks):
     """Every metric within fused tolerance of training alone (1e-4 relative), and not equal
     to it (something trained fused); every checkpoint within rtol 1e-4, atol 1e-6."""
-    from retiarii.engine import checkpoint as ckpt
+    from retiarii.engine.storage import checkpoint as ckpt
 
     expected, got = g._alone(alone_tasks), g._results(events)
     assert got.keys() == expected.keys()

@@ -9,8 +9,8 @@ import retiarii as rt
 import test_optimize as o
 from engine_helpers import InProcessExecutor
 from exp_space import lr_trainer, mlp_space
-from retiarii.engine.placing import Packer
-from retiarii.engine.trial import Trial
+from retiarii.engine.runner.packer import Packer
+from retiarii.engine.runner.trial import Trial
 
 GB = 1 << 30
 

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from retiarii.optim.mixed_parallel import (RankError, size_buckets, _Share, average_used_gradients,
                                            run_segment_on_ranks, spawn)
-from retiarii.strategies.one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
+from retiarii.strategies.one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 
 TOL = 1e-5  # relative to each tensor's largest magnitude
 

@@ -8,10 +8,10 @@ import pytest
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space
-from retiarii.engine.store import Store
+from retiarii.engine.storage.store import Store
 from retiarii.scalarization import MnasNetReward
 from retiarii.strategies import ASHA, MOASHA, Decision, HyperTrick, MedianStopping, Scalarized
-from retiarii.strategies.moasha import nsga_order
+from retiarii.strategies.schedulers.moasha import nsga_order
 
 
 def _at(t, **metrics):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import retiarii as rt
 from retiarii import nas
 from retiarii.cli import main
-from retiarii.engine.trainer import load_dataset
+from retiarii.engine.trainers.trainer import load_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLEMENTED = [row.name for row in nas.implemented()]

@@ -286,7 +286,7 @@ def test_a_grown_model_trains_a_step(name):
     space = nas.build_space(name, "small")
     model = space.sample(Chain(1, 0.8))
     net = space.build(model.sample)
-    from retiarii.engine.trainer import load_dataset
+    from retiarii.engine.trainers.trainer import load_dataset
 
     x, y = load_dataset("digits")
     before = [p.detach().clone() for p in net.parameters()]

@@ -10,11 +10,11 @@ import torch
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space
-from retiarii.engine import store as store_module
-from retiarii.engine.costs import CostMeter
-from retiarii.engine.experiment import ExperimentError
-from retiarii.engine.pareto import FrontTable
-from retiarii.engine.store import Store
+from retiarii.engine.storage import store as store_module
+from retiarii.engine.driver.costs import CostMeter
+from retiarii.engine.driver.experiment import ExperimentError
+from retiarii.engine.storage.pareto import FrontTable
+from retiarii.engine.storage.store import Store
 from retiarii.objectives import Objectives, pareto_indices
 
 TRAINER = rt.Trainer(dataset="digits", epochs=1, batch_size=256,

@@ -16,9 +16,9 @@ import torch
 from engine_helpers import InProcessExecutor
 from retiarii import nas
 from retiarii.cli import main
-from retiarii.engine import trainer as trainer_module
-from retiarii.engine.segments import SegmentTable
-from retiarii.engine.store import Store
+from retiarii.engine.trainers import trainer as trainer_module
+from retiarii.engine.storage.segments_table import SegmentTable
+from retiarii.engine.storage.store import Store
 
 ONE_SHOT_ROWS = [row.name for row in nas.ROWS if row.one_shot]
 # the smallest budget of each strategy: a tiny run that still searches

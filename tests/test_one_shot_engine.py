@@ -21,11 +21,12 @@ from engine_helpers import InProcessExecutor
 from one_shot_helpers import PerArchitecture, space, trainer
 from one_shot_helpers import strategy as file_strategy
 from retiarii.cli import main
-from retiarii.engine import LocalExecutor, checkpoint
-from retiarii.engine.one_shot import OneShotRun
-from retiarii.engine.segments import SegmentTable
-from retiarii.engine.store import Store
-from retiarii.strategies.one_shot import SegmentContext
+from retiarii.engine import LocalExecutor
+from retiarii.engine.storage import checkpoint
+from retiarii.engine.driver.one_shot_host import OneShotRun
+from retiarii.engine.storage.segments_table import SegmentTable
+from retiarii.engine.storage.store import Store
+from retiarii.strategies.one_shot.base import SegmentContext
 
 EPOCHS, PER_SEGMENT = 3, 2
 
@@ -290,7 +291,7 @@ def test_options_a_one_shot_search_cannot_honour_are_refused(tmp_path, option, v
 def test_a_searched_trainer_setting_is_held_and_the_simulator_refused(tmp_path):
     """Issue #28: a searched trainer setting is held at its first value during the search
     (the worker's hparams), said once when run() starts, before any worker does."""
-    from retiarii.engine.one_shot import HeldHyperParameters, OneShotRun
+    from retiarii.engine.driver.one_shot_host import HeldHyperParameters, OneShotRun
 
     searched = rt.Trainer(dataset="digits", lr=rt.ValueChoice([0.1, 0.01], label="lr"))
     exp = rt.Experiment(space, PerArchitecture(), searched, store=str(tmp_path / "x.db"))

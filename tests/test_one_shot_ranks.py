@@ -11,8 +11,8 @@ from one_shot_task import LinearTask, make_space
 from retiarii.optim.mixed_parallel import run_segment_on_ranks
 from retiarii.sampler import RandomSampler
 from retiarii.strategies import ENAS, SPOS
-from retiarii.strategies.one_shot import SegmentContext
-from retiarii.strategies.shared_training import SharedTraining, rank_rngs
+from retiarii.strategies.one_shot.base import SegmentContext
+from retiarii.strategies.one_shot.shared_training import SharedTraining, rank_rngs
 
 CPU = torch.device("cpu")
 WORLD = 2

@@ -7,10 +7,10 @@ import torch
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space
-from retiarii.engine import op_latency
-from retiarii.engine.op_latency import OpLatencyTable, describe, operator_calls
-from retiarii.engine.pareto import FrontTable
-from retiarii.engine.store import Store
+from retiarii.engine.driver import op_latency
+from retiarii.engine.driver.op_latency import OpLatencyTable, describe, operator_calls
+from retiarii.engine.storage.pareto import FrontTable
+from retiarii.engine.storage.store import Store
 
 
 class Net(torch.nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import retiarii as rt
-from retiarii.engine import checkpoint as ckpt
+from retiarii.engine.storage import checkpoint as ckpt
 from retiarii.optim.batching import batch_independent, batching
 from retiarii.optim.build import build_group
 from retiarii.optim.cse import cse

@@ -7,8 +7,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import retiarii as rt
-from retiarii.engine.trainer import ClassifierTrainer
-from retiarii.engine.trial_run import TrialRun, _to_device
+from retiarii.engine.trainers.trainer import ClassifierTrainer
+from retiarii.engine.trainers.trial_training import TrialRun, _to_device
 from retiarii.optim.build import GroupError, build_group
 from retiarii.optim.cse import cse
 from retiarii.optim.plan import PlanModel, build_plan

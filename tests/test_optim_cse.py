@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine import checkpoint as ckpt
+from retiarii.engine.storage import checkpoint as ckpt
 from retiarii.optim.build import build_group
 from retiarii.optim.cse import cse
 from retiarii.optim.plan import PlanModel, Role, build_plan

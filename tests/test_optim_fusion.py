@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import retiarii as rt
-from retiarii.engine import checkpoint as ckpt
+from retiarii.engine.storage import checkpoint as ckpt
 from retiarii.optim.fused_optim import FusedOptimizer
 from retiarii.optim.fusion import FusionError, fusable_groups, fuse_models, fusion_key
 
@@ -454,8 +454,8 @@ def test_trial_runs_train_fused_and_checkpoint_as_alone(tmp_path):
     """TrialRuns (the engine's per-trial state) fused for an epoch: each run's checkpoint
     (weights, optimizer, cosine schedule, RNG streams with dropout drawn in them, position)
     equals its alone run's, and a run resumed alone from it trains on as if never fused."""
-    from retiarii.engine.trainer import ClassifierTrainer
-    from retiarii.engine.trial_run import TrialRun
+    from retiarii.engine.trainers.trainer import ClassifierTrainer
+    from retiarii.engine.trainers.trial_training import TrialRun
 
     trainer = ClassifierTrainer(epochs=2, batch_size=128, lr_schedule="cosine")
     hps = [{"lr": 1e-3}, {"lr": 3e-3}, {"lr": 2e-3}]

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine.trainer import ClassifierTrainer
+from retiarii.engine.trainers.trainer import ClassifierTrainer
 from retiarii.modspec import is_frozen
 from retiarii.optim.plan import PlanError, PlanModel, Role, build_plan
 from retiarii.space import SpaceError
@@ -100,7 +100,7 @@ def test_frozen_fingerprint_detects_other_values():
 
 
 def test_the_experiment_records_the_frozen_fingerprint():
-    from retiarii.engine.experiment_support import space_fingerprint as _space_fingerprint
+    from retiarii.engine.driver.experiment_support import space_fingerprint as _space_fingerprint
     space = make_space()
     assert _space_fingerprint(space)["frozen"] == space.frozen_fingerprint()
     assert "frozen" not in _space_fingerprint(rt.ModelSpace(nn.Sequential(nn.Linear(2, 2))))

@@ -12,15 +12,15 @@ import pytest
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import failing_space, space
-from retiarii.engine.executors.base import FailureKind, JobFailed, JobFinished, JobProfiled, JobStarted
+from retiarii.engine.jobs.job import FailureKind, JobFailed, JobFinished, JobProfiled, JobStarted
 from retiarii.engine.executors.simulated import SimulatedExecutor
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
-from retiarii.engine.trials import TrialRunner, TrialState
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
+from retiarii.engine.runner.trial_runner import TrialRunner, TrialState
 from retiarii.optim.cost import merged_speedup, slower_than_apart
 from retiarii.strategies import Scheduler
-from retiarii.strategies.scheduler import Decision
-from retiarii.engine.grouping import JobPlanner
+from retiarii.strategies.schedulers.base import Decision
+from retiarii.engine.runner.planner import JobPlanner
 
 TRAINER = rt.Trainer(dataset="digits", epochs=3, batch_size=256,
                      lr=rt.ValueChoice([0.01, 0.03, 0.1], label="lr"))

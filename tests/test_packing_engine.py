@@ -12,12 +12,12 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space
 from retiarii.engine.executors.simulated import SimulatedExecutor
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
-from retiarii.engine.trials import TrialRunner
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
+from retiarii.engine.runner.trial_runner import TrialRunner
 from retiarii.strategies import Scheduler
-from retiarii.engine.grouping import JobPlanner
-from retiarii.engine.placing import Packer
+from retiarii.engine.runner.planner import JobPlanner
+from retiarii.engine.runner.packer import Packer
 
 TRAINER = rt.Trainer(dataset="digits", epochs=2, batch_size=256,
                      lr=rt.ValueChoice([0.01, 0.03, 0.1], label="lr"))

@@ -17,8 +17,8 @@ import pytest
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
 from retiarii.optim import PassResult, PlanModel, build_plan, cse
 from retiarii.optim.cost import Layout
 from retiarii.optim.passes import (

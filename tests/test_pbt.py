@@ -9,8 +9,8 @@ import random
 import pytest
 
 from retiarii.engine.executors.simulated import SimulatedExecutor
-from retiarii.engine.trials import MemoryJournal, TrialRunner, TrialState
-from retiarii.engine.executors.base import Job, TrialResult, TrialTask
+from retiarii.engine.runner.trial_runner import MemoryJournal, TrialRunner, TrialState
+from retiarii.engine.jobs.job import Job, TrialResult, TrialTask
 from retiarii.strategies import PBT, Categorical, Continuous, Discrete, Integer
 
 from engine_helpers import Crash, CrashingJournal

@@ -11,8 +11,8 @@ from torch import nn
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import EXAMPLE, FixedMLP
-from retiarii.engine import store_schema
-from retiarii.engine.store import Store
+from retiarii.engine.storage import schema as store_schema
+from retiarii.engine.storage.store import Store
 from retiarii.strategies import PBT, Continuous
 
 

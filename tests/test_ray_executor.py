@@ -28,16 +28,16 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'reti
 import retiarii as rt  # noqa: E402
 from engine_helpers import InProcessExecutor, ref  # noqa: E402
 from executor_contract import ExecutorContract, wait_for  # noqa: E402
-from retiarii.engine.checkpoint import load  # noqa: E402
-from retiarii.engine.executors.base import (  # noqa: E402
+from retiarii.engine.storage.checkpoint import load  # noqa: E402
+from retiarii.engine.jobs.job import (  # noqa: E402
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
 from retiarii.engine.executors.ray import RayExecutor  # noqa: E402
-from retiarii.engine.store import Store  # noqa: E402
-from retiarii.engine.trials import TrialRunner  # noqa: E402
-from retiarii.engine.worker import run_job  # noqa: E402
-from retiarii.strategies.scheduler import Scheduler  # noqa: E402
+from retiarii.engine.storage.store import Store  # noqa: E402
+from retiarii.engine.runner.trial_runner import TrialRunner  # noqa: E402
+from retiarii.engine.worker_side.worker import run_job  # noqa: E402
+from retiarii.strategies.schedulers.base import Scheduler  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 120  # seconds to wait for any one event: generous for a loaded 2-core machine
@@ -498,7 +498,7 @@ def test_bad_arguments_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="must be >= 0"):
         RayExecutor(num_gpus=-1)
     from exp_space import space, trainer
-    from retiarii.engine.experiment import ExperimentError
+    from retiarii.engine.driver.experiment import ExperimentError
 
     with pytest.raises(ExperimentError, match="unknown executor 'dask'; valid: local, ray"):
         rt.Experiment(space, rt.strategies.Random(seed=0), trainer, executor="dask")

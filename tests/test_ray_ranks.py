@@ -18,13 +18,13 @@ import torch
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'retiarii[ray]')")
 
 import retiarii as rt  # noqa: E402
-from retiarii.engine.executors.base import Job, JobFailed, JobStarted, TrialTask  # noqa: E402
+from retiarii.engine.jobs.job import Job, JobFailed, JobStarted, TrialTask  # noqa: E402
 from retiarii.engine.executors.local import LocalExecutor  # noqa: E402
 from retiarii.engine.executors.ray import RayExecutor  # noqa: E402
 from retiarii.engine.executors.ray_ranks import (  # noqa: E402
     PlacementError, RankLost, remove_groups, run_segment_on_actors,
 )
-from retiarii.engine.one_shot_worker import strategy_spec  # noqa: E402
+from retiarii.engine.worker_side.one_shot_segment import strategy_spec  # noqa: E402
 from retiarii.optim.mixed_parallel import RankError, run_segment_on_ranks  # noqa: E402
 from test_one_shot_ranks import build_spos  # noqa: E402
 
@@ -146,8 +146,8 @@ def test_a_rank_that_raises_is_named_and_nothing_is_left(ex):
 
 @pytest.mark.slow  # two rank actors, and the grace the others get to report: ~14 s
 def test_a_rank_whose_actor_dies_is_named_and_retried_as_the_environment_s_fault(ex):
-    from retiarii.engine.executors.base import FailureKind
-    from retiarii.engine.worker import classify_error
+    from retiarii.engine.jobs.job import FailureKind
+    from retiarii.engine.worker_side.worker import classify_error
 
     with pytest.raises(RankLost, match="rank 1 of 2 failed") as info:
         run_segment_on_actors(build_dying, None, WORLD, num_cpus=RANK_CPUS,
@@ -164,8 +164,8 @@ def test_a_group_the_cluster_cannot_place_is_a_clear_error(ex):
         run_segment_on_actors(build_spos, None, WORLD, num_cpus=64, sys_path=list(sys.path),
                               placement_timeout=2, group_prefix="t-big-")
     assert time.monotonic() - started < 60  # the timeout, not a hang
-    from retiarii.engine.executors.base import FailureKind
-    from retiarii.engine.worker import classify_error
+    from retiarii.engine.jobs.job import FailureKind
+    from retiarii.engine.worker_side.worker import classify_error
 
     with pytest.raises(PlacementError) as info:  # the environment's fault: retried
         run_segment_on_actors(build_spos, None, WORLD, num_cpus=64, placement_timeout=0.5)

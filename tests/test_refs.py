@@ -19,7 +19,7 @@ import torch
 import retiarii as rt
 from retiarii import codec
 from retiarii.codegen import to_source
-from retiarii.engine import worker
+from retiarii.engine.worker_side import worker
 from retiarii.refs import (
     RefError, TrustedRefs, load_file_module, only_trusted, ref_of, resolve_ref,
 )
@@ -284,7 +284,7 @@ def test_trusted_refs_rule():
     for bad in ("posix:system", "os:system", "builtins:eval", "builtins:open", "torch:load",
                 "torch.hub:load", "torch.utils.cpp_extension:load_inline", "operator:attrgetter",
                 "/home/me/other.py:x", "torch:Tensor.__reduce_ex__", "subprocess:run",
-                "retiarii.engine.worker:run_job"):
+                "retiarii.engine.worker_side.worker:run_job"):
         with pytest.raises(RefError, match="refusing"):
             rule.check(bad)
     package = TrustedRefs("mypkg.spaces:space")
@@ -292,11 +292,11 @@ def test_trusted_refs_rule():
     with pytest.raises(RefError):
         package.check("otherpkg:Cell")
     with pytest.raises(RefError):  # the demo's space trusts the demo, not all of retiarii
-        TrustedRefs("retiarii.demo:space").check("retiarii.engine.worker:run_job")
+        TrustedRefs("retiarii.demo:space").check("retiarii.engine.worker_side.worker:run_job")
     # `retiarii nas run`'s spaces are built from the model_spaces package, and name it only
     launcher = TrustedRefs("retiarii.nas:SPACES.enas_rnn.small")
     launcher.check("model_spaces.recurrent:RecurrentNet")
-    for bad in ("retiarii.engine.worker:run_job", "model_spaces_evil:x", "os:system"):
+    for bad in ("retiarii.engine.worker_side.worker:run_job", "model_spaces_evil:x", "os:system"):
         with pytest.raises(RefError):
             launcher.check(bad)
     with pytest.raises(RefError):
@@ -364,7 +364,7 @@ def test_experiment_takes_the_module_that_defines_an_object(tmp_path):
             "trainer = rt.Trainer(dataset=(torch.zeros(4, 1, 8, 8), "
             "torch.zeros(4, dtype=torch.long)), epochs=1)\n")
         import trainer_home
-        from retiarii.engine.experiment import object_ref
+        from retiarii.engine.driver.experiment import object_ref
 
         main = sys.modules["__main__"]
         main.__dict__["_test_alias_trainer"] = trainer_home.trainer

@@ -12,7 +12,7 @@ import retiarii as rt
 from exp_space import space, trainer
 from retiarii import nas, registry
 from retiarii.cli import main
-from retiarii.engine.executors.base import Executor
+from retiarii.engine.jobs.job import Executor
 from retiarii.strategies import OneShot, Scheduler, Strategy
 
 

@@ -20,12 +20,13 @@ from torch import fx, nn
 
 import retiarii as rt
 from retiarii.cli_inspect import optimization_line
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.store import Store
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.store import Store
 import test_optimize as o
 from engine_helpers import InProcessExecutor
 from exp_space import lr_trainer, mlp_space
-from retiarii.engine import clock, grouped, layouts, measuring, worker
+from retiarii.engine.worker_side import compute_clock as clock, group_layouts as layouts, worker
+from retiarii.engine.worker_side import measuring_group as measuring, training_group as grouped
 from retiarii.optim import device_model as dm
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import retiarii as rt
 from retiarii import cli
-from retiarii.engine.store import Store
+from retiarii.engine.storage.store import Store
 from retiarii.sampler import SampleError
 
 SPACE_FILE = '''
@@ -109,7 +109,7 @@ def test_retrain_refuses_a_model_the_store_lacks(tmp_path, capsys):
 
 @pytest.mark.slow  # a one-shot search, then two trainings (~60 s here)
 def test_retrain_a_one_shot_result_searches_the_trainer_hyper_parameters(tmp_path, capsys):
-    from retiarii.engine.one_shot import HeldHyperParameters
+    from retiarii.engine.driver.one_shot_host import HeldHyperParameters
 
     with pytest.warns(HeldHyperParameters, match=r"held at lr=0.01") as said:
         db = _run(tmp_path, "--strategy", "spos", "--epochs", "1")

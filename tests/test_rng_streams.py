@@ -21,9 +21,9 @@ from torch import nn
 import retiarii as rt
 from model_spaces import adapters
 from model_spaces._mobile import mobilenetv2
-from retiarii.engine import grouped
-from retiarii.engine.grouped import TrainingGroup, plan_group
-from retiarii.engine.trainer import ClassifierTrainer, Trainer, TrialRun
+from retiarii.engine.worker_side import training_group as grouped
+from retiarii.engine.worker_side.training_group import TrainingGroup, plan_group
+from retiarii.engine.trainers.trainer import ClassifierTrainer, Trainer, TrialRun
 from retiarii.optim.plan import _traced_may_draw, may_draw_random
 
 

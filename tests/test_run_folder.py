@@ -16,12 +16,12 @@ import pytest
 import retiarii as rt
 from exp_space import space
 from retiarii.engine import EnvironmentFailure
-from retiarii.engine.checkpoint import CheckpointDir, CheckpointPathError
-from retiarii.engine.executors.base import Executor, JobFailed, TrialCheckpointed
+from retiarii.engine.storage.checkpoint import CheckpointDir, CheckpointPathError
+from retiarii.engine.jobs.job import Executor, JobFailed, TrialCheckpointed
 from retiarii.engine.executors.simulated import SimulatedExecutor
-from retiarii.engine.store import Store
-from retiarii.engine.trials import MemoryJournal, Trial, TrialRunner, TrialState
-from retiarii.engine.worker import WorkerContext, run_job
+from retiarii.engine.storage.store import Store
+from retiarii.engine.runner.trial_runner import MemoryJournal, Trial, TrialRunner, TrialState
+from retiarii.engine.worker_side.worker import WorkerContext, run_job
 from retiarii.strategies import Scheduler
 
 TRAINER = rt.Trainer(dataset="digits", epochs=3, batch_size=512)
@@ -283,7 +283,7 @@ def test_the_runner_falls_back_when_the_simulated_disk_lost_a_checkpoint():
 
 
 def test_names_and_the_absolute_paths_of_older_stores(tmp_path):
-    from retiarii.engine.checkpoint import legacy_name
+    from retiarii.engine.storage.checkpoint import legacy_name
 
     root = str(tmp_path / "b" / "exp.checkpoints")
     folder = CheckpointDir(root)

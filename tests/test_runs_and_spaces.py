@@ -9,7 +9,7 @@ import pytest
 
 from engine_helpers import InProcessExecutor
 from retiarii import cli, refs
-from retiarii.engine.store import Store
+from retiarii.engine.storage.store import Store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -160,7 +160,7 @@ def test_a_budget_inside_the_start_up_warns_once_naming_the_numbers(tmp_path):
 
     import retiarii as rt
     from exp_space import space, trainer
-    from retiarii.engine.experiment_checks import BudgetWarning
+    from retiarii.engine.driver.experiment_checks import BudgetWarning
 
     exp = rt.Experiment(space, "evolution", trainer, store=str(tmp_path / "b.db"),
                         executor=InProcessExecutor(), max_models=2, optimize=False, workers=1)
@@ -176,7 +176,7 @@ def test_a_budget_inside_the_start_up_warns_once_naming_the_numbers(tmp_path):
 
 def test_the_start_up_of_each_learning_strategy_is_named():
     import retiarii as rt
-    from retiarii.engine.experiment_checks import budget_warning
+    from retiarii.engine.driver.experiment_checks import budget_warning
 
     tpe = budget_warning(rt.strategies.TPE(n_startup=10), 5, 1, 1)
     assert "max_models=5" in tpe and "n_startup=10 random models" in tpe

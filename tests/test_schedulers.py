@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from retiarii.strategies import ASHA, HyperTrick, Hyperband, MedianStopping, PBT, Scheduler
-from retiarii.strategies import pbt
-from retiarii.strategies.asha import rung_milestones
-from retiarii.strategies.hyperband import bracket_plan
-from retiarii.strategies.hypertrick import (
+from retiarii.strategies.schedulers import pbt
+from retiarii.strategies.schedulers.asha import rung_milestones
+from retiarii.strategies.schedulers.hyperband import bracket_plan
+from retiarii.strategies.schedulers.hypertrick import (
     dcm_threshold, expected_completion_rate, min_completion_rate,
 )
-from retiarii.strategies.scheduler import Decision
+from retiarii.strategies.schedulers.base import Decision
 
 C, P, S = Decision.CONTINUE, Decision.PAUSE, Decision.STOP
 
@@ -436,7 +436,7 @@ def test_asha_decides_as_ray(seed):
 
 
 def test_replay_log_calls_one_handler_per_event_in_order():
-    from retiarii.strategies.scheduler import replay_log
+    from retiarii.strategies.schedulers.base import replay_log
 
     seen = []
     replay_log([["a", 1, 2], ["b"], ["a", 3, 4]],

@@ -12,10 +12,10 @@ from one_shot_task import LinearTask, make_space, run
 from retiarii.cli import main
 from retiarii.cli_one_shot import print_result
 from retiarii.cli_common import format_table as table
-from retiarii.engine.selection_notes import selection_warnings
-from retiarii.engine.segments import SegmentTable
-from retiarii.engine.store import Store
-from retiarii.engine.trainer import ClassifierTrainer
+from retiarii.engine.storage.selection_notes import selection_warnings
+from retiarii.engine.storage.segments_table import SegmentTable
+from retiarii.engine.storage.store import Store
+from retiarii.engine.trainers.trainer import ClassifierTrainer
 from retiarii.sampler import sample_key
 from retiarii.strategies import ENAS
 
@@ -23,7 +23,7 @@ CHANCE = {"metric": "val_acc", "value": 0.1, "n": 360, "how": "always one class 
 
 
 def _store(path, models: list[tuple[dict, float]], selected: dict, chance=CHANCE,
-           strategy="retiarii.strategies.enas:ENAS") -> str:
+           strategy="retiarii.strategies.one_shot.enas:ENAS") -> str:
     """A finished one-shot search by hand: one segment evaluating ``models`` in order."""
     config = {"strategy": {"class": strategy, "config": {}, "one_shot": True, "segments": 1},
               "metric": "val_acc", "mode": "max", "chance": chance}
@@ -118,7 +118,7 @@ def test_without_a_known_chance_only_ties_are_judged():
 def test_status_and_the_run_output_warn(tmp_path, capsys):
     models = [({"k": i}, 0.0919) for i in range(24)]
     db = _store(tmp_path / "ofa.db", models, {"k": 0},
-                strategy="retiarii.strategies.spos:SPOS")
+                strategy="retiarii.strategies.one_shot.spos:SPOS")
     assert main(["status", db]) == 0
     out = capsys.readouterr().out
     assert "warning: the selection is not better than chance" in out
@@ -166,7 +166,7 @@ TIE_SPACE = _tie_space()
 def test_a_python_user_is_warned_of_a_tied_selection(tmp_path):
     import retiarii as rt
     from engine_helpers import InProcessExecutor
-    from retiarii.engine.one_shot import SelectionWarning
+    from retiarii.engine.driver.one_shot_host import SelectionWarning
 
     spos = rt.strategies.SPOS(train_segments=1, search_population=2, search_generations=1,
                               seed=1)

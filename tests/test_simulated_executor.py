@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from retiarii.engine.executors.base import (
+from retiarii.engine.jobs.job import (
     Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.simulated import SimulatedExecutor

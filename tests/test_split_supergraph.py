@@ -18,8 +18,8 @@ from retiarii.optim.packing import PackingError
 from retiarii.optim.split import split_paths
 from retiarii.sampler import RandomSampler
 from retiarii.strategies import SPOS
-from retiarii.strategies.one_shot import SegmentContext
-from retiarii.strategies.shared_training import SharedTraining, rank_rngs
+from retiarii.strategies.one_shot.base import SegmentContext
+from retiarii.strategies.one_shot.shared_training import SharedTraining, rank_rngs
 
 CPU = torch.device("cpu")
 LINEAR = (DIM * DIM + DIM) * 4 * 4  # bytes of a trained Linear(8, 8) under Adam (w, g, 2 moments)
@@ -143,7 +143,7 @@ def _reference(memory: float, world: int) -> tuple[dict, object]:
     data = trainer.train_dataloader({}, 0)
     steps = len(data) // world
     samples = [space.sample(RandomSampler(g)).sample for _ in range(steps) for g in rngs]
-    from retiarii.strategies.split_training import plan_segment
+    from retiarii.strategies.one_shot.split_training import plan_segment
 
     probe = SharedTraining(space, trainer, {}, CPU, seed=SEED)
     probe.memory = memory
@@ -260,9 +260,9 @@ def _search(path, **kwargs):
 
 
 def _recorded(path) -> tuple:
-    from retiarii.engine import checkpoint
-    from retiarii.engine.segments import SegmentTable
-    from retiarii.engine.store import Store
+    from retiarii.engine.storage import checkpoint
+    from retiarii.engine.storage.segments_table import SegmentTable
+    from retiarii.engine.storage.store import Store
 
     with Store(path) as store:
         store.use_experiment(store.experiments()[-1]["id"])
@@ -361,9 +361,9 @@ def test_annotated_operators_share_and_the_others_are_private_per_architecture()
 
 
 def test_weight_sharing_with_annotated_operators_through_the_engine(tmp_path):
-    from retiarii.engine import checkpoint
-    from retiarii.engine.segments import SegmentTable
-    from retiarii.engine.store import Store
+    from retiarii.engine.storage import checkpoint
+    from retiarii.engine.storage.segments_table import SegmentTable
+    from retiarii.engine.storage.store import Store
 
     from engine_helpers import InProcessExecutor
 
@@ -426,7 +426,7 @@ def test_a_unit_saved_with_torchs_positional_optimizer_state_still_loads():
 def test_a_split_search_killed_between_segments_resumes_as_uninterrupted(tmp_path, monkeypatch):
     from test_one_shot_engine import _outcome, _run_dying
 
-    from retiarii.engine.segments import SegmentTable
+    from retiarii.engine.storage.segments_table import SegmentTable
 
     make = functools.partial(_search, device_memory=3 * LINEAR)  # a split every segment
     make(tmp_path / "a.db").run()

@@ -12,9 +12,9 @@ import torch
 from one_shot_task import (BEST, LinearTask, assert_numbers, make_bn_space, make_space,
                            roundtrip, run)
 from retiarii.strategies import ENAS, SPOS, Random, WeightSharing
-from retiarii.strategies.enas import _PolicySampler
-from retiarii.strategies.one_shot import SegmentContext
-from retiarii.strategies.shared_training import SharedTraining
+from retiarii.strategies.one_shot.enas import _PolicySampler
+from retiarii.strategies.one_shot.base import SegmentContext
+from retiarii.strategies.one_shot.shared_training import SharedTraining
 
 
 def _spos(seed, **kw):
@@ -336,7 +336,7 @@ def test_on_cuda_selects_the_best_and_its_state_loads(make, device="cuda"):
 @pytest.mark.slow
 def test_spos_on_the_shufflenet_block_space_selects_an_exportable_model():
     from model_spaces import spos as spos_space
-    from retiarii.engine.trainer import ClassifierTrainer, load_dataset
+    from retiarii.engine.trainers.trainer import ClassifierTrainer, load_dataset
 
     x, y = (t[:96] for t in load_dataset("digits"))
     trainer = ClassifierTrainer(dataset=(x, y), batch_size=16, val_fraction=0.25)

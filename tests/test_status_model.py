@@ -8,7 +8,7 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import space, trainer
 from retiarii.cli import main
-from retiarii.engine.store import Store
+from retiarii.engine.storage.store import Store
 
 
 def _search(tmp_path) -> str:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import sqlite_utils
 
-from retiarii.engine import store as store_module
-from retiarii.engine.store import SCHEMA_VERSION, STATES, Store, StoreError
+from retiarii.engine.storage import store as store_module
+from retiarii.engine.storage.store import SCHEMA_VERSION, STATES, Store, StoreError
 from retiarii.strategies import Random
 from toy_spaces import flat_space
 
@@ -469,8 +469,8 @@ def test_states_match_the_lifecycle():
 # ---- the store as the TrialRunner's journal --------------------------------------------------
 
 from retiarii.engine.executors.simulated import SimulatedExecutor  # noqa: E402
-from retiarii.engine.trials import MemoryJournal, TrialRunner  # noqa: E402
-from retiarii.strategies.asha import ASHA  # noqa: E402
+from retiarii.engine.runner.trial_runner import MemoryJournal, TrialRunner  # noqa: E402
+from retiarii.strategies.schedulers.asha import ASHA  # noqa: E402
 
 
 def _curve(spec, step):
@@ -601,7 +601,7 @@ def _example_store(path):
         for i in range(3):
             strategy.tell(strategy.ask(space), i / 10)
         s.save_strategy_state(strategy.state_dict())
-        from retiarii.engine.plans import PlanTable  # a grouped job of the first two trials
+        from retiarii.engine.storage.plans_table import PlanTable  # a grouped job of the first two trials
 
         PlanTable(s).add({"job_id": "e1-trial-0007+1@2#1", "trials": ["e1-trial-0007", "e1-trial-0008"],
                           "status": "merged", "speedup": 1.7, "seconds": 2.0})

@@ -32,7 +32,7 @@ from retiarii.strategies import (  # noqa: E402
     RegularizedEvolution, SpaceExhausted,
 )
 from retiarii.sampler import RandomSampler, ReplaySampler, sample_key  # noqa: E402
-from retiarii.strategies.base import UnknownSample, draw  # noqa: E402
+from retiarii.strategies.multi_trial.base import UnknownSample, draw  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

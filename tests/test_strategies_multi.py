@@ -11,9 +11,9 @@ from retiarii.scalarization import MnasNetReward, WeightedSum, scalarization_fro
 from retiarii.strategies import (
     TPE, GridSearch, PolicyBasedRL, Predictor, Random, RegularizedEvolution,
 )
-from retiarii.strategies.evolution import crowded_tournament
-from retiarii.strategies.predictor import improvement_order
-from retiarii.strategies.tpe import motpe_split, motpe_weights, reference_point
+from retiarii.strategies.multi_trial.evolution import crowded_tournament
+from retiarii.strategies.multi_trial.predictor import improvement_order
+from retiarii.strategies.multi_trial.tpe import motpe_split, motpe_weights, reference_point
 
 OPS = list(range(4))
 N = 6

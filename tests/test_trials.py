@@ -8,15 +8,15 @@ import random
 
 import pytest
 
-from retiarii.engine.executors.base import (
+from retiarii.engine.jobs.job import (
     Executor, FailureKind, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
 )
 from retiarii.engine.executors.simulated import SimulatedExecutor
-from retiarii.engine.trials import (
+from retiarii.engine.runner.trial_runner import (
     IllegalTransition, MemoryJournal, Trial, TrialRunner, TrialState,
 )
 from retiarii.strategies import ASHA, Hyperband, HyperTrick, MedianStopping, Scheduler
-from retiarii.strategies.scheduler import Decision
+from retiarii.strategies.schedulers.base import Decision
 
 from engine_helpers import Crash, CrashingJournal
 
@@ -420,7 +420,7 @@ def test_the_timeline_keeps_the_latest_jobs_only(monkeypatch):
     """The driver's memory does not grow with every job of a long search: the timeline keeps
     the latest TIMELINE_JOBS finished jobs (the torture suite's long run found 0.5 KiB kept per
     job before)."""
-    import retiarii.engine.trials as trials_module
+    import retiarii.engine.runner.trial_runner as trials_module
 
     monkeypatch.setattr(trials_module, "TIMELINE_JOBS", 4)
     ex, runner = make(5, Scheduler(), workers=2, max_steps=3)

@@ -9,8 +9,8 @@ import torch
 from one_shot_task import BEST, LinearTask, assert_numbers, make_space, roundtrip, run
 from retiarii.strategies import (SPOS, PolicyBasedRL, Random, RegularizedEvolution,
                                  WeightSharing)
-from retiarii.strategies.one_shot import SegmentContext
-from retiarii.strategies.shared_training import SharedTraining
+from retiarii.strategies.one_shot.base import SegmentContext
+from retiarii.strategies.one_shot.shared_training import SharedTraining
 
 
 def _set_up(strategy, trainer=None):

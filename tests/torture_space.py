@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii.engine.plans import PlanTable
-from retiarii.engine.segments import SegmentTable
-from retiarii.engine.store import Store
-from retiarii.engine.trainer import ClassifierTrainer
+from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.storage.segments_table import SegmentTable
+from retiarii.engine.storage.store import Store
+from retiarii.engine.trainers.trainer import ClassifierTrainer
 
 # Every write the driver makes to its store, each one a transaction (or metric rows: flush):
 # the Store's (the list of tests/test_crash_torture.py), a grouped job's plans row, and a

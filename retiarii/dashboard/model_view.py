@@ -16,7 +16,7 @@ import json
 import shutil
 import subprocess
 
-from ..engine.base_graphs import base_graph
+from ..engine.storage.base_graphs import base_graph
 from .store_view import NotInStore, experiment, loads_json, table
 
 __all__ = ["model", "flops", "graph_rows", "render_svg", "source", "weights"]
@@ -180,7 +180,7 @@ def _costs(db, model_hash: str | None) -> dict:
 
 def checkpoint_file(db, model_id: int, checkpoint_dir: str) -> str | None:
     """The file of the latest checkpoint of the model's last trial, or None."""
-    from ..engine.checkpoint import CheckpointDir, CheckpointPathError, legacy_name
+    from ..engine.storage.checkpoint import CheckpointDir, CheckpointPathError, legacy_name
 
     row = db.execute("SELECT c.path FROM checkpoints c JOIN trials t ON t.id = c.trial_id WHERE "
                      "t.model_id = ? ORDER BY t.seq DESC, c.step DESC LIMIT 1",
@@ -195,8 +195,8 @@ def checkpoint_file(db, model_id: int, checkpoint_dir: str) -> str | None:
 
 def weights(db, model_id: int, checkpoint_dir: str) -> dict | None:
     """The model's trained weights (its state dict), or None when no checkpoint is readable."""
-    from ..engine.checkpoint import CheckpointError
-    from ..engine.checkpoint import load as load_checkpoint
+    from ..engine.storage.checkpoint import CheckpointError
+    from ..engine.storage.checkpoint import load as load_checkpoint
 
     path = checkpoint_file(db, model_id, checkpoint_dir)
     if path is None:

@@ -1,11 +1,11 @@
 """The JIT engine: experiment loop, store, trials, executors, checkpoints."""
 from .executors import Executor, Job, TrialTask
 from .executors.simulated import SimulatedExecutor
-from .trials import IllegalTransition, MemoryJournal, Trial, TrialRunner, TrialState
-from .checkpoint import CheckpointError
+from .runner.trial_runner import IllegalTransition, MemoryJournal, Trial, TrialRunner, TrialState
+from .storage.checkpoint import CheckpointError
 from .executors.local import LocalExecutor
-from .store import Store, StoreError
-from .trainer import ClassifierConfig, ClassifierTrainer, Trainer
-from .image_trainer import ImageFolderConfig, ImageFolderTrainer
-from .trial_run import TrainingError, TrialRun
-from .experiment import EnvironmentFailure, Experiment, ExperimentError, SearchFailed
+from .storage.store import Store, StoreError
+from .trainers.trainer import ClassifierConfig, ClassifierTrainer, Trainer
+from .trainers.image_trainer import ImageFolderConfig, ImageFolderTrainer
+from .trainers.trial_training import TrainingError, TrialRun
+from .driver.experiment import EnvironmentFailure, Experiment, ExperimentError, SearchFailed

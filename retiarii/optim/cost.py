@@ -1,6 +1,6 @@
 """The cost model of a merged job: is training these models as one group faster than apart?
 
-Pure arithmetic over what a worker measured (a :class:`~retiarii.engine.executors.base.JobProfiled`
+Pure arithmetic over what a worker measured (a :class:`~retiarii.engine.jobs.job.JobProfiled`
 unit) and each model's profiled separate step time (a warm step: the unit's compute is
 counted as its typical step, ``step_s``, times its batches, for the same reason); the
 engine reverts a group whose estimated speed-up is below the margin, on evidence

@@ -17,7 +17,7 @@ Two ways, for two places:
   for backward; time is in *units*, not seconds: one per operation (a CPU pays a fixed
   dispatch cost per call) plus one per :data:`ELEMENTS_PER_UNIT` output elements (the work).
   Units only rank and balance models; the engine scales them to seconds with the ratio
-  measured on models already profiled by their workers (:mod:`retiarii.engine.placing`).
+  measured on models already profiled by their workers (:mod:`retiarii.engine.runner.packer`).
 
 Example::
 

@@ -20,7 +20,7 @@ function of plain numbers, as :mod:`retiarii.optim.packing` decides for whole mo
    operators land together, so each rank's super-graph is the union of similar models. A
    window is as long as fits: the previous window's length doubled first, then halved until
    every rank's union fits ``memory``.
-3. Between windows the operators move (the runtime, :mod:`retiarii.strategies.split_training`):
+3. Between windows the operators move (the runtime, :mod:`retiarii.strategies.one_shot.split_training`):
    a rank gets what it now needs from the rank that held it (weights and optimizer state), and
    what no rank needs any more is parked in host memory.
 

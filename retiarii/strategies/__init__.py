@@ -2,27 +2,27 @@
 
 One algorithm per file; each is importable from here.
 """
-from .scheduler import Decision, Scheduler, Spawn
-from .median_stopping import MedianStopping
-from .asha import ASHA
-from .moasha import MOASHA
-from .scalarized import Scalarized
-from .hyperband import Hyperband
-from .hypertrick import HyperTrick
-from .pbt import PBT, Categorical, Continuous, Discrete, Integer
-from .base import BudgetExhausted, SpaceExhausted, Strategy, UnknownSample
-from .random_search import Random
-from .grid import GridSearch
-from .fixed import FixedArchitecture
-from .evolution import RegularizedEvolution
-from .rl import PolicyBasedRL
-from .tpe import TPE
-from .predictor import Predictor
-from .progressive import Progressive
-from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
-from .darts import DARTS
-from .snas import GumbelDARTS
-from .proxyless import ProxylessNAS
-from .spos import SPOS
-from .enas import ENAS
-from .weight_sharing import WeightSharing
+from .schedulers.base import Decision, Scheduler, Spawn
+from .schedulers.median_stopping import MedianStopping
+from .schedulers.asha import ASHA
+from .schedulers.moasha import MOASHA
+from .schedulers.scalarized import Scalarized
+from .schedulers.hyperband import Hyperband
+from .schedulers.hypertrick import HyperTrick
+from .schedulers.pbt import PBT, Categorical, Continuous, Discrete, Integer
+from .multi_trial.base import BudgetExhausted, SpaceExhausted, Strategy, UnknownSample
+from .multi_trial.random_search import Random
+from .multi_trial.grid import GridSearch
+from .multi_trial.fixed import FixedArchitecture
+from .multi_trial.evolution import RegularizedEvolution
+from .multi_trial.rl import PolicyBasedRL
+from .multi_trial.tpe import TPE
+from .multi_trial.predictor import Predictor
+from .multi_trial.progressive import Progressive
+from .one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
+from .one_shot.darts import DARTS
+from .one_shot.snas import GumbelDARTS
+from .one_shot.proxyless import ProxylessNAS
+from .one_shot.spos import SPOS
+from .one_shot.enas import ENAS
+from .one_shot.weight_sharing import WeightSharing

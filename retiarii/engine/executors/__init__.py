@@ -1,5 +1,5 @@
 """Executors: where jobs run. One interface (:mod:`.base`), several back ends."""
-from .base import (
+from ..jobs.job import (
     Event, Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed, TrialResult,
     TrialTask,
 )

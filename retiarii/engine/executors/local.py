@@ -4,7 +4,7 @@ Each slot is one process, forked from a server preloaded with torch and retiarii
 (:mod:`.warm`: no forked CUDA or thread state, no ``import retiarii`` per start) or spawned,
 with ``CUDA_VISIBLE_DEVICES`` naming its GPU (empty on a CPU-only slot) and its thread pools
 sized to its share of the cores, both set in its environment before it imports torch. A worker
-runs :func:`retiarii.engine.worker.run_job` on the jobs it is handed, so it rebuilds every model
+runs :func:`retiarii.engine.worker_side.worker.run_job` on the jobs it is handed, so it rebuilds every model
 from the trial's spec; models never travel pickled.
 
 One thread in the driver (the *pump*) blocks in :func:`multiprocessing.connection.wait` on every
@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 from ...determinism import prepare_worker
 from ..errors import EnvironmentFailure, main_guard_hint
-from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
+from ..jobs.job import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 from .warm import in_environment, worker_context
 
 __all__ = ["LocalExecutor", "visible_gpus"]
@@ -73,7 +73,7 @@ def _worker_main(name: str, jobs_in, events_out, heartbeat_interval: float, thre
     torch.set_num_threads(threads)
     # The first optimizer imports torch._dynamo (~2 s): pay that before saying we are ready.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    from ..worker import WorkerContext, run_job
+    from ..worker_side.worker import WorkerContext, run_job
 
     context = WorkerContext()
     try:

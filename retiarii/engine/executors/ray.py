@@ -2,7 +2,7 @@
 
 Each slot is one Ray actor (:class:`WorkerActor`) holding ``num_cpus`` CPUs and ``num_gpus``
 GPUs (a fraction lets several slots share a GPU; Ray sets ``CUDA_VISIBLE_DEVICES`` for it). The
-actor runs :func:`retiarii.engine.worker.run_job` on the jobs it is handed, exactly as a local
+actor runs :func:`retiarii.engine.worker_side.worker.run_job` on the jobs it is handed, exactly as a local
 worker does, so it rebuilds every model from the trial's spec; models never travel pickled.
 
 **How events stream back: a long poll.** An actor is threaded (two concurrent calls). ``run(job)``
@@ -78,7 +78,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from ..errors import EnvironmentFailure
 from . import ray_health
-from .base import Event, Executor, Job, JobFailed, JobFinished, pick_slot
+from ..jobs.job import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 from .ray_local import split_runtime_env, start_local_ray
 from .ray_worker import WorkerActor
 
@@ -122,7 +122,7 @@ def _kill(actor: Any) -> None:
 
 
 def _write_atomically(path: str, data: bytes) -> None:
-    """As :func:`retiarii.engine.checkpoint.save` writes: a temporary file, then rename."""
+    """As :func:`retiarii.engine.storage.checkpoint.save` writes: a temporary file, then rename."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:

@@ -1,6 +1,6 @@
 """The worker actor of :class:`~.ray.RayExecutor`: one slot's process on the Ray cluster.
 
-It runs :func:`retiarii.engine.worker.run_job` on the jobs the driver hands it and queues the
+It runs :func:`retiarii.engine.worker_side.worker.run_job` on the jobs the driver hands it and queues the
 events for the driver's long poll (the protocol: :mod:`.ray`'s module docstring); a ranked
 one-shot segment's ranks run as rank actors in a placement group (:mod:`.ray_ranks`).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from ...determinism import prepare_worker
-from .base import Event, Job, JobFailed, JobFinished, TrialCheckpointed
+from ..jobs.job import Event, Job, JobFailed, JobFinished, TrialCheckpointed
 
 __all__ = ["WorkerActor"]
 
@@ -47,7 +47,7 @@ class WorkerActor:
         torch.set_num_threads(threads)
         # The first optimizer imports torch._dynamo (~2 s): pay it before saying we are ready.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        from ..worker import WorkerContext
+        from ..worker_side.worker import WorkerContext
 
         from .ray_ranks import RankGroup
 
@@ -81,7 +81,7 @@ class WorkerActor:
 
     def run(self, job: Job, blobs: dict[str, bytes | None] | None) -> None:
         """Train ``job``; ``blobs`` (transfer mode) holds each task's ``checkpoint_in`` bytes."""
-        from ..worker import describe_error, run_job
+        from ..worker_side.worker import describe_error, run_job
 
         workdir = None
         outputs: dict[str, str] = {}  # local checkpoint_out -> the driver's path

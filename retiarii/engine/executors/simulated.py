@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from .base import (
+from ..jobs.job import (
     Event, Executor, FailureKind, Job, JobFailed, JobFinished, JobStarted, TrialCheckpointed,
     TrialResult, TrialTask, combined_kind,
 )
@@ -71,7 +71,7 @@ class SimulatedExecutor(Executor):
     ``table`` or ``model``.
 
     Example:
-        >>> from retiarii.engine.executors.base import Job, TrialTask
+        >>> from retiarii.engine.jobs.job import Job, TrialTask
         >>> ex = SimulatedExecutor(2, curve=lambda spec, step: {"loss": spec["lr"] / step})
         >>> ex.submit(Job("j", [TrialTask("t", {"lr": 1.0}, 0, 2)]))
         >>> [type(e).__name__ for e in iter(ex.next_event, None)]

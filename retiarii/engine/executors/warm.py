@@ -41,7 +41,7 @@ __all__ = ["PRELOAD", "in_environment", "start_server_for", "worker_context"]
 
 # What every worker imports before its first job: torch, retiarii (package, engine, worker)
 # and torch._dynamo, which the first optimizer imports (~2 s of CPU alone).
-PRELOAD = ["torch", "torch._dynamo", "retiarii", "retiarii.engine.worker",
+PRELOAD = ["torch", "torch._dynamo", "retiarii", "retiarii.engine.worker_side.worker",
            "retiarii.engine.executors.local"]
 
 

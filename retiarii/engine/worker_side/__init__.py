@@ -1,0 +1,1 @@
+"""What runs inside a worker: a job's models built, grouped, measured and trained."""

@@ -1,0 +1,589 @@
+"""Grouped jobs: the trials of one job that can share a data pipeline train as one module.
+
+:func:`group_tasks` is the decision (pure: plain values in, trial ids out): which tasks of a
+job may train as one group. :class:`TrainingGroup` is the execution: a few
+:class:`~.trial_run.TrialRun` objects, planned (``build_plan``, ``cse``, ``batching``), built into one
+:class:`~retiarii.optim.GroupModule`, trained one epoch at a time through **one** loader::
+
+    for batch in trainer.train_dataloader(hparams, epoch):       # once for every model
+        outs = group(x)                                          # the shared frozen part once,
+        loss[t] = trainer.training_step(proxy[t], batch, hp[t])  #   each part in t's RNG streams
+        sum(loss.values()).backward()                            # each loss gets gradient 1
+        optimizer[t].step() ...                                  # each trial's own
+
+Each trial keeps what ``TrialRun.train_epoch`` keeps alone (its optimizer, LR scheduler, RNG
+streams, data position, the epoch's mean loss and NaN check, validation on its own model), so
+its metrics and checkpoint equal those of training it alone, bit for bit on CPU
+(``tests/test_grouped_jobs.py``). ``training_step`` still computes each trial's loss: it gets
+a proxy module whose ``forward`` returns that trial's output of the group's one forward pass
+on this batch. A trial that fails (an exception in its part, its ``training_step`` or its
+optimizer; a NaN epoch loss) fails alone: the group is rebuilt without it, in the middle of
+an epoch if need be, and the others run on. One exception is not attributable: an error in
+the joint ``backward`` fails every trial of the group in that step.
+
+Exactness needs what a data key promises (docs/optimization.md "Data keys"): the batches do
+not depend on the trial, and ``training_step`` draws no random numbers before it calls the
+model (the group's forward runs every part when the first trial calls its proxy).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+from torch import nn
+
+from ...optim import build_group, build_plan
+from ...optim.passes import PassManager
+from ...optim.cost import relative_spread
+from ..storage import checkpoint as ckpt
+from ...optim.plan import LogicalPlan, PlanModel
+from ...training import to_device as _to_device
+from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, set_training
+from .compute_clock import compute_clock
+
+__all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
+
+
+@dataclass(frozen=True)
+class GroupCandidate:
+    """What the decision needs to know of one task (all plain, comparable values)."""
+
+    trial_id: str
+    space: Hashable  # the space reference of the spec
+    trainer: Hashable  # the trainer reference (or its config, as canonical JSON)
+    data_key: str | None  # Trainer.data_key(hparams); None never groups
+    position: tuple[int, int]  # (epoch, batch) the task starts from
+    steps: int  # epochs to train (stop_step - start_step); 0 trains nothing
+
+
+def group_tasks(candidates: Iterable[GroupCandidate]) -> list[tuple[str, ...]]:
+    """The tasks that may train as one group: same space, trainer, data key (not None) and
+    starting position, with something to train; each other task alone. In input order.
+
+    The plan may still split a group (``LogicalPlan.groups()``: a model whose input is not
+    the shared pipeline); that is the worker's second, model-level check.
+
+    Example::
+
+        group_tasks([GroupCandidate("a", "s", "t", "d", (0, 0), 2),
+                     GroupCandidate("b", "s", "t", "d", (0, 0), 1),
+                     GroupCandidate("c", "s", "t", None, (0, 0), 2)])   # [("a", "b"), ("c",)]
+    """
+    out: dict[Hashable, list[str]] = {}
+    for c in candidates:
+        joins = c.data_key is not None and c.steps > 0
+        key = ("group", c.space, c.trainer, c.data_key, c.position) if joins else ("alone", c.trial_id)
+        out.setdefault(key, []).append(c.trial_id)
+    return [tuple(ids) for ids in out.values()]
+
+
+class _Streams:
+    """Whose RNG streams the process holds during one grouped step, switched lazily.
+
+    Alone, a trial draws from its own streams (``TrialRun._rng``, swapped in around its
+    epoch). In a group, each trial's ``training_step`` and each of its model's cells that may
+    draw (``Cell.random``) run in its streams, interleaved with the other trials'. Swapping in
+    and back out around each of them costs four state copies (about 0.35 ms: NumPy's legacy
+    state dominates); switching only when the owner changes costs two, and none while one
+    trial goes on drawing. :meth:`release` saves the last owner's streams and puts back the
+    ones the step started with. A trainer whose steps draw nothing
+    (:meth:`~.trainer.Trainer.steps_draw_random`) has its steps run in whichever streams are
+    held: then only the cells that may draw switch."""
+
+    def __init__(self, runs: Mapping[str, Any], steps_draw: bool = True):
+        self.runs = runs
+        self.steps_draw = steps_draw
+        self.current: str | None = None  # the trial whose streams the process holds (None:
+        # the step's own, saved in ``outer`` while a trial's are held)
+        self.outer: Any = None
+
+    def use(self, trial: str | None) -> None:
+        """Hold ``trial``'s streams; None, or a run without streams of its own (a layout's
+        copy), holds the ones the step started with."""
+        if trial is not None and getattr(self.runs[trial], "_rng", None) is None:
+            trial = None
+        if trial == self.current:
+            return
+        state = ckpt.native_rng()
+        if self.current is None:
+            self.outer = state
+        else:
+            self.runs[self.current]._rng = state
+        ckpt.set_native_rng(self.outer if trial is None else self.runs[trial]._rng)
+        self.current = trial
+
+    @contextlib.contextmanager
+    def held(self, trial: str):
+        """``use(trial)`` for a block; on the way out nothing is switched back (lazily)."""
+        self.use(trial)
+        yield
+
+    def step(self, trial: str | None) -> None:
+        """Before ``trial``'s training or validation step (or back to it after the group's
+        forward): its streams when the trainer's steps may draw; else nothing switches."""
+        if self.steps_draw:
+            self.use(trial)
+
+    def release(self) -> None:
+        """Save the last owner's streams and hold the ones the step started with."""
+        self.use(None)
+
+
+class _Forward:
+    """One batch's group forward, run on the first proxy call and read by every proxy."""
+
+    def __init__(self, group: nn.Module, runs: Mapping[str, TrialRun], batch: Any,
+                 streams: _Streams, ahead: Any = None):
+        self.group, self.runs, self.streams = group, runs, streams
+        self.ahead = ahead  # inputs -> the shared part's outputs computed ahead, or None
+        self.batch_tensors = {id(t) for t in tensors_of(batch)}
+        self.active: str | None = None  # the trial whose training_step runs now
+        self.inputs: tuple | None = None
+        self.outs: dict[str, Any] = {}
+        self.errors: dict[str, Exception] = {}
+        self.calls: dict[str, int] = {}
+
+    def output(self, trial: str, inputs: tuple) -> Any:
+        self.calls[trial] = self.calls.get(trial, 0) + 1
+        if self.calls[trial] > 1:
+            raise TrainingError(f"trial {trial}: training_step called the model twice on one "
+                                "batch; a grouped job runs each model once per batch (run "
+                                "this trainer ungrouped)")
+        if self.inputs is None:
+            if not all(id(a) in self.batch_tensors for a in inputs if isinstance(a, torch.Tensor)):
+                raise TrainingError(f"trial {trial}: training_step called the model with "
+                                    "tensors that are not the batch's; a grouped job shares "
+                                    "one forward per batch (run this trainer ungrouped)")
+            self.inputs = inputs
+            common = self.ahead(inputs) if self.ahead is not None else None
+            extra = {} if common is None else {"common": common}  # computed ahead: dedicated.py
+            try:
+                self.outs = self.group(*inputs, rng={t: (lambda t=t: self.streams.held(t))
+                                                     for t in self.runs},
+                                       errors=self.errors, **extra)
+            finally:  # back to the streams of the trial whose training_step called it
+                self.streams.step(self.active)
+        elif len(inputs) != len(self.inputs) or any(a is not b for a, b in zip(inputs, self.inputs)):
+            raise TrainingError(f"trial {trial}: training_step called the model with other "
+                                "inputs than the group's other trials on the same batch")
+        if trial in self.errors:
+            raise self.errors[trial]
+        return self.outs[trial]
+
+
+class _Proxy(nn.Module):
+    """What ``training_step`` gets for one trial: ``proxy(x)`` is that trial's output of the
+    group's forward on ``x`` (the batch's own tensors); parameters are its model's."""
+
+    def __init__(self, trial: str, model: nn.Module, forward: _Forward):
+        super().__init__()
+        self.__dict__.update(_trial=trial, _model=model, _forward=forward)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TrainingError(f"trial {self._trial}: a grouped job passes the model its batch "
+                                f"positionally; training_step gave keywords {sorted(kwargs)}")
+        return self._forward.output(self._trial, inputs)
+
+    def parameters(self, recurse: bool = True):
+        return self._model.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self._model.named_parameters(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_model"], name)
+
+
+_END = object()
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer reads work done rather than queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)):
+        return [t for b in batch for t in tensors_of(b)]
+    if isinstance(batch, dict):
+        return [t for b in batch.values() for t in tensors_of(b)]
+    return []
+
+
+class TrainingGroup:
+    """Trial runs with one trainer and one data key, trained one epoch at a time as one group.
+
+    Example::
+
+        group = TrainingGroup(plan.restrict(ids), {t: runs[t] for t in ids}, trainer)
+        outcome = group.train_epoch()   # {trial: metrics, or the exception that failed it}
+
+    Args:
+        plan: the group's plan after the passes (``plan.restrict(ids)``); None for a subclass
+            whose :meth:`_build` needs none (:class:`~.fused.FusedGroup`).
+        runs: trial id -> its :class:`TrialRun`, all at the same (epoch, batch) (with a
+            plan: the plan's trials; without: every run, in order).
+        trainer: the trainer every run shares.
+        profile: trials whose separate step time to measure (:meth:`_profile`), on copies of
+            their model and optimizer at the first batch, outside every RNG stream: what they
+            train is unchanged. Given (even empty), the group's own times are measured with
+            the device synchronized at each batch; None times without synchronizing.
+    """
+
+    def __init__(self, plan: LogicalPlan | None, runs: Mapping[str, TrialRun], trainer: Any,
+                 profile: Iterable[str] | None = None):
+        self._plan, self.trainer = plan, trainer
+        order = list(runs) if plan is None else [m.trial_id for m in plan.models]
+        self.runs = {t: runs[t] for t in order}
+        self.members = tuple(self.runs)  # every trial it started with (the report names them)
+        self._group = self._build()
+        self._modes_of: nn.Module | None = None  # the group _mode_modules were listed for
+        self._mode_list()  # listed with the build, not in the first epoch
+        self._steps_draw = trainer.steps_draw_random()  # else steps switch no streams
+        self._measure = profile is not None
+        self._to_profile = set(profile or ()) & set(self.runs)
+        self._batches, self._compute_s = 0, 0.0
+        self._loads: list[float] = []  # seconds waiting for each batch
+        self._steps: list[float] = []  # seconds of each batch's step (their spread: the noise)
+        self._alone_s: dict[str, float] = {}
+        self.setup_s = 0.0  # planning and building it, as the worker measured
+        self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
+        self.twins: dict[str, list[str]] = {}  # profiled trial -> others of its architecture
+        self.arch: dict[str, str] = {}  # trial -> its architecture (fusion_key), when known
+
+    def report(self) -> dict:
+        """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
+        unit): batches, seconds waiting for the loader and computing (the shared part once,
+        every model's own part, backward, optimizer steps), and each profiled trial's separate
+        step time, and the relative spread of its step times (the first, a warm-up, left
+        out: :func:`~retiarii.optim.cost.relative_spread`): how noisy the measurement is."""
+        # A loader's first batch pays what is paid once (a data set cached, workers starting):
+        # every batch counts at the median wait of the others, not charged N times apart.
+        loads = self._loads
+        typical = sorted(loads[1:])[len(loads[1:]) // 2] if len(loads) > 1 else sum(loads)
+        alone = dict(self._alone_s)
+        for trial, others in self.twins.items():  # one architecture, one step time alone
+            if trial in alone:
+                alone.update({t: alone[trial] for t in others if t not in alone})
+        return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
+                "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
+                "produce_s": getattr(self, "produce_s", 0.0), "compute_s": self._compute_s,
+                "setup_s": self.setup_s, "alone_s": alone,
+                "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
+                "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
+                # what the plan's passes left it: nodes computed once, evaluations per step
+                # (the group's own plan: frozen BatchNorms keyed by their statistics)
+                **({"shared_nodes": len(self._built_plan().shared),
+                    "executions": self._built_plan().executions()} if self._plan is not None else {}),
+                **self.extra}
+
+    def _built_plan(self) -> LogicalPlan:
+        """The plan the group module was built from (``GroupModule.plan``), else the one given."""
+        return getattr(self._group, "plan", None) or self._plan
+
+    def _typical_step_s(self) -> float | None:
+        """The median of the segment's steps after the first (None before two steps): its
+        first step's warm-up (allocations, kernel choice, optimizer state) is paid by each
+        model alone too and left out of its profiled step time, and a step the machine's
+        other work delayed says nothing of the layout; the cost model counts this per batch."""
+        steps = self._steps[1:]
+        return sorted(steps)[len(steps) // 2] if steps else None
+
+    @property
+    def trials(self) -> tuple[str, ...]:
+        return tuple(self.runs)
+
+    def drop(self, trials: Iterable[str]) -> None:
+        """Leave ``trials`` out from now on: the group is rebuilt over the others."""
+        gone = set(trials) & set(self.runs)
+        if not gone:
+            return
+        for t in gone:
+            del self.runs[t]
+        self._group = None  # free the old parts before building the new ones
+        if self.runs:
+            self._group = self._build()
+
+    def _build(self) -> nn.Module:
+        """The module of the current runs: ``module(*inputs, rng={trial: ctx}, errors={})``
+        returns {trial: its output} (a :class:`~retiarii.optim.GroupModule`)."""
+        return build_group(self._plan.restrict(self.runs), {t: r.model for t, r in self.runs.items()})
+
+    def _set_training(self, mode: bool) -> None:
+        """Every model's and the group's modules in train (True) or eval mode, each once (the
+        models share their frozen modules, and the group holds theirs)."""
+        set_training(self._mode_list(), mode)
+
+    def _mode_list(self) -> list[nn.Module]:
+        """The modules of the models and of the group, each once, in pre-order (listed when
+        the group is built, and again after it is rebuilt)."""
+        if self._modes_of is not self._group:
+            roots = [*(run.model for run in self.runs.values()), self._group]
+            self._mode_modules = list({id(m): m for root in roots
+                                       for m in root.modules()}.values())
+            self._modes_of = self._group
+        return self._mode_modules
+
+    def train_epoch(self) -> dict[str, dict[str, float] | Exception]:
+        """One epoch of every trial (what ``TrialRun.train_epoch`` does for each alone):
+        trial -> its metrics, or the exception that failed it (it has left the group)."""
+        outcome: dict[str, dict[str, float] | Exception] = {}
+        first = next(iter(self.runs.values()))
+        self._set_training(True)
+        sums = {t: [torch.zeros((), device=r.device), 0] for t, r in self.runs.items()}
+        # The data key promises the batches do not depend on the trial or its RNG streams.
+        batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
+        if first.batch:  # resuming mid-epoch: every run is at the same position
+            batches = itertools.islice(iter(batches), first.batch, None)
+        batches = self._feed(iter(batches))
+        sync, clock = sync_device if self._measure else (lambda device: None), compute_clock(first.device)
+        while True:
+            sync(first.device)
+            t0 = time.perf_counter()
+            batch = next(batches, _END)  # the loader's time: what one shared pipeline saves
+            if batch is _END:
+                break
+            batch = _to_device(batch, first.device)
+            load = time.perf_counter() - t0  # before any work on copies: neither load nor compute
+            self._before_step(batch)  # measured on copies: not the group's time
+            t1 = clock()
+            failed = self._step(batch, sums)
+            sync(first.device)
+            self._batches += 1
+            self._loads.append(load)
+            self._steps.append(clock() - t1)
+            self._compute_s += self._steps[-1]
+            outcome.update(failed)
+            self.drop(failed)
+            if not self.runs:
+                return outcome
+        losses: dict[str, float] = {}
+        for trial, run in list(self.runs.items()):
+            try:
+                losses[trial] = self._end_training(run, *sums[trial])
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
+                outcome[trial] = err
+        self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
+        if self.runs:
+            for trial, metrics in self._validate().items():
+                if isinstance(metrics, Exception):
+                    outcome[trial] = metrics
+                    continue
+                run = self.runs[trial]
+                outcome[trial] = {"train_loss": losses[trial], **metrics}
+                run.epoch, run.batch = run.epoch + 1, 0
+        self.drop(t for t, o in outcome.items() if isinstance(o, Exception))
+        return outcome
+
+    def _feed(self, batches: Iterator) -> Iterator:
+        """The epoch's batches as the loop reads them (a subclass reads ahead:
+        :class:`~.dedicated.DedicatedGroup`)."""
+        return batches
+
+    def _ahead(self, batch: Any) -> Any:
+        """For one batch: ``inputs -> the shared part's outputs`` computed ahead, or None."""
+        return None
+
+    def _before_step(self, batch: Any) -> bool:
+        """Work on copies before a batch's step, not counted as the group's time (the alone
+        profiles: :meth:`_profile`); whether there was any."""
+        if not self._to_profile:
+            return False
+        self._profile(batch)
+        return True
+
+    def _profile(self, batch: Any) -> None:
+        """Each trial to profile, trained alone for a few steps on ``batch``: a copy of its
+        model and optimizer, under saved RNG states (the trial's own streams never move), so
+        the real training is what it would be unprofiled. A trial whose copy fails is not
+        profiled (its own training will say what is wrong)."""
+        outer = ckpt.native_rng()
+        try:
+            for trial in sorted(self._to_profile & set(self.runs)):
+                try:
+                    self._alone_s[trial] = step_seconds(self.trainer, self.runs[trial], batch)
+                except Exception:  # noqa: BLE001 (unprofiled; never fails the trial)
+                    pass
+                finally:
+                    ckpt.set_native_rng(outer)
+        finally:
+            self._to_profile.clear()
+            ckpt.set_native_rng(outer)
+
+    @torch.no_grad()
+    def _validate(self) -> dict[str, dict[str, float] | Exception]:
+        """``TrialRun._validate`` for every run at once: each validation batch goes through
+        the group (the shared part once), and each trial's ``validation_step`` gets a proxy of
+        its output, in its own RNG streams; trial -> its metrics, or what failed it."""
+        first = next(iter(self.runs.values()))
+        self._set_training(False)
+        sums: dict[str, dict[str, float]] = {t: {} for t in self.runs}
+        failed: dict[str, Exception] = {}
+        count = 0
+        for batch in self.trainer.val_dataloader(first.hparams):
+            batch = _to_device(batch, first.device)
+            n = batch_size_of(batch)
+            forward = _Forward(self._group, self.runs, batch, _Streams(self.runs, self._steps_draw))
+
+            def validate(trial: str, run: Any) -> None:
+                values = self.trainer.validation_step(_Proxy(trial, run.model, forward), batch)
+                for name, value in values.items():
+                    sums[trial][name] = sums[trial].get(name, 0.0) + float(value) * n
+
+            failed.update(self._each_trial(forward, validate, skip=failed))
+            count += n
+        return {t: failed[t] if t in failed else
+                {name: total / max(count, 1) for name, total in sums[t].items()}
+                for t in self.runs}
+
+    def _each_trial(self, forward: _Forward, step: Any,
+                    skip: Mapping[str, Exception] | None = None) -> dict[str, Exception]:
+        """``step(trial, run)`` for every trial not in ``skip``, in its RNG streams (switched
+        lazily: :class:`_Streams`) and as the active trial of ``forward``; the trials whose
+        step raised, with what they raised (it fails that trial only)."""
+        failed: dict[str, Exception] = {}
+        try:
+            for trial, run in self.runs.items():
+                if skip is not None and trial in skip:
+                    continue
+                forward.active = trial
+                try:
+                    forward.streams.step(trial)
+                    step(trial, run)
+                except Exception as err:  # noqa: BLE001 (fails this trial only)
+                    failed[trial] = err
+                finally:
+                    forward.active = None
+        finally:
+            forward.streams.release()
+        return failed
+
+    def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
+        """One batch for every trial; the trials that failed in it."""
+        forward = _Forward(self._group, self.runs, batch, _Streams(self.runs, self._steps_draw),
+                           self._ahead(batch))
+        losses: dict[str, torch.Tensor] = {}
+
+        def train(trial: str, run: Any) -> None:
+            loss = self.trainer.training_step(_Proxy(trial, run.model, forward), batch,
+                                              run.hparams)
+            if trial not in forward.calls:
+                raise TrainingError(f"trial {trial}: training_step never called the model")
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TrainingError(f"trial {trial}: training_step must return a scalar "
+                                    f"loss tensor, got {type(loss).__name__}")
+            losses[trial] = loss
+
+        failed = self._each_trial(forward, train)
+        try:
+            failed.update(self._optimize(losses))
+        except Exception as err:  # noqa: BLE001 (not attributable: fails the group's step)
+            return {**failed, **{t: err for t in losses}}
+        n = batch_size_of(batch)
+        for trial, loss in losses.items():
+            if trial in failed:
+                continue
+            run = self.runs[trial]
+            sums[trial][0] += loss.detach().reshape(()) * n  # no .item(): no sync per batch
+            sums[trial][1] += n
+            run.batch += 1
+        return failed
+
+    def _optimize(self, losses: Mapping[str, torch.Tensor]) -> dict[str, Exception]:
+        """Backward over the sum of ``losses`` and every trial's optimizer (and per-step LR
+        scheduler) step; the trials whose own step failed. An exception it raises (the joint
+        backward) cannot be attributed: it fails every trial of the step."""
+        for trial in losses:
+            self.runs[trial].optimizer.zero_grad(set_to_none=True)
+        # The models' graphs are disjoint (the shared part ran without grad), so each
+        # loss gets gradient exactly 1 and each model's weights only its own loss's.
+        if losses:
+            sum(losses.values()).backward()
+        failed: dict[str, Exception] = {}
+        for trial in losses:
+            run = self.runs[trial]
+            try:
+                run.optimizer.step()
+                if run.scheduler is not None and run.interval == "step":
+                    run.scheduler.step()
+            except Exception as err:  # noqa: BLE001 (fails this trial only)
+                failed[trial] = err
+        return failed
+
+    @staticmethod
+    def _end_training(run: TrialRun, total: torch.Tensor, count: int) -> float:
+        """What ``TrialRun.train_epoch`` does after its batches, before validation."""
+        with run._own_rng():
+            return run.end_training(total, count)
+
+
+# A step timed once or twice on a shared machine is at the mercy of one preemption when it
+# lasts a millisecond: short steps are repeated until the timed ones add up to MIN_TIMED_S
+# (at most MAX_REPEATS): a few milliseconds for them.
+MIN_TIMED_S = 0.02
+MAX_REPEATS = 10
+
+
+def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
+    """Seconds of one training step of ``run``'s model alone on ``batch`` (forward, loss,
+    backward, optimizer step), on a copy of its model and optimizer: a warm-up step (caches,
+    allocators), then the least of ``repeats`` (the machine's other work only adds), more
+    for a step so short that a preempted one would decide (up to :data:`MAX_REPEATS`, until
+    the timed steps add up to :data:`MIN_TIMED_S`). The caller restores the RNG streams
+    (dropout draws from them).
+
+    Args:
+        trainer: its ``training_step`` computes the loss.
+        run: a :class:`TrialRun` (or anything with ``model``, ``optimizer``, ``hparams``,
+            ``device``).
+        batch: on the run's device.
+    """
+    model, opt = copy.deepcopy((run.model, run.optimizer))  # one memo: opt -> the copies
+    times, clock = [], compute_clock(run.device)
+    while len(times) < 1 + repeats or (sum(times[1:]) < MIN_TIMED_S
+                                       and len(times) < 1 + MAX_REPEATS):
+        sync_device(run.device)
+        t0 = clock()
+        loss = trainer.training_step(model, batch, run.hparams)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sync_device(run.device)
+        times.append(clock() - t0)
+    return min(times[1:])
+
+
+def plan_group(models: Mapping[str, Any], data_key: str,
+               hparams: Mapping[str, dict], batch_ops: bool = False,
+               passes: Sequence[str] | None = None) -> LogicalPlan:
+    """The plan of one candidate group after the passes (by default ``cse``, then, with
+    ``batch_ops``, ``batching``: a frozen per-example layer the models feed with other values
+    runs once on their concatenated inputs); its ``groups()`` say which models really share
+    the pipeline.
+
+    Args:
+        models: trial id -> its :class:`~retiarii.space.Model` (``space.replay(sample)``).
+        data_key: the trainer's data key, the same for every trial.
+        hparams: trial id -> its hparams.
+        batch_ops: run the batching pass too (opt-in: on a CPU it saves per-call overhead
+            only, and costs concatenations: benchmarks/README.md).
+        passes: the registered passes to run (:mod:`retiarii.optim.passes`; they run in the
+            registry's order); given, it replaces ``batch_ops``.
+    """
+    if passes is None:
+        passes = ["cse", "batching"] if batch_ops else ["cse"]
+    plan = build_plan([PlanModel(t, m, data_key, dict(hparams[t])) for t, m in models.items()])
+    return PassManager(passes).run(plan).plan

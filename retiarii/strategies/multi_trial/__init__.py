@@ -1,0 +1,1 @@
+"""Multi-trial strategies: each proposes one sample at a time and hears its model's value."""

@@ -1,0 +1,202 @@
+"""Regularized (aging) evolution, Real et al., "Regularized Evolution for Image Classifier
+Architecture Search", AAAI 2019."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from ...objectives import Scored, nsga_keys
+from ...sampler import RandomSampler, ReplaySampler, index_of, sample_key
+from .base import Draw, Strategy, draw
+
+
+def mutable_labels(trace: list[tuple[str, list]]) -> list[str]:
+    """Labels of a sample that a mutation can change (two candidates or more)."""
+    return [label for label, candidates in trace if len(candidates) > 1]
+
+
+def tournament(population: list[tuple[str, float]], sample_size: int, rng) -> str:
+    """The key of the best of ``sample_size`` members drawn without replacement.
+
+    Example:
+        >>> import random
+        >>> tournament([("a", 0.1), ("b", 0.9), ("c", 0.5)], 3, random.Random(0))
+        'b'
+    """
+    contestants = rng.sample(population, sample_size)
+    # max() keeps the first of equal scores, and contestants come in a seeded order.
+    return max(contestants, key=lambda member: member[1])[0]
+
+
+def crowded_tournament(population: list[tuple[str, Scored]], sample_size: int, rng) -> str:
+    """The key of the best of ``sample_size`` members drawn without replacement, by NSGA-II's
+    crowded comparison over the whole population: the lowest non-dominated rank (feasible
+    before infeasible), then the largest crowding distance.
+
+    Example:
+        >>> import random
+        >>> pop = [("a", Scored((1.0, 3.0))), ("b", Scored((2.0, 4.0))), ("c", Scored((0.0, 0.0), 1.0))]
+        >>> crowded_tournament(pop, 3, random.Random(0))   # c is infeasible, b dominated by a
+        'a'
+    """
+    keys = nsga_keys([s.point for _, s in population], [s.violation for _, s in population])
+    order = {member[0]: keys[i] for i, member in enumerate(population)}
+    contestants = rng.sample(population, sample_size)
+    # min() keeps the first of equal keys, and contestants come in a seeded order.
+    return min(contestants, key=lambda member: order[member[0]])[0]
+
+
+class _FirstSampler:
+    """Every choice at its first candidate: the base model of a space."""
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        return 0
+
+
+class RegularizedEvolution(Strategy):
+    """Aging evolution: a tournament picks a parent, its child changes one choice, and the
+    oldest member of the population dies.
+
+    The population holds the last ``population_size`` told models, oldest first. Until it is
+    full, proposals are random (the initial population). Afterwards each proposal draws
+    ``sample_size`` members at random, takes the best as parent, and mutates one of its choices
+    picked uniformly (among those with two candidates or more) to a different candidate. The
+    child keeps every other choice of the parent whose key is still a candidate; a choice the
+    parent did not have (a conditional choice opened by the mutation) is drawn at random.
+    Telling the child's result appends it to the population and removes the oldest member.
+
+    Asynchronous use (several ``ask`` before the ``tell`` s): pending children are not members;
+    the tournament runs over the told population only, so while the initial population waits
+    for its results, extra asks stay random. Failed models (``tell(sample, None)``) never join.
+
+    Evolving spaces: with ``initial="base"`` the initial population grows from the space's
+    base model (every choice at its first candidate, ``space.base_model()``) instead of
+    random models: the base model is proposed first, then children of it, one choice
+    changed each, until the population is full. In an open-ended space (the evolving
+    mutators of ``retiarii.mutators.evolving``) a random model is a random number of growth
+    steps away from the base; starting from the base makes the search grow from minimal
+    networks, as NEAT and Weight Agnostic Networks do.
+
+    Several objectives (``Experiment(metric=[...], mode=[...])``, :meth:`use_objectives`):
+    the tournament compares members as NSGA-II does, by non-dominated rank within the
+    population (constraints by Deb's rule: feasible first), then by crowding distance, so the
+    population spreads along the front; aging still removes the oldest. The search's result
+    is its front (:meth:`pareto`).
+
+    Foreign samples are accepted: ``tell`` of a sample this strategy never proposed (a known
+    good architecture, results imported from another run) adds it to the population like a
+    child of its own.
+
+    Example:
+        >>> from retiarii.strategies import RegularizedEvolution
+        >>> class Space:
+        ...     ops = ["conv", "pool", "skip"]
+        ...     def sample(self, sampler):
+        ...         s = {}
+        ...         for i in range(3):
+        ...             s[f"op{i}"] = self.ops[sampler.choose(f"op{i}", self.ops, dict(s))]
+        ...         return type("Model", (), {"sample": s})()
+        >>> s = RegularizedEvolution(population_size=4, sample_size=2, seed=0)
+        >>> for _ in range(12):
+        ...     sample = s.ask(Space())
+        ...     s.tell(sample, sum(op == "conv" for op in sample.values()))
+        >>> s.best()[1] >= 2
+        True
+
+    Args:
+        population_size: P, the number of live members. The default 20 suits budgets of a few
+            hundred models; the paper uses 100 over 20000 models. The first P are random.
+        sample_size: S, members per tournament, ``1 <= S <= P``; larger S is greedier
+            (default 5: the paper's ratio S/P = 25/100).
+        initial: ``"random"`` (default: random models until the population is full) or
+            ``"base"`` (the base model, then its children; see above).
+        seed: seeds the generator (equal seeds, equal searches in any process).
+        mode, dedup, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
+    """
+
+    accepts_foreign = True
+    multi_objective = True
+
+    def __init__(self, population_size: int = 20, sample_size: int = 5, *,
+                 initial: str = "random", seed: int | None = None, **common: Any):
+        super().__init__(seed=seed, **common)
+        if initial not in ("random", "base"):
+            raise ValueError(f"RegularizedEvolution: initial must be 'random' or 'base', got "
+                             f"{initial!r}")
+        self.initial = initial
+        if not isinstance(population_size, int) or population_size < 1:
+            raise ValueError(f"RegularizedEvolution: population_size must be a positive int, "
+                             f"got {population_size!r}")
+        if not isinstance(sample_size, int) or not 1 <= sample_size <= population_size:
+            raise ValueError(f"RegularizedEvolution: sample_size must be an int in "
+                             f"[1, population_size={population_size}], got {sample_size!r}")
+        self.population_size = population_size
+        self.sample_size = sample_size
+        # (sample key, score), oldest first; deque(maxlen) drops the oldest on append.
+        self._population: deque[tuple[str, float]] = deque(maxlen=population_size)
+
+    def _propose(self, space: Any) -> Draw:
+        if len(self._population) < self.population_size:
+            if self.initial == "base":
+                return self._from_base(space)
+            return self._random_draw(space)
+        if self.objectives is not None:
+            parent_key = crowded_tournament(list(self._population), self.sample_size,
+                                            self._rng)
+        else:
+            parent_key = tournament(list(self._population), self.sample_size, self._rng)
+        return self._mutate(space, parent_key)
+
+    def _from_base(self, space: Any) -> Draw:
+        """The base model (every choice's first candidate), then children of it."""
+        base = draw(space, _FirstSampler())
+        key = sample_key(base.sample)
+        if key not in self._records:
+            return base
+        return self._mutate(space, key)
+
+    def _mutate(self, space: Any, parent_key: str) -> Draw:
+        parent = self._records[parent_key].sample
+        labels = mutable_labels(self._trace(parent_key, space))
+        if not labels:  # every choice has one candidate: the space has one model
+            return self._random_draw(space)
+        target = labels[self._rng.randrange(len(labels))]
+
+        def mutate(candidates: list, old_key: Any) -> int:
+            old = index_of(candidates, old_key)
+            others = [i for i in range(len(candidates)) if i != old]
+            return others[self._rng.randrange(len(others))]
+
+        sampler = ReplaySampler(parent, fallback=RandomSampler(self._rng),
+                                overrides={target: mutate})
+        child = draw(space, sampler)
+        child.parent = dict(parent)
+        return child
+
+    def _on_tell(self, key: str, score: float | None) -> None:
+        if score is not None:
+            self._population.append((key, score))
+
+    def random_startup(self) -> tuple[int, str] | None:
+        return self.population_size, f"population_size={self.population_size}"
+
+    def config(self) -> dict:
+        config = {**super().config(), "population_size": self.population_size,
+                  "sample_size": self.sample_size}
+        if self.initial != "random":  # (states saved before the option existed still load)
+            config["initial"] = self.initial
+        return config
+
+    def _state(self) -> dict:
+        if self.objectives is not None:  # [key, point, violation]
+            return {"population": [[k, list(s.point), s.violation]
+                                   for k, s in self._population]}
+        return {"population": [list(member) for member in self._population]}
+
+    def _load_state(self, state: dict) -> None:
+        if self.objectives is not None:
+            members = ((m[0], Scored(tuple(m[1]), m[2])) for m in state["population"])
+        else:
+            members = ((k, s) for k, s in state["population"])
+        self._population = deque(members, maxlen=self.population_size)
+

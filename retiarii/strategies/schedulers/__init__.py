@@ -1,0 +1,1 @@
+"""Schedulers: training control, one decision per reported result."""
