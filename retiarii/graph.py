@@ -510,8 +510,8 @@ class Graph:
         return cls.from_data(data)
 
     # ---- structural hash -----------------------------------------------------------------
-    def node_hashes(self, view=None) -> dict[int, str]:
-        """uid -> hash of (operation, inputs' hashes in port order), names/uids ignored; ``view``."""
+    def node_hashes(self, view=None, chain=lambda _node, ins: ins) -> dict[int, str]:
+        """uid -> hash of (op, inputs' hashes), names/uids ignored; ``view``, ``chain``: rewrite them."""
         hashes: dict[int, str] = {}
         seen_attrs: set[str] = set()
         for node in self.nodes:
@@ -526,7 +526,7 @@ class Graph:
             if node.kind == "input":  # its position matters, not the argument's name
                 op.pop("target", None)
                 op["position"] = [n.uid for n in self.input_nodes].index(node.uid)
-            ins = [hashes[i.uid] if i is not None else None for i in node.inputs]
+            ins = chain(node, [hashes[i.uid] if i is not None else None for i in node.inputs])
             hashes[node.uid] = hashlib.sha256(json.dumps([op, ins], sort_keys=True).encode()).hexdigest()
         return hashes
 

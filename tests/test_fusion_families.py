@@ -79,16 +79,18 @@ def test_fused_models_of_other_activations_train_as_each_alone():
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_layer_with_weights_that_differs_is_refused():
+def test_models_differing_where_no_place_can_hold_it_are_refused():
     class Other(nn.Module):
-        def __init__(self, conv):
+        def __init__(self, norm):
             super().__init__()
-            self.fc = nn.Linear(4, 4)
-            self.norm = nn.LayerNorm(4) if conv else nn.Identity()
+            self.fc, self.out, self.out2 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.a = nn.LayerNorm(4) if norm else nn.Linear(4, 4)
+            self.b = nn.LayerNorm(4) if norm else nn.Linear(4, 4)
 
-        def forward(self, x):
-            return self.norm(self.fc(x))
-    with pytest.raises(FusionError, match="differs from model 0"):
+        def forward(self, x):  # the place (a, b) has two outputs: common nodes read both
+            y = self.a(self.fc(x))
+            return self.out(y) + self.out2(self.b(y))
+    with pytest.raises(FusionError, match="differs from model 0.*2 outputs"):
         fuse_models([Other(True), Other(False)])
 
 

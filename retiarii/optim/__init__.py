@@ -8,7 +8,8 @@ from .build import GroupError, GroupModule, build_group
 from .cost import Layout, LayoutChoice, Verdict, choose_layout, judge_segment
 from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
-from .fusion import FusedModel, FusionError, fusable_groups, fuse_models, fusion_family, fusion_key
+from .fusion import (FusedModel, FusionError, fusable_groups, fuse_models, fusion_family,
+                     fusion_key, segments_fit)
 from .mixed_parallel import (
     RankError, average_used_gradients, gather_segment, run_segment_on_ranks, segment_rank, spawn,
 )
@@ -58,7 +59,7 @@ __all__ = [
            "cse",
            "fusable_groups",
            "fuse_models",
-           "fusion_family", "fusion_key",
+           "fusion_family", "fusion_key", "segments_fit",
            "gather_segment",
            "judge_segment",
            "run_segment_on_ranks",

@@ -17,10 +17,12 @@ model of ``n`` operations whose layers compute ``F`` FLOPs forward costs alone::
 
     n * OP_S  +  MODEL_S  +  3 F / RATE                      (3: forward, two backward products)
 
-and K such models fused, one call per operation (``d`` operations that differ between the
-models' architectures run once per distinct operation)::
+and K such models fused, one call per operation (``d`` weightless operations that differ
+between the models' architectures, an activation, run once per distinct operation; a layer
+with weights that differs, another operator at one place, runs per model as it does alone,
+``own``, plus two calls per model for its place)::
 
-    (n + d) * FUSED_OP_S  +  K * FUSED_MODEL_S  +  3 K F / FUSED_RATE
+    (n + d) * FUSED_OP_S  +  K * FUSED_MODEL_S  +  3 K F / FUSED_RATE  +  own
 
 A CPU's batched matmul computes at a lower rate than its single matmul on large matrices, so
 wide layers lose when fused (16 MLPs of width 512 predicted 0.95x) and narrow ones win (width
@@ -36,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,27 +81,37 @@ BATCH_CPU_EXAMPLES = 16
 class StepCosts:
     """What the device model reads of one model on one batch: its operations, the FLOPs of
     its trainable and frozen layers (forward, one batch) and the names of its operations in
-    order (to count those that differ between architectures)."""
+    order (a layer with weights with its configuration: to find those that differ between
+    architectures), with each operation's trainable FLOPs (``op_flops``, parallel to
+    ``ops``)."""
 
     ops: tuple[str, ...]
     flops: float
     frozen_flops: float
+    op_flops: tuple[float, ...] = ()
 
 
-def _ops(module: nn.Module) -> tuple[str, ...]:
-    """The operations a generated model runs, in order (nested generated cells flattened);
-    a module that is not an ``fx.GraphModule`` counts as its leaf modules."""
+def _op(name: str, m: nn.Module) -> str:
+    """A layer's operation: its name and type, and a layer with weights its configuration."""
+    weighted = any(True for _ in m.parameters(recurse=False))
+    return f"{name}:{type(m).__name__}" + (f"({m.extra_repr()})" if weighted else "")
+
+
+def _ops(module: nn.Module, prefix: str = "") -> tuple[tuple[str, str], ...]:
+    """(operation, module path or "") of what a generated model runs, in order (nested
+    generated cells flattened); a module that is not an ``fx.GraphModule`` counts as its
+    leaf modules."""
     if isinstance(module, fx.GraphModule):
-        out: list[str] = []
+        out: list[tuple[str, str]] = []
         for node in module.graph.nodes:
             if node.op == "call_module":
                 sub = module.get_submodule(node.target)
-                out.extend(_ops(sub) if isinstance(sub, fx.GraphModule) else
-                           (f"{node.target}:{type(sub).__name__}",))
+                out.extend(_ops(sub, f"{prefix}{node.target}.") if isinstance(
+                    sub, fx.GraphModule) else ((_op(node.target, sub), prefix + node.target),))
             elif node.op in ("call_function", "call_method"):
-                out.append(f"{node.name}:{getattr(node.target, '__name__', node.target)}")
+                out.append((f"{node.name}:{getattr(node.target, '__name__', node.target)}", ""))
         return tuple(out)
-    return tuple(f"{n}:{type(m).__name__}" for n, m in module.named_modules()
+    return tuple((_op(n, m), prefix + n) for n, m in module.named_modules()
                  if not list(m.children()))
 
 
@@ -125,13 +138,19 @@ def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
     shadow = copy.deepcopy(model, memo)
     trainable, frozen = [0.0], [0.0]
+    by_path: dict[str, float] = {}
 
-    def hook(module, _args, out):
+    def hook(module, _args, out, path=""):
         params = list(module.parameters(recurse=False))
         if params:
-            (trainable if any(p.requires_grad for p in params) else frozen)[0] += \
-                _layer_flops(module, out)
-    handles = [m.register_forward_hook(hook) for m in shadow.modules()
+            flops = _layer_flops(module, out)
+            if any(p.requires_grad for p in params):
+                trainable[0] += flops
+                by_path[path] = by_path.get(path, 0.0) + flops
+            else:
+                frozen[0] += flops
+    handles = [m.register_forward_hook(lambda mod, a, o, path=name: hook(mod, a, o, path))
+               for name, m in shadow.named_modules()
                if any(True for _ in m.parameters(recurse=False))]
     meta = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
             for x in inputs]
@@ -141,7 +160,9 @@ def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
     finally:
         for h in handles:
             h.remove()
-    return StepCosts(_ops(model), trainable[0], frozen[0])
+    ops = _ops(model)
+    return StepCosts(tuple(o for o, _ in ops), trainable[0], frozen[0],
+                     tuple(by_path.get(path, 0.0) if path else 0.0 for _, path in ops))
 
 
 def _device(device: Any) -> tuple[DeviceModel, float]:
@@ -163,11 +184,35 @@ def predicted_fused_speedup(costs: Sequence[StepCosts], device: Any = "cpu") -> 
     rate, fused_rate = dev.rate * threads, dev.fused_rate * threads
     apart = sum(len(c.ops) * dev.op_s + dev.model_s + 3 * c.flops / rate for c in costs)
     apart += costs[0].frozen_flops / rate  # the frozen part once, forward only
-    n = max(len(c.ops) for c in costs)
-    differ = sum(len({c.ops[i] if i < len(c.ops) else "" for c in costs}) - 1 for i in range(n))
-    fused = ((n + differ) * dev.fused_op_s + k * dev.fused_model_s
-             + sum(3 * c.flops + c.frozen_flops for c in costs) / fused_rate)
+    # The operations every model holds fuse (one call each); a weightless one that differs
+    # (an activation) runs once per distinct one; a layer with weights that differs (another
+    # operator at one place) runs per model as alone, plus its place's gather and scatter.
+    common = Counter(costs[0].ops)
+    for c in costs[1:]:
+        common &= Counter(c.ops)
+    weightless: set[str] = set()
+    own_s, own_flops, places = 0.0, 0.0, 0
+    for c in costs:
+        left = Counter(common)
+        flops = c.op_flops or (0.0,) * len(c.ops)
+        mine = [(op, f) for op, f in zip(c.ops, flops) if not _take(left, op)]
+        weighted = [(op, f) for op, f in mine if f > 0]
+        weightless |= {op for op, f in mine if f <= 0}
+        own_s += len(weighted) * dev.op_s + 3 * sum(f for _, f in weighted) / rate
+        own_flops += sum(f for _, f in weighted)
+        places += bool(weighted)
+    fused = ((sum(common.values()) + len(weightless) + 2 * places) * dev.fused_op_s
+             + k * dev.fused_model_s + own_s
+             + (sum(3 * c.flops + c.frozen_flops for c in costs) - 3 * own_flops) / fused_rate)
     return apart / fused
+
+
+def _take(left: Counter, op: str) -> bool:
+    """Count ``op`` off ``left`` (the operations every model holds); whether it was there."""
+    if left[op] > 0:
+        left[op] -= 1
+        return True
+    return False
 
 
 def batching_wins(examples_per_model: int, device: Any = "cpu") -> bool:

@@ -76,23 +76,30 @@ class FusedOptimizer:
         # (stacked parameter, per model: the param_group holding its slice)
         self.params: list[tuple[torch.nn.Parameter, list[dict]]] = []
         self._slices: list[list[torch.nn.Parameter]] = []
+        # per stacked parameter, the models its slices are (all K, or those of a place where
+        # the models differ: fused_segments.py); slice i is model members[i]'s
+        self._members: list[list[int]] = []
         owners = []
         for opt in self.optimizers:
             owners.append({id(p): g for g in opt.param_groups for p in g["params"]})
-        for stacked, slices in fused.slices:
+        every = list(range(fused.k))
+        for stacked, slices, members in [(p, s, every) for p, s in fused.slices] + list(
+                getattr(fused, "partial_slices", [])):
             if not stacked.requires_grad:
                 continue
-            groups = [owners[k].get(id(p)) for k, p in enumerate(slices)]
+            groups = [owners[k].get(id(p)) for k, p in zip(members, slices)]
             if any(g is None for g in groups):
-                k = groups.index(None)
+                k = members[groups.index(None)]
                 raise FusionError(f"optimizer {k} does not hold a trainable parameter of model "
-                                  f"{k} ({tuple(slices[k].shape)}); fused training updates the "
-                                  f"same parameters of every model: train these separately")
+                                  f"{k} ({tuple(slices[groups.index(None)].shape)}); fused "
+                                  f"training updates every trainable parameter of each model: "
+                                  f"train these separately")
             self.params.append((stacked, groups))
             self._slices.append(slices)
+            self._members.append(list(members))
         held = sum(1 for opt in self.optimizers for g in opt.param_groups for p in g["params"]
                    if p.requires_grad)  # a frozen parameter in an optimizer never steps
-        if held != len(self.params) * fused.k:
+        if held != sum(len(m) for m in self._members):
             raise FusionError("an optimizer holds parameters that are not its fused model's; "
                               "train these models separately (unfused)")
         self.state: list[dict[str, Any]] = []
@@ -104,8 +111,8 @@ class FusedOptimizer:
     def _restack(self) -> None:
         """Stack the proxies' state (fresh or loaded) and point each proxy at its slice."""
         self.state = []
-        for (stacked, _), slices in zip(self.params, self._slices):
-            per = [opt.state.get(p, {}) for opt, p in zip(self.optimizers, slices)]
+        for (stacked, _), slices, members in zip(self.params, self._slices, self._members):
+            per = [self.optimizers[k].state.get(p, {}) for k, p in zip(members, slices)]
             entry: dict[str, Any] = {}
             if self.kind == "sgd":
                 entry["has"] = [s.get("momentum_buffer") is not None for s in per]
@@ -124,12 +131,14 @@ class FusedOptimizer:
                             value[k].copy_(s[name])
                     entry[name] = value
             self.state.append(entry)
-            self._expose(entry, slices)
+            self._expose(entry, slices, members)
 
-    def _expose(self, entry: dict[str, Any], slices: list[torch.nn.Parameter]) -> None:
+    def _expose(self, entry: dict[str, Any], slices: list[torch.nn.Parameter],
+                members: list[int]) -> None:
         """Each proxy's state for its slice: views of the stacked state, keys in torch.optim's
         order, only once the model has stepped (as torch.optim keeps no state before)."""
-        for k, (opt, p) in enumerate(zip(self.optimizers, slices)):
+        for k, (m, p) in enumerate(zip(members, slices)):
+            opt = self.optimizers[m]
             if self.kind == "sgd":
                 if entry["has"][k]:
                     opt.state[p] = {"momentum_buffer": entry["momentum_buffer"][k]}
@@ -204,7 +213,8 @@ class FusedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """One step of every model, each with its optimizer's current settings."""
-        for (param, groups), entry, slices in zip(self.params, self.state, self._slices):
+        for (param, groups), entry, slices, members in zip(self.params, self.state, self._slices,
+                                                           self._members):
             if param.grad is None:
                 continue
             hp = {name: [float(g[name]) for g in groups]
@@ -214,7 +224,7 @@ class FusedOptimizer:
                 self._sgd(param, param.grad, groups, hp, entry)
             else:
                 self._adam(param, param.grad, groups, hp, entry)
-            self._expose(entry, slices)
+            self._expose(entry, slices, members)
         for opt in self.optimizers:
             # NOTE: the flag torch's LR scheduler wrapper sets when optimizer.step() runs; the
             # proxies never step themselves, so without it every scheduler warns that it was

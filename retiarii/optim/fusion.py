@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import inspect
 import operator
@@ -42,10 +43,13 @@ from torch.nn import functional as F
 
 from . import fused_ops as ops
 from .fused_ops import FusionError, shift_dim
+from .fused_segments import PerModelSegment, Segment, find_segments, region_module, segment_module
+from .fusion_check import (POINTWISE_MODULES, generated_signature, is_pointwise_layer, segments_fit,
+                           signature, trace_model)
 from .fusion_keys import fusable_groups, fusion_family, fusion_key
 
 __all__ = ["FusedModel", "FusionError", "fusable_groups", "fuse_models", "fusion_family",
-           "fusion_key"]
+           "fusion_key", "segments_fit"]
 
 
 _FALLBACK = "train these models separately (unfused)"
@@ -55,8 +59,7 @@ _FALLBACK = "train these models separately (unfused)"
 
 S, K, C = "S", "K", "C"
 
-_POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Tanh,
-                      nn.Sigmoid, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Softplus, nn.Identity)
+_POINTWISE_MODULES = POINTWISE_MODULES
 _CHANNEL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d,
                     nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
                     nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
@@ -143,16 +146,24 @@ class FusedModel(nn.Module):
         models: the K models, in order; their tensors are views of the fused ones.
         graph_module: the fused fx.GraphModule.
         slices: fused parameter -> the K models' parameters it holds (for optimizers).
+        partial_slices: (stacked parameter, the parameters it holds, whose models), for the
+            layers of places where the models differ (:mod:`.fused_segments`): a parameter
+            of some of the models only.
     """
 
     def __init__(self, graph_module: fx.GraphModule, models: Sequence[nn.Module],
-                 slices: list[tuple[nn.Parameter, list[nn.Parameter]]]):
+                 slices: list[tuple[nn.Parameter, list[nn.Parameter]]],
+                 partial_slices: list[tuple[nn.Parameter, list[nn.Parameter], list[int]]]
+                 | None = None):
         super().__init__()
         self.graph_module = graph_module
         self.k = len(models)
         self.__dict__["models"] = list(models)  # not submodules: their tensors are ours
         self.__dict__["slices"] = slices
-        self._dropouts = [m for m in graph_module.modules() if isinstance(m, ops.FusedDropout)]
+        self.__dict__["partial_slices"] = list(partial_slices or [])
+        # the layers drawing in the models' streams (a nested fused model's are its own)
+        self._dropouts = [m for m in graph_module.children()
+                          if isinstance(m, (ops.FusedDropout, PerModelSegment))]
 
     def forward(self, *inputs: Any,
                 rng: Sequence[Callable[[], ContextManager]] | None = None) -> Any:
@@ -173,58 +184,6 @@ class FusedModel(nn.Module):
         return self
 
 
-def _trace(model: nn.Module, index: int) -> fx.GraphModule:
-    if isinstance(model, fx.GraphModule):
-        try:
-            return fx.symbolic_trace(model)
-        except Exception:  # noqa: BLE001 (a generated module traces as it is)
-            return model
-    try:
-        return fx.symbolic_trace(model)
-    except Exception as err:
-        raise FusionError(f"model {index} ({type(model).__name__}) cannot be traced by "
-                          f"torch.fx ({err}); {_FALLBACK}") from err
-
-
-def _generated_signature(model: nn.Module) -> tuple | None:
-    """For a model whose behaviour is all in code it shows (a generated ``fx.GraphModule``
-    whose every submodule is one too, a torch.nn layer or a container): its code, every module's type,
-    configuration and mode, and every tensor's name, shape, dtype, device and requires_grad.
-    Models with equal signatures trace to the same graph, so :func:`fuse_models` traces one
-    of them (5 ms per small model) and reads the others' tensors by the same paths. None for
-    any other model (a user's ``forward`` may branch on plain attributes): it is traced."""
-    if not isinstance(model, fx.GraphModule):
-        return None
-    layers = []
-    for name, m in model.named_modules():
-        if isinstance(m, fx.GraphModule):
-            layers.append((name, type(m).__name__, m.code, m.training))
-        elif type(m).__module__.startswith("torch.nn."):  # a layer, or a container
-            layers.append((name, type(m).__name__, m.extra_repr(), m.training))
-        else:
-            return None
-    tensors = tuple((name, tuple(t.shape), t.dtype, t.device, t.requires_grad)
-                    for name, t in model.state_dict(keep_vars=True).items())
-    return tuple(layers), tensors  # (fx makes a class per GraphModule: not compared)
-
-
-def _signature(gm: fx.GraphModule, model: nn.Module, family: bool = False) -> tuple:
-    """What must be equal for models to fuse: the traced code, every layer's type and
-    configuration, every tensor's name, shape, dtype, device and requires_grad; with
-    ``family``, a weightless activation layer counts as any other (:func:`fusion_family`)."""
-    layers = tuple((name, "pointwise", m.training) if family and _pointwise(m) else
-                   (name, type(m).__name__, m.extra_repr(), m.training)
-                   for name, m in gm.named_modules() if name)
-    tensors = tuple((name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
-                    for name, t in model.state_dict(keep_vars=True).items())
-    return gm.code, layers, tensors
-
-
-def _pointwise(m: nn.Module) -> bool:
-    return isinstance(m, _POINTWISE_MODULES) and not any(True for _ in m.parameters()) \
-        and not any(True for _ in m.buffers())
-
-
 def _get(root: nn.Module, target: str) -> Any:
     obj: Any = root
     for part in target.split("."):
@@ -242,6 +201,7 @@ class _Emitter:
         self.slices: list[tuple[nn.Parameter, list[nn.Parameter]]] = []
         self.stacked: dict[int, torch.Tensor] = {}  # id(model 0's tensor) -> stacked (ties)
         self.adopted: set[int] = set()  # ids of the models' tensors fused layers hold
+        self.partial: list[tuple[nn.Parameter, list[nn.Parameter], list[int]]] = []
 
     def fail(self, node: fx.Node, what: str) -> FusionError:
         return FusionError(f"cannot fuse node {node.name!r} ({what}): not supported by "
@@ -293,7 +253,7 @@ class _Emitter:
             raise self.fail(node, f"{type(first).__name__} called with more than one input")
         call = self.graph.call_module
         if len({(type(m), m.extra_repr()) for m in layers}) > 1:  # activations that differ
-            if not all(_pointwise(m) for m in layers):
+            if not all(is_pointwise_layer(m) for m in layers):
                 raise self.fail(node, "layers that differ between the models")
             return call(self.add(node.target, ops.PerModelPointwise(layers)),
                         (self.to((x, layout), K),)), K
@@ -399,6 +359,27 @@ class _Emitter:
             return g.call_function(k_dims, (_ref(target), x, *rest), kwargs), K
         raise self.fail(node, _name(target))
 
+    def segment(self, seg: Segment) -> tuple[fx.Node, str]:
+        """A place where the models differ (:mod:`.fused_segments`): each model's own layers
+        there, models of one sub-architecture fused among themselves."""
+        regions = [region_module(gm, seg, k) for k, gm in enumerate(self.traced)]
+        for r in regions:  # weights tied to a common layer would be stacked twice
+            for t in itertools.chain(r.parameters(), r.buffers()):
+                if id(t) in self.adopted:
+                    raise FusionError(f"a layer at the place of {seg.outputs[0]!r} shares "
+                                      f"weights with another; {_FALLBACK}")
+                self.adopted.add(id(t))
+        module, partial = segment_module(regions, lambda r: signature(r, r), functools.partial(
+            fuse_models, stacked_inputs=True))
+        self.partial += partial
+        name = self.add("segment_" + seg.outputs[0], module)
+        first = {n.name: n for n in self.traced[0].graph.nodes}
+        if any(first[n] not in self.env for n in seg.inputs):
+            raise FusionError(f"the place of {seg.outputs[0]!r} reads a value computed after "
+                              f"it; {_FALLBACK}")
+        ins = tuple(self.to(self.env[first[n]], K) for n in seg.inputs)
+        return self.graph.call_module(name, ins), K
+
     def stacked_attr(self, node: fx.Node) -> tuple[fx.Node, str]:
         tensors = [_get(gm, node.target) for gm in self.traced]
         if not isinstance(tensors[0], torch.Tensor):
@@ -426,7 +407,7 @@ def _name(target: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
 
 
-def fuse_models(models: Sequence[nn.Module]) -> FusedModel:
+def fuse_models(models: Sequence[nn.Module], stacked_inputs: bool = False) -> FusedModel:
     """One :class:`FusedModel` training ``models`` (same architecture, own weights) at once.
 
     The models' parameters and buffers become views of the fused ones (their values are kept:
@@ -437,7 +418,12 @@ def fuse_models(models: Sequence[nn.Module]) -> FusedModel:
 
     Args:
         models: two or more ``nn.Module`` s with the same traced graph, layer types,
-            configurations and tensor shapes (``fusion_key`` equal for models of a space).
+            configurations and tensor shapes (``fusion_key`` equal for models of a space),
+            or graphs that differ in their activations (``fusion_family``) or at places
+            where each runs its own layers (:mod:`.fused_segments`: another operator at one
+            place, every value the common layers read of one shape).
+        stacked_inputs: the inputs are per-model values stacked ``(K, B, ...)`` (a fused
+            model nested in another's segment), not one batch every model reads.
 
     Raises:
         FusionError: the models differ, one cannot be traced, or an operation has no fused
@@ -446,26 +432,48 @@ def fuse_models(models: Sequence[nn.Module]) -> FusedModel:
     models = list(models)
     if len(models) < 2:
         raise FusionError(f"fusing needs two or more models, got {len(models)}")
-    traced = [_trace(models[0], 0)]
-    first = _signature(traced[0], models[0])
-    family = _signature(traced[0], models[0], family=True)
-    known = _generated_signature(models[0])
+    traced = [trace_model(models[0], 0)]
+    first = signature(traced[0], models[0])
+    family = signature(traced[0], models[0], family=True)
+    known = generated_signature(models[0])
+    differ = []
     for i, m in enumerate(models[1:], 1):
-        if known is not None and _generated_signature(m) == known:
+        if known is not None and generated_signature(m) == known:
             traced.append(m)  # traces as model 0 does: its own tensors are read by path
             continue
-        gm = _trace(m, i)
-        if _signature(gm, m) != first and _signature(gm, m, family=True) != family:
-            raise FusionError(f"model {i} differs from model 0 (its graph, a layer's type or "
-                              f"configuration other than an activation's, a tensor's shape, "
-                              f"dtype or device, or a train/eval mode): only same-shape models "
-                              f"fuse; {_FALLBACK}")
+        gm = trace_model(m, i)
+        if signature(gm, m) != first and signature(gm, m, family=True) != family:
+            differ.append(i)
         traced.append(gm)
+    segments: list[Segment] = []
+    if differ:  # other layers at some places: each model's own there, if the graphs allow
+        try:
+            segments = find_segments(traced, is_pointwise_layer)
+        except FusionError as err:
+            raise FusionError(f"model {differ[0]} differs from model 0 (its graph, a layer's "
+                              f"type or configuration other than an activation's, a tensor's "
+                              f"shape, dtype or device, or a train/eval mode) where fusion "
+                              f"cannot run each model's own layers ({err}); {_FALLBACK}") from err
+        if not segments or any(m.training != models[0].training for m in models):
+            raise FusionError(f"model {differ[0]} differs from model 0 (a tensor's shape, "
+                              f"dtype or device, or a train/eval mode); {_FALLBACK}")
+        inside = {n for seg in segments for n in seg.nodes[0]}
+        if not any(n.op == "call_module" and n.name not in inside and any(
+                True for _ in traced[0].get_submodule(n.target).parameters())
+                for n in traced[0].graph.nodes):
+            raise FusionError(f"model {differ[0]} differs from model 0 in every layer with "
+                              f"weights: nothing would fuse; {_FALLBACK}")
+    at = {seg.outputs[0]: seg for seg in segments}  # emitted at model 0's output node
+    inside = {n for seg in segments for n in seg.nodes[0]}
     em = _Emitter(traced)
     for node in traced[0].graph.nodes:
+        if node.name in inside:
+            if node.name in at:
+                em.env[node] = em.segment(at[node.name])
+            continue
         if node.op == "placeholder":
             em.env[node] = em.graph.placeholder(node.name, default_value=(
-                node.args[0] if node.args else inspect.Signature.empty)), S
+                node.args[0] if node.args else inspect.Signature.empty)), K if stacked_inputs else S
         elif node.op == "get_attr":
             em.env[node] = em.stacked_attr(node)
         elif node.op == "call_module":
@@ -475,7 +483,6 @@ def fuse_models(models: Sequence[nn.Module]) -> FusedModel:
         elif node.op == "output":
             em.graph.output(fx.node.map_arg(node.args[0], lambda n: em.to(em.env[n], K)))
     gm = fx.GraphModule(em.root, em.graph, "FusedModel")
-    fused = FusedModel(gm, models, em.slices)
+    fused = FusedModel(gm, models, em.slices, em.partial)
     fused.train(models[0].training)
     return fused
-

@@ -148,7 +148,7 @@ class PlanTable:
                               for device, c in sorted(layouts[key].items())]
         predicted = {f"{(u.get('choice') or {}).get('device')}: {line}" for row in rows
                      for u in row["units"] for line in (u.get("choice") or {}).get("predicted", ())}
-        if predicted:  # fusion decided by the device model (engine/layout_model.py)
+        if predicted:  # fusion decided by the device model (engine/worker_side/auto_layout.py)
             out["predicted"] = sorted(predicted)[:5]
         reasons = sorted({row["reason"] for row in rows
                           if row["status"] != "merged" and row["reason"]})

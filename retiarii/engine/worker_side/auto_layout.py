@@ -16,7 +16,10 @@ without timing anything, so every run of a seeded search makes the same decision
 - ``"measure"`` is the older rule, handed on as ``"auto"`` to the measuring code
   (layouts.py, measuring.py): chosen by measurement, reverted on evidence.
 
-What the model read is cached per worker process: the shapes of the first batch of epoch 0
+Sets of architectures that differ at places (another operator at one place,
+``optim.fused_segments``) are split first so that every place gives one shape
+(:func:`~.fused_fit.fitting_sets`, on meta tensors). What the model read is cached per worker
+process: the shapes of the first batch of epoch 0
 (the same for every segment, so a resumed segment decides as an uninterrupted one) per data
 key, and each architecture's costs per input shape.
 """
@@ -36,6 +39,7 @@ from ...optim.device_model import batching_wins, predicted_fused_speedup, step_c
 from ...optim.passes import LayoutPasses, PassManager, get_pass
 from ...training import batch_size
 from ..storage import checkpoint as ckpt
+from .fused_fit import fitting_sets
 from .training_group import plan_group
 
 __all__ = ["Resolved", "resolve"]
@@ -129,6 +133,7 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
     settings = dict(passes.settings)
     device = runs[ids[0]].device
     found = _inputs(trainer, runs[ids[0]], data_key)  # once per data key and process
+    fusable = fitting_sets(fusable, models, runs, None if found is None else found[0])
     predicted: list[str] = []
     chosen: list[tuple[str, ...]] = []
     if fuse == "auto":

@@ -20,8 +20,8 @@ storage of its own, and the others are fused again (their current values restack
 middle of an epoch if need be. One left is trained by its own optimizer.
 
 Which trials fuse is the worker's decision (:func:`fusable_sets`): equal
-:func:`~retiarii.optim.fusion_family` (one architecture up to its activations, one state-dict
-layout) within one group
+:func:`~retiarii.optim.fusion_family` (one architecture up to its activations and the places
+where its models hold other operators, each model's own there) within one group
 of :func:`~.grouped.group_tasks` (one space, trainer, data key and position); building the
 group then checks the modules and the optimizers (``FusionError``: those trials train as a
 CSE-grouped :class:`~.grouped.TrainingGroup` instead). A frozen part of identical
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...optim import FusedOptimizer, fuse_models, fusion_family, unfuse
+from ...optim import FusedOptimizer, fuse_models, fusion_family, fusion_key, unfuse
 from .training_group import TrainingGroup
 from ..trainers.trial_training import TrialRun
 
@@ -54,9 +54,11 @@ def fusable_sets(models: Mapping[str, Any], excluded: Iterable[str] = ()) -> lis
     """
     out: dict[str, list[str]] = {}
     skip = set(excluded)
+    family: dict[str, str] = {}  # one architecture, one family (whatever its history)
     for trial, model in models.items():
         if trial not in skip:
-            out.setdefault(fusion_family(model), []).append(trial)
+            key = family.setdefault(fusion_key(model), fusion_family(model))
+            out.setdefault(key, []).append(trial)
     return [tuple(ids) for ids in out.values() if len(ids) > 1]
 
 
