@@ -261,8 +261,12 @@ class Relaxation(nn.Module):
 
     def derive(self, top: dict[str, int] | None = None) -> dict:
         """The sample of the argmax of every label's alpha (labels the chosen architecture does
-        not ask for are left out, as in any sample of the space)."""
+        not ask for are left out, as in any sample of the space), or of the space's own
+        ``derivation`` rule over the probabilities where it has one (DARTS' top-2 edges)."""
         best = {label: int(a.detach().argmax()) for label, a in zip(self.labels, self.alphas)}
+        if self.space.derivation is not None:
+            best.update(self.space.derivation(
+                {label: p.tolist() for label, p in self.probabilities().items()}, self.keys))
         return self.sample_of(best)
 
     def sample_of(self, assignment: dict[str, int]) -> dict:
