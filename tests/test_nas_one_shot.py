@@ -11,7 +11,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from engine_helpers import InProcessExecutor
 from retiarii import nas
@@ -53,7 +52,8 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
     assert not any(r.stand_in for r in nas.ROWS)
     expected = {"enas_cnn": "ENAS", "enas_rnn": "ENAS", "spos": "SPOS", "fairnas": "SPOS",
                 "scarlet_nas": "SPOS", "oneshot": "SPOS", "once_for_all": "SPOS",
-                "darts": "DARTS", "darts_rnn": "DARTS", "fbnet": "GumbelDARTS", "proxylessnas": "ProxylessNAS",
+                "darts": "DARTS", "darts_rnn": "DARTS", "fbnet": "GumbelDARTS",
+                "proxylessnas": "ProxylessNAS",
                 "single_path_nas": "ProxylessNAS"}
     assert {name: nas.get(name).runs_with for name in ONE_SHOT_ROWS} == expected
     for row in nas.ROWS:
