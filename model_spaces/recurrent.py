@@ -15,7 +15,10 @@ of nodes, each a highway layer over one earlier node ``h_j`` with its own activa
 * **DARTS** (:func:`darts_space`): node 0 is ``tanh`` over ``x_t`` and ``h_{t-1}``; node i
   (1..8) picks its input among nodes 0 .. i-1 and f among tanh, ReLU, sigmoid, identity
   (the derived cell: the relaxation's "none" is not a candidate); ``h_t`` is the mean of
-  nodes 1..8. Size: ``4 ** 8 * 8! = 2,642,411,520`` (DARTS states no count).
+  nodes 1..8. Size: ``4 ** 8 * 8! = 2,642,411,520`` (DARTS states no count). DARTS searches
+  it through its relaxed cell, a mixed op over (none, tanh, ReLU, sigmoid, identity) on every
+  edge ``j -> i``, derived to each node's strongest edge and op
+  (:mod:`model_spaces.recurrent_relax`, the space's ``relaxation``).
 
 The paper tasks are language models (Penn Treebank); the launcher's data set is the 8x8
 digits, read here as a sequence of 8 rows of ``C * 8`` features, classified from the last
@@ -153,8 +156,13 @@ def recurrent_space(style: str, hidden: int, in_channels: int = 1, num_classes: 
     """The ENAS (``style="enas"``) or DARTS (``"darts"``) recurrent-cell space."""
     net = RowsClassifier(in_channels, image_size, hidden, num_classes, style)
     mutator = RecurrentCellMutator(in_channels * image_size, hidden, style)
-    return rt.ModelSpace(net, [rt.apply_mutator("rnn", mutator)],
-                         example_input=torch.zeros(1, in_channels, image_size, image_size))
+    space = rt.ModelSpace(net, [rt.apply_mutator("rnn", mutator)],
+                          example_input=torch.zeros(1, in_channels, image_size, image_size))
+    space.rnn_dims = (in_channels, image_size, hidden, num_classes)
+    if style == "darts":  # DARTS searches it through its relaxed cell (a leaf to the graph)
+        from .recurrent_relax import DartsRNNRelaxation
+        space.relaxation = DartsRNNRelaxation
+    return space
 
 
 def enas_small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8):

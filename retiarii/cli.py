@@ -261,12 +261,16 @@ def cmd_resume(args) -> int:
         origin = exp["config"].get("origin") or {}
     finally:
         store.close()
-    if args.tensorboard and ("retrain" in origin or "nas" in origin):
+    if args.tensorboard and ({"retrain", "nas", "nas_retrain"} & set(origin)):
         raise CliError("--tensorboard applies to searches started with `retiarii run`")
     if "retrain" in origin:  # `retiarii retrain DB --model ID`: rebuilt from the model
         from .cli_retrain import resume_retrain
 
         return resume_retrain(dict(origin["retrain"]), args)
+    if "nas_retrain" in origin:  # the retraining phase of `retiarii nas run NAME`
+        from .cli_nas import resume_nas_retrain
+
+        return resume_nas_retrain(dict(origin["nas_retrain"]), args)
     if "nas" in origin:  # `retiarii nas run NAME`: the row rebuilds it
         from .cli_nas import resume_nas
 

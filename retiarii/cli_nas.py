@@ -1,6 +1,8 @@
 """The ``retiarii nas`` commands: list, show and run the NAS solutions of the literature
-(:mod:`retiarii.nas`), and ``retiarii resume`` of a store that ``nas run`` made (it records
-its settings as the experiment's origin, ``{"nas": {...}}``). :mod:`retiarii.cli` calls these.
+(:mod:`retiarii.nas`), and ``retiarii resume`` of a store that ``nas run`` made (it
+records its settings as the experiment's origin, ``{"nas": {...}}``, and its retraining's as the
+second experiment's, ``{"nas_retrain": {...}}``: :mod:`retiarii.nas_retrain`).
+:mod:`retiarii.cli` calls these.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 
 from .cli_common import CliError, Progress, positive_flag, print_best, format_table
 
-__all__ = ["cmd_nas_list", "cmd_nas_show", "cmd_nas_run", "resume_nas"]
+__all__ = ["cmd_nas_list", "cmd_nas_show", "cmd_nas_run", "resume_nas", "resume_nas_retrain"]
 
 
 def cmd_nas_list(args) -> int:
@@ -48,6 +50,9 @@ def cmd_nas_run(args) -> int:
     for value, flag in ((args.max_models, "--max-models"), (args.epochs, "--epochs"),
                         (args.workers, "--workers")):
         positive_flag(value, flag)
+    if args.retrain_epochs < 0:
+        raise CliError(f"--retrain-epochs {args.retrain_epochs}: give the epochs of the "
+                       f"retraining (0: search only)")
     try:
         row = nas.get(args.name)
         if row.one_shot and args.max_models is not None:
@@ -58,14 +63,46 @@ def cmd_nas_run(args) -> int:
                     "epochs": args.epochs, "workers": args.workers, "seed": args.seed}
         if args.deterministic:  # recorded only when on: resume rebuilds from these settings
             settings["deterministic"] = True
-        exp = nas.experiment(**settings, store=args.store, origin={"nas": settings},
+        exp = nas.experiment(**settings, store=args.store,
+                             origin={"nas": {**settings, "retrain_epochs": args.retrain_epochs}},
                              progress=Progress(args.max_models or 8))
     except (KeyError, nas.RowNotImplemented) as err:
         raise CliError(str(err).strip('"')) from None
     summary = exp.run()
     print(file=sys.stderr)
     print_best(summary)
+    if args.retrain_epochs:
+        _retrain(exp.path, exp.store.experiment_id, settings, args.retrain_epochs)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
+    return 0
+
+
+def _retrain(store: str, search: int, settings: dict, epochs: int) -> None:
+    """The second phase of ``nas run``: the selected architecture retrained from scratch."""
+    from . import nas_retrain
+
+    print(f"\nretraining the selected architecture from scratch for {epochs} epochs "
+          f"({nas_retrain.recipe(settings['name']).optimizer}, the row's recipe)", file=sys.stderr)
+    try:
+        result = nas_retrain.retrain_selected(
+            store, search, settings["name"], settings["preset"], epochs,
+            settings.get("workers") or 2, settings.get("seed", 0), progress=Progress(None))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    print(file=sys.stderr)
+    print(result.line())
+
+
+def resume_nas_retrain(recorded: dict, args) -> int:
+    """``retiarii resume`` of the retrain phase of a ``nas run`` store."""
+    from . import nas_retrain
+
+    if args.workers:
+        recorded["workers"] = args.workers
+    exp = nas_retrain.retrain_experiment(recorded, progress=Progress(None))
+    exp.resume(experiment=getattr(args, "experiment", None))
+    print(file=sys.stderr)
+    print(nas_retrain.finish(recorded).line())
     return 0
 
 
@@ -74,6 +111,7 @@ def resume_nas(recorded: dict, args) -> int:
     the recorded settings (a changed --workers or --max-models as for ``run``)."""
     from . import nas
 
+    retrain_epochs = recorded.pop("retrain_epochs", 0)
     if args.workers:
         recorded["workers"] = args.workers
     if args.max_models:
@@ -84,13 +122,16 @@ def resume_nas(recorded: dict, args) -> int:
         raise CliError("--executor ray: `retiarii nas run` searches on local workers; leave it "
                        "out")
     try:
-        exp = nas.experiment(**recorded, store=args.db, origin={"nas": recorded},
+        exp = nas.experiment(**recorded, store=args.db,
+                             origin={"nas": {**recorded, "retrain_epochs": retrain_epochs}},
                              progress=Progress(recorded.get("max_models") or 8))
     except (KeyError, nas.RowNotImplemented, ValueError) as err:
         raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
     summary = exp.resume(experiment=getattr(args, "experiment", None))
     print(file=sys.stderr)
     print_best(summary)
+    if retrain_epochs:  # the search is done now: its retraining follows, as in `nas run`
+        _retrain(exp.path, exp.store.experiment_id, recorded, retrain_epochs)
     return 0
 
 
@@ -117,6 +158,10 @@ def add_nas_parser(sub) -> None:
     nas_run.add_argument("--store", default=None,
                          help="SQLite file (default runs/nas-NAME-PRESET.db)")
     nas_run.add_argument("--seed", type=int, default=0, help="seed of the search and trials")
+    nas_run.add_argument("--retrain-epochs", type=int, default=20,
+                         help="then retrain the selected architecture from scratch for this "
+                              "many epochs with the row's recipe, as a second experiment of "
+                              "the store (default 20; 0: search only)")
     nas_run.add_argument("--deterministic", action="store_true",
                          help="deterministic kernels in every worker, as for `run`")
     nas_run.set_defaults(fn=cmd_nas_run)

@@ -136,7 +136,18 @@ class ModelSpace:
         example_input: a tensor (or tuple of tensors) used by :meth:`instantiate` to check
             shapes and settle lazy modules' sizes.
         concrete_args, leaf_modules: passed to :func:`retiarii.trace`.
+
+    Two attributes tell the continuous relaxation (:mod:`retiarii.optim.relax`) what the
+    space's paper does, where the graph cannot say it: ``derivation``, how the relaxed
+    weights become a discrete sample (None: the argmax of every label; DARTS' cells keep the
+    top-2 incoming edges of each node: :class:`retiarii.optim.derivation.EdgeDerivation`),
+    and ``relaxation``, a class built as ``relaxation(space, mode=..., seed=...)`` in place
+    of :class:`~retiarii.optim.relax.Relaxation` for a space whose choices live inside one
+    module (DARTS' recurrent cell unrolled over time: model_spaces/recurrent.py).
     """
+
+    derivation: Any = None
+    relaxation: Any = None
 
     def __init__(self, base_model_or_models: nn.Module | Sequence[nn.Module],
                  mutators: Sequence[Mutator | BoundMutator] = (), example_input: Any = None,

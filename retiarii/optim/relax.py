@@ -259,11 +259,11 @@ class Relaxation(nn.Module):
         ents = [float(-(p * p.clamp_min(1e-12).log()).sum()) for p in self.probabilities().values()]
         return sum(ents) / max(1, len(ents))
 
-    def derive(self, top: dict[str, int] | None = None) -> dict:
-        """The sample of the argmax of every label's alpha (labels the chosen architecture does
-        not ask for are left out, as in any sample of the space)."""
+    def derive(self) -> dict:
+        """The sample of the argmax of every alpha, or of the space's ``derivation`` (DARTS')."""
         best = {label: int(a.detach().argmax()) for label, a in zip(self.labels, self.alphas)}
-        return self.sample_of(best)
+        rule = self.space.derivation
+        return self.sample_of({**best, **(rule(self.probabilities(), self.keys) if rule else {})})
 
     def sample_of(self, assignment: dict[str, int]) -> dict:
         """The space's sample of label -> candidate index (the labels it asks for only)."""

@@ -56,6 +56,7 @@ class SegmentContext:
     device: torch.device
     train: Iterable | None = None
     valid: Iterable | None = None
+    arch: Iterable | None = None  # architecture-step batches (None: see arch_batches)
     rank: int = 0
     world: int = 1
     group: Any = None
@@ -71,6 +72,16 @@ class SegmentContext:
 
     def valid_batches(self) -> Iterable:
         return self.valid if self.valid is not None else self.trainer.val_dataloader(self.hparams)
+
+    def arch_batches(self) -> Iterable:
+        """Batches for architecture steps: ``arch`` when given, else the trainer's
+        ``arch_dataloader(hparams, segment)`` where it has one (a part of the training data
+        kept apart from the reported validation split: :mod:`retiarii.arch_split`), else the
+        validation batches."""
+        if self.arch is not None:
+            return self.arch
+        loader = getattr(self.trainer, "arch_dataloader", None)
+        return loader(self.hparams, self.segment) if loader is not None else self.valid_batches()
 
 
 @dataclass

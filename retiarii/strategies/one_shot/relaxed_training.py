@@ -3,12 +3,13 @@
 One segment is one epoch over ``ctx.train_batches()``. For every training batch the strategy
 first takes an **architecture step** on a validation batch (the alphas, with the loss of the
 trainer's ``training_step`` on that batch), then a **weight step** on the training batch (the
-supernet's weights, with the trainer's optimizer). Validation batches come from
-``ctx.valid_batches()``, cycled from its first batch at every segment (so a segment depends on
-the segment number and the state only, which is what makes resume exact); DARTS' own recipe
-splits the training set in halves instead: give the trainer a validation split of the size you
-want. After the epoch the derived architecture (argmax of every alpha) is evaluated on the
-validation batches with the supernet's weights (``trainer.validation_step``) and reported as
+supernet's weights, with the trainer's optimizer). Architecture batches come from
+``ctx.arch_batches()``, cycled from its first batch at every segment (so a segment depends on
+the segment number and the state only, which is what makes resume exact): the trainer's
+``arch_dataloader`` where it has one (DARTS' recipe: half of the training data,
+:class:`retiarii.arch_split.ArchSplitTrainer`), else its validation batches. After the
+epoch the derived architecture (the argmax of every alpha, or the space's ``derivation``) is
+evaluated on the validation batches with the supernet's weights (``trainer.validation_step``) and reported as
 the segment's model.
 
 Subclasses say how the relaxation runs in each step (:meth:`RelaxedOneShot.step_mode`) and
@@ -69,9 +70,10 @@ class RelaxedOneShot(OneShot):
 
     # ---- the OneShot interface --------------------------------------------------------------
     def setup(self, space, trainer, hparams: dict, device: torch.device) -> None:
+        make = space.relaxation or Relaxation  # a space may bring its own supernet
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            self.relaxation = Relaxation(space, mode=self.mode, seed=self.seed)
+            self.relaxation = make(space, mode=self.mode, seed=self.seed)
         self.relaxation.to(device)
         self.check(self.relaxation)
         self._trainer, self._hparams, self._device = trainer, dict(hparams), device
@@ -135,7 +137,7 @@ class RelaxedOneShot(OneShot):
         relax = self._need_setup()
         relax.train()
         seg = self._done
-        valid = _Cycle(ctx.valid_batches())
+        valid = _Cycle(ctx.arch_batches())
         losses, arch_losses, n = 0.0, 0.0, 0
         for batch in ctx.train_batches():
             if ctx.should_stop():

@@ -1,0 +1,96 @@
+"""NAS rows searched then retrained, against random architectures retrained alike (#31 item 3).
+
+For each row and seed: ``retiarii.nas_retrain.search_and_retrain`` (the row's search, then
+its selection retrained from scratch with the row's recipe), and one random architecture of
+the same space retrained from scratch with the same recipe and epochs (DARTS: a random cell
+DARTS could derive, ``model_spaces.darts.genotype_sample``). Writes one CSV line per (row,
+seed) and prints whether the selection beats the random sample on average over the seeds.
+
+    nice -n 10 python benchmarks/nas_rows.py --rows darts darts_rnn nasbench201 \\
+        --seeds 3 --out benchmarks/data/nas_rows.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+FIELDS = ["row", "seed", "search_s", "search_models", "search_epochs", "retrain_epochs",
+          "selected_val_acc", "random_val_acc", "retrain_s"]
+
+
+def random_sample(name: str, seed: int) -> dict:
+    """A random architecture of row ``name``'s space (DARTS: a derivable cell)."""
+    from retiarii import nas
+
+    if name == "darts":
+        from model_spaces import darts
+
+        return darts.genotype_sample(random.Random(seed))
+    return dict(nas.build_space(name, "small").random_sample(seed=seed).sample)
+
+
+def run_row(name: str, seed: int, args, folder: str) -> dict:
+    from retiarii import nas, nas_retrain
+
+    row = nas.get(name)
+    store = os.path.join(folder, f"{name}-{seed}.db")
+    result = nas_retrain.search_and_retrain(
+        name, max_models=None if row.one_shot else args.max_models, epochs=args.search_epochs,
+        retrain_epochs=args.retrain_epochs, store=store, workers=args.workers, seed=seed)
+    start = time.time()
+    settings = {"name": name, "preset": "small", "store": os.path.join(folder, f"r-{name}-{seed}.db"),
+                "search_experiment": None, "model": None, "sample": random_sample(name, seed),
+                "value": None, "retrain_epochs": args.retrain_epochs, "workers": args.workers,
+                "seed": seed}
+    exp = nas_retrain.retrain_experiment(settings)
+    summary = exp.run()
+    best = summary["best"][0]["value"] if summary["best"] else None
+    print(result.line(), f"| random retrained: {best}", flush=True)
+    return {"row": name, "seed": seed, "search_s": round(result.search_seconds, 1),
+            "search_models": result.search_models, "search_epochs": args.search_epochs,
+            "retrain_epochs": args.retrain_epochs,
+            "selected_val_acc": result.retrained.get("val_acc"), "random_val_acc": best,
+            "retrain_s": round(time.time() - start, 1)}
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", default=["darts", "darts_rnn", "nasbench201"])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--search-epochs", type=int, default=4,
+                        help="a one-shot row's segments, a multi-trial row's epochs per model")
+    parser.add_argument("--max-models", type=int, default=8, help="multi-trial rows")
+    parser.add_argument("--retrain-epochs", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default=None, help="CSV file (default: stdout only)")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.rows:
+            for seed in range(args.seeds):
+                rows.append(run_row(name, seed, args, folder))
+                if args.out:  # written as it goes: a long run keeps what it measured
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    with open(args.out, "w", newline="") as f:
+                        writer = csv.DictWriter(f, FIELDS)
+                        writer.writeheader()
+                        writer.writerows(rows)
+    for name in args.rows:
+        mine = [r for r in rows if r["row"] == name]
+        sel = [r["selected_val_acc"] for r in mine if r["selected_val_acc"] is not None]
+        rnd = [r["random_val_acc"] for r in mine if r["random_val_acc"] is not None]
+        if sel and rnd:
+            print(f"{name}: selected {sum(sel) / len(sel):.4f} vs random {sum(rnd) / len(rnd):.4f} "
+                  f"over {len(mine)} seeds; min selected {min(sel):.4f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Search, then retrain: a row of :mod:`retiarii.nas` run as its paper reports it.
+
+A NAS paper's figure is the accuracy of the architecture its search selects, *retrained from
+scratch* with a longer recipe, and the search's cost. :func:`search_and_retrain` runs the
+row's search (:func:`retiarii.nas.experiment`), takes the architecture it selected (a
+one-shot search's result, or a multi-trial search's best model), and retrains it from scratch
+as a second experiment of the same store whose ``origin["nas_retrain"]`` names the search
+experiment and model it retrains; ``retiarii resume`` continues either phase. The recipe is
+the row's paper's, scaled to the digits (:data:`RECIPES`; ``retrain_epochs`` epochs).
+
+Example::
+
+    >>> from retiarii import nas_retrain
+    >>> result = nas_retrain.search_and_retrain("nasbench201", max_models=3,
+    ...                                          retrain_epochs=10, store="runs/nb201.db")
+    >>> result.line()     # 'nasbench201: search 41 s, 3 models; retrained 10 epochs: val_acc 0.95'
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import nas
+
+__all__ = ["NasResult", "RECIPES", "Recipe", "recipe", "retrain_experiment",
+           "search_and_retrain", "selected_model"]
+
+DEFAULT_RETRAIN_EPOCHS = 20  # digits: ~23 steps an epoch; 20 epochs reach the floor (0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How a row's paper retrains its selected architecture, scaled to the digits."""
+
+    optimizer: str  # ClassifierTrainer's optimizer name
+    lr: float
+    weight_decay: float
+    lr_schedule: str | None  # "cosine" as most of these papers
+    paper: str  # the paper's own recipe, in a few words
+
+    def trainer_settings(self, epochs: int) -> dict:
+        return {"optimizer": self.optimizer, "lr": self.lr, "weight_decay": self.weight_decay,
+                "lr_schedule": self.lr_schedule, "epochs": epochs}
+
+
+# The cell papers (NASNet, AmoebaNet, PNAS, DARTS, ENAS, NAS-Bench-201...) retrain with SGD,
+# momentum 0.9, a cosine schedule and weight decay ~3e-4 (batch 64-128, lr 0.025-0.1, for
+# hundreds of epochs): the same here, for retrain_epochs.
+CELL = Recipe("sgd", 0.05, 3e-4, "cosine",
+              "SGD momentum 0.9, cosine from 0.025-0.1, weight decay 3e-4, 600 epochs (DARTS)")
+RECIPES: dict[str, Recipe] = {
+    # DARTS' language model trains with SGD at lr 20 then ASGD on perplexity, which does not
+    # carry over to classifying digit rows; Adam with a cosine schedule does
+    "darts_rnn": Recipe("adam", 3e-3, 0.0, "cosine",
+                        "SGD lr 20 then ASGD, 8,000 epochs on Penn Treebank (not transferable)"),
+    "enas_rnn": Recipe("adam", 3e-3, 0.0, "cosine", "SGD lr 20, Penn Treebank"),
+    "textnas": Recipe("adam", 3e-3, 0.0, "cosine", "Adam, text classification"),
+    "wann": Recipe("adam", 3e-3, 0.0, "cosine", "no retraining in the paper (weight sweep)"),
+}
+
+
+def recipe(name: str) -> Recipe:
+    """Row ``name``'s retraining recipe (the cell recipe unless :data:`RECIPES` says else)."""
+    nas.get(name)
+    return RECIPES.get(name, CELL)
+
+
+@dataclasses.dataclass
+class NasResult:
+    """The two phases of one ``nas run``: the search's cost and the retrained accuracy."""
+
+    name: str
+    store: str
+    search_experiment: int
+    retrain_experiment: int
+    search_seconds: float  # the search experiment's wall time (created -> last update)
+    search_models: int  # models it trained or evaluated
+    selected: dict  # the sample it selected
+    search_value: float | None  # the selected model's metric in the search
+    retrained: dict  # the retrained model's last metrics (val_acc, val_loss...)
+    retrain_epochs: int
+    metric: str = "val_acc"
+
+    def line(self) -> str:
+        value = self.retrained.get(self.metric)
+        shown = f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+        return (f"{self.name}: search {self.search_seconds:.0f} s, {self.search_models} models "
+                f"(experiment {self.search_experiment}); retrained from scratch "
+                f"{self.retrain_epochs} epochs (experiment {self.retrain_experiment}): "
+                f"{self.metric} {shown}")
+
+
+def selected_model(store: str, experiment: int) -> tuple[int, dict, float | None]:
+    """(model id, sample, metric value) of what search ``experiment`` of ``store`` selected:
+    a one-shot search's result model, or a multi-trial search's best finished model."""
+    from .engine.store import Store
+
+    with Store(store) as db:
+        db.use_experiment(experiment)
+        exp = db.get_experiment()
+        config = exp["config"]
+        metric, mode = config.get("metric", "val_acc"), config.get("mode", "max")
+        if (config.get("strategy") or {}).get("one_shot"):
+            model_id = exp.get("result_model")
+            if model_id is None:
+                raise ValueError(f"{store}: the one-shot search (experiment {experiment}) has no "
+                                 f"result yet: resume it (retiarii resume {store})")
+            model = db.get_model(model_id)
+            value = (model.get("metrics") or {}).get(metric) if isinstance(
+                model.get("metrics"), dict) else model.get("value")
+            return model_id, dict(model["sample"]), value
+        best = db.best_models(metric, mode, 1, finished=True)
+        if not best:
+            raise ValueError(f"{store}: the search (experiment {experiment}) finished no model: "
+                             f"there is nothing to retrain")
+        return best[0]["model_id"], dict(best[0]["sample"]), best[0]["value"]
+
+
+def retrain_experiment(settings: dict, **kwargs: Any):
+    """The experiment retraining the selected model of ``settings`` (its keys: name, preset,
+    store, search_experiment, model, sample, retrain_epochs, workers, seed; kept as
+    ``origin["nas_retrain"]``) from scratch with the row's recipe."""
+    from .engine.experiment import Experiment
+    from .engine.trainer import ClassifierTrainer
+    from .strategies.fixed import FixedArchitecture
+
+    name = settings["name"]
+    trainer = ClassifierTrainer(dataset="digits",
+                                **recipe(name).trainer_settings(settings["retrain_epochs"]))
+    return Experiment(f"retiarii.nas:SPACES.{name}.{settings['preset']}",
+                      FixedArchitecture(settings["sample"], seed=settings["seed"]), trainer,
+                      store=settings["store"], workers=settings["workers"],
+                      seed=settings["seed"], origin={"nas_retrain": dict(settings)}, **kwargs)
+
+
+def _search_cost(store: str, experiment: int) -> tuple[float, int]:
+    from .engine.store import Store
+
+    with Store(store) as db:
+        exp = db.get_experiment(experiment)
+        count = db.db.execute("SELECT count(*) FROM models WHERE experiment_id = ?",
+                              [experiment]).fetchone()[0]
+    return float(exp["updated"] - exp["created"]), int(count)
+
+
+def finish(settings: dict, retrain_summary: dict | None = None) -> NasResult:
+    """The :class:`NasResult` of a retrain phase whose experiment has run (``settings``: its
+    ``origin["nas_retrain"]``)."""
+    from .engine.store import Store
+
+    seconds, models = _search_cost(settings["store"], settings["search_experiment"])
+    with Store(settings["store"]) as db:
+        ids = [e["id"] for e in db.experiments()
+               if (e["config"].get("origin") or {}).get("nas_retrain", {}).get(
+                   "search_experiment") == settings["search_experiment"]]
+        retrain_id = ids[-1]
+        db.use_experiment(retrain_id)
+        trials = db.trials()
+        metrics = {}
+        for metric in ("val_acc", "val_loss", "train_loss"):  # the last epoch's
+            curve = [v for _, v in db.learning_curve(trials[-1]["id"], metric)
+                     if v is not None] if trials else []
+            if curve:
+                metrics[metric] = curve[-1]
+    return NasResult(settings["name"], settings["store"], settings["search_experiment"],
+                     retrain_id, seconds, models, settings["sample"], settings.get("value"),
+                     {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+                     settings["retrain_epochs"])
+
+
+def retrain_selected(store: str, search_experiment: int, name: str, preset: str = "small",
+                     retrain_epochs: int = DEFAULT_RETRAIN_EPOCHS, workers: int = 2,
+                     seed: int = 0, **kwargs: Any) -> NasResult:
+    """Retrain what search ``search_experiment`` of ``store`` selected, then report both."""
+    model_id, sample, value = selected_model(store, search_experiment)
+    settings = {"name": name, "preset": preset, "store": store,
+                "search_experiment": search_experiment, "model": model_id, "sample": sample,
+                "value": value, "retrain_epochs": retrain_epochs, "workers": workers,
+                "seed": seed}
+    exp = retrain_experiment(settings, **kwargs)
+    summary = exp.run()
+    return finish(settings, summary)
+
+
+def search_and_retrain(name: str, preset: str = "small", max_models: int | None = None,
+                       epochs: int = 2, retrain_epochs: int = DEFAULT_RETRAIN_EPOCHS,
+                       store: str | None = None, workers: int = 2, seed: int = 0,
+                       options: dict | None = None, retrain_kwargs: dict | None = None,
+                       **kwargs: Any) -> NasResult:
+    """Search row ``name`` (as :func:`retiarii.nas.experiment`), then retrain its selection from
+    scratch for ``retrain_epochs`` with the row's :func:`recipe`, in the same store.
+
+    Args:
+        name, preset, max_models, epochs, workers, seed, options: the search's, as for
+            :func:`retiarii.nas.experiment`.
+        retrain_epochs: epochs of the retraining (default 20).
+        store: the SQLite file holding both phases (default ``runs/nas-{name}-{preset}.db``).
+        retrain_kwargs: passed to the retrain's :class:`~retiarii.Experiment` (``executor``...).
+        kwargs: passed to the search's :class:`~retiarii.Experiment`.
+
+    Raises:
+        ValueError: ``retrain_epochs`` below 1; what :func:`retiarii.nas.experiment` raises.
+    """
+    if retrain_epochs < 1:
+        raise ValueError(f"retrain_epochs must be at least 1, got {retrain_epochs}")
+    store = store or f"runs/nas-{name}-{preset}.db"
+    exp = nas.experiment(name, preset, max_models, epochs, store, workers, seed, options,
+                         **kwargs)
+    exp.run()
+    return retrain_selected(exp.path, exp.store.experiment_id, name, preset, retrain_epochs,
+                            workers, seed, **(retrain_kwargs or {}))
