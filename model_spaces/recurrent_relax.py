@@ -53,7 +53,7 @@ DERIVATION = EdgeDerivation(nodes=tuple(
 
 class DartsRNNRelaxation(nn.Module):
     """The relaxed DARTS recurrent cell of ``space`` (a :func:`darts_space`); see the module
-    docstring. It has the members :mod:`retiarii.strategies._relaxed` uses of a
+    docstring. It has the members :mod:`retiarii.strategies.one_shot.relaxed_training` uses of a
     :class:`~retiarii.optim.relax.Relaxation`, in modes ``"softmax"`` and ``"fixed"``.
 
     Args:

@@ -4,7 +4,7 @@ steps on the other, the validation split left for the reported result (DARTS' re
 DARTS (Liu et al., 2019, section 3.1) searches on half of CIFAR-10's training set for the
 weights and the other half for the architecture parameters, and reports the derived cell's
 accuracy elsewhere. :class:`ArchSplitTrainer` does that on any data set of
-:class:`~retiarii.engine.trainer.ClassifierTrainer`: its ``train_dataloader`` yields the
+:class:`~retiarii.engine.trainers.trainer.ClassifierTrainer`: its ``train_dataloader`` yields the
 weight part, its ``arch_dataloader`` the architecture part (the differentiable strategies
 take their architecture batches from it: :meth:`SegmentContext.arch_batches`), and its
 ``val_dataloader`` the same held-out split as ``ClassifierTrainer`` (what a search reports)::
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .engine.trainer import ClassifierConfig, ClassifierTrainer
+from .engine.trainers.trainer import ClassifierConfig, ClassifierTrainer
 from .refs import ref_of
 
 __all__ = ["ArchSplitConfig", "ArchSplitTrainer"]

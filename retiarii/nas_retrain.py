@@ -93,7 +93,7 @@ class NasResult:
 def selected_model(store: str, experiment: int) -> tuple[int, dict, float | None]:
     """(model id, sample, metric value) of what search ``experiment`` of ``store`` selected:
     a one-shot search's result model, or a multi-trial search's best finished model."""
-    from .engine.store import Store
+    from .engine.storage.store import Store
 
     with Store(store) as db:
         db.use_experiment(experiment)
@@ -120,9 +120,9 @@ def retrain_experiment(settings: dict, **kwargs: Any):
     """The experiment retraining the selected model of ``settings`` (its keys: name, preset,
     store, search_experiment, model, sample, retrain_epochs, workers, seed; kept as
     ``origin["nas_retrain"]``) from scratch with the row's recipe."""
-    from .engine.experiment import Experiment
-    from .engine.trainer import ClassifierTrainer
-    from .strategies.fixed import FixedArchitecture
+    from .engine.driver.experiment import Experiment
+    from .engine.trainers.trainer import ClassifierTrainer
+    from .strategies.multi_trial.fixed import FixedArchitecture
 
     name = settings["name"]
     trainer = ClassifierTrainer(dataset="digits",
@@ -134,7 +134,7 @@ def retrain_experiment(settings: dict, **kwargs: Any):
 
 
 def _search_cost(store: str, experiment: int) -> tuple[float, int]:
-    from .engine.store import Store
+    from .engine.storage.store import Store
 
     with Store(store) as db:
         exp = db.get_experiment(experiment)
@@ -146,7 +146,7 @@ def _search_cost(store: str, experiment: int) -> tuple[float, int]:
 def finish(settings: dict, retrain_summary: dict | None = None) -> NasResult:
     """The :class:`NasResult` of a retrain phase whose experiment has run (``settings``: its
     ``origin["nas_retrain"]``)."""
-    from .engine.store import Store
+    from .engine.storage.store import Store
 
     seconds, models = _search_cost(settings["store"], settings["search_experiment"])
     with Store(settings["store"]) as db:

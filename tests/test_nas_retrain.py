@@ -13,9 +13,9 @@ from engine_helpers import InProcessExecutor
 from retiarii import nas, nas_retrain
 from retiarii.arch_split import ArchSplitTrainer
 from retiarii.cli import main
-from retiarii.engine import trainer as trainer_module
-from retiarii.engine.executors.base import TrialCheckpointed
-from retiarii.engine.store import Store
+from retiarii.engine.trainers import trainer as trainer_module
+from retiarii.engine.jobs.job import TrialCheckpointed
+from retiarii.engine.storage.store import Store
 from retiarii.optim.derivation import DerivationError, EdgeDerivation
 
 
