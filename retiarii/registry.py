@@ -73,6 +73,11 @@ MULTI_TRIAL = _table(
     Entry("tpe", _S + "tpe:TPE"),
     Entry("predictor", _S + "predictor:Predictor"),
     Entry("progressive", _S + "progressive:Progressive"),
+    # a GCN over NAS-Bench-101's cells (the paper's); small rounds for the CLI's budgets
+    Entry("neural_predictor", _S + "neural_predictor:NeuralPredictor",
+          (("graph", "model_spaces.nasbench101:cell_graph"),
+           ("types", ("input", "conv3x3-bn-relu", "conv1x1-bn-relu", "maxpool3x3", "output")),
+           ("n_train", 10), ("n_candidates", 200), ("top_k", 5), ("epochs", 100))),
 )
 ONE_SHOT = _table(
     Entry("darts", _S + "darts:DARTS"),

@@ -19,6 +19,7 @@ from .rl import PolicyBasedRL
 from .tpe import TPE
 from .predictor import Predictor
 from .progressive import Progressive
+from .neural_predictor import NeuralPredictor
 from .one_shot import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .darts import DARTS
 from .snas import GumbelDARTS
