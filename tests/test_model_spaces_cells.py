@@ -366,7 +366,8 @@ def test_progressive_grows_the_pnas_cell_block_by_block():
         # a toy objective: more blocks and more convolutions are better
         strategy.tell(sample, sample["blocks"] + sum("conv" in str(v) for v in sample.values()))
     assert depths == [1] * 4 + [2] * 4 + [3] * 4
-    restored = Progressive(depth_label="blocks", beam=4, n_candidates=64, seed=5)
+    restored = Progressive(depth_label="blocks", beam=4, n_candidates=64, seed=5,
+                           surrogate="ensemble")
     restored.load_state_dict(json.loads(json.dumps(strategy.state_dict())))
     assert restored.ask(space) == strategy.ask(space)
 

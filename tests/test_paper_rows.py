@@ -108,3 +108,61 @@ def test_neural_predictor_trains_on_n_random_cells_then_proposes_its_top_k_ranke
     assert np.mean(ranked) > np.mean(first) + 1
     # and a restored strategy makes the same round (the GCN's fit is seeded)
     assert [copy.ask(space) for _ in range(4)] == asked[12:]
+
+
+# ---- PNAS (Liu et al., ECCV 2018): an MLP ensemble refitted at each block level -------------
+
+
+def test_pnas_ensemble_predicts_the_mean_of_members_trained_on_different_folds():
+    from retiarii.strategies.pnas_predictor import fit_ensemble
+
+    samples = [{"blocks": 1, "b0/input_a": a, "b0/op_a": op} for a in range(2)
+               for op in ("conv", "pool", "skip", "sep")] * 2
+    y = [float(s["b0/op_a"] == "conv") + 0.1 * s["b0/input_a"] for s in samples]
+    ensemble = fit_ensemble(samples, y, seed=0)
+    assert len(ensemble.models) == 5
+    # each member left out its own fifth: 5 different training sets covering all the data
+    assert len({tuple(f) for f in ensemble.folds}) == 5
+    assert all(len(f) == len(samples) - len(samples[i::5]) for i, f in
+               enumerate(ensemble.folds))
+    members = ensemble.member_predictions(samples)
+    assert ensemble.predict(samples) == pytest.approx(members.mean(0).tolist(), abs=1e-6)
+    assert not torch.allclose(members[0], members[1])  # the members differ
+    # a cell of 2 blocks is scored too: the mean over blocks of the block embeddings
+    two = {"blocks": 2, "b0/input_a": 0, "b0/op_a": "conv", "b1/input_a": 2, "b1/op_a": "conv"}
+    assert len(ensemble.predict([two])) == 1
+
+
+def test_pnas_row_grows_block_by_block_and_refits_its_ensemble_at_each_level(monkeypatch):
+    from retiarii.strategies import Progressive, pnas_predictor
+
+    fits = []
+    real = pnas_predictor.fit_ensemble
+
+    def counting(samples, y, seed, candidates=()):
+        fits.append((len(samples), sorted({c["blocks"] for c in candidates})))
+        return real(samples, y, seed, candidates)
+
+    monkeypatch.setattr(pnas_predictor, "fit_ensemble", counting)
+    space = nas.build_space("pnas", "small")
+    strategy = nas.strategy("pnas", seed=0)
+    assert isinstance(strategy, Progressive) and strategy.surrogate == "ensemble"
+    depths = []
+    for _ in range(12):
+        sample = strategy.ask(space)
+        depths.append(sample["blocks"])
+        strategy.tell(sample, sample["blocks"] + sum("conv" in str(v) for v in sample.values()))
+    assert depths == [1] * 4 + [2] * 4 + [3] * 4
+    # one fit per level, on every cell told so far, ranking that level's expansions
+    assert fits == [(4, [2]), (8, [3])]
+
+
+@pytest.mark.parametrize("module", ["retiarii.strategies.neural_predictor",
+                                    "retiarii.strategies.pnas_predictor",
+                                    "model_spaces.nasbench101"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

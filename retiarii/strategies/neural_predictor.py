@@ -118,10 +118,11 @@ class NeuralPredictor(Strategy):
     types)`` (``model_spaces.nasbench101:cell_graph`` for NAS-Bench-101's cells).
 
     Example:
-        >>> s = NeuralPredictor(graph="model_spaces.nasbench101:cell_graph", n_train=4,
-        ...                     top_k=2, n_candidates=50, epochs=20, seed=0)
-        >>> s.config()["top_k"]
-        2
+        >>> from model_spaces.nasbench101 import NODE_TYPES
+        >>> s = NeuralPredictor(graph="model_spaces.nasbench101:cell_graph", types=NODE_TYPES,
+        ...                     n_train=4, top_k=2, n_candidates=50, epochs=20, seed=0)
+        >>> s.random_startup()
+        (4, 'n_train=4')
 
     Args:
         graph: ``"module:function"`` of the sample -> (adjacency, types) function.
