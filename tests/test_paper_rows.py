@@ -159,10 +159,97 @@ def test_pnas_row_grows_block_by_block_and_refits_its_ensemble_at_each_level(mon
 
 @pytest.mark.parametrize("module", ["retiarii.strategies.neural_predictor",
                                     "retiarii.strategies.pnas_predictor",
-                                    "model_spaces.nasbench101"])
+                                    "model_spaces.nasbench101", "model_spaces.nasnet_search"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---- NASNet / AmoebaNet: normal and reduction cells over the 13 operations -----------------
+
+
+def nasnet_genotype(sample: dict, kind: str) -> list[tuple]:
+    return [tuple(sample[f"{kind}/b{i}/{f}"] for f in ("input_a", "op_a", "input_b", "op_b"))
+            for i in range(5)]
+
+
+def test_nasnet_space_offers_the_13_operations_in_both_cells_and_each_builds():
+    from model_spaces import nasnet_search as ns
+    from retiarii.strategies.base import draw
+    from retiarii.sampler import RandomSampler
+    import random
+
+    assert len(set(ns.OP_NAMES)) == 13
+    trace = dict(draw(nas.build_space("nasnet", "small"), RandomSampler(random.Random(0))).trace)
+    for kind in ("normal", "reduce"):
+        for i in range(5):
+            assert trace[f"{kind}/b{i}/op_a"] == list(ns.OP_NAMES)
+            assert trace[f"{kind}/b{i}/input_b"] == list(range(i + 2))  # pre0, pre1, blocks
+    x = torch.randn(2, 4, 8, 8)
+    for name in ns.OP_NAMES:
+        for stride in (1, 2):
+            assert ns.make_op(name, 4, stride)(x).shape == (2, 4, 8 // stride, 8 // stride)
+
+
+def test_nasnet_reduction_cells_halve_the_resolution_double_the_channels_and_cells_concat_unused():
+    space = nas.build_space("amoebanet", "small")
+    assert nas.get("amoebanet").module == nas.get("nasnet").module
+    for seed in range(3):
+        sample = space.random_sample(seed=seed).sample
+        net = space.instantiate(sample).to_module().eval()
+        blocks, outs = {}, {}
+        for i in range(5):
+            net.get_submodule(f"cells.{i}.b4").register_forward_hook(
+                lambda m, a, o, i=i: blocks.__setitem__(i, tuple(o.shape[1:])))
+            net.get_submodule(f"cells.{i}.out").register_forward_hook(
+                lambda m, a, o, i=i: outs.__setitem__(i, o.shape[1]))
+        net(torch.zeros(2, 1, 8, 8))
+        # normal, reduction, normal, reduction, normal: (C, H, W) of each cell's blocks
+        assert [blocks[i] for i in range(5)] == [(8, 8, 8), (16, 4, 4), (16, 4, 4),
+                                                 (32, 2, 2), (32, 2, 2)]
+        from model_spaces.nasnet_search import unused
+        for i, kind in enumerate(["normal", "reduce", "normal", "reduce", "normal"]):
+            width = blocks[i][0]
+            assert outs[i] == width * len(unused(nasnet_genotype(sample, kind)))
+
+
+def test_a_sampled_nasnet_trains_on_digits():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images[:256], dtype=torch.float32)[:, None] / 16
+    y = torch.tensor(digits.target[:256])
+    space = nas.build_space("nasnet", "small")
+    net = space.instantiate(space.random_sample(seed=1).sample).to_module().train()
+    torch.manual_seed(0)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_amoebanet_mutates_one_hidden_state_or_one_op_of_one_cell_by_aging_evolution():
+    from retiarii.strategies import RegularizedEvolution
+
+    space = nas.build_space("amoebanet", "small")
+    strategy = nas.strategy("amoebanet", seed=0)
+    assert isinstance(strategy, RegularizedEvolution)
+    kinds = set()
+    for n in range(40):
+        sample = strategy.ask(space)
+        parent = strategy.parent_of(sample)
+        if n >= strategy.population_size:  # past the initial population: a child
+            changed = [k for k in sample if sample[k] != parent[k]]
+            assert len(changed) == 1
+            kind, _, what = changed[0].split("/")
+            kinds.add((kind, "hidden state" if what.startswith("input") else "op"))
+        strategy.tell(sample, float(sum(v == "sep_conv_3x3" for v in sample.values())))
+    assert kinds == {(k, m) for k in ("normal", "reduce") for m in ("hidden state", "op")}
