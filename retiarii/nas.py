@@ -240,10 +240,12 @@ ROWS: tuple[Row, ...] = (
          "accuracy and latency predictors)",
          variant="SPOS with weight slicing: no progressive shrinking, no predictors"),
     _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
-         "Liu et al., ICLR 2018", "model_spaces.hierarchical", "RegularizedEvolution",
-         "motif nodes sum their inputs (the paper: depthwise concatenation)",
-         options={"initial": "base"},
-         variant="motif nodes sum their inputs (the paper concatenates)"),
+         "Liu et al., ICLR 2018", "model_spaces.hierarchical", "HierarchicalEvolution",
+         "6 level-2 motifs of 4 nodes over 6 primitives and none, a level-3 cell of 5 nodes; "
+         "a node concatenates its inputs depthwise, then a 1x1 conv; aging evolution from "
+         "the trivial genotype, the paper's mutation (level, motif, successor, predecessor, "
+         "new op); scale: C=4, P=8, S=3 (the paper: C=16, P=200, tournaments of 5%)",
+         options={"initial": "base"}),
     _row(25, "textnas", "TextNAS", "text cell over embeddings", "RL", "Wang et al., AAAI 2020",
          "model_spaces.textnas", "PolicyBasedRL",
          "on digits, pixels read as 64 tokens; token input in textnas_space"),
@@ -331,6 +333,7 @@ _LAUNCHER = {
     "ENAS": {"controller_steps": 20},
     # a population that an 8-model default budget leaves
     "RegularizedEvolution": {"population_size": 8, "sample_size": 3},
+    "HierarchicalEvolution": {"population_size": 8, "sample_size": 3},
 }
 
 

@@ -70,6 +70,10 @@ MULTI_TRIAL = _table(
     Entry("evolution", _S + "evolution:RegularizedEvolution",
           (("population_size", 16), ("sample_size", 4))),
     Entry("rl", _S + "rl:PolicyBasedRL"),
+    # Liu et al.'s mutation over model_spaces/hierarchical.py's motifs (level 2) and cell (3)
+    Entry("hierarchical_evolution", _S + "hierarchical_evolution:HierarchicalEvolution",
+          (("population_size", 16), ("sample_size", 4),
+           ("levels", {**{f"motif{m}": 2 for m in range(1, 7)}, "cell": 3}))),
     Entry("tpe", _S + "tpe:TPE"),
     Entry("predictor", _S + "predictor:Predictor"),
     Entry("progressive", _S + "progressive:Progressive"),

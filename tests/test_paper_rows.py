@@ -159,7 +159,8 @@ def test_pnas_row_grows_block_by_block_and_refits_its_ensemble_at_each_level(mon
 
 @pytest.mark.parametrize("module", ["retiarii.strategies.neural_predictor",
                                     "retiarii.strategies.pnas_predictor",
-                                    "model_spaces.nasbench101", "model_spaces.nasnet_search"])
+                                    "model_spaces.nasbench101", "model_spaces.nasnet_search",
+                                    "retiarii.strategies.hierarchical_evolution"])
 def test_docstring_examples_run(module):
     import doctest
     import importlib
@@ -253,3 +254,46 @@ def test_amoebanet_mutates_one_hidden_state_or_one_op_of_one_cell_by_aging_evolu
             kinds.add((kind, "hidden state" if what.startswith("input") else "op"))
         strategy.tell(sample, float(sum(v == "sep_conv_3x3" for v in sample.values())))
     assert kinds == {(k, m) for k in ("normal", "reduce") for m in ("hidden state", "op")}
+
+
+# ---- Hierarchical representations (Liu et al., ICLR 2018) -----------------------------------
+
+
+def test_hierarchical_nodes_concatenate_their_inputs_then_a_1x1_conv():
+    from model_spaces import hierarchical as h
+
+    x = torch.randn(2, 4, 5, 5)
+    # node 1 <- identity(0); node 2 <- max_pool(0), identity(1): concat, then 1x1 conv
+    motif = h.Motif(3, {(0, 1): h.primitive("identity", 4), (0, 2): h.primitive(
+        "max_pool_3x3", 4), (1, 2): h.primitive("identity", 4)}, 4).eval()
+    assert list(motif.merge) == ["2"] and motif.merge["2"].in_channels == 8
+    expected = torch.nn.functional.conv2d(
+        torch.cat([torch.nn.functional.max_pool2d(x, 3, 1, 1), x], dim=1),
+        motif.merge["2"].weight)
+    torch.testing.assert_close(motif(x), expected)
+
+
+def test_hierarchical_mutation_picks_a_level_then_a_motif_edge_and_changes_its_op():
+    import collections
+    import random
+
+    from retiarii.strategies import HierarchicalEvolution
+    from retiarii.strategies.hierarchical_evolution import pick_edge
+
+    space = nas.build_space("hierarchical", "small")
+    labels = list(space.default_sample())
+    levels = {**{f"motif{m}": 2 for m in range(1, 7)}, "cell": 3}
+    rng = random.Random(0)
+    picks = collections.Counter(pick_edge(labels, levels, rng).split("/")[0] for _ in range(3000))
+    # a level first (1/2 each), not a label among 46 (the cell's 10 would get 10/46)
+    assert abs(picks["cell"] / 3000 - 0.5) < 0.05
+    assert all(abs(picks[f"motif{m}"] / 3000 - 0.5 / 6) < 0.03 for m in range(1, 7))
+    strategy = nas.strategy("hierarchical", seed=0)
+    assert isinstance(strategy, HierarchicalEvolution) and strategy.initial == "base"
+    for n in range(12):
+        sample = strategy.ask(space)
+        if n:
+            parent = strategy.parent_of(sample)
+            changed = [k for k in sample if sample[k] != parent[k]]
+            assert len(changed) == 1
+        strategy.tell(sample, float(n))

@@ -15,6 +15,7 @@ from .random_search import Random
 from .grid import GridSearch
 from .fixed import FixedArchitecture
 from .evolution import RegularizedEvolution
+from .hierarchical_evolution import HierarchicalEvolution
 from .rl import PolicyBasedRL
 from .tpe import TPE
 from .predictor import Predictor
