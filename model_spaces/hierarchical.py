@@ -5,9 +5,9 @@ Level 1 are 6 primitives (1x1 conv, 3x3 depthwise conv, 3x3 separable conv, 3x3 
 average pooling, identity; every conv followed by BatchNorm and ReLU) and "none" (no edge).
 Level 2 are 6 motifs, each a DAG of 4 nodes whose 6 edges (i -> j, i < j) are each a level-1
 op or none. Level 3 is one motif, a DAG of 5 nodes whose 10 edges are each a level-2 motif or
-none: the cell. A node sums what its edges bring; a node whose edges are all none takes the
-node before it (so every genotype builds). NOTE: the paper merges a node's inputs by
-depthwise concatenation; a sum keeps every motif at the cell's width::
+none: the cell. A node concatenates what its edges bring depthwise, and a 1x1 conv takes the
+k * C channels back to C, as the paper assembles motifs (a single edge passes as is); a
+node whose edges are all none takes the node before it (so every genotype builds)::
 
     motif 2 (level 2):   0 ─sep3x3─▶ 1 ─max─▶ 3        cell (level 3):  0 ─m2─▶ 1 ─m5─▶ 4
                          └──identity─────────▲                           └────m1───────▲
@@ -70,19 +70,27 @@ def primitive(name: str, c: int) -> nn.Module:
 
 class Motif(nn.Module):
     """A DAG over ``num_nodes`` nodes: ``ops[(i, j)]`` maps node i into node j (absent: no
-    edge); node 0 is the input, the last node the output. (B, C, H, W) -> same."""
+    edge); node 0 is the input, the last node the output. A node of several incoming edges
+    concatenates them depthwise and a 1x1 conv brings the k * C channels back to C (the
+    paper's merge); one edge passes as is. (B, C, H, W) -> same."""
 
-    def __init__(self, num_nodes: int, ops: dict[tuple[int, int], nn.Module]):
+    def __init__(self, num_nodes: int, ops: dict[tuple[int, int], nn.Module], channels: int):
         super().__init__()
         self.num_nodes = num_nodes
         self.pairs = sorted(ops)
         self.ops = nn.ModuleList(ops[pair] for pair in self.pairs)
+        fan_in = {j: sum(k == j for _, k in self.pairs) for j in range(1, num_nodes)}
+        self.merge = nn.ModuleDict({str(j): nn.Conv2d(n * channels, channels, 1, bias=False)
+                                    for j, n in fan_in.items() if n > 1})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         nodes = [x]
         for j in range(1, self.num_nodes):
             inputs = [op(nodes[i]) for (i, k), op in zip(self.pairs, self.ops) if k == j]
-            nodes.append(torch.stack(inputs).sum(0) if inputs else nodes[-1])
+            if len(inputs) > 1:  # k x (B, C, H, W) -> (B, k*C, H, W) -> (B, C, H, W)
+                nodes.append(self.merge[str(j)](torch.cat(inputs, dim=1)))
+            else:
+                nodes.append(inputs[0] if inputs else nodes[-1])
         return nodes[-1]
 
 
@@ -105,8 +113,8 @@ class HierarchicalCell(nn.Module):
                 genotype = motifs[int(name[len("motif"):]) - 1]
                 level3[pair] = Motif(MOTIF_NODES, {p: primitive(op, channels) for p, op in
                                                    zip(edges(MOTIF_NODES), genotype)
-                                                   if op != NONE})
-        self.motif = Motif(CELL_NODES, level3)
+                                                   if op != NONE}, channels)
+        self.motif = Motif(CELL_NODES, level3, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.motif(x)

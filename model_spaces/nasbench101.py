@@ -190,6 +190,31 @@ class CellMutator(rt.Mutator):
             self.delete_node(f"{cell}.proj_out")
 
 
+# The node types of a cell graph (Neural Predictor's one-hot features): NAS-Bench-101's
+# input, its three ops, output
+NODE_TYPES = ("input", *OP_NAMES, "output")
+
+
+def cell_graph(sample: dict) -> tuple[list[list[int]], list[str]]:
+    """A sample -> the pruned cell as ``(adjacency, node types)``: ``adjacency[i][j] = 1`` for
+    an edge i -> j among the kept vertices, renumbered in order (input first, output last).
+
+    Example:
+        >>> s = {f"op{v}": "maxpool3x3" for v in range(1, 6)} | {"edge01": 1, "edge16": 1}
+        >>> cell_graph(s)
+        ([[0, 1, 0], [0, 0, 1], [0, 0, 0]], ['input', 'maxpool3x3', 'output'])
+    """
+    ops_of = {int(label[2:]): op for label, op in sample.items() if label.startswith("op")}
+    n = max(ops_of) + 2
+    edges = {(int(label[4]), int(label[5])) for label, bit in sample.items()
+             if label.startswith("edge") and bit}
+    kept, kept_edges = prune(n, edges)
+    order = sorted(kept)
+    adjacency = [[int((i, j) in kept_edges) for j in order] for i in order]
+    types = ["input" if v == 0 else "output" if v == n - 1 else ops_of[v] for v in order]
+    return adjacency, types
+
+
 def count(num_vertices: int = 7, max_edges: int = 9) -> int:
     """Samples of the space: 3 ops per intermediate vertex times the edge sets of at most
     ``max_edges`` of the ``V (V - 1) / 2`` edges (169,093,980 for V=7, 9 edges)."""

@@ -1,5 +1,9 @@
 """A NASNet-like cell search space (Zoph et al. 2018), written as a base model plus mutators.
 
+Normal cells and 5 operations only: the space of the mutator tests and of the build-cost
+benchmark (benchmarks/space.py). The NASNet and AmoebaNet rows of ``retiarii nas`` search
+the paper's space, model_spaces/nasnet_search.py (reduction cells, the 13 operations).
+
 A network is a stem, ``num_cells`` normal cells and a classifier. A cell of ``num_blocks``
 blocks reads the two previous cells' outputs (each through a 1x1 ReLU-conv-BN: ``pre0``,
 ``pre1``); block ``i`` picks two inputs among ``pre0``, ``pre1`` and the blocks before it,

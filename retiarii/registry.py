@@ -61,33 +61,43 @@ def _table(*entries: Entry) -> dict[str, Entry]:
     return {e.name: e for e in entries}
 
 
-_S = "retiarii.strategies."
+_M, _O, _H = ("retiarii.strategies.multi_trial.", "retiarii.strategies.one_shot.",
+               "retiarii.strategies.schedulers.")
 MULTI_TRIAL = _table(
-    Entry("random", _S + "random_search:Random"),
-    Entry("grid", _S + "grid:GridSearch"),
+    Entry("random", _M + "random_search:Random"),
+    Entry("grid", _M + "grid:GridSearch"),
     # 16 and 4: a population a 30-model default budget leaves (the paper's 100/25 need
     # thousands of models)
-    Entry("evolution", _S + "evolution:RegularizedEvolution",
+    Entry("evolution", _M + "evolution:RegularizedEvolution",
           (("population_size", 16), ("sample_size", 4))),
-    Entry("rl", _S + "rl:PolicyBasedRL"),
-    Entry("tpe", _S + "tpe:TPE"),
-    Entry("predictor", _S + "predictor:Predictor"),
-    Entry("progressive", _S + "progressive:Progressive"),
+    Entry("rl", _M + "rl:PolicyBasedRL"),
+    # Liu et al.'s mutation over model_spaces/hierarchical.py's motifs (level 2) and cell (3)
+    Entry("hierarchical_evolution", _M + "hierarchical_evolution:HierarchicalEvolution",
+          (("population_size", 16), ("sample_size", 4),
+           ("levels", {**{f"motif{m}": 2 for m in range(1, 7)}, "cell": 3}))),
+    Entry("tpe", _M + "tpe:TPE"),
+    Entry("predictor", _M + "predictor:Predictor"),
+    Entry("progressive", _M + "progressive:Progressive"),
+    # a GCN over NAS-Bench-101's cells (the paper's); small rounds for the CLI's budgets
+    Entry("neural_predictor", _M + "neural_predictor:NeuralPredictor",
+          (("graph", "model_spaces.nasbench101:cell_graph"),
+           ("types", ("input", "conv3x3-bn-relu", "conv1x1-bn-relu", "maxpool3x3", "output")),
+           ("n_train", 10), ("n_candidates", 200), ("top_k", 5), ("epochs", 100))),
 )
 ONE_SHOT = _table(
-    Entry("darts", _S + "darts:DARTS"),
-    Entry("gumbel", _S + "snas:GumbelDARTS"),
-    Entry("proxyless", _S + "proxyless:ProxylessNAS"),
-    Entry("spos", _S + "spos:SPOS"),
-    Entry("enas", _S + "enas:ENAS"),
+    Entry("darts", _O + "darts:DARTS"),
+    Entry("gumbel", _O + "snas:GumbelDARTS"),
+    Entry("proxyless", _O + "proxyless:ProxylessNAS"),
+    Entry("spos", _O + "spos:SPOS"),
+    Entry("enas", _O + "enas:ENAS"),
 )
 SCHEDULERS = _table(
     # halving by 2 from one epoch: rungs a 5-epoch default trainer still has
-    Entry("asha", _S + "asha:ASHA", (("grace_period", 1), ("reduction_factor", 2))),
-    Entry("median", _S + "median_stopping:MedianStopping",
+    Entry("asha", _H + "asha:ASHA", (("grace_period", 1), ("reduction_factor", 2))),
+    Entry("median", _H + "median_stopping:MedianStopping",
           (("grace_period", 1), ("min_samples_required", 3))),
     # several objectives (--metric a,b): promotion by non-dominated rank, ASHA's rungs
-    Entry("moasha", _S + "moasha:MOASHA", (("grace_period", 1), ("reduction_factor", 2))),
+    Entry("moasha", _H + "moasha:MOASHA", (("grace_period", 1), ("reduction_factor", 2))),
 )
 EXECUTORS = _table(
     Entry("local", "retiarii.engine.executors.local:LocalExecutor"),

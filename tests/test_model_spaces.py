@@ -28,8 +28,8 @@ IMPLEMENTED = [row.name for row in nas.implemented()]
 SIZES = {  # the sizes the module docstrings state (None: counted by a formula tested below)
     "nasbench201": 15_625,
     "darts": 8 ** 28,  # an op or none per edge; DARTS derives 1_037_664_180 ** 2 of them
-    "nasnet": 5_062_500_000_000,
-    "amoebanet": 5_062_500_000_000,
+    "nasnet": 71_465_842_174_521_600 ** 2,
+    "amoebanet": 71_465_842_174_521_600 ** 2,
     "nasbench101": 169_093_980,
     "mnasnet": 24 ** 7,
     # the mobile-network family (tests/test_model_spaces_mobile.py checks the formulas)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import retiarii as rt
 from retiarii import nas
-from retiarii.strategies import Predictor, Progressive, RegularizedEvolution
+from retiarii.strategies import Progressive, RegularizedEvolution
 
 
 def names(model, prefix: str) -> set[str]:
@@ -366,20 +366,23 @@ def test_progressive_grows_the_pnas_cell_block_by_block():
         # a toy objective: more blocks and more convolutions are better
         strategy.tell(sample, sample["blocks"] + sum("conv" in str(v) for v in sample.values()))
     assert depths == [1] * 4 + [2] * 4 + [3] * 4
-    restored = Progressive(depth_label="blocks", beam=4, n_candidates=64, seed=5)
+    restored = Progressive(depth_label="blocks", beam=4, n_candidates=64, seed=5,
+                           surrogate="ensemble")
     restored.load_state_dict(json.loads(json.dumps(strategy.state_dict())))
     assert restored.ask(space) == strategy.ask(space)
 
 
-def test_neural_predictor_row_proposes_nasbench101_cells_from_its_mlp():
+def test_neural_predictor_row_proposes_nasbench101_cells_from_its_gcn():
+    from retiarii.strategies import NeuralPredictor
+
     space = nas.build_space("neural_predictor", "small")
     strategy = nas.strategy("neural_predictor", seed=0)
-    assert isinstance(strategy, Predictor) and strategy.surrogate == "mlp"
-    for _ in range(6):
+    assert isinstance(strategy, NeuralPredictor) and strategy.n_train == 5
+    for _ in range(8):
         sample = strategy.ask(space)
         space.instantiate(sample)
         strategy.tell(sample, sum(v == "conv3x3-bn-relu" for v in sample.values()))
-    assert len(strategy.state_dict()["log"]) > 6
+    assert strategy.state_dict()["algorithm"]["rounds"] == 1
 
 
 @pytest.mark.parametrize("module", ["genetic_cnn", "enas", "recurrent", "textnas", "oneshot",

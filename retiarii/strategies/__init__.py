@@ -15,10 +15,12 @@ from .multi_trial.random_search import Random
 from .multi_trial.grid import GridSearch
 from .multi_trial.fixed import FixedArchitecture
 from .multi_trial.evolution import RegularizedEvolution
+from .multi_trial.hierarchical_evolution import HierarchicalEvolution
 from .multi_trial.rl import PolicyBasedRL
 from .multi_trial.tpe import TPE
 from .multi_trial.predictor import Predictor
 from .multi_trial.progressive import Progressive
+from .multi_trial.neural_predictor import NeuralPredictor
 from .one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .one_shot.darts import DARTS
 from .one_shot.snas import GumbelDARTS

@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from ...sampler import RandomSampler, ReplaySampler, sample_key
+from . import pnas_predictor
 from .base import Draw, Strategy, draw
 from .predictor import SURROGATES, Encoder, neighbour, rank
+
+# "ensemble": PNAS's own surrogate (pnas_predictor.py), over the blocks' tokens
+PROGRESSIVE_SURROGATES = (*SURROGATES, "ensemble")
 
 
 class Progressive(Strategy):
@@ -50,7 +54,9 @@ class Progressive(Strategy):
         depth_label: the choice whose candidates are the depths, shallow to deep.
         beam: K, models evaluated per stage and parents kept (PNAS: 256 on CIFAR-10).
         n_candidates: expansions drawn and ranked per stage.
-        surrogate: ``"gbt"`` (default) or ``"mlp"``, see :func:`~.predictor.fit_surrogate`.
+        surrogate: ``"gbt"`` (default) or ``"mlp"`` over the one-hot choices (see
+            :func:`~.predictor.fit_surrogate`), or ``"ensemble"``: PNAS's MLP ensemble over
+            the blocks' tokens (:mod:`.pnas_predictor`; labels ``"<block>/<field>"``).
         seed: seeds the generator (equal seeds, equal searches in any process).
         mode, dedup, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
     """
@@ -66,8 +72,8 @@ class Progressive(Strategy):
         if not isinstance(n_candidates, int) or n_candidates < beam:
             raise ValueError(f"Progressive: n_candidates must be an int >= beam={beam}, "
                              f"got {n_candidates!r}")
-        if surrogate not in SURROGATES:
-            raise ValueError(f"Progressive: surrogate must be one of {SURROGATES}, "
+        if surrogate not in PROGRESSIVE_SURROGATES:
+            raise ValueError(f"Progressive: surrogate must be one of {PROGRESSIVE_SURROGATES}, "
                              f"got {surrogate!r}")
         self.depth_label, self.beam = depth_label, beam
         self.n_candidates, self.surrogate = n_candidates, surrogate
@@ -127,7 +133,12 @@ class Progressive(Strategy):
                 seen.add(key)
                 candidates.append(c)
         told = list(self._observations())
-        if len(told) >= 2 and candidates:
+        if len(told) >= 2 and candidates and self.surrogate == "ensemble":
+            # refitted at every level on every told cell: the mean of the MLP ensemble
+            order = pnas_predictor.rank_by_ensemble(told, [c.sample for c in candidates],
+                                                    self._rng.randrange(2 ** 31))
+            candidates = [candidates[i] for i in order]
+        elif len(told) >= 2 and candidates:
             encoder = Encoder()
             for key, value in self._told:
                 if value is not None:
