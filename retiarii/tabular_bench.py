@@ -74,6 +74,10 @@ PUBLISHED = {
 }
 
 
+# Proposals in a row the table lacks before a replay gives up (a table of a few cells)
+MAX_MISSES = 200
+
+
 @dataclasses.dataclass(frozen=True)
 class Point:
     """The search after an evaluation ended: when, how many models, the best signal so far
@@ -159,8 +163,12 @@ def replay(table: Table, strategy: str, seed: int, time_budget: float,
     A sample the table lacks (NAS-Bench-101 cells with no input -> output path) is told as a
     failed model and costs nothing, as the engine records a model whose trial fails."""
     view, search = ChoiceView(table.benchmark), make_strategy(strategy, seed)
-    clock, best, points, seen = 0.0, None, [], {}
-    for index in range(max_models):
+    clock, best, points, seen, count, misses = 0.0, None, [], {}, 0, 0
+    for _ in range(max_models):
+        if misses >= MAX_MISSES:
+            raise ValueError(f"{table.source}: {misses} proposals in a row are not in the "
+                             f"table ({len(table.entries)} architectures): it holds too little "
+                             f"of the space to replay a search over")
         try:
             sample = search.ask(view)
         except Exception as err:  # noqa: BLE001 (SpaceExhausted and budget ends alike)
@@ -168,13 +176,16 @@ def replay(table: Table, strategy: str, seed: int, time_budget: float,
                 break
             raise
         key = table.key_of(sample)
-        if key not in table.entries:
-            search.tell(sample, None)
-            continue
         if key in seen:  # a structure evaluated before: told again, not trained again
             search.tell(sample, seen[key])
             continue
-        run = _run_of(table, key, seed + index)
+        count += 1  # the engine's trials count failed ones too: their seeds stay aligned
+        if key not in table.entries:
+            seen[key], misses = None, misses + 1
+            search.tell(sample, None)
+            continue
+        misses = 0
+        run = _run_of(table, key, seed + count - 1)
         clock += sum(run.seconds)
         if clock > time_budget:
             break
@@ -196,7 +207,6 @@ def engine_replay(table: Table, strategy: str, seed: int, time_budget: float,
     ``max_models`` bounds the run (the engine's ``max_time`` is wall-clock); the points are
     the evaluations that ended by ``time_budget`` on the simulated clock. A run a scheduler
     stopped early counts as evaluated at its last step."""
-    from . import nas
     from .engine.executors.simulated import SimulatedExecutor
     from .engine.experiment import Experiment
     from .engine.trainer import ClassifierTrainer
@@ -209,6 +219,8 @@ def engine_replay(table: Table, strategy: str, seed: int, time_budget: float,
         return {"val_acc": run_of(spec).accuracy[step - 1] / 100}
 
     def step_time(spec: dict, step: int) -> float:
+        if table.key_of(spec["choices"]) not in table.entries:
+            return 0.0  # its curve fails the trial (a cell the table lacks), at no cost
         return run_of(spec).seconds[step - 1]
 
     executor = SimulatedExecutor(workers, curve=curve, step_time=step_time)
@@ -216,7 +228,7 @@ def engine_replay(table: Table, strategy: str, seed: int, time_budget: float,
     sched = make_scheduler(scheduler or (name[1] if len(name) > 1 else "none"),
                            max_t=table.steps)
     with tempfile.TemporaryDirectory() as folder:
-        Experiment(nas.build_space(table.benchmark, "small"), make_strategy(strategy, seed),
+        Experiment(f"retiarii.nas:SPACES.{table.benchmark}.small", make_strategy(strategy, seed),
                    ClassifierTrainer(dataset="digits", epochs=table.steps),
                    store=store or os.path.join(folder, "replay.db"), executor=executor,
                    scheduler=sched, seed=seed, workers=workers, optimize=False,
