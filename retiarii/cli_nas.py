@@ -136,7 +136,7 @@ def resume_nas(recorded: dict, args) -> int:
 
 
 def add_nas_parser(sub) -> None:
-    """``retiarii nas list|show|run``: the subcommand's arguments (``sub``: the CLI's
+    """``retiarii nas list|show|run|bench``: the subcommand's arguments (``sub``: the CLI's
     subparsers)."""
     nas = sub.add_parser("nas", help="the 27 NAS solutions of the literature: list, show, run one")
     nas_sub = nas.add_subparsers(dest="nas_command", required=True)
@@ -165,3 +165,6 @@ def add_nas_parser(sub) -> None:
     nas_run.add_argument("--deterministic", action="store_true",
                          help="deterministic kernels in every worker, as for `run`")
     nas_run.set_defaults(fn=cmd_nas_run)
+    from .cli_nas_bench import add_bench_parser  # nas bench: published tables replayed
+
+    add_bench_parser(nas_sub)
