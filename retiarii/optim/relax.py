@@ -296,6 +296,9 @@ class Relaxation(nn.Module):
         """label -> (weights, candidates computed, candidates computed with autograd)."""
         out = {}
         self.sampled = {}
+        # label -> the mixing weights of this forward (softmax or Gumbel-softmax): FBNet's
+        # expected latency weighs the lookup table by them
+        self.mixing: dict[str, torch.Tensor] = {}
         for label, alpha in zip(self.labels, self.alphas):
             n = len(alpha)
             every = set(range(n))
@@ -312,6 +315,7 @@ class Relaxation(nn.Module):
                     hot = F.one_hot(soft.detach().argmax(), n).to(soft.dtype)
                     soft = hot - soft.detach() + soft
                 out[label] = (soft, every, every)
+                self.mixing[label] = soft
             else:  # binary
                 p = F.softmax(alpha, -1)
                 k = min(self.paths, n)
