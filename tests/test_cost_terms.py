@@ -97,3 +97,50 @@ def test_constraints_refuse_what_a_one_shot_search_cannot_check():
         CandidateFilter(["predicted_latency_ms <= 2"], None)
     with pytest.raises(ObjectiveError, match="val_acc"):
         SPOS(constraints=["val_acc >= 0.5"], latency={"base": 1.0, "choices": {}})
+
+
+def _fake_timing(monkeypatch):
+    from retiarii.engine import op_latency
+
+    timed = []
+
+    def fake(repeat, device, config=None):  # every distinct operator call: a new latency
+        timed.append(1)
+        return 0.001 * len(timed), 0.0
+
+    monkeypatch.setattr(op_latency, "time_call", fake)
+    return timed
+
+
+def test_nas_mnasnet_rewards_the_predicted_latency_by_default(tmp_path, monkeypatch):
+    from retiarii import nas
+    from retiarii.scalarization import MnasNetReward
+
+    timed = _fake_timing(monkeypatch)
+    db = str(tmp_path / "m.db")
+    exp = nas.experiment("mnasnet", epochs=1, workers=1, store=db, max_models=2)
+    reward = exp.strategy.reward
+    assert isinstance(reward, MnasNetReward) and (reward.alpha, reward.beta) == (-0.07, -0.07)
+    assert reward.metrics == ("val_acc", "predicted_latency_ms")
+    assert reward.target == nas.latency_target("mnasnet", "small", db) > 0
+    assert exp.objectives.metrics == ("val_acc", "predicted_latency_ms")
+    measured = len(timed)
+    again = nas.experiment("mnasnet", epochs=1, workers=1, store=db, max_models=2)
+    assert len(timed) == measured and again.strategy.reward == reward  # the store's table
+    assert nas.get("mnasnet").status == "faithful"
+    # the user's own objectives win
+    mine = nas.experiment("mnasnet", epochs=1, workers=1, store=db, max_models=2,
+                          metric="val_acc")
+    assert mine.strategy.reward is None
+
+
+@pytest.mark.slow  # ~30 s: the lookup table builds each of 22 layers' 10 candidates
+def test_nas_fbnet_gets_its_latency_loss_by_default(tmp_path, monkeypatch):
+    from retiarii import nas
+
+    _fake_timing(monkeypatch)
+    exp = nas.experiment("fbnet", epochs=1, workers=1, store=str(tmp_path / "f.db"))
+    lut = LatencyLUT.from_json(exp.strategy.latency)
+    assert sorted(lut.choices) == sorted(f"layer{i}" for i in range(1, 23)) and lut.base > 0
+    assert (exp.strategy.latency_alpha, exp.strategy.latency_beta) == (0.2, 0.6)
+    assert nas.get("fbnet").status == "faithful"
