@@ -23,7 +23,8 @@ from typing import Any, Sequence
 from .objectives import Constraint, ObjectiveError
 from .sampler import index_of
 
-__all__ = ["LatencyLUT", "CandidateFilter", "fbnet_factor", "LUT_METRIC"]
+__all__ = ["LatencyLUT", "CandidateFilter", "fbnet_factor", "median_predicted_latency",
+           "LUT_METRIC"]
 
 # the metric a constraint on a LatencyLUT's prediction names: the per-operator table's
 # prediction, as the engine's cost of the same name (docs/multi_objective.md)
@@ -85,6 +86,21 @@ class LatencyLUT:
                         total += value
                         break
         return total
+
+
+def median_predicted_latency(space, table, models: int = 16, seed: int = 0) -> float:
+    """The median predicted latency (ms, the per-operator ``table``) of ``models`` random
+    models of ``space`` drawn with ``seed``: MnasNet's target in ``retiarii nas run``."""
+    import random
+    import statistics
+
+    from .sampler import RandomSampler
+
+    example = space.example_input
+    example = (example[0] if isinstance(example, (tuple, list)) else example)[:1]
+    rng = random.Random(seed)
+    return statistics.median(table.predict(space.sample(RandomSampler(rng)).to_module(),
+                                           example) for _ in range(models))
 
 
 class _FirstCandidates:

@@ -366,22 +366,15 @@ def latency_target(name: str, preset: str, store: str, models: int = MNASNET_TAR
     """The median predicted latency (ms, the operator table kept in ``store``) of ``models``
     random models of row ``name``'s space drawn with ``seed``."""
     import os
-    import random
-    import statistics
 
+    from .cost_terms import median_predicted_latency
     from .engine.op_latency import OpLatencyTable
     from .engine.store import Store
-    from .sampler import RandomSampler
 
-    space = getattr(getattr(SPACES, name), preset)
-    example = space.example_input
-    example = (example[0] if isinstance(example, (tuple, list)) else example)[:1]
-    rng = random.Random(seed)
     os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
     with Store(store) as db:
-        table = OpLatencyTable(db)
-        return statistics.median(table.predict(space.sample(RandomSampler(rng)).to_module(),
-                                               example) for _ in range(models))
+        return median_predicted_latency(getattr(getattr(SPACES, name), preset),
+                                        OpLatencyTable(db), models, seed)
 
 
 def _cost_term(name: str, preset: str, store: str, options: dict,

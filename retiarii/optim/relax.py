@@ -295,10 +295,7 @@ class Relaxation(nn.Module):
     def _label_weights(self) -> dict[str, tuple[Any, set, set]]:
         """label -> (weights, candidates computed, candidates computed with autograd)."""
         out = {}
-        self.sampled = {}
-        # label -> the mixing weights of this forward (softmax or Gumbel-softmax): FBNet's
-        # expected latency weighs the lookup table by them
-        self.mixing: dict[str, torch.Tensor] = {}
+        self.sampled, self.mixing = {}, {}  # mixing: this forward's Gumbel weights (FBNet)
         for label, alpha in zip(self.labels, self.alphas):
             n = len(alpha)
             every = set(range(n))
@@ -314,8 +311,7 @@ class Relaxation(nn.Module):
                 if self.hard:
                     hot = F.one_hot(soft.detach().argmax(), n).to(soft.dtype)
                     soft = hot - soft.detach() + soft
-                out[label] = (soft, every, every)
-                self.mixing[label] = soft
+                out[label] = (self.mixing.setdefault(label, soft), every, every)
             else:  # binary
                 p = F.softmax(alpha, -1)
                 k = min(self.paths, n)
