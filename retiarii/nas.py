@@ -119,8 +119,10 @@ _LEAF = "blocks as opaque nodes (model_spaces/_mobile.py: LeafMBConv) so the rel
 ROWS: tuple[Row, ...] = (
     _row(1, "mnasnet", "MnasNet", "MobileNetV2 blocks: kernel, expansion, layers, SE", "RL",
          "Tan et al., CVPR 2019", "model_spaces.mnasnet", "PolicyBasedRL",
-         "conv type, skip op and filter sizes fixed (MnasNet-A1's)",
-         variant="no latency term in the reward"),
+         "conv type, skip op and filter sizes fixed (MnasNet-A1's); the reward "
+         "ACC x (LAT / target) ** -0.07 with LAT the latency predicted from the operator "
+         "table measured on this machine and the target the median of 16 random models' "
+         "(nas.COST_TERMS)"),
     _row(2, "enas_cnn", "ENAS-CNN", "ENAS micro cell and macro space", "RL, weight sharing",
          "Pham et al., ICML 2018", "model_spaces.enas", "ENAS",
          "micro cell (macro space: model_spaces.enas.macro_space); an LSTM controller samples "
@@ -206,10 +208,11 @@ ROWS: tuple[Row, ...] = (
          variant=""),
     _row(16, "fbnet", "FBNet", "FBNet blocks", "differentiable (Gumbel)", "Wu et al., CVPR 2019",
          "model_spaces.fbnet", "GumbelDARTS",
-         "Gumbel-softmax over each layer's 9 blocks, temperature annealed; no latency term; "
+         "Gumbel-softmax over each layer's 9 blocks, temperature annealed; the latency loss "
+         "CE x 0.2 x log(LAT) ** 0.6 with LAT the expected latency (in us) from the lookup "
+         "table of the operator table measured on this machine (nas.COST_TERMS); "
          + _LEAF + "whole blocks",
-         {preset: (preset, {"leaf_blocks": True}) for preset in PRESETS},
-         variant="no latency term"),
+         {preset: (preset, {"leaf_blocks": True}) for preset in PRESETS}),
     _row(17, "proxylessnas", "ProxylessNAS", "ProxylessNAS space", "differentiable and RL",
          "Cai et al., ICLR 2019", "model_spaces.proxylessnas", "ProxylessNAS",
          "its differentiable variant: binary gates, one path per weight step, two per "
@@ -354,6 +357,66 @@ _LAUNCHER = {
 # kept in the run's store, so that a resume rebuilds the very same strategy.
 LATENCY_TERM = {"proxylessnas": 1.0}
 
+# The other rows whose paper has a cost term, and what it is (nas.experiment applies it
+# unless the options give one): FBNet's latency loss from a lookup table (GumbelDARTS's
+# latency=, the paper's alpha 0.2 and beta 0.6); MnasNet's reward ACC x (LAT / target) ** w
+# (w = -0.07, the paper's soft constraint) over the predicted latency, which a busy machine
+# does not disturb as it does a timed pass (benchmarks/README.md, #30).
+COST_TERMS = {"fbnet": "latency loss", "mnasnet": "reward"}
+# random models whose median predicted latency is MnasNet's target (the paper: 75 ms, a
+# budget on its phone; here the middle of the space on this machine)
+MNASNET_TARGET_MODELS = 16
+
+
+def latency_lut(name: str, preset: str, store: str) -> dict:
+    """Row ``name``'s latency lookup table (:class:`~retiarii.cost_terms.LatencyLUT` as JSON)
+    from the operator table kept in ``store``."""
+    import os
+
+    from .cost_terms import LatencyLUT
+    from .engine.driver.op_latency import OpLatencyTable
+    from .engine.storage.store import Store
+
+    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+    with Store(store) as db:
+        return LatencyLUT.of(getattr(getattr(SPACES, name), preset),
+                             OpLatencyTable(db)).to_json()
+
+
+def latency_target(name: str, preset: str, store: str, models: int = MNASNET_TARGET_MODELS,
+                   seed: int = 0) -> float:
+    """The median predicted latency (ms, the operator table kept in ``store``) of ``models``
+    random models of row ``name``'s space drawn with ``seed``."""
+    import os
+
+    from .cost_terms import median_predicted_latency
+    from .engine.driver.op_latency import OpLatencyTable
+    from .engine.storage.store import Store
+
+    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
+    with Store(store) as db:
+        return median_predicted_latency(getattr(getattr(SPACES, name), preset),
+                                        OpLatencyTable(db), models, seed)
+
+
+def _cost_term(name: str, preset: str, store: str, options: dict,
+               kwargs: dict) -> dict:
+    """The options (and Experiment arguments, in ``kwargs``) of row ``name``'s paper's cost
+    term, unless the caller gave their own."""
+    if name in LATENCY_TERM and "latency" not in options:  # ProxylessNAS's expected latency
+        return {"latency": latency_table(name, preset, store),
+                "latency_weight": LATENCY_TERM[name], **options}
+    if name == "fbnet" and "latency" not in options:
+        return {"latency": latency_lut(name, preset, store), **options}
+    if name == "mnasnet" and "reward" not in options and "metric" not in kwargs:
+        from .scalarization import MnasNetReward
+
+        kwargs.update(metric=["val_acc", "predicted_latency_ms"], mode=["max", "min"])
+        target = latency_target(name, preset, store)
+        return {"reward": MnasNetReward("val_acc", "predicted_latency_ms", target=target),
+                **options}
+    return options
+
 
 def latency_table(name: str, preset: str, store: str) -> dict:
     """``{label: {candidate: ms}}`` of row ``name``'s space: each candidate's predicted
@@ -434,9 +497,7 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
         kwargs["max_models"] = 8 if max_models is None else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
     store = store or f"runs/nas-{name}-{preset}.db"
-    if name in LATENCY_TERM and "latency" not in (options or {}):  # the paper's cost term
-        options = {"latency": latency_table(name, preset, store),
-                   "latency_weight": LATENCY_TERM[name], **(options or {})}
+    options = _cost_term(name, preset, store, dict(options or {}), kwargs)  # the paper's
     from .arch_split import ArchSplitTrainer
 
     trainer_class = ArchSplitTrainer if name in ARCH_SPLIT else ClassifierTrainer

@@ -276,3 +276,51 @@ def test_improvement_order_by_hand():
     # nobody improves: NSGA-II order among the predictions (front first, its ends first)
     assert improvement_order([(0.0, 0.0)], [(2.0, 2.0), (1.0, 3.0), (3.0, 1.0), (2.0, 2.5)],
                              (4.0, 4.0)) == [1, 2, 0, 3]
+
+
+# ---- MOTPE's joint densities ----------------------------------------------------------------
+
+
+def test_joint_kernel_and_density_by_hand():
+    from retiarii.strategies.multi_trial.tpe_joint import JointDensity, kernel_probs
+
+    # 3 candidates, prior 1 over 2 observations: smoothing 1/2, total 1 + 3/2
+    assert kernel_probs(["a", "b", "c"], "c", 1.0, 2) == pytest.approx([0.2, 0.2, 0.6])
+    assert kernel_probs(["a", "b", "c"], None, 1.0, 2) == pytest.approx([1 / 3] * 3)
+    assert kernel_probs(["a", "b", "c"], "gone", 1.0, 2) == pytest.approx([1 / 3] * 3)
+    # two choices; observations (a, x) weight 2 and (b, y) weight 1; kernels 3/4 vs 1/4
+    d = JointDensity([{"p": "a", "q": "x"}, {"p": "b", "q": "y"}], [2.0, 1.0], 1.0)
+    trace = [("p", ["a", "b"]), ("q", ["x", "y"])]
+    # P(a, x) = (1 * 1/4 + 2 * 3/4 * 3/4 + 1 * 1/4 * 1/4) / 4; (a, y) mixes the two ends
+    assert math.exp(d.log_density(trace, {"p": "a", "q": "x"})) == pytest.approx(
+        (0.25 + 2 * 0.5625 + 0.0625) / 4)
+    assert math.exp(d.log_density(trace, {"p": "a", "q": "y"})) == pytest.approx(
+        (0.25 + 2 * 0.1875 + 0.1875) / 4)
+    total = sum(math.exp(d.log_density(trace, {"p": p, "q": q}))
+                for p in "ab" for q in "xy")
+    assert total == pytest.approx(1.0)
+
+
+def test_motpe_joint_keeps_a_fronts_ends_whole():
+    """Two good models at the ends of a front, (0, 0, 0) and (1, 1, 1): joint densities draw
+    mostly whole ends; a product of marginals draws as many mixes as ends."""
+    from retiarii.strategies.multi_trial.tpe_joint import JointDensity, JointSampler
+    from retiarii.strategies.base import draw
+
+    class Bits:
+        def sample(self, sampler):
+            s = {f"b{i}": [0, 1][sampler.choose(f"b{i}", [0, 1], {})] for i in range(3)}
+            return type("Model", (), {"sample": s})()
+
+    d = JointDensity([{"b0": 0, "b1": 0, "b2": 0}, {"b0": 1, "b1": 1, "b2": 1}], None, 1.0)
+    rng = random.Random(0)
+    drawn = [draw(Bits(), JointSampler(d, rng)).sample for _ in range(400)]
+    whole = sum(len(set(s.values())) == 1 for s in drawn) / len(drawn)
+    # the prior (1/3) draws a whole end with 2/8; a kernel (2/3) of 2 candidates with
+    # smoothing 1/2 puts 3/4 on its own: (3/4)^3 + (1/4)^3
+    expected = (1 / 3) * (2 / 8) + (2 / 3) * (0.75 ** 3 + 0.25 ** 3)
+    assert expected == pytest.approx(0.375) and abs(whole - expected) < 0.06
+    assert whole > 0.3   # a product of the marginals (1/2 each) draws whole ends 2/8 = 0.25
+    assert TPE(seed=0).config() == TPE(seed=0, multivariate=None).config()
+    with pytest.raises(ValueError, match="multivariate"):
+        TPE(multivariate="yes")

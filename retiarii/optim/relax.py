@@ -295,7 +295,7 @@ class Relaxation(nn.Module):
     def _label_weights(self) -> dict[str, tuple[Any, set, set]]:
         """label -> (weights, candidates computed, candidates computed with autograd)."""
         out = {}
-        self.sampled = {}
+        self.sampled, self.mixing = {}, {}  # mixing: this forward's Gumbel weights (FBNet)
         for label, alpha in zip(self.labels, self.alphas):
             n = len(alpha)
             every = set(range(n))
@@ -311,7 +311,7 @@ class Relaxation(nn.Module):
                 if self.hard:
                     hot = F.one_hot(soft.detach().argmax(), n).to(soft.dtype)
                     soft = hot - soft.detach() + soft
-                out[label] = (soft, every, every)
+                out[label] = (self.mixing.setdefault(label, soft), every, every)
             else:  # binary
                 p = F.softmax(alpha, -1)
                 k = min(self.paths, n)

@@ -24,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ...threads import one_thread
+from ..jobs.measure_lock import machine_lock
 from .op_latency import CostConfig, OpLatencyTable, time_call
 from ..storage.pareto import FrontTable
 
@@ -135,9 +137,13 @@ class CostMeter:
                        names: Iterable[str]) -> dict[str, tuple[float, float | None]]:
         """``{name: (value, spread)}`` of ``names`` for a built module (spread: None where
         the value is exact)."""
-        module = module.to(self.device).eval()
+        module, names = module.to(self.device).eval(), list(names)
         out: dict[str, tuple[float, float | None]] = {}
-        with one_thread(), torch.inference_mode():
+        # a latency timed while this machine's workers train measures their load: they pause
+        timed = any(n in ("latency_ms", "latency_batch_ms", "predicted_latency_ms")
+                    for n in names)
+        pause = machine_lock().measuring() if timed else contextlib.nullcontext()
+        with one_thread(), torch.inference_mode(), pause:
             for name in names:
                 if name == "params":
                     out[name] = (float(sum(p.numel() for p in module.parameters())), None)

@@ -26,6 +26,7 @@ from ...rng import swapped_in
 from ...training import batch_size as batch_size_of  # noqa: F401 (engine modules import these)
 from ...training import parse_optimizers as _parse_optimizers
 from ...training import to_device as _to_device
+from ..jobs.measure_lock import paced
 
 __all__ = ["TrialRun", "TrainingError", "train_trial", "check_segment", "set_training"]
 
@@ -114,7 +115,7 @@ class TrialRun:
             set_training(model.modules(), True)
             total, count = carry if carry is not None else (
                 torch.zeros((), device=self.device), 0)
-            for batch in batches:
+            for batch in paced(batches):  # (a cost measured on this machine pauses it)
                 batch = _to_device(batch, self.device)
                 loss = trainer.training_step(model, batch, self.hparams)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

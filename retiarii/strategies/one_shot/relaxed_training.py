@@ -65,6 +65,11 @@ class RelaxedOneShot(OneShot):
         """Added to the validation loss in the architecture step (a latency term...)."""
         return 0.0
 
+    def arch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The architecture step's loss from the validation loss (default: plus
+        :meth:`arch_extra_loss`; FBNet multiplies it by a latency factor instead)."""
+        return loss + self.arch_extra_loss()
+
     def check(self, relaxation: Relaxation) -> None:
         """Validate the strategy's settings against the relaxed space (after it is built)."""
 
@@ -100,7 +105,7 @@ class RelaxedOneShot(OneShot):
         """One step of the alphas on ``valid_batch`` (first order); returns its loss."""
         self.relaxation.set_mode(**self.step_mode("arch", segment))
         self._arch_opt.zero_grad(set_to_none=True)
-        loss = self._loss(valid_batch) + self.arch_extra_loss()
+        loss = self.arch_loss(self._loss(valid_batch))
         if loss.requires_grad:
             loss.backward()
             self._arch_opt.step()

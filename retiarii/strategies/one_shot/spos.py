@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ...cost_terms import CandidateFilter
 from ...enums import Mode
 from ...sampler import RandomSampler, index_of, sample_key
 from .base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
@@ -106,6 +107,13 @@ class SPOS(ExportsInherited, OneShot):
         shared: annotate which operators share weights, as ``fnmatch`` patterns of their
             module paths (``["stem", "cells.*"]``); the others are private to each
             architecture. None (default): the whole space shares weights.
+        constraints: the search's constraints on the predicted latency, as
+            ``Experiment``'s (``["predicted_latency_ms <= 0.6"]``): a candidate the lookup
+            table ``latency`` predicts over them is never evaluated nor bred from (Once-for-All
+            and SPOS search under a latency constraint so); the search draws others instead.
+        latency: the lookup table of those predictions
+            (:class:`~retiarii.cost_terms.LatencyLUT` as JSON: ``LatencyLUT.of(space,
+            OpLatencyTable(store)).to_json()``).
     """
 
     def __init__(self, train_segments: int = 10, batches_per_model: int = 1,
@@ -113,7 +121,8 @@ class SPOS(ExportsInherited, OneShot):
                  eval_batches: int | None = 1, *, search_parents: int = 10,
                  mutation_prob: float = 0.1, recalibrate_bn: bool = True,
                  calibrate_batches: int = 4, metric: str = "val_acc", mode: str = "max",
-                 fair: bool = False, seed: int = 0, shared: list[str] | None = None):
+                 fair: bool = False, seed: int = 0, shared: list[str] | None = None,
+                 constraints: list[str] | None = None, latency: dict | None = None):
         check_positive("SPOS", train_segments=train_segments,
                        batches_per_model=batches_per_model, search_population=search_population,
                        search_generations=search_generations, search_parents=search_parents,
@@ -127,6 +136,10 @@ class SPOS(ExportsInherited, OneShot):
         if not isinstance(fair, bool):
             raise ValueError(f"SPOS: fair must be True or False, got {fair!r}")
         self.fair = fair
+        self._filter = CandidateFilter(constraints or [], latency)
+        self.constraints = [str(c) for c in self._filter.constraints]
+        self.latency = None if self._filter.lut is None else self._filter.lut.to_json()
+        self._rejected = 0  # candidates of the search the constraints ruled out
         self.train_segments = train_segments
         self.batches_per_model = batches_per_model
         self.search_population = search_population
@@ -200,6 +213,7 @@ class SPOS(ExportsInherited, OneShot):
         # The search's draws are the same on every rank (rank 0's stream): ranks evaluate the
         # same candidates on their own validation shares and average (mean_over_ranks).
         rng = segment_rng(self.seed, ctx.segment, 0, "search")
+        self._rejected = 0
         valid = take(ctx.valid_batches(), self.eval_batches)
         calibrate = take(ctx.train_batches(), self.calibrate_batches) \
             if self.recalibrate_bn else None
@@ -223,6 +237,8 @@ class SPOS(ExportsInherited, OneShot):
                 break
         best = self._best()
         metrics = {"candidates": len(models)}
+        if self.constraints:
+            metrics["rejected_by_constraints"] = self._rejected
         if best is not None:  # (metrics are numbers only)
             metrics[f"best_{self.metric}"] = best[1]
         # every rank evaluated the same candidates (metrics averaged): rank 0 reports them
@@ -245,6 +261,10 @@ class SPOS(ExportsInherited, OneShot):
             sample = dict(self._space.sample(sampler).sample)
             key = sample_key(sample)
             if key in children or key in self._evaluated:
+                misses += 1
+                continue
+            if not self._filter.feasible(sample):  # never evaluated: the table rules it out
+                self._rejected += 1
                 misses += 1
                 continue
             children[key] = sample
@@ -282,6 +302,14 @@ class SPOS(ExportsInherited, OneShot):
         if self._space is None:
             raise RuntimeError("SPOS.selected(): call setup(space, ...) first")
         return self._space.default_sample()
+
+    def config(self) -> dict:
+        config = super().config()
+        if self.latency is not None:  # (a dict: the default config keeps plain values only)
+            config["latency"] = self.latency
+        if not self.constraints:  # (configs saved before constraints existed still match)
+            config.pop("constraints", None)
+        return config
 
     # -- state --------------------------------------------------------------------------------
 
