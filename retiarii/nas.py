@@ -136,10 +136,11 @@ ROWS: tuple[Row, ...] = (
          "inherited weights (8 x 3 of them; the paper: 50 x 20)"),
     _row(6, "wann", "Weight Agnostic Networks",
          "evolving: insert node, add connection, change activation", "evolution",
-         "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "RegularizedEvolution",
-         "nodes are layers of 16 units; the one shared weight is trained, not swept",
-         options={"initial": "base"},
-         variant="the shared weight is trained, not swept; no complexity objective"),
+         "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "WANN",
+         "nodes are layers of 16 units (the paper: single units); no training: each network "
+         "is scored over the shared weights [-2, -1, -0.5, 0.5, 1, 2] (WANNTrainer) and "
+         "ranked by non-dominated fronts over (mean accuracy, connections) in 80% of the "
+         "tournaments, (mean, max accuracy) in 20%, crowding distance within a front"),
     _row(7, "path_level", "Path-level NAS", "evolving by replication and split", "RL",
          "Cai et al., ICML 2018", "model_spaces.path_level", "PolicyBasedRL",
          "a plain conv stack transformed (the paper: DenseNet, PyramidNet cells)",
@@ -201,19 +202,19 @@ ROWS: tuple[Row, ...] = (
          _proxyless("proxylessnas", leaf_blocks=True)),
     _row(18, "fairnas", "FairNAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., ICCV 2021",
-         "model_spaces.proxylessnas", "SPOS",
-         "19 layers, no skip; SPOS(fair=True): every block of a layer once per 6 paths (the "
-         "paper sums those 6 paths' gradients into one step; here each path steps); "
-         "single-objective evolution (the paper: NSGA-II with FLOPs)", _proxyless("fairnas"),
-         options={"fair": True},
-         variant="each path steps; the paper sums K paths into one step"),
+         "model_spaces.proxylessnas", "FairNAS",
+         "19 layers, no skip; strict fairness: each step draws 6 paths from one permutation "
+         "per layer (every block once), sums their gradients and steps once; NSGA-II over "
+         "accuracy and the latency of the operator table measured on this machine "
+         "(nas.LATENCY_OBJECTIVE); selected: the most accurate candidate", _proxyless("fairnas")),
     _row(19, "scarlet_nas", "SCARLET-NAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., 2019 (arXiv:1908.06022)",
-         "model_spaces.proxylessnas", "SPOS",
-         "FairNAS's space + skip; SPOS(fair=True) as fairnas; the skip is the identity in the "
-         "super-net too (the paper: a linearly equivalent transformation, LET); "
-         "single-objective evolution", _proxyless("scarlet_nas"), options={"fair": True},
-         variant="no scalable skip (LET); each path steps"),
+         "model_spaces.proxylessnas", "FairNAS",
+         "FairNAS's space + skip; the skip is the scalable skip (a linearly equivalent "
+         "transformation, LET: a learnable 1x1 conv without activation) in the super-net and, "
+         "as this space holds it, in the retrained model too (the paper's stand-alone model: "
+         "the identity); FairNAS's strict fairness (7 paths a step); NSGA-II over accuracy "
+         "and latency", _proxyless("scarlet_nas")),
     _row(20, "single_path_nas", "Single-Path NAS", "MobileNetV2 kernels as a super-kernel",
          "differentiable", "Stamoulis et al., ECML-PKDD 2019", "model_spaces.proxylessnas",
          "ProxylessNAS", "the closest one-shot strategy: one path per step with binary gates "
@@ -319,9 +320,11 @@ _LAUNCHER = {
     # batches after recalibrating its BatchNorm statistics: each new candidate builds its
     # path, seconds apiece on the small mobile spaces
     "SPOS": {"search_population": 8, "search_generations": 3, "eval_batches": 2},
+    "FairNAS": {"search_population": 8, "search_generations": 3, "eval_batches": 2},
     "ENAS": {"controller_steps": 20},
     # a population that an 8-model default budget leaves
     "RegularizedEvolution": {"population_size": 8, "sample_size": 3},
+    "WANN": {"population_size": 8, "sample_size": 3},
 }
 
 
@@ -331,6 +334,9 @@ _LAUNCHER = {
 # not swamp the accuracy). The table is measured on this machine (engine/op_latency.py) and
 # kept in the run's store, so that a resume rebuilds the very same strategy.
 LATENCY_TERM = {"proxylessnas": 1.0}
+# Rows whose search ranks candidates by latency as a second objective (FairNAS's and
+# SCARLET-NAS's NSGA-II): the same table, handed to the strategy as ``latency``
+LATENCY_OBJECTIVE = ("fairnas", "scarlet_nas")
 
 
 def latency_table(name: str, preset: str, store: str) -> dict:
@@ -344,6 +350,11 @@ def latency_table(name: str, preset: str, store: str) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
     with Store(store) as db:
         return choice_latencies(getattr(getattr(SPACES, name), preset), OpLatencyTable(db))
+
+
+# Strategies whose models are scored without training (WANN: over a sweep of shared weight
+# values, retiarii/weight_agnostic.py), with the objectives they rank by: (metrics, modes)
+WEIGHT_AGNOSTIC = {"WANN": (("val_acc", "connections", "val_acc_max"), ("max", "min", "max"))}
 
 
 # Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host):
@@ -406,12 +417,20 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
     if not row.one_shot:
         kwargs["max_models"] = 8 if max_models is None else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
+    trainer = ClassifierTrainer(dataset="digits", epochs=epochs)
+    if row.runs_with in WEIGHT_AGNOSTIC:  # scored over a sweep of shared values, not trained
+        from .weight_agnostic import WANNTrainer
+
+        trainer = WANNTrainer(dataset="digits")
+        kwargs.setdefault("metric", list(WEIGHT_AGNOSTIC[row.runs_with][0]))
+        kwargs.setdefault("mode", list(WEIGHT_AGNOSTIC[row.runs_with][1]))
     store = store or f"runs/nas-{name}-{preset}.db"
     if name in LATENCY_TERM and "latency" not in (options or {}):  # the paper's cost term
         options = {"latency": latency_table(name, preset, store),
                    "latency_weight": LATENCY_TERM[name], **(options or {})}
-    return Experiment(ref, strategy(name, seed, epochs, options),
-                      ClassifierTrainer(dataset="digits", epochs=epochs),
+    if name in LATENCY_OBJECTIVE and "latency" not in (options or {}):
+        options = {"latency": latency_table(name, preset, store), **(options or {})}
+    return Experiment(ref, strategy(name, seed, epochs, options), trainer,
                       store=store, workers=workers, seed=seed, **kwargs)
 
 

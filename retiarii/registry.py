@@ -70,6 +70,8 @@ MULTI_TRIAL = _table(
     Entry("evolution", _S + "evolution:RegularizedEvolution",
           (("population_size", 16), ("sample_size", 4))),
     Entry("rl", _S + "rl:PolicyBasedRL"),
+    # the minimal network first; WANN's ranking needs WANNTrainer's three metrics
+    Entry("wann", _S + "wann:WANN", (("population_size", 16), ("sample_size", 4))),
     Entry("tpe", _S + "tpe:TPE"),
     Entry("predictor", _S + "predictor:Predictor"),
     Entry("progressive", _S + "progressive:Progressive"),
@@ -79,6 +81,7 @@ ONE_SHOT = _table(
     Entry("gumbel", _S + "snas:GumbelDARTS"),
     Entry("proxyless", _S + "proxyless:ProxylessNAS"),
     Entry("spos", _S + "spos:SPOS"),
+    Entry("fairnas", _S + "fairnas:FairNAS"),
     Entry("enas", _S + "enas:ENAS"),
 )
 SCHEDULERS = _table(

@@ -15,6 +15,7 @@ from .random_search import Random
 from .grid import GridSearch
 from .fixed import FixedArchitecture
 from .evolution import RegularizedEvolution
+from .wann import WANN
 from .rl import PolicyBasedRL
 from .tpe import TPE
 from .predictor import Predictor
@@ -24,5 +25,6 @@ from .darts import DARTS
 from .snas import GumbelDARTS
 from .proxyless import ProxylessNAS
 from .spos import SPOS
+from .fairnas import FairNAS
 from .enas import ENAS
 from .weight_sharing import WeightSharing
