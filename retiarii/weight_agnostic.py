@@ -7,9 +7,10 @@ batch is run once per value of ``weights`` (WANN's ``[-2, -1, -0.5, 0.5, 1, 2]``
 weight set to it, and reports ``val_acc`` (the mean accuracy over the sweep),
 ``val_acc_max`` (the best single value's: exact when the validation data is one batch, as
 digits' 360 images are; over several batches, the mean of each batch's best) and
-``connections`` (the network's connections: the nonzero entries of every ``mask`` buffer, one per unit-to-unit edge). Nothing is trained:
-the engine's one step per epoch runs SGD with learning rate 0 (the engine requires an
-optimizer step), so the shared weight stays where the sweep sets it.
+``connections`` (the network's connections: the nonzero entries of every ``mask`` buffer,
+one per unit-to-unit edge). Nothing is trained: the engine's one step per epoch runs SGD
+with learning rate 0 (the engine requires an optimizer step), so the shared weight stays
+where the sweep sets it.
 
 :func:`wann_order` is WANN's ranking, framework-free: non-dominated fronts over (mean
 performance, connections) in 80% of the rankings and over (mean performance, max
