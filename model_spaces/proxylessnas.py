@@ -35,8 +35,9 @@ publish no single count; the ones above follow from the layouts.
 
 All four publish weight-sharing searches (ProxylessNAS also an RL one); ``retiarii nas run``
 runs ``ProxylessNAS`` (proxylessnas, single_path_nas: on ``leaf_blocks=True``, each MBConv one
-opaque node, which the binary-gate relaxation takes) and ``SPOS(fair=True)`` (fairnas,
-scarlet_nas); ``retiarii nas show NAME`` says what differs from each paper.
+opaque node, which the binary-gate relaxation takes) and ``FairNAS`` (fairnas, scarlet_nas:
+strict fairness, then NSGA-II over accuracy and latency); ``retiarii nas show NAME`` says
+what differs from each paper.
 
 Presets: :func:`paper` has the published widths and strides for 224x224 ImageNet (stem 32,
 first block 16, head 1280); :func:`small` keeps the layer counts (the same space size) with
