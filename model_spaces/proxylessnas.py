@@ -124,16 +124,27 @@ def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem
     _, kernels, expansions, identity = VARIANTS[variant]
     layers: list[nn.Module] = [MBConv(stem, first, 1, 3, 1)]  # fixed, as in MobileNetV2
     c_in, i = first, 0
+    shapes = []  # (label, c_in, c_out, stride, skippable) per searched layer
     for c_out, n, stride in stages:
         for j in range(n):
             i += 1
-            layers.append(searched_layer(c_in, c_out, stride if j == 0 else 1, kernels,
-                                         expansions, identity, f"layer{i}", leaf_blocks,
-                                         variant == "scarlet_nas"))
+            s = stride if j == 0 else 1
+            layers.append(searched_layer(c_in, c_out, s, kernels, expansions, identity,
+                                         f"layer{i}", leaf_blocks, variant == "scarlet_nas"))
+            shapes.append([f"layer{i}", c_in, c_out, s,
+                           bool(identity) and keeps_shape(c_in, c_out, s)])
             c_in = c_out
     net = MobileNet(layers, stem, c_in, head, stem_stride, in_channels, num_classes)
-    return rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
-                                                        image_size))
+    space = rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
+                                                         image_size))
+    if variant == "single_path_nas":
+        # the skeleton SinglePathNAS builds its super-kernels on (retiarii/strategies/
+        # single_path.py): one SuperKernelMBConv per searched layer, the same shapes
+        space.macro = {"kind": "super_kernel", "in_channels": in_channels,
+                       "num_classes": num_classes, "stem": stem, "stem_stride": stem_stride,
+                       "first": first, "last": c_in, "head": head, "kernels": list(kernels),
+                       "expansions": list(expansions), "layers": shapes}
+    return space
 
 
 def small(variant: str = "proxylessnas", in_channels: int = 1, num_classes: int = 10,

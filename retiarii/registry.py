@@ -82,6 +82,7 @@ ONE_SHOT = _table(
     Entry("proxyless", _S + "proxyless:ProxylessNAS"),
     Entry("spos", _S + "spos:SPOS"),
     Entry("fairnas", _S + "fairnas:FairNAS"),
+    Entry("single_path", _S + "single_path:SinglePathNAS"),
     Entry("enas", _S + "enas:ENAS"),
 )
 SCHEDULERS = _table(

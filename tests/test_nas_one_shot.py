@@ -54,7 +54,7 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
     expected = {"enas_cnn": "ENAS", "enas_rnn": "ENAS", "spos": "SPOS", "fairnas": "FairNAS",
                 "scarlet_nas": "FairNAS", "oneshot": "SPOS", "once_for_all": "SPOS",
                 "darts": "DARTS", "fbnet": "GumbelDARTS", "proxylessnas": "ProxylessNAS",
-                "single_path_nas": "ProxylessNAS"}
+                "single_path_nas": "SinglePathNAS"}
     assert {name: nas.get(name).runs_with for name in ONE_SHOT_ROWS} == expected
     for row in nas.ROWS:
         assert "not landed" not in row.note

@@ -26,5 +26,6 @@ from .snas import GumbelDARTS
 from .proxyless import ProxylessNAS
 from .spos import SPOS
 from .fairnas import FairNAS
+from .single_path import SinglePathNAS
 from .enas import ENAS
 from .weight_sharing import WeightSharing
