@@ -24,8 +24,9 @@ block, stages of inverted residuals, 1x1 head) where every layer picks its MBCon
   taken here as ProxylessNAS's 21-layer layout): 4**6 * 5**15.
   The paper's "super-kernel" is how its differentiable search *shares weights* among these
   candidates (the 3x3 kernel is the centre of the 5x5, expansion 3 the first half of 6); the
-  discrete space is the same, and each candidate here is its own MBConv (the super-graph
-  shares no kernel centre between them). A layer is one LayerChoice of its 4 (or 5) candidates rather than
+  discrete space is the same, and each candidate here is its own MBConv; the search builds
+  its super-kernels (``SinglePathNAS``) on ``space.macro``, the skeleton this builder
+  records. A layer is one LayerChoice of its 4 (or 5) candidates rather than
   kernel and expansion ValueChoices under a skip choice: the same models, but choices that
   exist only when a layer is not skipped would make ``size()`` walk 2**15 branches.
 
@@ -34,10 +35,10 @@ dropped layer is one network whatever else). ProxylessNAS, SCARLET-NAS and Singl
 publish no single count; the ones above follow from the layouts.
 
 All four publish weight-sharing searches (ProxylessNAS also an RL one); ``retiarii nas run``
-runs ``ProxylessNAS`` (proxylessnas, single_path_nas: on ``leaf_blocks=True``, each MBConv one
-opaque node, which the binary-gate relaxation takes) and ``FairNAS`` (fairnas, scarlet_nas:
-strict fairness, then NSGA-II over accuracy and latency); ``retiarii nas show NAME`` says
-what differs from each paper.
+runs ``ProxylessNAS`` (proxylessnas: on ``leaf_blocks=True``, each MBConv one opaque node,
+which the binary-gate relaxation takes), ``SinglePathNAS`` (single_path_nas) and
+``FairNAS`` (fairnas, scarlet_nas: strict fairness, then NSGA-II over accuracy and latency);
+``retiarii nas show NAME`` says what differs from each paper.
 
 Presets: :func:`paper` has the published widths and strides for 224x224 ImageNet (stem 32,
 first block 16, head 1280); :func:`small` keeps the layer counts (the same space size) with

@@ -83,6 +83,7 @@ ONE_SHOT = _table(
     Entry("spos", _S + "spos:SPOS"),
     Entry("fairnas", _S + "fairnas:FairNAS"),
     Entry("single_path", _S + "single_path:SinglePathNAS"),
+    Entry("ofa", _S + "once_for_all:OnceForAll"),
     Entry("enas", _S + "enas:ENAS"),
 )
 SCHEDULERS = _table(

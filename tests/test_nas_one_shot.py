@@ -24,7 +24,9 @@ ONE_SHOT_ROWS = [row.name for row in nas.ROWS if row.one_shot]
 # the smallest budget of each strategy: a tiny run that still searches
 TINY = {"SPOS": {"search_population": 2, "search_generations": 1},
         "FairNAS": {"search_population": 2, "search_generations": 1},
-        "ENAS": {"controller_steps": 2}}
+        "ENAS": {"controller_steps": 2},
+        "OnceForAll": {"predictor_samples": 2, "predictor_steps": 10, "search_population": 2,
+                       "search_generations": 1}}
 # rows whose tiny run takes ~10 s or more on the shared 2-core machine (the darts cell and the
 # 22 FBNet layers compute every candidate of every choice)
 HEAVY = {"darts", "fbnet"}
@@ -52,7 +54,7 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
                       "once_for_all"}
     assert set(ONE_SHOT_ROWS) | {r.name for r in nas.ROWS if r.stand_in} == weight_sharing
     expected = {"enas_cnn": "ENAS", "enas_rnn": "ENAS", "spos": "SPOS", "fairnas": "FairNAS",
-                "scarlet_nas": "FairNAS", "oneshot": "SPOS", "once_for_all": "SPOS",
+                "scarlet_nas": "FairNAS", "oneshot": "SPOS", "once_for_all": "OnceForAll",
                 "darts": "DARTS", "fbnet": "GumbelDARTS", "proxylessnas": "ProxylessNAS",
                 "single_path_nas": "SinglePathNAS"}
     assert {name: nas.get(name).runs_with for name in ONE_SHOT_ROWS} == expected
@@ -62,7 +64,9 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
         assert bool(getattr(strategy, "one_shot", False)) == row.one_shot, row.name
         if row.one_shot:
             assert type(strategy).__name__ == row.runs_with
-            assert strategy.num_segments() in (4, 5)  # SPOS adds its search segment
+            # SPOS adds its search segment; OnceForAll runs 4 phases of 4, then searches
+            assert strategy.num_segments() in ((17,) if row.runs_with == "OnceForAll"
+                                               else (4, 5))
             assert strategy.seed == 3
     # the rows' own settings reach the strategy
     assert nas.strategy("fairnas").fair and nas.strategy("scarlet_nas").fair  # FairNAS's

@@ -27,5 +27,6 @@ from .proxyless import ProxylessNAS
 from .spos import SPOS
 from .fairnas import FairNAS
 from .single_path import SinglePathNAS
+from .once_for_all import OnceForAll
 from .enas import ENAS
 from .weight_sharing import WeightSharing
