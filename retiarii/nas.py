@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from . import registry
+from . import nas_latency, registry
 
 PRESETS = ("small", "paper")
 # What the launcher trains on: scikit-learn's 8x8 grayscale digits, 10 classes.
@@ -354,33 +354,8 @@ RUNTIME_TERM = {"single_path_nas": 1.0}
 LATENCY_OBJECTIVE = ("fairnas", "scarlet_nas")
 
 
-def base_latency(name: str, preset: str, store: str) -> float:
-    """The predicted latency (ms) of row ``name``'s base model (every choice at its first
-    candidate) by the operator table kept in ``store``."""
-    from .engine.op_latency import OpLatencyTable
-    from .engine.store import Store
-
-    space = getattr(getattr(SPACES, name), preset)
-    example = space.example_input[:1]
-    with Store(store) as db:
-        return OpLatencyTable(db).predict(
-            space.instantiate(space.default_sample()).to_module(), example)
-
-
 # Rows whose search bounds a sub-network's latency by the operator table (Once-for-All)
 ELASTIC_LATENCY = ("once_for_all",)
-
-
-def elastic_latency_table(name: str, preset: str, store: str) -> dict:
-    """Once-for-All's latency lookup of row ``name``'s space (see
-    :func:`retiarii.strategies.once_for_all.ofa_latency_table`) from the operator table
-    kept in ``store``."""
-    from .engine.op_latency import OpLatencyTable
-    from .engine.store import Store
-    from .strategies.once_for_all import ofa_latency_table
-
-    with Store(store) as db:
-        return ofa_latency_table(getattr(getattr(SPACES, name), preset), OpLatencyTable(db))
 
 
 def latency_table(name: str, preset: str, store: str) -> dict:
@@ -474,10 +449,12 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
                    "latency_weight": LATENCY_TERM[name], **(options or {})}
     if name in RUNTIME_TERM and "latency" not in (options or {}):
         options = {"latency": latency_table(name, preset, store),
-                   "base_latency": base_latency(name, preset, store),
+                   "base_latency": nas_latency.base_latency(getattr(SPACES, name), preset,
+                                                            store),
                    "latency_weight": RUNTIME_TERM[name], **(options or {})}
     if name in ELASTIC_LATENCY and "latency" not in (options or {}):
-        options = {"latency": elastic_latency_table(name, preset, store), **(options or {})}
+        options = {"latency": nas_latency.elastic_table(getattr(SPACES, name), preset, store),
+                   **(options or {})}
     if name in LATENCY_OBJECTIVE and "latency" not in (options or {}):
         options = {"latency": latency_table(name, preset, store), **(options or {})}
     return Experiment(ref, strategy(name, seed, epochs, options), trainer,
