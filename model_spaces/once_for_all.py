@@ -21,9 +21,9 @@ there and not searched here).
 OFA trains one super-net whose sub-networks share weights (a kernel transform for small
 kernels, the first channels for small expansions, the first layers for small depths) and
 then searches it by evolution guided by accuracy and latency predictors. ``retiarii nas run
-once_for_all`` runs the closest one-shot strategy, ``SPOS``: uniform sub-networks train one
-super-graph whose kernels and widths are sliced from the largest (no progressive shrinking),
-then evolution ranks candidates with the inherited weights (no predictors).
+once_for_all`` runs ``OnceForAll`` (retiarii/strategies/one_shot/once_for_all.py): progressive
+shrinking of an elastic network built on ``space.macro`` (the skeleton this builder records),
+then an evolution guided by an MLP accuracy predictor under a latency bound.
 
 The head is a single 1x1 conv (MobileNetV3's is a 1x1 conv to 960, pooling, then 1x1 to
 1280); the SE blocks squeeze to a quarter of the layer's input channels.
@@ -83,8 +83,17 @@ def ofa_space(units=PAPER_UNITS, stem: int = 16, head: int = 1280, stem_stride: 
         c_in = c_out
     net = MobileNet(layers, stem, c_in, head, stem_stride, in_channels, num_classes,
                     act=nn.Hardswish)
-    return rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
-                                                        image_size))
+    space = rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
+                                                         image_size))
+    # the skeleton OnceForAll builds its elastic network on (retiarii/optim/elastic.py)
+    shapes, c = [], stem
+    for c_out, stride, se, act in units:
+        shapes.append([c, c_out, stride, se, "relu" if act is nn.ReLU else "hardswish"])
+        c = c_out
+    space.macro = {"kind": "elastic", "in_channels": in_channels, "num_classes": num_classes,
+                   "stem": stem, "stem_stride": stem_stride, "first": stem, "last": c_in,
+                   "head": head, "units": shapes}
+    return space
 
 
 def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8) -> rt.ModelSpace:

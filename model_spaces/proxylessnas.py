@@ -14,16 +14,19 @@ block, stages of inverted residuals, 1x1 head) where every layer picks its MBCon
   (stages of 2, 4, 4, 4, 4, 1): 6**19 (about 6.1e14), as published.
 - **SCARLET-NAS** (Chu et al., arXiv:1908.06022): FairNAS's space plus a ``skip`` candidate
   on the layers that keep their shape (6 first layers: 6, 13 others: 7): 6**6 * 7**13. In its
-  *super-net* the skip is a linearly equivalent transformation (a 1x1 conv without
-  activation, so the super-net trains stably: "LET"); a stand-alone model it selects has a
-  plain identity there, which is what this space holds (its super-net here too: no LET).
+  *super-net* the skip is a linearly equivalent transformation (LET, :class:`ScalableSkip`:
+  a learnable 1x1 conv without BN or activation, a linear map whose function class holds the
+  identity), so the skip's output scale can follow the MBConvs' and the super-net trains
+  stably; this space holds the LET as its ``skip`` candidate, so the retrained model keeps
+  it too (one 1x1 conv where the paper's stand-alone model has the identity).
 - **Single-Path NAS** (Stamoulis et al., ECML-PKDD 2019): kernel 3/5 x expansion 3/6 plus
   ``skip`` on the layers that keep their shape (its MobileNetV2-based macro-architecture is
   taken here as ProxylessNAS's 21-layer layout): 4**6 * 5**15.
   The paper's "super-kernel" is how its differentiable search *shares weights* among these
   candidates (the 3x3 kernel is the centre of the 5x5, expansion 3 the first half of 6); the
-  discrete space is the same, and each candidate here is its own MBConv (the super-graph
-  shares no kernel centre between them). A layer is one LayerChoice of its 4 (or 5) candidates rather than
+  discrete space is the same, and each candidate here is its own MBConv; the search builds
+  its super-kernels (``SinglePathNAS``) on ``space.macro``, the skeleton this builder
+  records. A layer is one LayerChoice of its 4 (or 5) candidates rather than
   kernel and expansion ValueChoices under a skip choice: the same models, but choices that
   exist only when a layer is not skipped would make ``size()`` walk 2**15 branches.
 
@@ -32,9 +35,10 @@ dropped layer is one network whatever else). ProxylessNAS, SCARLET-NAS and Singl
 publish no single count; the ones above follow from the layouts.
 
 All four publish weight-sharing searches (ProxylessNAS also an RL one); ``retiarii nas run``
-runs ``ProxylessNAS`` (proxylessnas, single_path_nas: on ``leaf_blocks=True``, each MBConv one
-opaque node, which the binary-gate relaxation takes) and ``SPOS(fair=True)`` (fairnas,
-scarlet_nas); ``retiarii nas show NAME`` says what differs from each paper.
+runs ``ProxylessNAS`` (proxylessnas: on ``leaf_blocks=True``, each MBConv one opaque node,
+which the binary-gate relaxation takes), ``SinglePathNAS`` (single_path_nas) and
+``FairNAS`` (fairnas, scarlet_nas: strict fairness, then NSGA-II over accuracy and latency);
+``retiarii nas show NAME`` says what differs from each paper.
 
 Presets: :func:`paper` has the published widths and strides for 224x224 ImageNet (stem 32,
 first block 16, head 1280); :func:`small` keeps the layer counts (the same space size) with
@@ -78,17 +82,34 @@ def size(variant: str) -> int:
     return ops ** len(stages) * (ops + (identity is not None)) ** (layers - len(stages))
 
 
+class ScalableSkip(nn.Module):
+    """SCARLET-NAS's scalable skip, a linearly equivalent transformation: a learnable 1x1
+    conv, no bias, BN or activation: (B, C, H, W) -> (B, C, H, W). A linear map of the
+    channels, so every function of the identity skip is one of its (weight = I), while its
+    scale is learnt with the super-net's (the identity's fixed scale made SCARLET-NAS's
+    super-net collapse to skips)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = rt.nn.Conv2d(channels, channels, 1, bias=False)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
 def searched_layer(c_in: int, c_out: int, stride: int, kernels, expansions, identity,
-                   label: str, leaf_blocks: bool = False) -> rt.LayerChoice:
+                   label: str, leaf_blocks: bool = False,
+                   scalable_skip: bool = False) -> rt.LayerChoice:
     """One layer: a LayerChoice among MBConv(kernel k, expansion e) named ``k{k}_e{e}``, plus
     ``identity`` (the identity) when given and the layer keeps its shape; ``leaf_blocks``:
-    each MBConv one opaque node (:class:`~model_spaces._mobile.LeafMBConv`)."""
+    each MBConv one opaque node (:class:`~model_spaces._mobile.LeafMBConv`);
+    ``scalable_skip``: the identity is SCARLET-NAS's LET (:class:`ScalableSkip`)."""
     block = LeafMBConv if leaf_blocks else MBConv
     ops: dict[str, nn.Module] = {
         f"k{k}_e{e}": block(c_in, c_out, stride, k, e)
         for k, e in itertools.product(kernels, expansions)}
     if identity and keeps_shape(c_in, c_out, stride):
-        ops[identity] = nn.Identity()
+        ops[identity] = ScalableSkip(c_in) if scalable_skip else nn.Identity()
     return rt.LayerChoice(ops, label=label)
 
 
@@ -104,15 +125,27 @@ def proxyless_space(variant: str = "proxylessnas", stages=PROXYLESS_STAGES, stem
     _, kernels, expansions, identity = VARIANTS[variant]
     layers: list[nn.Module] = [MBConv(stem, first, 1, 3, 1)]  # fixed, as in MobileNetV2
     c_in, i = first, 0
+    shapes = []  # (label, c_in, c_out, stride, skippable) per searched layer
     for c_out, n, stride in stages:
         for j in range(n):
             i += 1
-            layers.append(searched_layer(c_in, c_out, stride if j == 0 else 1, kernels,
-                                         expansions, identity, f"layer{i}", leaf_blocks))
+            s = stride if j == 0 else 1
+            layers.append(searched_layer(c_in, c_out, s, kernels, expansions, identity,
+                                         f"layer{i}", leaf_blocks, variant == "scarlet_nas"))
+            shapes.append([f"layer{i}", c_in, c_out, s,
+                           bool(identity) and keeps_shape(c_in, c_out, s)])
             c_in = c_out
     net = MobileNet(layers, stem, c_in, head, stem_stride, in_channels, num_classes)
-    return rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
-                                                        image_size))
+    space = rt.ModelSpace(net, example_input=torch.zeros(1, in_channels, image_size,
+                                                         image_size))
+    if variant == "single_path_nas":
+        # the skeleton SinglePathNAS builds its super-kernels on (retiarii/strategies/
+        # single_path.py): one SuperKernelMBConv per searched layer, the same shapes
+        space.macro = {"kind": "super_kernel", "in_channels": in_channels,
+                       "num_classes": num_classes, "stem": stem, "stem_stride": stem_stride,
+                       "first": first, "last": c_in, "head": head, "kernels": list(kernels),
+                       "expansions": list(expansions), "layers": shapes}
+    return space
 
 
 def small(variant: str = "proxylessnas", in_channels: int = 1, num_classes: int = 10,

@@ -20,14 +20,14 @@ applies one of WANN's three mutations, ``"wann/kind{i}"``:
   cos, gaussian, tanh, sigmoid, inverse, abs, relu).
 
 The shared weight is the model's one parameter (``weight``, read by every connection). WANN
-does not train it: it scores a network over a fixed series of shared values; here the
-trainer fits the one value, which keeps the search weight-agnostic in the sense that matters
-(one number for the whole network). NOTE: a node here is a layer of ``hidden`` units (WANN's
+does not train it: ``retiarii.weight_agnostic.WANNTrainer`` scores a network over a fixed
+series of shared values ([-2, -1, -0.5, 0.5, 1, 2]) and the ``WANN`` strategy ranks by mean
+accuracy, connections and max accuracy. NOTE: a node here is a layer of ``hidden`` units (WANN's
 nodes are single units), which keeps the graphs small on 64 input pixels.
 
-The space is unbounded (``size()`` is ``math.inf``). The row runs
-``RegularizedEvolution(initial="base")``: the minimal network, then its mutants, as WANN's
-population starts. Presets: :func:`small` 8x8 digits with 16 units per node; :func:`paper`
+The space is unbounded (``size()`` is ``math.inf``). The row runs ``WANN`` (regularized
+evolution from the minimal network, then its mutants, as WANN's population starts, with
+WANN's ranking). Presets: :func:`small` 8x8 digits with 16 units per node; :func:`paper`
 takes the same minimal network (WANN's networks are its evolved ones: there is no larger
 published size) on ``in_channels x image_size ** 2`` inputs with 32 units per node.
 

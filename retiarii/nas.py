@@ -32,7 +32,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from . import registry
+from . import nas_latency, registry
+# the papers' cost terms `nas run` applies, readable as nas.X (retiarii/nas_latency.py)
+from .nas_latency import (COST_TERMS, ELASTIC_LATENCY, LATENCY_OBJECTIVE,  # noqa: F401
+                          LATENCY_TERM, RUNTIME_TERM)
 
 PRESETS = ("small", "paper")
 # What the launcher trains on: scikit-learn's 8x8 grayscale digits, 10 classes.
@@ -142,10 +145,11 @@ ROWS: tuple[Row, ...] = (
          "inherited weights (8 x 3 of them; the paper: 50 x 20)"),
     _row(6, "wann", "Weight Agnostic Networks",
          "evolving: insert node, add connection, change activation", "evolution",
-         "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "RegularizedEvolution",
-         "nodes are layers of 16 units; the one shared weight is trained, not swept",
-         options={"initial": "base"},
-         variant="the shared weight is trained, not swept; no complexity objective"),
+         "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "WANN",
+         "nodes are layers of 16 units (the paper: single units); no training: each network "
+         "is scored over the shared weights [-2, -1, -0.5, 0.5, 1, 2] (WANNTrainer) and "
+         "ranked by non-dominated fronts over (mean accuracy, connections) in 80% of the "
+         "tournaments, (mean, max accuracy) in 20%, crowding distance within a front"),
     _row(7, "path_level", "Path-level NAS", "evolving by replication and split", "RL",
          "Cai et al., ICML 2018", "model_spaces.path_level", "PolicyBasedRL",
          "a plain conv stack transformed (the paper: DenseNet, PyramidNet cells)",
@@ -221,37 +225,49 @@ ROWS: tuple[Row, ...] = (
          _proxyless("proxylessnas", leaf_blocks=True)),
     _row(18, "fairnas", "FairNAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., ICCV 2021",
-         "model_spaces.proxylessnas", "SPOS",
-         "19 layers, no skip; SPOS(fair=True): every block of a layer once per 6 paths (the "
-         "paper sums those 6 paths' gradients into one step; here each path steps); "
-         "single-objective evolution (the paper: NSGA-II with FLOPs)", _proxyless("fairnas"),
-         options={"fair": True},
-         variant="each path steps; the paper sums K paths into one step"),
+         "model_spaces.proxylessnas", "FairNAS",
+         "19 layers, no skip; strict fairness: each step draws 6 paths from one permutation "
+         "per layer (every block once), sums their gradients and steps once; NSGA-II over "
+         "accuracy and the latency of the operator table measured on this machine "
+         "(nas.LATENCY_OBJECTIVE); selected: the most accurate candidate", _proxyless("fairnas")),
     _row(19, "scarlet_nas", "SCARLET-NAS", "ProxylessNAS space",
          "evolution after fair super-net training", "Chu et al., 2019 (arXiv:1908.06022)",
-         "model_spaces.proxylessnas", "SPOS",
-         "FairNAS's space + skip; SPOS(fair=True) as fairnas; the skip is the identity in the "
-         "super-net too (the paper: a linearly equivalent transformation, LET); "
-         "single-objective evolution", _proxyless("scarlet_nas"), options={"fair": True},
-         variant="no scalable skip (LET); each path steps"),
+         "model_spaces.proxylessnas", "FairNAS",
+         "FairNAS's space + skip; the skip is the scalable skip (a linearly equivalent "
+         "transformation, LET: a learnable 1x1 conv without activation) in the super-net and, "
+         "as this space holds it, in the retrained model too (the paper's stand-alone model: "
+         "the identity); FairNAS's strict fairness (7 paths a step); NSGA-II over accuracy "
+         "and latency", _proxyless("scarlet_nas")),
     _row(20, "single_path_nas", "Single-Path NAS", "MobileNetV2 kernels as a super-kernel",
          "differentiable", "Stamoulis et al., ECML-PKDD 2019", "model_spaces.proxylessnas",
-         "ProxylessNAS", "the closest one-shot strategy: one path per step with binary gates "
-         "learnt by gradient (the paper: thresholds on the super-kernel's weight norms); the "
-         "super-kernel's candidates are separate MBConvs (a 3x3 is not the 5x5's centre); "
-         + _LEAF + "whole blocks", _proxyless("single_path_nas", leaf_blocks=True),
-         variant="ProxylessNAS gates, not the super-kernel with thresholds"),
+         "SinglePathNAS", "one super-kernel per layer (the 3x3 the 5x5's centre, expansion 3 "
+         "the first channels of 6), thresholds on squared weight norms with hard indicators "
+         "and straight-through sigmoid gradients, learnt with the weights on the training "
+         "data by CE + lambda log(R), R the operator table's latency of the architecture the "
+         "indicators select (lambda 1.0 here); the derived architecture retrains from scratch. "
+         "Scale: ProxylessNAS's 21-layer layout (the paper's MobileNetV2 macro-architecture) "
+         "at widths / 8 on 8x8 digits, a few epochs; the thresholds learn with Adam, the "
+         "weights with the trainer's optimizer (the paper: one RMSProp)",
+         _proxyless("single_path_nas")),
     _row(21, "nasbench101", "NAS-Bench-101", "cell of up to 7 nodes, 9 edges", "any",
          "Ying et al., ICML 2019", "model_spaces.nasbench101", "RegularizedEvolution"),
     _row(22, "nasbench201", "NAS-Bench-201", "cell of 4 nodes, 5 ops per edge", "any",
          "Dong & Yang, ICLR 2020", "model_spaces.nasbench201", "RegularizedEvolution"),
     _row(23, "once_for_all", "Once-for-All", "elastic kernel, depth, width",
          "predictor-guided evolution", "Cai et al., ICLR 2020", "model_spaces.once_for_all",
-         "SPOS", "the closest one-shot strategy: uniform sub-networks train one super-net "
-         "whose kernels and widths are sliced from the largest (the paper: progressive "
-         "shrinking), then evolution ranks them with inherited weights (the paper: guided by "
-         "accuracy and latency predictors)",
-         variant="SPOS with weight slicing: no progressive shrinking, no predictors"),
+         "OnceForAll", "progressive shrinking in order: the largest network, then elastic "
+         "kernel (7, 5, 3 through learnt kernel transformation matrices), then elastic depth "
+         "(a unit's first d layers), then elastic width (hidden channels sorted by importance, "
+         "the first e * C kept), each phase drawing sub-networks only from its set, with "
+         "knowledge distillation from the largest network after phase 1; then an MLP accuracy "
+         "predictor trained on measured sub-networks (BatchNorm recalibrated) guides an "
+         "evolution under a latency constraint from the operator table (halfway between the "
+         "space's least and greatest latency unless max_latency is given). Scale: 2 units of "
+         "widths 12 and 16 on 8x8 digits (the paper: 5 units on ImageNet, elastic resolution "
+         "too, not searched here); --epochs segments per phase, one sub-network per batch, "
+         "depth and width each in one phase (the paper: two stages each), 16 measured "
+         "sub-networks and 16 x 5 candidates (the paper: 16K and 100 x 500)",
+         options={"predictor_samples": 16}),
     _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
          "Liu et al., ICLR 2018", "model_spaces.hierarchical", "HierarchicalEvolution",
          "6 level-2 motifs of 4 nodes over 6 primitives and none, a level-3 cell of 5 nodes; "
@@ -343,97 +359,21 @@ _LAUNCHER = {
     # batches after recalibrating its BatchNorm statistics: each new candidate builds its
     # path, seconds apiece on the small mobile spaces
     "SPOS": {"search_population": 8, "search_generations": 3, "eval_batches": 2},
+    "FairNAS": {"search_population": 8, "search_generations": 3, "eval_batches": 2},
     "ENAS": {"controller_steps": 20},
     # a population that an 8-model default budget leaves
     "RegularizedEvolution": {"population_size": 8, "sample_size": 3},
     "HierarchicalEvolution": {"population_size": 8, "sample_size": 3},
+    "WANN": {"population_size": 8, "sample_size": 3},
 }
-
-
-# Rows whose paper adds a latency term from a lookup table to the architecture loss, and its
-# weight: ProxylessNAS's expected latency, one ms of which weighs as a unit of cross-entropy
-# (the small preset's candidates differ by 0.01-0.2 ms: the term moves the choice, it does
-# not swamp the accuracy). The table is measured on this machine (engine/op_latency.py) and
-# kept in the run's store, so that a resume rebuilds the very same strategy.
-LATENCY_TERM = {"proxylessnas": 1.0}
-
-# The other rows whose paper has a cost term, and what it is (nas.experiment applies it
-# unless the options give one): FBNet's latency loss from a lookup table (GumbelDARTS's
-# latency=, the paper's alpha 0.2 and beta 0.6); MnasNet's reward ACC x (LAT / target) ** w
-# (w = -0.07, the paper's soft constraint) over the predicted latency, which a busy machine
-# does not disturb as it does a timed pass (benchmarks/README.md, #30).
-COST_TERMS = {"fbnet": "latency loss", "mnasnet": "reward"}
-# random models whose median predicted latency is MnasNet's target (the paper: 75 ms, a
-# budget on its phone; here the middle of the space on this machine)
-MNASNET_TARGET_MODELS = 16
-
-
-def latency_lut(name: str, preset: str, store: str) -> dict:
-    """Row ``name``'s latency lookup table (:class:`~retiarii.cost_terms.LatencyLUT` as JSON)
-    from the operator table kept in ``store``."""
-    import os
-
-    from .cost_terms import LatencyLUT
-    from .engine.driver.op_latency import OpLatencyTable
-    from .engine.storage.store import Store
-
-    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
-    with Store(store) as db:
-        return LatencyLUT.of(getattr(getattr(SPACES, name), preset),
-                             OpLatencyTable(db)).to_json()
-
-
-def latency_target(name: str, preset: str, store: str, models: int = MNASNET_TARGET_MODELS,
-                   seed: int = 0) -> float:
-    """The median predicted latency (ms, the operator table kept in ``store``) of ``models``
-    random models of row ``name``'s space drawn with ``seed``."""
-    import os
-
-    from .cost_terms import median_predicted_latency
-    from .engine.driver.op_latency import OpLatencyTable
-    from .engine.storage.store import Store
-
-    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
-    with Store(store) as db:
-        return median_predicted_latency(getattr(getattr(SPACES, name), preset),
-                                        OpLatencyTable(db), models, seed)
-
-
-def _cost_term(name: str, preset: str, store: str, options: dict,
-               kwargs: dict) -> dict:
-    """The options (and Experiment arguments, in ``kwargs``) of row ``name``'s paper's cost
-    term, unless the caller gave their own."""
-    if name in LATENCY_TERM and "latency" not in options:  # ProxylessNAS's expected latency
-        return {"latency": latency_table(name, preset, store),
-                "latency_weight": LATENCY_TERM[name], **options}
-    if name == "fbnet" and "latency" not in options:
-        return {"latency": latency_lut(name, preset, store), **options}
-    if name == "mnasnet" and "reward" not in options and "metric" not in kwargs:
-        from .scalarization import MnasNetReward
-
-        kwargs.update(metric=["val_acc", "predicted_latency_ms"], mode=["max", "min"])
-        target = latency_target(name, preset, store)
-        return {"reward": MnasNetReward("val_acc", "predicted_latency_ms", target=target),
-                **options}
-    return options
-
-
-def latency_table(name: str, preset: str, store: str) -> dict:
-    """``{label: {candidate: ms}}`` of row ``name``'s space: each candidate's predicted
-    latency over the base model's, from the operator table kept in ``store``."""
-    import os
-
-    from .engine.driver.op_latency import OpLatencyTable, choice_latencies
-    from .engine.storage.store import Store
-
-    os.makedirs(os.path.dirname(os.path.abspath(store)), exist_ok=True)
-    with Store(store) as db:
-        return choice_latencies(getattr(getattr(SPACES, name), preset), OpLatencyTable(db))
 
 
 # Rows whose paper steps the architecture on a split of the training data (the validation
 # split stays the reported result): their search trains with retiarii.arch_split's trainer
 ARCH_SPLIT = {"darts", "darts_rnn"}
+# Strategies whose models are scored without training (WANN: over a sweep of shared weight
+# values, retiarii/weight_agnostic.py), with the objectives they rank by: (metrics, modes)
+WEIGHT_AGNOSTIC = {"WANN": (("val_acc", "connections", "val_acc_max"), ("max", "min", "max"))}
 
 
 # Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host):
@@ -496,13 +436,21 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
     if not row.one_shot:
         kwargs["max_models"] = 8 if max_models is None else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
-    store = store or f"runs/nas-{name}-{preset}.db"
-    options = _cost_term(name, preset, store, dict(options or {}), kwargs)  # the paper's
-    from .arch_split import ArchSplitTrainer
+    trainer = ClassifierTrainer(dataset="digits", epochs=epochs)
+    if row.runs_with in WEIGHT_AGNOSTIC:  # scored over a sweep of shared values, not trained
+        from .weight_agnostic import WANNTrainer
 
-    trainer_class = ArchSplitTrainer if name in ARCH_SPLIT else ClassifierTrainer
-    return Experiment(ref, strategy(name, seed, epochs, options),
-                      trainer_class(dataset="digits", epochs=epochs),
+        trainer = WANNTrainer(dataset="digits")
+        kwargs.setdefault("metric", list(WEIGHT_AGNOSTIC[row.runs_with][0]))
+        kwargs.setdefault("mode", list(WEIGHT_AGNOSTIC[row.runs_with][1]))
+    store = store or f"runs/nas-{name}-{preset}.db"
+    options = nas_latency.cost_term(name, getattr(SPACES, name), preset, store,
+                                    dict(options or {}), kwargs)  # the paper's cost term
+    if name in ARCH_SPLIT:  # alphas step on a split of the training data
+        from .arch_split import ArchSplitTrainer
+
+        trainer = ArchSplitTrainer(dataset="digits", epochs=epochs)
+    return Experiment(ref, strategy(name, seed, epochs, options), trainer,
                       store=store, workers=workers, seed=seed, **kwargs)
 
 

@@ -75,6 +75,8 @@ MULTI_TRIAL = _table(
     Entry("hierarchical_evolution", _M + "hierarchical_evolution:HierarchicalEvolution",
           (("population_size", 16), ("sample_size", 4),
            ("levels", {**{f"motif{m}": 2 for m in range(1, 7)}, "cell": 3}))),
+    # the minimal network first; WANN's ranking needs WANNTrainer's three metrics
+    Entry("wann", _M + "wann:WANN", (("population_size", 16), ("sample_size", 4))),
     Entry("tpe", _M + "tpe:TPE"),
     Entry("predictor", _M + "predictor:Predictor"),
     Entry("progressive", _M + "progressive:Progressive"),
@@ -89,6 +91,9 @@ ONE_SHOT = _table(
     Entry("gumbel", _O + "snas:GumbelDARTS"),
     Entry("proxyless", _O + "proxyless:ProxylessNAS"),
     Entry("spos", _O + "spos:SPOS"),
+    Entry("fairnas", _O + "fairnas:FairNAS"),
+    Entry("single_path", _O + "single_path:SinglePathNAS"),
+    Entry("ofa", _O + "once_for_all:OnceForAll"),
     Entry("enas", _O + "enas:ENAS"),
 )
 SCHEDULERS = _table(

@@ -113,7 +113,7 @@ def _fake_timing(monkeypatch):
 
 
 def test_nas_mnasnet_rewards_the_predicted_latency_by_default(tmp_path, monkeypatch):
-    from retiarii import nas
+    from retiarii import nas, nas_latency
     from retiarii.scalarization import MnasNetReward
 
     timed = _fake_timing(monkeypatch)
@@ -122,7 +122,7 @@ def test_nas_mnasnet_rewards_the_predicted_latency_by_default(tmp_path, monkeypa
     reward = exp.strategy.reward
     assert isinstance(reward, MnasNetReward) and (reward.alpha, reward.beta) == (-0.07, -0.07)
     assert reward.metrics == ("val_acc", "predicted_latency_ms")
-    assert reward.target == nas.latency_target("mnasnet", "small", db) > 0
+    assert reward.target == nas_latency.latency_target(nas.SPACES.mnasnet, "small", db) > 0
     assert exp.objectives.metrics == ("val_acc", "predicted_latency_ms")
     measured = len(timed)
     again = nas.experiment("mnasnet", epochs=1, workers=1, store=db, max_models=2)

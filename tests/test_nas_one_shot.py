@@ -22,7 +22,10 @@ from retiarii.engine.storage.store import Store
 ONE_SHOT_ROWS = [row.name for row in nas.ROWS if row.one_shot]
 # the smallest budget of each strategy: a tiny run that still searches
 TINY = {"SPOS": {"search_population": 2, "search_generations": 1},
-        "ENAS": {"controller_steps": 2}}
+        "FairNAS": {"search_population": 2, "search_generations": 1},
+        "ENAS": {"controller_steps": 2},
+        "OnceForAll": {"predictor_samples": 2, "predictor_steps": 10, "search_population": 2,
+                       "search_generations": 1}}
 # rows whose tiny run takes ~10 s or more on the shared 2-core machine (the darts cell and the
 # 22 FBNet layers compute every candidate of every choice)
 HEAVY = {"darts", "fbnet"}
@@ -50,11 +53,10 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
                       "once_for_all"}
     assert set(ONE_SHOT_ROWS) | {r.name for r in nas.ROWS if r.stand_in} == weight_sharing
     assert not any(r.stand_in for r in nas.ROWS)
-    expected = {"enas_cnn": "ENAS", "enas_rnn": "ENAS", "spos": "SPOS", "fairnas": "SPOS",
-                "scarlet_nas": "SPOS", "oneshot": "SPOS", "once_for_all": "SPOS",
+    expected = {"enas_cnn": "ENAS", "enas_rnn": "ENAS", "spos": "SPOS", "fairnas": "FairNAS",
+                "scarlet_nas": "FairNAS", "oneshot": "SPOS", "once_for_all": "OnceForAll",
                 "darts": "DARTS", "darts_rnn": "DARTS", "fbnet": "GumbelDARTS",
-                "proxylessnas": "ProxylessNAS",
-                "single_path_nas": "ProxylessNAS"}
+                "proxylessnas": "ProxylessNAS", "single_path_nas": "SinglePathNAS"}
     assert {name: nas.get(name).runs_with for name in ONE_SHOT_ROWS} == expected
     for row in nas.ROWS:
         assert "not landed" not in row.note
@@ -62,10 +64,12 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
         assert bool(getattr(strategy, "one_shot", False)) == row.one_shot, row.name
         if row.one_shot:
             assert type(strategy).__name__ == row.runs_with
-            assert strategy.num_segments() in (4, 5)  # SPOS adds its search segment
+            # SPOS adds its search segment; OnceForAll runs 4 phases of 4, then searches
+            assert strategy.num_segments() in ((17,) if row.runs_with == "OnceForAll"
+                                               else (4, 5))
             assert strategy.seed == 3
     # the rows' own settings reach the strategy
-    assert nas.strategy("fairnas").fair and nas.strategy("scarlet_nas").fair
+    assert nas.strategy("fairnas").fair and nas.strategy("scarlet_nas").fair  # FairNAS's
     assert not nas.strategy("spos").fair
     assert nas.strategy("oneshot").search_generations == 1  # random candidates, ranked
     assert nas.strategy("spos", options={"search_population": 3}).search_population == 3
@@ -136,5 +140,5 @@ def test_nas_run_of_a_one_shot_row_from_the_cli_status_export_resume(
 
 
 def test_max_models_of_a_one_shot_row_is_refused_in_python():
-    with pytest.raises(ValueError, match="max_models=3: fairnas runs the one-shot SPOS"):
+    with pytest.raises(ValueError, match="max_models=3: fairnas runs the one-shot FairNAS"):
         nas.experiment("fairnas", max_models=3)

@@ -16,6 +16,7 @@ from .multi_trial.grid import GridSearch
 from .multi_trial.fixed import FixedArchitecture
 from .multi_trial.evolution import RegularizedEvolution
 from .multi_trial.hierarchical_evolution import HierarchicalEvolution
+from .multi_trial.wann import WANN
 from .multi_trial.rl import PolicyBasedRL
 from .multi_trial.tpe import TPE
 from .multi_trial.predictor import Predictor
@@ -26,5 +27,8 @@ from .one_shot.darts import DARTS
 from .one_shot.snas import GumbelDARTS
 from .one_shot.proxyless import ProxylessNAS
 from .one_shot.spos import SPOS
+from .one_shot.fairnas import FairNAS
+from .one_shot.single_path import SinglePathNAS
+from .one_shot.once_for_all import OnceForAll
 from .one_shot.enas import ENAS
 from .one_shot.weight_sharing import WeightSharing

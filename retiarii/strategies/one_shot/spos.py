@@ -217,7 +217,6 @@ class SPOS(ExportsInherited, OneShot):
         valid = take(ctx.valid_batches(), self.eval_batches)
         calibrate = take(ctx.train_batches(), self.calibrate_batches) \
             if self.recalibrate_bn else None
-        sign = Mode(self.mode).sign
         models: list[EvaluatedModel] = []
         population = self._children(rng, None, self.search_population)
         for generation in range(self.search_generations):
@@ -226,12 +225,12 @@ class SPOS(ExportsInherited, OneShot):
                     break
                 metrics = mean_over_ranks(shared.evaluate(sample, valid, calibrate), ctx)
                 self._check_metric(metrics)
+                metrics = self._with_costs(sample, metrics)
                 self._evaluated[sample_key(sample)] = (sample, metrics)
                 models.append(EvaluatedModel(sample, {**metrics, "generation": generation}))
             if ctx.should_stop() or generation + 1 == self.search_generations:
                 break
-            ranked = sorted(self._evaluated.values(), key=lambda sm: -sign * sm[1][self.metric])
-            parents = [s for s, _ in ranked[:self.search_parents]]
+            parents = self._parents()
             population = self._children(rng, parents, self.search_population)
             if not population:  # every model of the space was evaluated
                 break
@@ -269,6 +268,16 @@ class SPOS(ExportsInherited, OneShot):
                 continue
             children[key] = sample
         return list(children.values())
+
+    def _with_costs(self, sample: dict, metrics: dict) -> dict:
+        """A candidate's metrics with what else ranks it (FairNAS adds its latency)."""
+        return metrics
+
+    def _parents(self) -> list[dict]:
+        """The ``search_parents`` best candidates so far, by ``metric``."""
+        sign = Mode(self.mode).sign
+        ranked = sorted(self._evaluated.values(), key=lambda sm: -sign * sm[1][self.metric])
+        return [s for s, _ in ranked[:self.search_parents]]
 
     def _check_metric(self, metrics: dict) -> None:
         if self.metric not in metrics:
