@@ -45,6 +45,7 @@ from torch import nn
 
 import retiarii as rt
 from retiarii import ops
+from retiarii.nasbench_tables import prune  # noqa: F401 (the benchmark's pruning; nasbench101.prune)
 
 OP_NAMES = ("conv3x3-bn-relu", "conv1x1-bn-relu", "maxpool3x3")
 PUBLISHED_UNIQUE = 423_624
@@ -120,23 +121,6 @@ class NASBench101Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.pool(self.cells(self.stem(x))).flatten(1))
-
-
-def prune(num_vertices: int, edges: set[tuple[int, int]]) -> tuple[set[int], set[tuple]]:
-    """The vertices and edges on some input -> output path (the benchmark's pruning); with no
-    such path, only the edge (input, output)."""
-    out = num_vertices - 1
-    forward, backward = {0}, {out}
-    for i, j in sorted(edges):
-        if i in forward:
-            forward.add(j)
-    for i, j in sorted(edges, reverse=True):
-        if j in backward:
-            backward.add(i)
-    kept = forward & backward
-    if out not in kept:
-        return {0, out}, {(0, out)}
-    return kept, {(i, j) for i, j in edges if i in kept and j in kept}
 
 
 class CellMutator(rt.Mutator):

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from retiarii.optim.arch_params import ArchParameters
 from retiarii.optim.derivation import EdgeDerivation
 
 from .recurrent import DARTS_ACTIVATIONS, DARTS_NODES, RowsClassifier, activate
@@ -51,7 +52,7 @@ DERIVATION = EdgeDerivation(nodes=tuple(
     keep=1, none="none")
 
 
-class DartsRNNRelaxation(nn.Module):
+class DartsRNNRelaxation(ArchParameters):
     """The relaxed DARTS recurrent cell of ``space`` (a :func:`darts_space`); see the module
     docstring. It has the members :mod:`retiarii.strategies.one_shot.relaxed_training` uses of a
     :class:`~retiarii.optim.relax.Relaxation`, in modes ``"softmax"`` and ``"fixed"``.
@@ -90,22 +91,6 @@ class DartsRNNRelaxation(nn.Module):
         if mode == "fixed" and self._fixed is None:
             raise ValueError("mode 'fixed' runs one sample: call fix(sample) instead")
         self.mode = mode
-
-    def weight_parameters(self):
-        return self.weights.parameters()
-
-    def arch_parameters(self):
-        return self.alphas.parameters()
-
-    def alpha(self, label: str) -> torch.Tensor:
-        return self.alphas[self.labels.index(label)]
-
-    def probabilities(self) -> dict[str, torch.Tensor]:
-        return {label: F.softmax(a.detach(), -1) for label, a in zip(self.labels, self.alphas)}
-
-    def entropy(self) -> float:
-        ents = [float(-(p * p.clamp_min(1e-12).log()).sum()) for p in self.probabilities().values()]
-        return sum(ents) / len(ents)
 
     def derive(self) -> dict:
         """Each node's strongest (predecessor, activation), as a sample of the space."""

@@ -40,7 +40,7 @@ from typing import Any
 
 from .published_formats import decode_protobuf, load_torch_pickle, read_tfrecords
 
-__all__ = ["BENCHMARKS", "Entry", "Run", "Table", "TableError", "load", "load_nasbench101",
+__all__ = ["BENCHMARKS", "Entry", "Run", "Table", "TableError", "load", "load_nasbench101", "prune",
            "load_nasbench201", "nb101_hash", "nb101_key"]
 
 BENCHMARKS = ("nasbench201", "nasbench101")
@@ -224,13 +224,10 @@ def nb101_hash(matrix: list[list[int]], labels: list[int]) -> str:
     return hashlib.md5(str(sorted(hashes)).encode()).hexdigest()
 
 
-def nb101_key(sample: dict, num_vertices: int = 7) -> str:
-    """The module hash of a sample of ``model_spaces/nasbench101.py`` (labels ``op{v}`` and
-    ``edge{i}{j}``), pruned as the benchmark prunes (vertices off every input -> output path
-    go; with no such path, the bare input -> output edge our space builds)."""
+def prune(num_vertices: int, edges: set[tuple[int, int]]) -> tuple[set[int], set[tuple]]:
+    """The vertices and edges on some input -> output path (NAS-Bench-101's pruning); with no
+    such path, only the edge (input, output)."""
     out = num_vertices - 1
-    edges = {(i, j) for j in range(1, num_vertices) for i in range(j)
-             if sample.get(f"edge{i}{j}", 0)}
     forward, backward = {0}, {out}
     for i, j in sorted(edges):
         if i in forward:
@@ -238,8 +235,20 @@ def nb101_key(sample: dict, num_vertices: int = 7) -> str:
     for i, j in sorted(edges, reverse=True):
         if j in backward:
             backward.add(i)
-    kept = sorted(forward & backward) if out in forward else [0, out]
-    edges = {(i, j) for i, j in edges if i in kept and j in kept} if out in forward else {(0, out)}
+    kept = forward & backward
+    if out not in kept:
+        return {0, out}, {(0, out)}
+    return kept, {(i, j) for i, j in edges if i in kept and j in kept}
+
+
+def nb101_key(sample: dict, num_vertices: int = 7) -> str:
+    """The module hash of a sample of ``model_spaces/nasbench101.py`` (labels ``op{v}`` and
+    ``edge{i}{j}``), pruned as the benchmark prunes (vertices off every input -> output path
+    go; with no such path, the bare input -> output edge our space builds)."""
+    out = num_vertices - 1
+    kept_set, edges = prune(num_vertices, {(i, j) for j in range(1, num_vertices)
+                                           for i in range(j) if sample.get(f"edge{i}{j}", 0)})
+    kept = sorted(kept_set)
     matrix = [[1 if (i, j) in edges else 0 for j in kept] for i in kept]
     try:
         labels = [-1] + [NB101_OPS.index(sample[f"op{v}"]) for v in kept[1:-1]] + [-2]

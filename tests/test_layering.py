@@ -189,7 +189,7 @@ OVER = {"retiarii.optim.build": 615,
         "retiarii.graph": 576,
         "retiarii.engine.runner.trial_runner": 561,
         "retiarii.engine.storage.store": 559,
-        "retiarii.optim.relax": 534,
+        "retiarii.optim.relax": 516,
         "retiarii.engine.executors.ray": 533,
         "retiarii.engine.executors.local": 520,
         "retiarii.optim.mixed_parallel": 519}

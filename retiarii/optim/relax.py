@@ -47,6 +47,7 @@ from ..codec import decode, resolve_ref
 from ..codegen import to_module
 from ..interpreter import init_tensor
 from ..modspec import build_module
+from .arch_params import ArchParameters
 from ..sampler import index_of
 from .relax_space import NodePlan, RelaxError, SpaceReading, op_key, read_space
 
@@ -83,7 +84,7 @@ def _spec_only(op):
     return out
 
 
-class Relaxation(nn.Module):
+class Relaxation(ArchParameters):
     """The supernet of ``space``; see the module docstring.
 
     Args:
@@ -239,26 +240,7 @@ class Relaxation(nn.Module):
             out[label] = i
         return {label: out.get(label, 0) for label in self.labels}
 
-    # ---- parameters ---------------------------------------------------------------------------
-    def weight_parameters(self):
-        return self.weights.parameters()
-
-    def arch_parameters(self):
-        return self.alphas.parameters()
-
-    def alpha(self, label: str) -> torch.Tensor:
-        return self.alphas[self.labels.index(label)]
-
-    def probabilities(self) -> dict[str, torch.Tensor]:
-        """label -> softmax(alpha), detached."""
-        return {label: F.softmax(a.detach(), -1) for label, a in zip(self.labels, self.alphas)}
-
-    def entropy(self) -> float:
-        """Mean entropy (nats) of the choices' distributions: log(n) when uniform, 0 when
-        decided."""
-        ents = [float(-(p * p.clamp_min(1e-12).log()).sum()) for p in self.probabilities().values()]
-        return sum(ents) / max(1, len(ents))
-
+    # ---- the architecture found (weights, alphas, probabilities: ArchParameters) ---------------
     def derive(self) -> dict:
         """The sample of the argmax of every alpha, or of the space's ``derivation`` (DARTS')."""
         best = {label: int(a.detach().argmax()) for label, a in zip(self.labels, self.alphas)}
