@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 
 from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
 from .state_store import StateTables
+from .sqlite_import import import_sqlite_utils
 from .store_queries import StoreQueries, decode_json_columns, encode_state, json_text, not_found_error
 from .store_schema import APPLICATION, MIGRATIONS, SCHEMA_VERSION, STATES, StoreError
 from ..enums import ModelStatus
@@ -75,7 +76,8 @@ class Store(StoreQueries):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.db = None  # type: ignore[assignment]
         try:
-            import sqlite_utils  # here, not with the package: it imports pandas (0.7 s)
+            # here, not with the package; and without the pandas it would import (0.7 s)
+            sqlite_utils = import_sqlite_utils()
             self.db = sqlite_utils.Database(self.path)
             self.db.execute("PRAGMA busy_timeout=10000")  # a second opener waits, not fails
             self.db.enable_wal()
