@@ -140,6 +140,7 @@ class TimingTrainer(rt.engine.trainer.Trainer):
             f.write(f"epoch {os.getpid()} {self._start} {time.monotonic()}\n")
         if getattr(self, "_profiler", None) is not None:
             self._profiler.dump_stats(f"{self.profile}.worker-{os.getpid()}")
+            self._profiler.enable()  # dumping disabled it
         return {"val_acc": accuracy}
 
 

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from ..optim import build_group, unfuse
-from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups
+from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups, relative_spread
 from ..optim.plan import LogicalPlan, Role
 from . import checkpoint as ckpt
 from .fused import fused_backward, fused_step, fused_unit
@@ -78,11 +78,11 @@ __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "D
 # Timed batches per merged candidate, after one warm-up each (the least is kept: a machine's
 # other work only adds).
 TIMED = 2
-# A candidate whose warm-up batch takes over this many times apart's batch gets no timed
-# batches: a first step seldom costs more than twice a later one, so it could not win.
+# A candidate whose first timed batch takes over this many times apart's batch gets no more:
+# it could not win. Its warm-up batch never decides (a first step pays allocations, kernel
+# choices, the optimizer's state: 2 s against a 33 ms batch apart, measured on c512).
 ABORT_REAL = 2.0
-# The same for a fused warm-up batch on a GPU, whose first fused step also selects and
-# compiles the kernels of its grouped layers (as layouts.ABORT allows fused copies there).
+# The same for a fused batch on a GPU (as layouts.ABORT allows fused copies there).
 ABORT_REAL_FUSED_GPU = 4.0
 # The lower bound of apart must put the best merged layout this much over the margin to skip
 # the alone profiles (the shared part's time is itself measured, with noise).
@@ -189,6 +189,8 @@ class MeasuringGroup(TrainingGroup):
         self._due, self._decided = False, False
         self._last: Any = None
         self._probe_s = 0.0  # deciding (profiles on copies included)
+        self._measured_to: int | None = None  # steps before the decision (None: undecided)
+        self._warm_after = 0  # 1: the chosen layout's first batch after it is its warm-up
         # A plan that shares no frozen layer cannot bound apart (its shared part is the data
         # alone): the alone profiles are taken before the first step, so a candidate far
         # slower than apart stops at its warm-up batch.
@@ -200,6 +202,24 @@ class MeasuringGroup(TrainingGroup):
     def layout(self) -> Layout:
         """The layout it trains in now."""
         return self._layout
+
+    def report(self) -> dict:
+        """:meth:`TrainingGroup.report`, its typical step and spread (what the segment is
+        judged on: ``cost.judge_segment``) taken from the batches it trained in the chosen
+        layout after the decision, the first of them left out when that layout had not
+        trained a batch before (its warm-up); when none followed the decision, from the
+        chosen layout's timed batches. A warm-up, or a batch of another candidate, never
+        counts as evidence; nothing left to judge on: ``step_s`` None (compute_s stands)."""
+        out = super().report()
+        if self._measured_to is None:
+            return out
+        after = self._steps[self._measured_to + self._warm_after:]
+        if not after:
+            after = list(self._times.get(self._layout) or ())
+        out["step_s"] = _median(after) if after else None
+        out["spread"] = relative_spread(after)
+        out["judged_batches"] = len(after)
+        return out
 
     # ---- building and switching layouts --------------------------------------------------
 
@@ -362,8 +382,8 @@ class MeasuringGroup(TrainingGroup):
         apart = self._apart_s()
         abort = (ABORT_REAL_FUSED_GPU if layout is Layout.FUSED and device.type != "cpu"
                  else ABORT_REAL)
-        if warm and apart is not None and seconds > abort * apart:
-            # far slower than apart at its warm-up: it cannot win; no timed batches for it
+        if not warm and apart is not None and seconds > abort * apart:
+            # far slower than apart on a timed batch: it cannot win; no more batches for it
             rest = self._schedule[self._position + 1:]
             self._schedule = self._schedule[:self._position + 1] + [
                 x for x in rest if x is not layout]
@@ -408,7 +428,8 @@ class MeasuringGroup(TrainingGroup):
         if len(alone) < len(self.runs):
             return None
         load, produce = _median(self._loads), getattr(self, "produce_s", 0.0)
-        return sum(max(s + load, produce) for s in alone.values()) - load  # the group's one
+        start = getattr(self, "start_s", 0.0)  # compared with a step that pays none of it
+        return sum(max(s + load, produce) + start for s in alone.values()) - load - start
 
     def _ahead(self, batch: Any) -> Any:
         """While measuring in CSE: the shared cell computed here, timed (what every model
@@ -485,6 +506,7 @@ class MeasuringGroup(TrainingGroup):
             self._probe_s += time.perf_counter() - start
             return
         self._decided = True
+        self._measured_to = len(self._steps)  # the batches measured: not what is judged
         bounds = {x.value: speedups.pop(x) for x in unmeasured if x in speedups}
         if bounds:  # the most they could reach: not measured, ranked as unknown
             self.choice["bounds"] = bounds
@@ -494,6 +516,7 @@ class MeasuringGroup(TrainingGroup):
         # from the next segment)
         best = next((x for x in ranked.order if x is Layout.SEPARATE or x in self._plans
                      or (x is Layout.FUSED and self._fuses_all())), self._layout)
+        self._warm_after = 0 if best in self._stepped else 1  # its first batch: a warm-up
         self._use(best)
         if best is Layout.FUSED:
             self.choice["fused_from"] = (
@@ -518,8 +541,8 @@ class MeasuringGroup(TrainingGroup):
         ``choice["skipped"]`` says why); fused measured first and no merged layout yet: its
         speed-up and, for CSE, the most it could reach (:meth:`_fused_first`). None when no
         batch was timed."""
-        steps = {lay: min(self._times[lay] or self._warm[lay]) for lay in self._times
-                 if self._times[lay] or self._warm[lay]}
+        # timed batches only: a warm-up is no evidence (the layout stays undecided without one)
+        steps = {lay: min(self._times[lay]) for lay in self._times if self._times[lay]}
         if not steps:
             return None
         ids = list(self.runs)
@@ -535,9 +558,11 @@ class MeasuringGroup(TrainingGroup):
         outer = ckpt.native_rng()
         try:
             early = dict(self._alone_s)  # profiled before the first step, if it was
-            if (len(alone) < len(ids) and not bounded) or early:
+            if (len(alone) < len(ids) and not bounded) or (
+                    early and self._close(alone, steps, ids, load)):
                 # profiled now, next to the steps it is compared with (a shared machine's
-                # load moves between the first batch and this one): the least of the two
+                # load moves between the first batch and this one): the least of the two;
+                # profiles taken before the first batch that decide by far stand alone
                 self._reprofile(batch, early)
                 alone = self._alone_now()
             estimate = {t: alone.get(t, shared) for t in ids}
@@ -572,7 +597,23 @@ class MeasuringGroup(TrainingGroup):
             self.choice["bound_s"] = shared
         if skipped:
             self.choice["skipped"] = skipped
-        return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0))
+        return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0),
+                              getattr(self, "start_s", 0.0))
+
+    def _close(self, alone: Mapping[str, float], steps: Mapping[Layout, float], ids: list[str],
+               load: float) -> bool:
+        """Whether the alone profiles taken so far leave the call close: some apart time is
+        unknown, or the best merged layout measured is within :data:`DECISIVE` of the margin
+        (either way). Profiling every architecture alone again costs a step of each on
+        copies, a share of a short run that the measuring must not take when it decides
+        nothing."""
+        if len(alone) < len(ids):
+            return True
+        merged = {k: v for k, v in steps.items() if k in self._plans}
+        got = probe_speedups({t: alone[t] for t in ids}, merged, load,
+                             getattr(self, "produce_s", 0.0), getattr(self, "start_s", 0.0))
+        best = max(got.values(), default=0.0)
+        return MARGIN / DECISIVE < best < MARGIN * DECISIVE
 
     def _reprofile(self, batch: Any, early: Mapping[str, float]) -> None:
         """The trials to profile alone, profiled now (on copies, RNG streams restored); each
