@@ -425,13 +425,14 @@ def test_fused_and_cse_bound_speedups_by_hand():
     """Fused first: apart = 4 alone steps of 10 ms + 4 loads of 1 ms = 44 ms per batch;
     fused 20 ms + one load -> 44 / 21; CSE at least CSE_FLOOR (0.9) of the alone steps plus
     one load -> at most 44 / 37."""
-    import types
 
-    fake = types.SimpleNamespace(_alone_now=lambda: {t: 0.01 for t in "abcd"})
-    got = measuring.MeasuringGroup._fused_rivals(fake, {F: 0.02}, list("abcd"), 0.001)
+    from retiarii.engine.measuring_math import fused_rivals
+
+    got = fused_rivals({t: 0.01 for t in "abcd"}, {F: 0.02}, list("abcd"), 0.001,
+                       measuring.CSE_FLOOR)
     assert got == {F: pytest.approx(0.044 / 0.021), C: pytest.approx(0.044 / 0.037)}
-    fake = types.SimpleNamespace(_alone_now=lambda: {"a": 0.01})  # apart unknown: measure CSE
-    assert measuring.MeasuringGroup._fused_rivals(fake, {F: 0.02}, list("ab"), 0.0) == {
+    # apart unknown: measure CSE
+    assert fused_rivals({"a": 0.01}, {F: 0.02}, list("ab"), 0.0, measuring.CSE_FLOOR) == {
         C: float("inf")}
 
 
@@ -532,17 +533,22 @@ def test_a_segment_is_judged_on_its_chosen_layouts_batches_by_hand(monkeypatch):
 
 
 def test_the_alone_profiles_are_taken_again_only_near_the_margin_by_hand():
+    from retiarii.engine.measuring_math import close_call
+
     # 2 models of 10 ms alone, no loader wait: apart 20 ms per batch. MARGIN 1.1, DECISIVE
     # 1.25: close between 0.88x and 1.375x
-    group = _bare_group(_plans={C: None}, produce_s=0.0, start_s=0.0)
     alone, ids = {"a": 0.01, "b": 0.01}, ["a", "b"]
-    close = measuring.MeasuringGroup._close
-    assert not close(group, alone, {C: 0.010}, ids, 0.0)  # 2.0x: decided by far
-    assert close(group, alone, {C: 0.018}, ids, 0.0)  # 1.11x: near the margin
-    assert not close(group, alone, {C: 0.050}, ids, 0.0)  # 0.4x: apart by far
-    assert close(group, {"a": 0.01}, {C: 0.010}, ids, 0.0)  # b unknown
-    # fused measured on copies is not a merged layout of the plans: not what decides here
-    assert not close(group, alone, {C: 0.050, F: 0.018}, ids, 0.0)
+
+    def close(alone, step, start=0.0):
+        return close_call(alone, ids, {C: step}, 0.0, 0.0, start, 1.1, 1.25)
+
+    assert not close(alone, 0.010)  # 2.0x: decided by far
+    assert close(alone, 0.018)  # 1.11x: near the margin
+    assert not close(alone, 0.050)  # 0.4x: apart by far
+    assert close({"a": 0.01}, 0.010)  # b unknown
+    # the job's loader starts count: 0.05 s per batch each apart, once merged:
+    # (2 x 0.06) / (0.05 + 0.05) = 1.2x, close
+    assert close(alone, 0.050, start=0.05)
 
 
 # ---- a decided key judges its later segments on a sample of alone profiles ------------------

@@ -65,12 +65,13 @@ import torch
 from torch import nn
 
 from ..optim import build_group, unfuse
-from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups, relative_spread
+from ..optim.cost import MARGIN, Layout, choose_layout, probe_speedups
 from ..optim.plan import LogicalPlan, Role
 from . import checkpoint as ckpt
 from .fused import fused_backward, fused_step, fused_unit
 from .grouped import TrainingGroup, sync_device
 from .clock import compute_clock
+from .measuring_math import close_call, fused_rivals, judged_steps, median as _median
 
 __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
            "MeasuringGroup", "PER_MODEL_BOUND", "TIMED"]
@@ -79,8 +80,7 @@ __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "D
 # other work only adds).
 TIMED = 2
 # A candidate whose first timed batch takes over this many times apart's batch gets no more:
-# it could not win. Its warm-up batch never decides (a first step pays allocations, kernel
-# choices, the optimizer's state: 2 s against a 33 ms batch apart, measured on c512).
+# it could not win. A warm-up never decides (c512's took 2 s against 33 ms apart).
 ABORT_REAL = 2.0
 # The same for a fused batch on a GPU (as layouts.ABORT allows fused copies there).
 ABORT_REAL_FUSED_GPU = 4.0
@@ -110,10 +110,6 @@ DECISIVE = 1.25
 
 class _Apart(Exception):
     """Raised out of the group's batch loop when the measurement chose ``separate``."""
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 class MeasuringGroup(TrainingGroup):
@@ -189,11 +185,9 @@ class MeasuringGroup(TrainingGroup):
         self._due, self._decided = False, False
         self._last: Any = None
         self._probe_s = 0.0  # deciding (profiles on copies included)
-        self._measured_to: int | None = None  # steps before the decision (None: undecided)
-        self._warm_after = 0  # 1: the chosen layout's first batch after it is its warm-up
-        # A plan that shares no frozen layer cannot bound apart (its shared part is the data
-        # alone): the alone profiles are taken before the first step, so a candidate far
-        # slower than apart stops at its warm-up batch.
+        self._measured_to, self._warm_after = None, 0  # steps before the decision; 1: a warm-up
+        # A plan that shares no frozen layer cannot bound apart: the alone profiles are taken
+        # before the first step (a candidate far slower stops at its first timed batch).
         if cse is not None and not shares_frozen:
             missing = set(self._want_alone) - set(self._known)
             self._to_profile = missing & set(self.runs)
@@ -204,21 +198,12 @@ class MeasuringGroup(TrainingGroup):
         return self._layout
 
     def report(self) -> dict:
-        """:meth:`TrainingGroup.report`, its typical step and spread (what the segment is
-        judged on: ``cost.judge_segment``) taken from the batches it trained in the chosen
-        layout after the decision, the first of them left out when that layout had not
-        trained a batch before (its warm-up); when none followed the decision, from the
-        chosen layout's timed batches. A warm-up, or a batch of another candidate, never
-        counts as evidence; nothing left to judge on: ``step_s`` None (compute_s stands)."""
+        """:meth:`TrainingGroup.report`; once decided, judged on the chosen layout's own
+        batches (:func:`~.measuring_math.judged_steps`)."""
         out = super().report()
-        if self._measured_to is None:
-            return out
-        after = self._steps[self._measured_to + self._warm_after:]
-        if not after:
-            after = list(self._times.get(self._layout) or ())
-        out["step_s"] = _median(after) if after else None
-        out["spread"] = relative_spread(after)
-        out["judged_batches"] = len(after)
+        if self._measured_to is not None:
+            out.update(judged_steps(self._steps, self._measured_to, self._warm_after,
+                                    self._times.get(self._layout) or ()))
         return out
 
     # ---- building and switching layouts --------------------------------------------------
@@ -505,8 +490,7 @@ class MeasuringGroup(TrainingGroup):
             self._schedule += unmeasured * (1 + TIMED)  # its figure is a bound: measure it
             self._probe_s += time.perf_counter() - start
             return
-        self._decided = True
-        self._measured_to = len(self._steps)  # the batches measured: not what is judged
+        self._decided, self._measured_to = True, len(self._steps)  # measured: not judged
         bounds = {x.value: speedups.pop(x) for x in unmeasured if x in speedups}
         if bounds:  # the most they could reach: not measured, ranked as unknown
             self.choice["bounds"] = bounds
@@ -540,8 +524,7 @@ class MeasuringGroup(TrainingGroup):
         fused on copies unless it was measured here or is ruled out (then
         ``choice["skipped"]`` says why); fused measured first and no merged layout yet: its
         speed-up and, for CSE, the most it could reach (:meth:`_fused_first`). None when no
-        batch was timed."""
-        # timed batches only: a warm-up is no evidence (the layout stays undecided without one)
+        batch was timed (a warm-up is no evidence: the key stays undecided)."""
         steps = {lay: min(self._times[lay]) for lay in self._times if self._times[lay]}
         if not steps:
             return None
@@ -558,11 +541,12 @@ class MeasuringGroup(TrainingGroup):
         outer = ckpt.native_rng()
         try:
             early = dict(self._alone_s)  # profiled before the first step, if it was
-            if (len(alone) < len(ids) and not bounded) or (
-                    early and self._close(alone, steps, ids, load)):
+            if (len(alone) < len(ids) and not bounded) or (early and close_call(
+                    alone, ids, {k: v for k, v in steps.items() if k in self._plans}, load,
+                    getattr(self, "produce_s", 0.0), getattr(self, "start_s", 0.0), MARGIN,
+                    DECISIVE)):
                 # profiled now, next to the steps it is compared with (a shared machine's
-                # load moves between the first batch and this one): the least of the two;
-                # profiles taken before the first batch that decide by far stand alone
+                # load moves between the first batch and this one), when the call is close
                 self._reprofile(batch, early)
                 alone = self._alone_now()
             estimate = {t: alone.get(t, shared) for t in ids}
@@ -600,21 +584,6 @@ class MeasuringGroup(TrainingGroup):
         return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0),
                               getattr(self, "start_s", 0.0))
 
-    def _close(self, alone: Mapping[str, float], steps: Mapping[Layout, float], ids: list[str],
-               load: float) -> bool:
-        """Whether the alone profiles taken so far leave the call close: some apart time is
-        unknown, or the best merged layout measured is within :data:`DECISIVE` of the margin
-        (either way). Profiling every architecture alone again costs a step of each on
-        copies, a share of a short run that the measuring must not take when it decides
-        nothing."""
-        if len(alone) < len(ids):
-            return True
-        merged = {k: v for k, v in steps.items() if k in self._plans}
-        got = probe_speedups({t: alone[t] for t in ids}, merged, load,
-                             getattr(self, "produce_s", 0.0), getattr(self, "start_s", 0.0))
-        best = max(got.values(), default=0.0)
-        return MARGIN / DECISIVE < best < MARGIN * DECISIVE
-
     def _reprofile(self, batch: Any, early: Mapping[str, float]) -> None:
         """The trials to profile alone, profiled now (on copies, RNG streams restored); each
         keeps the least of this and its ``early`` time."""
@@ -634,21 +603,10 @@ class MeasuringGroup(TrainingGroup):
         if len(self._alone_now()) < len(ids):
             self._reprofile(batch, early)
             early = {}
-        out = self._fused_rivals(steps, ids, load)
+        out = fused_rivals(self._alone_now(), steps, ids, load, CSE_FLOOR)
         rival = max(MARGIN, out.get(Layout.CSE, 0.0))
         if early and Layout.FUSED in out and rival / DECISIVE < out[Layout.FUSED] < rival * DECISIVE:
             self._reprofile(batch, early)
-            out = self._fused_rivals(steps, ids, load)
+            out = fused_rivals(self._alone_now(), steps, ids, load, CSE_FLOOR)
         self.choice["steps_s"] = {k.value: v for k, v in steps.items()}
-        return out
-
-    def _fused_rivals(self, steps: Mapping[Layout, float], ids: list[str],
-                      load: float) -> dict[Layout, float]:
-        alone = self._alone_now()
-        if len(alone) < len(ids):  # apart unknown: CSE is measured (it may win)
-            return {Layout.CSE: float("inf")}
-        total = sum(alone[t] for t in ids)
-        out = probe_speedups({t: alone[t] for t in ids}, dict(steps), load)
-        if total + load > 0.0:
-            out[Layout.CSE] = (total + len(ids) * load) / (CSE_FLOOR * total + load)
         return out
