@@ -10,22 +10,28 @@ everything else between ``Experiment.run()`` and its return is *outside*:
 
 - ``import``: the driver's ``import retiarii`` (torch included), not counted in the targets;
 - ``to first batch``: from ``run()`` to the first batch of the first job: store, strategy,
-  executor and workers started, the first job dispatched and its model built;
+  executor and workers started, the first job dispatched and its model built; split at
+  ``worker ready`` (the first worker made its trainer from the job's spec: the workers'
+  server had imported torch, retiarii and dynamo, and forked it) into waiting for the worker
+  and the first job's own start (model built, layouts planned or measured, loader started);
 - ``per job``: the gaps between one job's last batch and the next job's first batch
   (result recorded, checkpoint written, strategy asked, next job dispatched, model built);
-  with ``workers=1`` and ``optimize=False`` each gap is one job's overhead;
+  with ``workers=1`` and ``optimize=False`` each gap is one job's overhead (median and p90);
 - ``tail``: from the last batch to the return of ``run()`` (workers stopped, store closed).
 
 Targets (issue #26): median per-job overhead <= 50 ms; fixed cost of a search (``to first
 batch`` + ``tail``) <= 1 s beyond the driver's own ``import retiarii``.
 
 Prints a table (median over ``--repeats`` processes per configuration) and writes
-``benchmarks/out/e2e_overhead.csv``.
+``benchmarks/out/e2e_overhead.csv``. ``--profile`` runs one more search of the first
+configuration under cProfile (the driver from ``Experiment()`` to the end of ``run()``, and
+its first worker from its first job to its last batch) and prints the top of both.
 
 Example::
 
     .venv/bin/python benchmarks/e2e_overhead.py                  # 3 repeats, 12 models
     .venv/bin/python benchmarks/e2e_overhead.py --repeats 5 --models 24
+    .venv/bin/python benchmarks/e2e_overhead.py --configs apart-w1 --repeats 1 --profile
 """
 from __future__ import annotations
 
@@ -94,15 +100,24 @@ class TimingTrainer(rt.engine.trainer.Trainer):
 
     epochs = 1
 
-    def __init__(self, log: str):
-        self.log = log
+    def __init__(self, log: str, profile: str = ""):
+        self.log, self.profile = log, profile
+        if os.getpid() != int(os.environ.get("E2E_DRIVER_PID", "0")):  # made in a worker
+            with open(log, "a") as f:
+                f.write(f"ready {os.getpid()} {time.monotonic()}\n")
+            if profile:  # this worker's jobs, dumped after every epoch (it ends with _exit)
+                import cProfile
+
+                self._profiler = cProfile.Profile()
+                self._profiler.enable()
         generator = torch.Generator().manual_seed(0)
         self.batches = [(torch.randn(32, 16, generator=generator),  # (B, 16)
                          torch.randint(0, 4, (32,), generator=generator)) for _ in range(4)]
         self._start = 0.0
 
     def to_spec(self) -> dict:
-        return {"class": f"{os.path.abspath(__file__)}:TimingTrainer", "config": {"log": self.log}}
+        return {"class": f"{os.path.abspath(__file__)}:TimingTrainer",
+                "config": {"log": self.log, "profile": self.profile}}
 
     def data_key(self, hparams: dict) -> str:
         return "generated-0"  # the batches depend on nothing: models may share them
@@ -122,7 +137,10 @@ class TimingTrainer(rt.engine.trainer.Trainer):
         x, y = batch
         accuracy = (model(x).argmax(dim=1) == y).float().mean()
         with open(self.log, "a") as f:  # one short line: an atomic append
-            f.write(f"{os.getpid()} {self._start} {time.monotonic()}\n")
+            f.write(f"epoch {os.getpid()} {self._start} {time.monotonic()}\n")
+        if getattr(self, "_profiler", None) is not None:
+            self._profiler.dump_stats(f"{self.profile}.worker-{os.getpid()}")
+            self._profiler.enable()  # dumping disabled it
         return {"val_acc": accuracy}
 
 
@@ -146,21 +164,36 @@ def child(args) -> None:
     os.makedirs(folder)
     log = os.path.join(folder, "batches.log")
     workers, optimize = CONFIGS[args.child]
+    os.environ["E2E_DRIVER_PID"] = str(os.getpid())  # the trainer logs only in workers
+    profile = os.path.join(OUT, "e2e_overhead.prof") if args.profile else ""
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t_made = time.monotonic()
-    exp = rt.Experiment(SPACE, rt.strategies.Random(seed=args.seed), TimingTrainer(log),
-                        store=os.path.join(folder, "search.db"), workers=workers,
-                        max_models=args.models, seed=args.seed, optimize=optimize)
+    exp = rt.Experiment(SPACE, rt.strategies.Random(seed=args.seed),
+                        TimingTrainer(log, profile), store=os.path.join(folder, "search.db"),
+                        workers=workers, max_models=args.models, seed=args.seed,
+                        optimize=optimize)
     t_run = time.monotonic()
     exp.run()
     t_end = time.monotonic()
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(f"{profile}.driver")
     with open(log) as f:
-        spans = [(float(a), float(b)) for _, a, b in (line.split() for line in f)]
+        lines = [line.split() for line in f]
+    spans = [(float(a), float(b)) for kind, _, a, b in (x for x in lines if x[0] == "epoch")]
+    ready = min(float(x[2]) for x in lines if x[0] == "ready")
     busy = busy_union(spans)
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
     shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps({
         "import_s": T_IMPORTED - T_START, "experiment_s": t_run - t_made,
-        "to_first_batch_s": busy[0][0] - t_run, "tail_s": t_end - busy[-1][1],
+        "to_first_batch_s": busy[0][0] - t_run, "worker_ready_s": ready - t_run,
+        "tail_s": t_end - busy[-1][1],
         "gaps_s": gaps, "in_batches_s": sum(b - a for a, b in busy),
         "run_s": t_end - t_run, "epochs": len(spans)}))
 
@@ -168,10 +201,11 @@ def child(args) -> None:
 # ---- the orchestrator -------------------------------------------------------------------------
 
 
-def launch(config: str, args) -> dict:
+def launch(config: str, args, profile: bool = False) -> dict:
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", config,
-                           "--models", str(args.models), "--seed", str(args.seed)],
+                           "--models", str(args.models), "--seed", str(args.seed),
+                           *(["--profile"] if profile else [])],
                           capture_output=True, text=True, check=False)
     wall = time.monotonic() - t0
     if done.returncode != 0:
@@ -191,6 +225,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="processes per configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--profile", action="store_true",
+                        help="then one search of the first config under cProfile (driver and "
+                             "a worker), its top printed")
     parser.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -203,31 +240,58 @@ def main() -> None:
         for config in args.configs:
             results[config].append(launch(config, args))
     rows = []
-    print(f"{'config':<12}{'import s':>9}{'1st batch s':>12}{'tail s':>8}{'fixed s':>8}"
-          f"{'job ms (median)':>16}{'jobs':>6}{'outside s':>10}{'run s':>8}{'process s':>10}")
+    print(f"{'config':<12}{'import s':>9}{'ready s':>8}{'1st batch s':>12}{'tail s':>8}"
+          f"{'fixed s':>8}{'job ms med':>11}{'p90':>7}{'jobs':>6}{'outside s':>10}{'run s':>8}"
+          f"{'process s':>10}")
     for config, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs)
-               for k in ("import_s", "to_first_batch_s", "tail_s", "run_s", "process_s",
-                         "in_batches_s", "experiment_s")}
+               for k in ("import_s", "to_first_batch_s", "worker_ready_s", "tail_s", "run_s",
+                         "process_s", "in_batches_s", "experiment_s")}
         gaps = [g for r in runs for g in r["gaps_s"]]
         job_ms = statistics.median(gaps) * 1000 if gaps else float("nan")
+        p90_ms = percentile(gaps, 0.9) * 1000 if gaps else float("nan")
         fixed = med["to_first_batch_s"] + med["tail_s"] + med["experiment_s"]
         outside = med["run_s"] - med["in_batches_s"]
-        print(f"{config:<12}{med['import_s']:>9.2f}{med['to_first_batch_s']:>12.2f}"
-              f"{med['tail_s']:>8.2f}{fixed:>8.2f}{job_ms:>16.1f}"
-              f"{len(gaps) // max(1, len(runs)):>6}{outside:>10.2f}{med['run_s']:>8.2f}"
-              f"{med['process_s']:>10.2f}")
+        print(f"{config:<12}{med['import_s']:>9.2f}{med['worker_ready_s']:>8.2f}"
+              f"{med['to_first_batch_s']:>12.2f}{med['tail_s']:>8.2f}{fixed:>8.2f}"
+              f"{job_ms:>11.1f}{p90_ms:>7.1f}{len(gaps) // max(1, len(runs)):>6}"
+              f"{outside:>10.2f}{med['run_s']:>8.2f}{med['process_s']:>10.2f}")
         for i, r in enumerate(runs):
             rows.append({"config": config, "repeat": i, "models": args.models,
                          "import_s": r["import_s"], "experiment_s": r["experiment_s"],
+                         "worker_ready_s": r["worker_ready_s"],
                          "to_first_batch_s": r["to_first_batch_s"], "tail_s": r["tail_s"],
                          "median_job_ms": statistics.median(r["gaps_s"]) * 1000
-                         if r["gaps_s"] else "", "jobs_gaps": len(r["gaps_s"]),
+                         if r["gaps_s"] else "",
+                         "p90_job_ms": percentile(r["gaps_s"], 0.9) * 1000 if r["gaps_s"] else "",
+                         "jobs_gaps": len(r["gaps_s"]),
                          "in_batches_s": r["in_batches_s"], "run_s": r["run_s"],
                          "process_s": r["process_s"]})
     print(f"targets: median per-job <= {TARGET_JOB_MS:.0f} ms, fixed (Experiment() + to first "
           f"batch + tail) <= {TARGET_FIXED_S:.0f} s; load {load()} after")
     print("wrote", write_csv(rows, "e2e_overhead"))
+    if args.profile:
+        show_profile(args.configs[0], args)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank: one of the values)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def show_profile(config: str, args) -> None:
+    """One more search of ``config`` under cProfile; the top of the driver's and a worker's."""
+    import glob
+    import pstats
+
+    base = os.path.join(OUT, "e2e_overhead.prof")
+    for old in glob.glob(base + ".*"):
+        os.remove(old)
+    launch(config, args, profile=True)
+    for path in [base + ".driver", *sorted(glob.glob(base + ".worker-*"))[:1]]:
+        print(f"---- {os.path.basename(path)} (cumulative, top 25) ----")
+        pstats.Stats(path).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def _ref(name: str) -> str:
     return f"{WORKLOADS_FILE}:{name}"
 
 
-def _setup(case: str, args, folder: str) -> dict:
+def setup_case(case: str, args, folder: str) -> dict:
     """The experiment's arguments of one case, made once (data and JPEGs included)."""
     q = "_QUICK" if args.quick else ""
     s = resolve_ref(_ref("QUICK" if args.quick else "FULL"))
@@ -167,7 +167,7 @@ def _ratio(base: float, wall: float) -> float:
 
 def measure_case(case: str, args, folder: str) -> list[dict]:
     """``--runs`` interleaved rounds of the modes; the CSV rows of every run and the medians."""
-    setup = _setup(case, args, folder)
+    setup = setup_case(case, args, folder)
     target = TARGETS.get((args.device, args.workers), {}).get(case)
     print(f"\n== {case}: {DESCRIBE[case]}{' (quick)' if args.quick else ''}; "
           f"{setup['models']} models, workers={args.workers}, target "

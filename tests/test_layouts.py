@@ -93,6 +93,52 @@ def test_a_segment_judged_with_its_loaders_pace_by_hand():
     assert merged_speedup({**unit, "produce_s": 0.05}, alone) == pytest.approx(1.0 / 0.6)
 
 
+def test_a_jobs_loader_starts_count_in_the_estimate_by_hand():
+    # 4 models of 0.01 s steps, a 0.05 s group step, no wait for batches: apart 0.04 s per
+    # batch looks faster (0.8x) until each job's loader starts count: 0.01 s per batch (say
+    # 0.14 s per epoch over 14 batches), paid by each model alone and once by the group:
+    # apart 4 x (0.01 + 0.01) = 0.08, merged 0.05 + 0.01 = 0.06
+    alone = {t: 0.01 for t in "abcd"}
+    assert probe_speedups(alone, {C: 0.05}, 0.0) == {C: pytest.approx(0.8)}
+    assert probe_speedups(alone, {C: 0.05}, 0.0, start_s=0.01) == {C: pytest.approx(0.08 / 0.06)}
+    # the same over a segment: 10 batches, starts 10 x 0.01 = 0.1 per job
+    from retiarii.optim.cost import merged_speedup
+
+    unit = {"trials": ["a", "b"], "merged": True, "batches": 10, "load_s": 0.1,
+            "compute_s": 0.5, "setup_s": 0.0, "start_s": 0.01}
+    # apart: 2 x (10 x 0.02 + 0.1 + 0.1) = 0.8; merged: 0.1 + 0.5 + 0.1 = 0.7
+    assert merged_speedup(unit, {"a": 0.02, "b": 0.02}) == pytest.approx(0.8 / 0.7)
+
+
+def test_loader_starts_read_with_a_fake_clock():
+    from retiarii.engine.worker_side.auto_layout import batches_in, loader_starts
+
+    now = [0.0]
+
+    class Trainer:  # a validation loader whose start and first batch take 0.3 s
+        def val_dataloader(self, hparams):
+            now[0] += 0.3
+            yield "batch"
+
+        def train_dataloader(self, hparams, epoch):
+            return [1] * 10
+
+    class Run:
+        hparams: dict = {}
+
+    trainer, run = Trainer(), Run()
+    assert batches_in(trainer, run) == 10
+    # the validation loader 0.3 s; the training loader's start 0.3 - 0.1 (a batch's making)
+    assert loader_starts(trainer, run, 10, 0.1, clock=lambda: now[0]) == pytest.approx(0.05)
+    assert loader_starts(trainer, run, None, 0.1, clock=lambda: now[0]) == 0.0  # unknown length
+
+    class Broken(Trainer):
+        def val_dataloader(self, hparams):
+            raise OSError("no validation folder")
+
+    assert loader_starts(Broken(), run, 10, 0.1, clock=lambda: now[0]) == 0.0
+
+
 # ---- in a search ----------------------------------------------------------------------------
 
 

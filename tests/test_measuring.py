@@ -324,9 +324,9 @@ def test_one_architecture_measures_fused_first_on_its_own_models(tmp_path, monke
     if fused_wins == "after cse":
         assert seen == [{F}, {F, C}] and unit["layout"] == "fused"
         assert choice["order"][:2] == ["fused", "cse"] and "bounds" not in choice
-        # fused again after three fused and three CSE batches (one of either when a loaded
-        # machine's warm-up skipped its timed batches: ABORT_REAL)
-        assert re.fullmatch(r"batch [246] of this segment", choice["fused_from"])
+        # fused again after three fused and three CSE batches (two of either when a loaded
+        # machine's first timed batch ended its measurement: ABORT_REAL; never a warm-up alone)
+        assert re.fullmatch(r"batch [456] of this segment", choice["fused_from"])
     elif fused_wins:
         assert seen == [{F}] and unit["layout"] == "fused" and choice["order"][0] == "fused"
         assert choice["fused_from"] == "batch 0 of this segment"
@@ -425,13 +425,14 @@ def test_fused_and_cse_bound_speedups_by_hand():
     """Fused first: apart = 4 alone steps of 10 ms + 4 loads of 1 ms = 44 ms per batch;
     fused 20 ms + one load -> 44 / 21; CSE at least CSE_FLOOR (0.9) of the alone steps plus
     one load -> at most 44 / 37."""
-    import types
 
-    fake = types.SimpleNamespace(_alone_now=lambda: {t: 0.01 for t in "abcd"})
-    got = measuring.MeasuringGroup._fused_rivals(fake, {F: 0.02}, list("abcd"), 0.001)
+    from retiarii.engine.worker_side.measuring_math import fused_rivals
+
+    got = fused_rivals({t: 0.01 for t in "abcd"}, {F: 0.02}, list("abcd"), 0.001,
+                       measuring.CSE_FLOOR)
     assert got == {F: pytest.approx(0.044 / 0.021), C: pytest.approx(0.044 / 0.037)}
-    fake = types.SimpleNamespace(_alone_now=lambda: {"a": 0.01})  # apart unknown: measure CSE
-    assert measuring.MeasuringGroup._fused_rivals(fake, {F: 0.02}, list("ab"), 0.0) == {
+    # apart unknown: measure CSE
+    assert fused_rivals({"a": 0.01}, {F: 0.02}, list("ab"), 0.0, measuring.CSE_FLOOR) == {
         C: float("inf")}
 
 
@@ -455,19 +456,20 @@ def test_a_fused_first_call_profiles_alone_again_only_when_close(tmp_path, monke
     # fused decided on its own (CSE's bound kept), or CSE measured next (its bound won)
     assert ("bounds" in choice) != ("cse" in choice["steps_s"])
     profiles = 1 if decisive == 1.0 else 2
-    if "cse" in choice["steps_s"]:
-        profiles += 1  # the CSE decision profiles again next to its batches
+    if "cse" in choice["steps_s"] and decisive != 1.0:
+        profiles += 1  # the CSE decision profiles again next to its batches when close too
     assert len(calls) == profiles
     _close_to_alone(events, tasks, _mlp_tasks(tmp_path, "a-", frozen=False))
 
 
 @pytest.mark.parametrize("abort_real", [0.0, float("inf")])
-def test_a_fused_warm_up_far_slower_than_apart_gets_no_timed_batches_on_a_cpu(tmp_path,
-                                                                             monkeypatch,
-                                                                             abort_real):
-    """On a CPU a fused warm-up batch over ABORT_REAL times apart's batch ends fused's
-    measurement there (0: always over; inf: never); the GPU's own allowance for a first
-    fused step (ABORT_REAL_FUSED_GPU, 0 here: always over) does not apply on a CPU."""
+def test_a_fused_batch_far_slower_than_apart_ends_its_timed_batches_on_a_cpu(tmp_path,
+                                                                           monkeypatch,
+                                                                           abort_real):
+    """On a CPU a fused timed batch over ABORT_REAL times apart's batch ends fused's
+    measurement there (0: always over; inf: never), after one timed batch: its warm-up never
+    decides; the GPU's own allowance (ABORT_REAL_FUSED_GPU, 0 here: always over) does not
+    apply on a CPU."""
     timed = []
 
     def fake(group, batch):
@@ -479,4 +481,107 @@ def test_a_fused_warm_up_far_slower_than_apart_gets_no_timed_batches_on_a_cpu(tm
     monkeypatch.setattr(measuring, "ABORT_REAL_FUSED_GPU", 0.0)
     events, unit = _measured_job(_mlp_tasks(tmp_path, "m-", frozen=False))
     assert isinstance(events[-1], JobFinished), events[-1]
-    assert timed == [(1, 0) if abort_real == 0.0 else (1, measuring.TIMED)]
+    assert timed == [(1, 1) if abort_real == 0.0 else (1, measuring.TIMED)]
+
+
+# ---- evidence: never a warm-up, the chosen layout's own batches (fake clocks) ---------------
+
+
+def _bare_group(**state):
+    """A MeasuringGroup's state without a group behind it, for its arithmetic."""
+    group = object.__new__(measuring.MeasuringGroup)
+    group.__dict__.update(state)
+    return group
+
+
+def test_a_warm_up_alone_is_no_measurement():
+    # CSE's warm-up took 2 s (allocations, the optimizer's state) and no timed batch came:
+    # no speed-up (the key stays undecided), where it used to read 0.02x of a 33 ms apart
+    group = _bare_group(_times={C: [], F: []}, _warm={C: [2.0], F: []}, runs={"a": 0, "b": 0})
+    assert measuring.MeasuringGroup._speedups(group, batch=None) is None
+
+
+def test_a_segment_is_judged_on_its_chosen_layouts_batches_by_hand(monkeypatch):
+    # steps (seconds per batch, from the fake clock): CSE warm-up 2.0, CSE timed 0.05 and
+    # 0.06, fused warm-up 1.5 and timed 0.04 (fused chosen, measured at batch 5), then fused
+    # 0.10, 0.10, 0.11, 0.10: judged on those four, median 0.10, spread 0 (MAD 0 / 0.10)
+    steps = [2.0, 0.05, 0.06, 1.5, 0.04, 0.10, 0.10, 0.11, 0.10]
+    monkeypatch.setattr(grouped.TrainingGroup, "report",
+                        lambda self: {"trials": ["a", "b"], "merged": True, "batches": 9,
+                                      "load_s": 0.0, "compute_s": sum(steps), "setup_s": 0.0,
+                                      "step_s": 0.10, "spread": 0.5})
+    group = _bare_group(_steps=steps, _measured_to=5, _warm_after=0, _layout=F,
+                        _times={C: [0.05, 0.06], F: [0.04]})
+    out = measuring.MeasuringGroup.report(group)
+    assert (out["step_s"], out["spread"], out["judged_batches"]) == (0.10, 0.0, 4)
+    # 2 models of 0.03 s alone: apart 9 x 0.06 = 0.54 s, merged 9 x 0.10 = 0.9 s: 0.6x,
+    # beyond the noise (floor 5%): reverted at once, in the run's only grouped segment
+    from retiarii.optim.cost import merged_speedup
+
+    speedup = merged_speedup(out, {"a": 0.03, "b": 0.03})
+    assert speedup == pytest.approx(0.6) and judge_segment(speedup, out["spread"]).revert
+    # the chosen layout's first batch after the decision is its warm-up when it had none
+    group._warm_after = 1
+    assert measuring.MeasuringGroup.report(group)["judged_batches"] == 3
+    # decided at the epoch's end: nothing after it, its timed batches are the evidence
+    group._measured_to, group._warm_after, group._layout = 9, 0, C
+    out = measuring.MeasuringGroup.report(group)
+    assert (out["step_s"], out["spread"], out["judged_batches"]) == (0.06, None, 2)
+    # undecided: the group's own report stands
+    group._measured_to = None
+    assert measuring.MeasuringGroup.report(group)["spread"] == 0.5
+
+
+def test_the_alone_profiles_are_taken_again_only_near_the_margin_by_hand():
+    from retiarii.engine.worker_side.measuring_math import close_call
+
+    # 2 models of 10 ms alone, no loader wait: apart 20 ms per batch. MARGIN 1.1, DECISIVE
+    # 1.25: close between 0.88x and 1.375x
+    alone, ids = {"a": 0.01, "b": 0.01}, ["a", "b"]
+
+    def close(alone, step, start=0.0):
+        return close_call(alone, ids, {C: step}, 0.0, 0.0, start, 1.1, 1.25)
+
+    assert not close(alone, 0.010)  # 2.0x: decided by far
+    assert close(alone, 0.018)  # 1.11x: near the margin
+    assert not close(alone, 0.050)  # 0.4x: apart by far
+    assert close({"a": 0.01}, 0.010)  # b unknown
+    # the job's loader starts count: 0.05 s per batch each apart, once merged:
+    # (2 x 0.06) / (0.05 + 0.05) = 1.2x, close
+    assert close(alone, 0.050, start=0.05)
+
+
+# ---- a decided key judges its later segments on a sample of alone profiles ------------------
+
+
+def test_a_decided_key_profiles_a_sample_of_a_later_jobs_trials():
+    from retiarii.engine.runner.planner import JUDGE_SAMPLE, JobPlanner, key_id
+    from retiarii.engine.jobs.contract import HeldLayout
+
+    planner = JobPlanner(batch_models=8, group_key=lambda trial: "k", profile=True)
+    tasks = [TrialTask(t, {}, 0, 1, None, None) for t in "abcdefgh"]
+    # the first job of the key: every trial profiled (the measurement decides on them)
+    assert planner.order(tasks, trial=None).profile == tuple("abcdefgh")
+    planner.memory.layouts[key_id("k")] = {"cpu": HeldLayout(order=("cse", "separate"),
+                                                            speedups={"cse": 1.5})}
+    planner.memory.alone_s.update({"a": 0.1})
+    # decided: the first JUDGE_SAMPLE never profiled, in the job's order
+    assert JUDGE_SAMPLE == 2 and planner.order(tasks, trial=None).profile == ("b", "c")
+
+
+def test_a_sampled_segment_is_judged_at_the_mean_by_hand():
+    from retiarii.engine.runner.planner import sampled_alone
+    from retiarii.optim.cost import merged_speedup
+
+    # 4 trials, 2 profiled at 0.02 and 0.04 s: the others count at 0.03
+    alone = sampled_alone("abcd", {"a": 0.02, "b": 0.04, "z": 9.0})
+    assert {t: alone[t] for t in "abcd"} == pytest.approx({"a": 0.02, "b": 0.04, "c": 0.03,
+                                                          "d": 0.03})
+    # 10 batches, no loader: apart 10 x 0.12 = 1.2 s; merged 10 x 0.2 = 2.0 s: 0.6x
+    unit = {"trials": list("abcd"), "merged": True, "batches": 10, "load_s": 0.0,
+            "compute_s": 2.0, "setup_s": 0.0}
+    assert merged_speedup(unit, alone) == pytest.approx(0.6)
+    assert merged_speedup(unit, {"a": 0.02, "b": 0.04}) is None  # unsampled: not judged
+    # none profiled, or all: unchanged
+    assert sampled_alone("cd", {"a": 0.02}) == {"a": 0.02}
+    assert sampled_alone("a", {"a": 0.02}) == {"a": 0.02}

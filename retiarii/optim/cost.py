@@ -115,7 +115,10 @@ def merged_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
 
     Args:
         unit: ``{"trials", "merged", "batches", "load_s", "compute_s", "setup_s"}`` as the
-            worker reports (totals over the job's segment; ``setup_s`` missing counts as 0).
+            worker reports (totals over the job's segment; ``setup_s`` missing counts as 0),
+            with ``produce_s`` (the loader's own pace per batch) and ``start_s`` (a job's
+            loader starts per epoch, per batch of the epoch: paid by every model alone and
+            once by the unit) when known.
         alone_s: trial -> its separate step time (seconds per batch), measured alone.
     """
     measured = _measured(unit, alone_s)
@@ -123,12 +126,15 @@ def merged_speedup(unit: Mapping, alone_s: Mapping[str, float]) -> float | None:
         return None
     trials, batches = measured
     load = float(unit["load_s"])
-    merged = float(unit.get("setup_s") or 0.0) + load + _compute(unit)
+    # what each model's job pays once per epoch beyond its batches (its loaders' starts),
+    # spread over the batches: every model alone pays it, the merged unit once
+    starts = batches * float(unit.get("start_s") or 0.0)
+    merged = float(unit.get("setup_s") or 0.0) + load + _compute(unit) + starts
     if merged <= 0.0:
         return None
     # a model alone waits for its loader's batches when it steps faster than they come
     produce = batches * float(unit.get("produce_s") or 0.0)
-    separate = sum(max(batches * float(alone_s[t]) + load, produce) for t in trials)
+    separate = sum(max(batches * float(alone_s[t]) + load, produce) + starts for t in trials)
     return separate / merged
 
 
@@ -265,17 +271,24 @@ def describe(layout: Layout | str, speedups: Mapping, reverted: Iterable = (),
 
 
 def probe_speedups(alone_s: Mapping[str, float], steps_s: Mapping[Layout, float],
-                   load_s: float, produce_s: float = 0.0) -> dict[Layout, float]:
+                   load_s: float, produce_s: float = 0.0,
+                   start_s: float = 0.0) -> dict[Layout, float]:
     """Each measured layout's speed-up over ``SEPARATE`` from one batch's measurements: apart,
     each model pays its own loader and its own step; merged, one loader and the layout's step
     for every model of the group::
 
-        speedup[L] = sum(max(alone_s[t] + load_s, produce_s)) / max(steps_s[L] + load_s, produce_s)
+        speedup[L] = sum(max(alone_s[t] + load_s, produce_s) + start_s)
+                     / (max(steps_s[L] + load_s, produce_s) + start_s)
 
     ``produce_s``: how long the loader takes to make a batch when nothing else waits for it
     (a DataLoader's worker decoding JPEGs): a model alone, whose step is shorter, waits for
     it at every batch, which the group's wait per batch (``load_s``, hidden by prefetching
     behind N models' steps) does not show.
+
+    ``start_s``: what one model's job pays per epoch beyond its batches and the group pays
+    once (its training loader's start, its validation loader's start and first batch: a
+    DataLoader forks its decoding processes for each), divided by the epoch's batches: N
+    models alone pay it N times (:func:`~retiarii.engine.layout_model.resolve` reads it).
 
     Example::
 
@@ -288,10 +301,11 @@ def probe_speedups(alone_s: Mapping[str, float], steps_s: Mapping[Layout, float]
         steps_s: layout -> seconds of one step of every trial of the group in it.
         load_s: seconds the loader takes for one batch.
         produce_s: seconds the loader takes to make one batch on its own (0: not known).
+        start_s: a job's loader starts per epoch, per batch of the epoch (0: not known).
     """
-    apart = sum(max(float(s) + load_s, produce_s) for s in alone_s.values())
-    return {Layout(k): apart / max(float(v) + load_s, produce_s) for k, v in steps_s.items()
-            if max(float(v) + load_s, produce_s) > 0.0}
+    apart = sum(max(float(s) + load_s, produce_s) + start_s for s in alone_s.values())
+    return {Layout(k): apart / (max(float(v) + load_s, produce_s) + start_s)
+            for k, v in steps_s.items() if max(float(v) + load_s, produce_s) + start_s > 0.0}
 
 
 # ---- reverting on evidence ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -28,7 +28,13 @@ from ..jobs.job import FailureKind, JobFailed, TrialTask
 from ..jobs.contract import GroupOrder, HeldLayout
 from .trial import Trial
 
-__all__ = ["GroupEnd", "GroupMemory", "JobPlanner", "Step", "key_id"]
+# A later job of a key whose layout is chosen profiles at most this many of its trials alone,
+# to judge its segment (the others count at their mean: :func:`sampled_alone`). Every model
+# profiled alone cost the 64 distinct architectures of workload (d) about 8 s of a 66 s
+# search (two steps of each on a copy); a decided key needs an estimate of apart, not each.
+JUDGE_SAMPLE = 2
+
+__all__ = ["GroupEnd", "GroupMemory", "JUDGE_SAMPLE", "JobPlanner", "Step", "key_id", "sampled_alone"]
 
 
 @dataclass
@@ -131,8 +137,10 @@ class JobPlanner:
         bounded = any(c.bound_s is not None for c in chosen.values())
         measured: dict[str, Any] = {}
         if self.profile or self._measures():  # measure the group
-            measured["profile"] = () if bounded else tuple(  # each member never profiled
-                t.trial_id for t in tasks if t.trial_id not in mem.alone_s)
+            fresh = [t.trial_id for t in tasks if t.trial_id not in mem.alone_s]
+            if chosen:  # the layout is chosen: a sample is enough to judge the segment
+                fresh = fresh[:JUDGE_SAMPLE]
+            measured["profile"] = () if bounded else tuple(fresh)  # never profiled before
             measured["alone_s"] = {t.trial_id: mem.alone_s[t.trial_id] for t in tasks
                                    if t.trial_id in mem.alone_s}
             # step times alone per architecture: not measured again
@@ -355,9 +363,9 @@ class JobPlanner:
         if bound is None and key is not None:
             held = self.memory.layouts.get(key_id(key), {}).get(choice.get("device"))
             bound = held.bound_s if held is not None else None
-        if bound is None:
-            return self.memory.alone_s
-        return {**{t: bound for t in unit.get("trials") or ()}, **self.memory.alone_s}
+        alone = self.memory.alone_s if bound is None else {
+            **{t: bound for t in unit.get("trials") or ()}, **self.memory.alone_s}
+        return sampled_alone(unit.get("trials") or (), alone)
 
     def _held_strikes(self, key: str | None):
         """``strikes(unit, name)``: the slower segments in a row held for ``name`` (a layout,
@@ -369,6 +377,25 @@ class JobPlanner:
             layout = held.get(device)
             return int(layout.strikes.get(name, 0)) if layout is not None else 0
         return strikes
+
+def sampled_alone(trials: Iterable[str], alone_s: Mapping[str, float]) -> Mapping[str, float]:
+    """``alone_s``, with each of ``trials`` never profiled alone given the mean of those of
+    ``trials`` that were (a later job of a key whose layout is chosen profiles a sample of
+    its trials: :data:`JUDGE_SAMPLE`); unchanged when none or all were.
+
+    Example::
+
+        >>> sampled_alone(["a", "b", "c"], {"a": 0.1, "b": 0.3})["c"]
+        0.2
+    """
+    trials = list(trials)
+    known = [float(alone_s[t]) for t in trials if t in alone_s]
+    missing = [t for t in trials if t not in alone_s]
+    if not known or not missing:
+        return alone_s
+    mean = sum(known) / len(known)
+    return {**alone_s, **{t: mean for t in missing}}
+
 
 def _judged(unit: dict) -> bool:
     """Whether a unit's segment says anything of its layout: not when it trained apart

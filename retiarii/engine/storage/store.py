@@ -11,7 +11,6 @@ The file runs in WAL mode with ``synchronous=NORMAL``: a commit is an append to 
 loses nothing committed (a power cut may lose the last commits, never consistency). Metric rows
 are buffered and written in batches; the buffer is flushed before any other write and any read,
 so a checkpoint row is never on disk before the metrics that led to it.
-
 The schema carries a version; :data:`MIGRATIONS` upgrades older files on open, in order.
 
 Checkpoints are recorded by name, relative to the run's checkpoint folder next to the file
@@ -33,6 +32,7 @@ from typing import Any, Callable, Iterable
 
 from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
 from .state_tables import StateTables
+from .sqlite_import import import_sqlite_utils
 from .queries import StoreQueries, decode_json_columns, encode_state, json_text, not_found_error
 from .schema import APPLICATION, MIGRATIONS, SCHEMA_VERSION, STATES, StoreError
 from ...enums import ModelStatus
@@ -75,7 +75,7 @@ class Store(StoreQueries):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.db = None  # type: ignore[assignment]
         try:
-            import sqlite_utils  # here, not with the package: it imports pandas (0.7 s)
+            sqlite_utils = import_sqlite_utils()  # here, not with the package; without pandas
             self.db = sqlite_utils.Database(self.path)
             self.db.execute("PRAGMA busy_timeout=10000")  # a second opener waits, not fails
             self.db.enable_wal()

@@ -21,11 +21,14 @@ Sets of architectures that differ at places (another operator at one place,
 (:func:`~.fused_fit.fitting_sets`, on meta tensors). What the model read is cached per worker
 process: the shapes of the first batch of epoch 0
 (the same for every segment, so a resumed segment decides as an uninterrupted one) per data
-key, and each architecture's costs per input shape.
+key, and each architecture's costs per input shape. With the shapes it reads, once per data
+key, what the estimate of apart needs of the loader: its own pace per batch (``produce_s``)
+and what a job pays per epoch to start its loaders (``start_s``, per batch of the epoch):
+timed, so they enter only the choices that time may make (apart or CSE: bit-identical).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import time
@@ -42,10 +45,11 @@ from ..storage import checkpoint as ckpt
 from .fused_fit import fitting_sets
 from .training_group import plan_group
 
-__all__ = ["Resolved", "resolve"]
+__all__ = ["Resolved", "batches_in", "loader_starts", "resolve"]
 
-# data key -> (meta inputs, examples, seconds the loader takes to make a batch on its own)
-_INPUTS: dict[str, tuple[tuple, int, float] | None] = {}
+# data key -> (meta inputs, examples, seconds the loader takes to make a batch on its own,
+# a job's loader starts per epoch per batch of the epoch)
+_INPUTS: dict[str, tuple[tuple, int, float, float] | None] = {}
 _COSTS: dict[tuple, Any] = {}                        # (architecture, shapes) -> StepCosts
 
 
@@ -91,13 +95,46 @@ def _inputs(trainer: Any, run: Any, data_key: str) -> tuple[tuple, int] | None:
             except _Stop:
                 pass
             if rec.args is not None:
-                found = (rec.args, batch_size(batch), min(produce, default=0.0))
+                pace = min(produce, default=0.0)
+                found = (rec.args, batch_size(batch), pace,
+                         loader_starts(trainer, run, batches_in(trainer, run), pace))
     except Exception:  # noqa: BLE001 (a trainer that cannot be read so: no prediction)
         found = None
     finally:
         ckpt.set_native_rng(outer)
     _INPUTS[data_key] = found
     return found
+
+
+def batches_in(trainer: Any, run: Any) -> int | None:
+    """The batches of epoch 0 when its loader says (``len``), else None."""
+    try:
+        return len(trainer.train_dataloader(run.hparams, 0)) or None
+    except Exception:  # noqa: BLE001 (a loader without a length: the starts are not counted)
+        return None
+
+
+def loader_starts(trainer: Any, run: Any, batches: int | None, pace: float,
+                  clock: Callable[[], float] = time.perf_counter) -> float:
+    """What a job pays per epoch to start its loaders, per batch of the epoch: the
+    validation loader's start and first batch (timed here: the data set is scanned and cached
+    by now, so this is what every job pays), and the training loader's start, counted as the
+    validation loader's less a batch's making (``pace``). Each model alone pays them; a merged
+    job once. 0 when the epoch's length is unknown or the loader cannot be read.
+
+    Example::
+
+        loader_starts(trainer, run, batches=14, pace=0.03)   # (first + first - 0.03) / 14
+    """
+    if not batches:
+        return 0.0
+    try:
+        t0 = clock()
+        next(iter(trainer.val_dataloader(run.hparams)), None)
+        first = clock() - t0
+    except Exception:  # noqa: BLE001 (not counted: the estimate stays as without it)
+        return 0.0
+    return (first + max(0.0, first - pace)) / batches
 
 
 def _costs(trial: str, models: Mapping, runs: Mapping, inputs: tuple) -> Any:
@@ -118,12 +155,14 @@ class Resolved:
         decided: whether the device model made a decision (its units are not reverted by time).
         predicted: one line per set the model judged, for the plans row.
         produce_s: the loader's time to make a batch on its own (the estimate of apart).
+        start_s: a job's loader starts per epoch, per batch (the estimate of apart).
     """
 
     def __init__(self, fuse: Any, fusable: list, passes: LayoutPasses, decided: bool,
-                 predicted: list[str], produce_s: float = 0.0):
+                 predicted: list[str], produce_s: float = 0.0, start_s: float = 0.0):
         self.fuse, self.fusable, self.passes = fuse, fusable, passes
         self.decided, self.predicted, self.produce_s = decided, predicted, produce_s
+        self.start_s = start_s
 
 
 def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids: list[str],
@@ -169,7 +208,7 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
     return Resolved(out_fuse, fusable if out_fuse else [],
                     LayoutPasses({k: v for k, v in settings.items() if v}),
                     decided or any(v == "auto" for v in passes.settings.values()), predicted,
-                    found[2] if found is not None else 0.0)
+                    found[2] if found is not None else 0.0, found[3] if found is not None else 0.0)
 
 
 def _pass_wins(name: str, found: tuple | None, ids: list[str], models: Mapping, runs: Mapping,

@@ -391,6 +391,7 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
                                step_times=functools.partial(step_times, passes=passes))
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
         group.twins, group.arch, group.produce_s = twins, arch, resolved.produce_s
+        group.start_s = resolved.start_s
         group.extra = {"layout": group.layout.value, "choice": choice}
         return [group]
     usable = [x for x in order if x is Layout.SEPARATE or x in merged
@@ -403,6 +404,7 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     for group in groups:
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
         group.twins, group.arch, group.produce_s = twins, arch, resolved.produce_s
+        group.start_s = resolved.start_s
         kind = Layout.FUSED if isinstance(group, FusedGroup) else (
             rest if layout is Layout.FUSED else layout)
         group.extra = {"layout": kind.value, "choice": choice}

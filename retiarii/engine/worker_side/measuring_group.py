@@ -71,6 +71,7 @@ from ..storage import checkpoint as ckpt
 from .fused_group import fused_backward, fused_step, fused_unit
 from .training_group import TrainingGroup, sync_device
 from .compute_clock import compute_clock
+from .measuring_math import close_call, fused_rivals, judged_steps, median as _median
 
 __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
            "MeasuringGroup", "PER_MODEL_BOUND", "TIMED"]
@@ -78,11 +79,10 @@ __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "D
 # Timed batches per merged candidate, after one warm-up each (the least is kept: a machine's
 # other work only adds).
 TIMED = 2
-# A candidate whose warm-up batch takes over this many times apart's batch gets no timed
-# batches: a first step seldom costs more than twice a later one, so it could not win.
+# A candidate whose first timed batch takes over this many times apart's batch gets no more:
+# it could not win. A warm-up never decides (c512's took 2 s against 33 ms apart).
 ABORT_REAL = 2.0
-# The same for a fused warm-up batch on a GPU, whose first fused step also selects and
-# compiles the kernels of its grouped layers (as layouts.ABORT allows fused copies there).
+# The same for a fused batch on a GPU (as layouts.ABORT allows fused copies there).
 ABORT_REAL_FUSED_GPU = 4.0
 # The lower bound of apart must put the best merged layout this much over the margin to skip
 # the alone profiles (the shared part's time is itself measured, with noise).
@@ -110,10 +110,6 @@ DECISIVE = 1.25
 
 class _Apart(Exception):
     """Raised out of the group's batch loop when the measurement chose ``separate``."""
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 class MeasuringGroup(TrainingGroup):
@@ -189,9 +185,9 @@ class MeasuringGroup(TrainingGroup):
         self._due, self._decided = False, False
         self._last: Any = None
         self._probe_s = 0.0  # deciding (profiles on copies included)
-        # A plan that shares no frozen layer cannot bound apart (its shared part is the data
-        # alone): the alone profiles are taken before the first step, so a candidate far
-        # slower than apart stops at its warm-up batch.
+        self._measured_to, self._warm_after = None, 0  # steps before the decision; 1: a warm-up
+        # A plan that shares no frozen layer cannot bound apart: the alone profiles are taken
+        # before the first step (a candidate far slower stops at its first timed batch).
         if cse is not None and not shares_frozen:
             missing = set(self._want_alone) - set(self._known)
             self._to_profile = missing & set(self.runs)
@@ -200,6 +196,15 @@ class MeasuringGroup(TrainingGroup):
     def layout(self) -> Layout:
         """The layout it trains in now."""
         return self._layout
+
+    def report(self) -> dict:
+        """:meth:`TrainingGroup.report`; once decided, judged on the chosen layout's own
+        batches (:func:`~.measuring_math.judged_steps`)."""
+        out = super().report()
+        if self._measured_to is not None:
+            out.update(judged_steps(self._steps, self._measured_to, self._warm_after,
+                                    self._times.get(self._layout) or ()))
+        return out
 
     # ---- building and switching layouts --------------------------------------------------
 
@@ -362,8 +367,8 @@ class MeasuringGroup(TrainingGroup):
         apart = self._apart_s()
         abort = (ABORT_REAL_FUSED_GPU if layout is Layout.FUSED and device.type != "cpu"
                  else ABORT_REAL)
-        if warm and apart is not None and seconds > abort * apart:
-            # far slower than apart at its warm-up: it cannot win; no timed batches for it
+        if not warm and apart is not None and seconds > abort * apart:
+            # far slower than apart on a timed batch: it cannot win; no more batches for it
             rest = self._schedule[self._position + 1:]
             self._schedule = self._schedule[:self._position + 1] + [
                 x for x in rest if x is not layout]
@@ -408,7 +413,8 @@ class MeasuringGroup(TrainingGroup):
         if len(alone) < len(self.runs):
             return None
         load, produce = _median(self._loads), getattr(self, "produce_s", 0.0)
-        return sum(max(s + load, produce) for s in alone.values()) - load  # the group's one
+        start = getattr(self, "start_s", 0.0)  # compared with a step that pays none of it
+        return sum(max(s + load, produce) + start for s in alone.values()) - load - start
 
     def _ahead(self, batch: Any) -> Any:
         """While measuring in CSE: the shared cell computed here, timed (what every model
@@ -484,7 +490,7 @@ class MeasuringGroup(TrainingGroup):
             self._schedule += unmeasured * (1 + TIMED)  # its figure is a bound: measure it
             self._probe_s += time.perf_counter() - start
             return
-        self._decided = True
+        self._decided, self._measured_to = True, len(self._steps)  # measured: not judged
         bounds = {x.value: speedups.pop(x) for x in unmeasured if x in speedups}
         if bounds:  # the most they could reach: not measured, ranked as unknown
             self.choice["bounds"] = bounds
@@ -494,6 +500,7 @@ class MeasuringGroup(TrainingGroup):
         # from the next segment)
         best = next((x for x in ranked.order if x is Layout.SEPARATE or x in self._plans
                      or (x is Layout.FUSED and self._fuses_all())), self._layout)
+        self._warm_after = 0 if best in self._stepped else 1  # its first batch: a warm-up
         self._use(best)
         if best is Layout.FUSED:
             self.choice["fused_from"] = (
@@ -517,9 +524,8 @@ class MeasuringGroup(TrainingGroup):
         fused on copies unless it was measured here or is ruled out (then
         ``choice["skipped"]`` says why); fused measured first and no merged layout yet: its
         speed-up and, for CSE, the most it could reach (:meth:`_fused_first`). None when no
-        batch was timed."""
-        steps = {lay: min(self._times[lay] or self._warm[lay]) for lay in self._times
-                 if self._times[lay] or self._warm[lay]}
+        batch was timed (a warm-up is no evidence: the key stays undecided)."""
+        steps = {lay: min(self._times[lay]) for lay in self._times if self._times[lay]}
         if not steps:
             return None
         ids = list(self.runs)
@@ -535,9 +541,12 @@ class MeasuringGroup(TrainingGroup):
         outer = ckpt.native_rng()
         try:
             early = dict(self._alone_s)  # profiled before the first step, if it was
-            if (len(alone) < len(ids) and not bounded) or early:
+            if (len(alone) < len(ids) and not bounded) or (early and close_call(
+                    alone, ids, {k: v for k, v in steps.items() if k in self._plans}, load,
+                    getattr(self, "produce_s", 0.0), getattr(self, "start_s", 0.0), MARGIN,
+                    DECISIVE)):
                 # profiled now, next to the steps it is compared with (a shared machine's
-                # load moves between the first batch and this one): the least of the two
+                # load moves between the first batch and this one), when the call is close
                 self._reprofile(batch, early)
                 alone = self._alone_now()
             estimate = {t: alone.get(t, shared) for t in ids}
@@ -572,7 +581,8 @@ class MeasuringGroup(TrainingGroup):
             self.choice["bound_s"] = shared
         if skipped:
             self.choice["skipped"] = skipped
-        return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0))
+        return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0),
+                              getattr(self, "start_s", 0.0))
 
     def _reprofile(self, batch: Any, early: Mapping[str, float]) -> None:
         """The trials to profile alone, profiled now (on copies, RNG streams restored); each
@@ -593,21 +603,10 @@ class MeasuringGroup(TrainingGroup):
         if len(self._alone_now()) < len(ids):
             self._reprofile(batch, early)
             early = {}
-        out = self._fused_rivals(steps, ids, load)
+        out = fused_rivals(self._alone_now(), steps, ids, load, CSE_FLOOR)
         rival = max(MARGIN, out.get(Layout.CSE, 0.0))
         if early and Layout.FUSED in out and rival / DECISIVE < out[Layout.FUSED] < rival * DECISIVE:
             self._reprofile(batch, early)
-            out = self._fused_rivals(steps, ids, load)
+            out = fused_rivals(self._alone_now(), steps, ids, load, CSE_FLOOR)
         self.choice["steps_s"] = {k.value: v for k, v in steps.items()}
-        return out
-
-    def _fused_rivals(self, steps: Mapping[Layout, float], ids: list[str],
-                      load: float) -> dict[Layout, float]:
-        alone = self._alone_now()
-        if len(alone) < len(ids):  # apart unknown: CSE is measured (it may win)
-            return {Layout.CSE: float("inf")}
-        total = sum(alone[t] for t in ids)
-        out = probe_speedups({t: alone[t] for t in ids}, dict(steps), load)
-        if total + load > 0.0:
-            out[Layout.CSE] = (total + len(ids) * load) / (CSE_FLOOR * total + load)
         return out

@@ -281,7 +281,7 @@ class TrainingGroup:
         return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
                 "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
                 "produce_s": getattr(self, "produce_s", 0.0), "compute_s": self._compute_s,
-                "setup_s": self.setup_s, "alone_s": alone,
+                "setup_s": self.setup_s, "alone_s": alone, "start_s": getattr(self, "start_s", 0.0),
                 "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
                 "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
                 # what the plan's passes left it: nodes computed once, evaluations per step
