@@ -37,8 +37,10 @@ import torch
 
 import torture_driver
 from engine_helpers import InProcessExecutor
+from retiarii.engine.jobs.job import JobFailed, JobProfiled, TrialCheckpointed
 from retiarii.engine.storage.plans_table import PlanTable
 from retiarii.engine.storage.store import Store
+from retiarii.engine.worker_side.worker import run_job
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-4  # the fused tolerance of docs/optimization.md
@@ -126,8 +128,7 @@ def _check_trials_run(db: Path, tmp_path: Path, size: int, batch: int, log: str)
         store.use_experiment(store.experiments()[-1]["id"])
         assert store.get_experiment()["status"] == "done", log
         got = _curves(store)
-        fused = {t for row in PlanTable(store).rows() for unit in row["units"] or []
-                 if unit.get("fused") for t in unit["trials"]}
+        fused = PlanTable(store).fused_trials()  # as the store says they trained
         names = {t["id"]: [r["name"] for r in store.checkpoints(t["id"])]
                  for t in store.trials()}
         last = {t["id"]: t["checkpoint"] for t in store.trials()}
@@ -160,6 +161,72 @@ def test_a_small_search_survives_driver_and_worker_kills(tmp_path):
     db, log = _torture(tmp_path, "trials", 16, 16, driver_kills=1, worker_kills=1, span=60,
                        gap=20)
     _check_trials_run(db, tmp_path, 16, 16, log)
+
+
+class LosingExecutor(InProcessExecutor):
+    """Runs jobs in this process and loses its worker once, as a SIGKILL does: in the first
+    job with fused units, right after the ``unit``-th one's first trial reported its
+    checkpoint (its twins' results of the same step were reported, their checkpoints were
+    not; the job's unit report, sent at its end, never comes)."""
+
+    def __init__(self, unit: int):
+        super().__init__()
+        self.unit = unit
+        self.lost: tuple[str, list[str]] | None = None  # (checkpointed, its twins)
+        self.job_id: str | None = None
+
+    def next_event(self, timeout=None):
+        if not self.events and self.jobs and self.lost is None:
+            job, events = self.jobs.pop(0), []
+            run_job(job, events.append, context=self.context)
+            units = next((e.units for e in events if isinstance(e, JobProfiled)), ())
+            fused = [u for u in units if u.get("fused")]
+            unit = fused[self.unit] if len(fused) > self.unit else None
+            if unit is not None:
+                self.job_id = job.job_id
+                at = next(i for i, e in enumerate(events) if isinstance(e, TrialCheckpointed)
+                          and e.trial_id in unit["trials"])
+                first = events[at].trial_id
+                self.lost = (first, [t for t in unit["trials"] if t != first])
+                events = events[:at + 1] + [JobFailed(job.job_id, None, "worker lost",
+                                                      worker_lost=True)]
+            self.events.extend(events)
+        return super().next_event(timeout)
+
+
+class DriverKilled(BaseException):
+    """The driver is dead (BaseException: nothing in the engine may catch it)."""
+
+
+@pytest.mark.parametrize("driver_killed", [False, True], ids=["worker", "worker-and-driver"])
+def test_a_fused_job_lost_midway_leaves_the_store_true(tmp_path, monkeypatch, driver_killed):
+    # The seed's first job fuses its pairs from step 0; the second fused unit's first trial
+    # rounds unlike alone on this CPU. The worker dies once that trial reported its step-1
+    # checkpoint: it trained fused and the store must say so, though the job's unit report
+    # never came (and, with the driver killed before the job's plans row, no row names the job
+    # at all); it then trains on unfused, as its twin is behind it. Its twin retries from step
+    # 0 without it: the store must hold the retry's values, not those the lost job reported.
+    db, executor = tmp_path / "run.db", LosingExecutor(unit=1)
+    add = PlanTable.add
+
+    def dying_add(self, record):
+        if record["job_id"] == executor.job_id:
+            self.store.db.conn.close()  # what was not committed is lost, as in a dead process
+            self.store.db = None
+            raise DriverKilled(record["job_id"])
+        return add(self, record)
+
+    if driver_killed:
+        monkeypatch.setattr(PlanTable, "add", dying_add)
+    died = False
+    try:
+        torture_driver.experiment(str(db), "trials", 16, 16, executor).run()
+    except DriverKilled:
+        died = True
+        monkeypatch.setattr(PlanTable, "add", add)
+        torture_driver.experiment(str(db), "trials", 16, 16, InProcessExecutor()).resume()
+    assert executor.lost is not None and died == driver_killed, executor.lost
+    _check_trials_run(db, tmp_path, 16, 16, f"lost the worker after {executor.lost}")
 
 
 @pytest.mark.slow  # 200 models through 20 kills: minutes on two busy cores

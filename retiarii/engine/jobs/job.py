@@ -66,6 +66,9 @@ class TrialCheckpointed:
     trial_id: str
     step: int
     path: str
+    # the segment trained fused (rounding unlike training alone): the driver marks the trial
+    # with the checkpoint, in one transaction, since the job's unit report may never come
+    fused: bool = False
 
 
 @dataclass(frozen=True)

@@ -130,8 +130,9 @@ class TrialEvents:
             flight.done = True
         if flight.outcome is not None and event.step > self._fed.get(trial.trial_id, 0):
             return  # decided before it: steps the scheduler never saw (a group trains on)
-        if self.journal is not None:
-            self.journal.checkpoint(trial.trial_id, event.step, name)
+        if self.journal is not None:  # a fused segment's mark goes with it (TrialCheckpointed)
+            self.journal.checkpoint(trial.trial_id, event.step, name,
+                                    **({"fused": True} if event.fused else {}))
         trial.checkpoints[event.step] = name
         trial.env_failures = 0  # progress: the environment works again
         if (flight.buffered is not None and flight.outcome is None
@@ -146,10 +147,12 @@ class TrialEvents:
         if flight.outcome is not None or event.step <= self._fed.get(trial.trial_id, 0):
             return  # decided already, or a step replayed after a retry
         metrics = {**event.metrics, "time_total_s": trial.time_total}
-        if event.step > self._journaled.get(trial.trial_id, 0):
-            if self.journal is not None:
-                self.journal.result(trial.trial_id, event.step, metrics, event.time)
-            self._journaled[trial.trial_id] = event.step
+        # journaled again when a retry replays a step never fed (a lost segment's last): the
+        # retry's values replace the lost attempt's, which another layout (fused) may have
+        # rounded otherwise; the checkpoint the trial goes on from is the retry's
+        if self.journal is not None:
+            self.journal.result(trial.trial_id, event.step, metrics, event.time)
+        self._journaled[trial.trial_id] = max(self._journaled.get(trial.trial_id, 0), event.step)
         trial.step, trial.last_result = event.step, result_dict(event.step, metrics)
         if event.step == flight.task.stop_step:
             flight.buffered = trial.last_result  # decide once the checkpoint exists

@@ -29,7 +29,8 @@ class Journal(Protocol):
     def trial_added(self, trial: Trial) -> None: ...
     def transition(self, trial_id: str, old: TrialState, new: TrialState, reason: str) -> None: ...
     def result(self, trial_id: str, step: int, metrics: dict, time: float) -> None: ...
-    def checkpoint(self, trial_id: str, step: int, path: str) -> None: ...  # path: a name
+    def checkpoint(self, trial_id: str, step: int, path: str,
+                   fused: bool = False) -> None: ...  # path: a name; fused: trained fused
     def forget_checkpoint(self, trial_id: str, step: int) -> None: ...  # unreadable: not used
     def scheduler_state(self, state: dict) -> None: ...
     def worker(self, trial_id: str, worker: str) -> None: ...  # where a segment runs (info)
@@ -64,8 +65,9 @@ class MemoryJournal:
         self._write("result", {"trial_id": trial_id, "step": step, "metrics": metrics,
                                "time": time})
 
-    def checkpoint(self, trial_id, step, path) -> None:
-        self._write("checkpoint", {"trial_id": trial_id, "step": step, "path": path})
+    def checkpoint(self, trial_id, step, path, fused=False) -> None:
+        self._write("checkpoint", {"trial_id": trial_id, "step": step, "path": path,
+                                   **({"fused": True} if fused else {})})
 
     def forget_checkpoint(self, trial_id, step) -> None:
         self._write("forget_checkpoint", {"trial_id": trial_id, "step": step})

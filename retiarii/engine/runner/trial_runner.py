@@ -244,7 +244,7 @@ class TrialRunner(TrialEvents):
                     continue
                 scheduler.on_trial_add(trial_id, trial.config)
             runner._track(trial)
-        for trial, p in results:  # segment ends whose checkpoint exists but were never decided
+        for trial, p in {(t.trial_id, p["step"]): (t, p) for t, p in results}.values():  # undecided
             if (trial.trial_id in runner.trials and p["step"] > runner._fed.get(trial.trial_id, 0)
                     and p["step"] <= max(trial.checkpoints, default=0)):
                 runner._feed(trial, result_dict(p["step"], p["metrics"]), None)

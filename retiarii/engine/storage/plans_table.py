@@ -73,6 +73,15 @@ class PlanTable:
         train alone for the rest of the search."""
         return {t for row in self.rows() for t in row["alone"]}
 
+    def fused_trials(self) -> set[str]:
+        """Trials that trained fused in some segment: those of a fused unit of a row, and those
+        whose checkpoint says so (``trials.fused``: a job killed before its row was written)."""
+        marked = {r[0] for r in self.store.db.execute(
+            "SELECT id FROM trials WHERE experiment_id = ? AND fused = 1",
+            [self.store.experiment_id])}
+        return marked | {t for row in self.rows() for unit in row["units"] if unit.get("fused")
+                         for t in unit["trials"]}
+
     def unfused_trials(self) -> set[str]:
         """Trials whose fused unit was measured slower than grouped unfused (a unit with
         ``"fusion_reverted"``): they train unfused for the rest of the search."""
@@ -118,8 +127,7 @@ class PlanTable:
         out = {"jobs": by_status,
                "merged_trials": len({t for row in merged for t in row["trials"]}),
                "alone_after_revert_or_failure": len(self.alone_trials()),
-               "fused_trials": len({t for row in merged for u in row["units"] if u.get("fused")
-                                    for t in u["trials"]}),
+               "fused_trials": len(self.fused_trials()),
                "unfused_after_revert": len(self.unfused_trials())}
         packed = [row["packing"] for row in rows if row.get("packing")]
         if packed:  # the packing decisions (engine/placing.py) and how busy they kept slots

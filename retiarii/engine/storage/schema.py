@@ -152,7 +152,15 @@ def _schema_v10(db: sqlite_utils.Database) -> None:
                              foreign_keys=[("experiment_id", "experiments", "id")])
 
 
+def _schema_v11(db: sqlite_utils.Database) -> None:
+    """``trials.fused``: 1 once a segment of the trial trained fused (its values round unlike
+    training alone), set with that segment's checkpoint in one transaction, so a job whose
+    ``plans`` row was never written (its driver or worker killed first) still says so. Older
+    files keep NULL (their ``plans`` rows are all they know)."""
+    db["trials"].add_column("fused", int)
+
+
 # MIGRATIONS[i] takes a file from schema version i to i + 1. Append, never edit a released one.
 MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6,
-              _schema_v7, _schema_v8, _schema_v9, _schema_v10]
-SCHEMA_VERSION = 10
+              _schema_v7, _schema_v8, _schema_v9, _schema_v10, _schema_v11]
+SCHEMA_VERSION = 11

@@ -422,10 +422,9 @@ class Store(StoreQueries):
                 "INSERT OR REPLACE INTO metrics (trial_id, step, name, value, time) "
                 "VALUES (?, ?, ?, ?, ?)", rows)
 
-    def checkpoint(self, trial_id: str, step: int, path: str) -> None:
-        """Record that ``trial_id``'s state after ``step`` steps is in the checkpoint ``path``:
-        a name relative to the run's checkpoint folder, or a file inside it (recorded by its
-        name). Anything else is refused with :class:`StoreError`."""
+    def checkpoint(self, trial_id: str, step: int, path: str, fused: bool = False) -> None:
+        """Record ``trial_id``'s state after ``step`` steps in checkpoint ``path`` (a name in the run's
+        folder or a file there, else StoreError); ``fused``: sets ``trials.fused`` for good."""
         now = _time.time()
         try:
             path = CheckpointDir(self.checkpoint_dir).name(os.fspath(path))
@@ -433,8 +432,9 @@ class Store(StoreQueries):
             raise StoreError(f"checkpoint of trial {trial_id!r} at step {step}: {err}") from None
         self.flush()
         with self.db.atomic():
-            if self.db.execute("UPDATE trials SET checkpoint = ?, step = ?, updated = ? "
-                               "WHERE id = ?", [path, int(step), now, trial_id]).rowcount == 0:
+            if self.db.execute("UPDATE trials SET checkpoint = ?, step = ?, updated = ?, fused = max("
+                               "coalesce(fused, 0), ?) WHERE id = ?", [path, int(step), now,
+                                                                        int(fused), trial_id]).rowcount == 0:
                 raise StoreError(f"checkpoint of unknown trial {trial_id!r}; journal "
                                  "trial_added(trial) first")
             self.db.execute(

@@ -258,13 +258,14 @@ def _run_job(job: Job, emit: Callable[[Event], None], worker: str, context: Work
                         kinds[trial] = classify_error(err)
                 if trial in failures or run.step >= task.stop_step:
                     ended.append(trial)
+            fused = _trained_fused(unit)  # as the unit trained this step, before it drops any
             unit.drop(ended)
             for trial in ended:
                 del runs[trial]  # free the model before the others' next epochs
                 task = tasks[trial]
                 if trial not in failures and task.checkpoint_out is not None:
                     emit(TrialCheckpointed(job.job_id, trial, task.stop_step,
-                                           task.checkpoint_out))
+                                           task.checkpoint_out, fused=fused))
             if not unit.trials:
                 units.remove(unit)
     _release_cuda_cache()
@@ -280,6 +281,15 @@ def _run_job(job: Job, emit: Callable[[Event], None], worker: str, context: Work
         emit(JobFailed(job.job_id, None,
                        "\n".join(f"trial {t}: {e}" for t, e in failures.items()),
                        kind=combined_kind(kinds.values()), failures=every))
+
+
+def _trained_fused(unit) -> bool:
+    """Whether ``unit`` trains its models fused (a unit report's ``"fused"``, or a measuring
+    group whose layout is fused): values then round unlike training alone."""
+    from .fused_group import FusedGroup
+
+    return isinstance(unit, FusedGroup) or (getattr(unit, "extra", None) or {}).get(
+        "layout") == "fused"
 
 
 def _run_one_shot(job: Job, emit: Callable[[Event], None], worker: str, context: WorkerContext,
