@@ -184,7 +184,6 @@ MAX_LINES = 500
 OVER = {"retiarii.optim.build": 615,
         "retiarii.engine.worker_side.measuring_group": 613,
         "retiarii.strategies.multi_trial.base": 605,
-        "retiarii.engine.driver.experiment": 591,
         "retiarii.engine.worker_side.training_group": 589,
         "retiarii.graph": 576,
         "retiarii.engine.runner.trial_runner": 561,
