@@ -243,3 +243,12 @@ def test_the_checks_find_what_they_forbid(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("from .a import _hidden\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(pkg))
     assert _private_imports(_modules()) == ["retiarii.b: from .a import _hidden"]
+
+
+def test_the_store_imports_nothing_of_the_runner():
+    """The store keeps what the runner decides (plans, journal); it never imports the runner
+    (what both read, such as GroupMemory, lives in engine/jobs/contract.py)."""
+    upward = sorted(f"{m} -> {t}" for m, ts in import_graph().items()
+                    if m.startswith("retiarii.engine.storage.") for t in ts
+                    if t.startswith(("retiarii.engine.runner", "retiarii.engine.driver")))
+    assert upward == []
