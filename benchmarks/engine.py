@@ -222,32 +222,37 @@ class TimedExperiment(rt.Experiment):
     """An Experiment that notes when each model's life in the engine begins (the runner asks
     for a new trial) and ends (its result recorded), with the buckets at both moments.
 
-    It overrides the two private hooks because they are exactly those boundaries; it changes
-    nothing they do."""
+    It wraps the two hooks of its proposals (engine/driver/proposals.py) the runner calls,
+    because they are exactly those boundaries; it changes nothing they do."""
 
     def __init__(self, *args, buckets: Buckets, trainer_metric: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.buckets, self.trainer_metric = buckets, trainer_metric
         self.begun: dict[int, tuple[float, dict]] = {}  # model id -> (time, buckets)
         self.rows: list[dict] = []  # one per finished model, in finishing order
+        proposals = self.proposals
+        next_trial, on_trial_end = proposals.next_trial, proposals.on_trial_end
 
-    def _next_trial(self):
-        begin, snapshot = self.buckets.clock(), dict(self.buckets.totals)
-        # Its own time (ask, store and strategy state excluded): instantiating the sample
-        # (replay, shape check), its structural hash and graph data, the dedup check.
-        config = self.buckets.wrap(super()._next_trial, "instantiate")()
-        if config is not None:
-            self.begun[config["model_id"]] = (begin, snapshot)
-        return config
+        def timed_next_trial(*args, **kwargs):
+            begin, snapshot = self.buckets.clock(), dict(self.buckets.totals)
+            # Its own time (ask, store and strategy state excluded): instantiating the sample
+            # (replay, shape check), its structural hash and graph data, the dedup check.
+            config = self.buckets.wrap(next_trial, "instantiate")(*args, **kwargs)
+            if config is not None:
+                self.begun[config["model_id"]] = (begin, snapshot)
+            return config
 
-    def _on_trial_end(self, trial):
-        super()._on_trial_end(trial)
-        end, totals = self.buckets.clock(), dict(self.buckets.totals)
-        begin, before = self.begun.pop(trial.config["model_id"])
-        result = trial.last_result or {}
-        self.rows.append({"latency": end - begin, "trainer": result.get(self.trainer_metric, 0.0),
-                          "ok": self.trainer_metric in result, "before": before,
-                          "totals": totals})
+        def timed_on_trial_end(trial, *args, **kwargs):
+            on_trial_end(trial, *args, **kwargs)
+            end, totals = self.buckets.clock(), dict(self.buckets.totals)
+            begin, before = self.begun.pop(trial.config["model_id"])
+            result = trial.last_result or {}
+            self.rows.append({"latency": end - begin,
+                              "trainer": result.get(self.trainer_metric, 0.0),
+                              "ok": self.trainer_metric in result, "before": before,
+                              "totals": totals})
+
+        proposals.next_trial, proposals.on_trial_end = timed_next_trial, timed_on_trial_end
 
 
 def run_one(kind: str, args, profile: cProfile.Profile | None = None) -> tuple[list[dict], float]:

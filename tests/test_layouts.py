@@ -459,6 +459,7 @@ def test_status_gives_one_figure_per_run_with_what_was_shared_and_the_time_saved
              "units": [{"merged": True, "trials": ["c", "d"], "shared_nodes": 7}]}]
     table = PlanTable.__new__(PlanTable)
     table.rows = lambda: rows
+    table.fused_trials = lambda: set()  # no store: no trial marked fused by its checkpoint
     summary = table.summary()
     assert summary["saved_s"] == 3.0 * 1.0 + 2.0 * -0.5  # apart = speed-up x seconds
     assert summary["slower_kept"] == 1 and summary["shared"] == {"nodes": 8, "models": 2}

@@ -10,6 +10,7 @@ import test_optimize as o
 from engine_helpers import InProcessExecutor
 from exp_space import lr_trainer, mlp_space
 from retiarii.engine.runner.packer import Packer
+from retiarii.engine.driver.proposals import Proposals
 from retiarii.engine.runner.trial import Trial
 
 GB = 1 << 30
@@ -50,8 +51,8 @@ class SmallSlots(InProcessExecutor):
 def test_a_search_under_a_small_budget_splits_its_jobs_and_trains_the_same(tmp_path,
                                                                            monkeypatch):
     # every model estimated at 1000 bytes (the estimate itself: tests/test_packing*.py)
-    monkeypatch.setattr(rt.Experiment, "_estimate", lambda self, model: {"units": 1.0,
-                                                                          "memory": 1000})
+    monkeypatch.setattr(Proposals, "estimate", lambda self, model: {"units": 1.0,
+                                                                    "memory": 1000})
     db = tmp_path / "small.db"
     rt.Experiment(mlp_space, rt.strategies.GridSearch(), lr_trainer, store=str(db),
                   executor=SmallSlots(), seed=0, max_models=4, fuse=False).run()

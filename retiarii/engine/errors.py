@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["EnvironmentFailure", "ExperimentError", "main_guard_hint"]
+__all__ = ["EnvironmentFailure", "ExperimentError", "main_guard_hint", "stopped"]
 
 
 class ExperimentError(RuntimeError):
@@ -21,6 +21,14 @@ class EnvironmentFailure(ExperimentError):
     An executor raises it from ``submit``/``next_event`` (its message names what was lost); the
     experiment then stops with status ``stopped`` and re-raises it with the resume command.
     """
+
+
+def stopped(path: str, why: str) -> EnvironmentFailure:
+    """The failure a stopped run raises: why, and how it goes on (here, on another Ray
+    cluster, or moved to the other executor)."""
+    return EnvironmentFailure(
+        f"{path}: stopped, {why}. Nothing is lost: fix the cause, then resume (retiarii resume "
+        f"{path} [--address HOST:PORT] [--executor local|ray], or Experiment.resume())")
 
 
 def main_guard_hint() -> str:

@@ -26,26 +26,23 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from ...determinism import check as check_deterministic
-from ...enums import Mode, ModelStatus
+from ...enums import Mode
 from ...objectives import ObjectiveError, Objectives
 from ...optim.config import OptimizeConfig
-from ...refs import ref_of, resolve_ref
-from ...sampler import sample_key
+from ...refs import resolve_ref
 from ...strategies.one_shot.base import OneShot
 from ...strategies.schedulers.base import Scheduler
 from ..storage.checkpoint import CheckpointDir
-from .experiment_checks import (check_arguments, optimize_config, resolve_scheduler,
-                                resolve_strategy, warn_budget)
+from .experiment_checks import (check_arguments, check_costs, check_ranks, optimize_config,
+                                resolve_scheduler, resolve_strategy, warn_budget)
 from .failures import SearchFailed, with_failures
-from .experiment_support import (DrawnModels, EnvironmentFailure, ExperimentError, comparable,
-                                 object_ref, recorded_config, space_fingerprint, trainer_spec)
+from .experiment_support import (EnvironmentFailure, ExperimentError, comparable,
+                                 experiment_config, object_ref, recorded_config, trainer_spec)
 from ..trainers.function_trainer import experiment_space
 from ..storage.lock import StoreLock, StoreLocked
-from .costs import COSTS, CostMeter
-from ..storage.pareto import FrontTable, Outcomes
 from . import one_shot_host as one_shot
 from ..storage import base_graphs
 from ..runner.planner import JobPlanner
@@ -53,7 +50,8 @@ from ..runner.packer import Packer
 from ..executors.warm import start_server_for
 from ..storage.plans_table import PlanTable
 from .proposals import Proposals
-from ..storage.segments_table import SegmentTable
+from .run_summary import run_summary
+from ..errors import stopped
 from ..storage.store import Store
 from ..trainers.trainer import Trainer
 from ..runner.trial_runner import TrialRunner, TrialState
@@ -62,15 +60,12 @@ __all__ = ["EnvironmentFailure", "Experiment", "ExperimentError", "SearchFailed"
            "trainer_spec"]
 
 _log = logging.getLogger("retiarii.engine")
-# how a stopped run goes on: here, on another Ray cluster, or moved to the other executor
-_RESUME = ("retiarii resume {path} [--address HOST:PORT] [--executor local|ray], or "
-           "Experiment.resume()")
 
 
 # ---- the experiment -----------------------------------------------------------------------
 
 
-class Experiment(Proposals):
+class Experiment:
     """Search ``space`` with ``strategy``, training each model with ``trainer``.
 
     Args:
@@ -208,8 +203,7 @@ class Experiment(Proposals):
         # The strategy searches the space plus the trainer's ValueChoices; workers rebuild from
         # the space itself, so those labels are kept out of the sample they get.
         self.search_space = self.space.with_hparams(hp)
-        self._drawn = DrawnModels(self.search_space)
-        self._trainer_labels = {self.search_space.hparams[k].label for k in hp}
+        trainer_labels = {self.search_space.hparams[k].label for k in hp}
         self.path, self.workers, self.devices = str(store), workers, devices
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()
@@ -232,25 +226,8 @@ class Experiment(Proposals):
             except ValueError as err:
                 raise ExperimentError(f"metric={list(self.objectives.metrics)}: {err}") \
                     from None
-        self._outcomes = Outcomes(self.objectives)
-        if costs is not None and (not isinstance(costs, dict) or not all(
-                isinstance(k, str) and callable(f) for k, f in costs.items())):
-            raise ExperimentError(f"costs={costs!r}: give a dict name -> function of the "
-                                  f"built module returning a number")
-        clash = sorted(set(costs or {}) & set(COSTS))
-        if clash:
-            raise ExperimentError(f"costs={{{clash[0]!r}: ...}}: {clash[0]} is measured by the "
-                                  f"engine; give your cost another name")
-        self.costs = dict(costs or {})
-        self._meter = None
-        self._costs: dict[int, dict] = {}  # model id -> its measured costs, until it ends
-        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-            raise ExperimentError(f"ranks={ranks!r}: give a number of ranks >= 1")
-        if ranks > 1 and not self.one_shot:
-            raise ExperimentError(f"ranks={ranks} runs a one-shot segment on several ranks; "
-                                  f"{type(strategy).__name__} is multi-trial: use workers= to "
-                                  f"train its models in parallel, or weight_sharing=True")
-        self.ranks = ranks
+        self.costs = check_costs(costs)
+        self.ranks = check_ranks(ranks, strategy, self.one_shot)
         self.device_memory = one_shot.check_device_memory(strategy, device_memory,
                                                           self.one_shot, ExperimentError)
         if self.one_shot:
@@ -264,28 +241,20 @@ class Experiment(Proposals):
                                    trainer_hparams=hp, executor=executor, **shown)
             one_shot.check_shared(strategy, self.space, ExperimentError)
         self.store: Store | None = None
-        # dedup key -> (what the strategy was told, violation); None: pending
-        self._known: dict[str, tuple | None] = {}
-        self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends
-        self._count = 0  # models proposed so far (this experiment, resumes included)
-        self._model_of: dict[str, int] = {}  # sample key -> model id (parents of children)
         self._lock: StoreLock | None = None
-        self._data_keys: dict[str, Any] = {}  # hparams (JSON) -> the trainer's data key
+        self.runner: TrialRunner | None = None
+        # the strategy's samples -> trials, trial ends -> feedback (a collaborator, not a base)
+        self.proposals = Proposals(
+            strategy=self.strategy, scheduler=self.scheduler, trainer=trainer, space=self.space,
+            search_space=self.search_space, objectives=self.objectives, costs=self.costs,
+            space_ref=self.space_ref, trainer_spec=self.trainer_spec,
+            trainer_labels=trainer_labels, seed=seed, dedup=dedup,
+            deterministic=self.deterministic, estimate_profiles=bool(self.optimize),
+            on_end=self._report_progress)
 
-    def _cost_meter(self) -> CostMeter:
-        """The meter of the costs the objectives read (on this machine's CPU, one thread)."""
-        if self._meter is None or self._meter.store is not self.store:
-            from .costs import needed_costs
-
-            value = getattr(self.trainer, "value", None)
-            try:
-                batch = int(value("batch_size", {})) if value else 1
-            except (AttributeError, TypeError, ValueError):
-                batch = 1  # a trainer without a batch size: latency_batch_ms at batch 1
-            self._meter = CostMeter(self.store, self.space.example_input, batch,
-                                    needed_costs(self.objectives.needed, self.costs),
-                                    user=self.costs)
-        return self._meter
+    def _report_progress(self) -> None:
+        if self.progress is not None:
+            self.progress(self.summary())
 
     # ---- public ---------------------------------------------------------------------------
     @property
@@ -295,31 +264,7 @@ class Experiment(Proposals):
 
     def config(self) -> dict:
         """What a resume must match (budgets may change between runs)."""
-        if self.one_shot:
-            config = {"space": {"ref": self.space_ref, **space_fingerprint(self.search_space)},
-                      "strategy": one_shot.one_shot_spec(self.strategy),
-                      "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
-                      "mode": self.mode}
-            if self.ranks > 1:  # other ranks, other samples per step: another search
-                config["ranks"] = self.ranks
-            if self.device_memory is not None:  # another split, other models per rank
-                config["device_memory"] = self.device_memory
-            return {**config, **self._determinism()}
-        return {"space": {"ref": self.space_ref, **space_fingerprint(self.search_space)},
-                "strategy": {"class": ref_of(type(self.strategy)),
-                             "config": self.strategy.config(),
-                             "seed": getattr(self.strategy, "seed", None)},
-                "scheduler": {"class": ref_of(type(self.scheduler))},
-                "trainer": self.trainer_spec, "seed": self.seed, "metric": self.metric,
-                "mode": self.mode, "dedup": self.dedup, **self._determinism(),
-                # left out for one metric: stores from before several objectives still resume
-                **({"objectives": self.objectives.to_json()} if self.objectives.extended
-                   else {}), **({"costs": sorted(self.costs)} if self.costs else {})}
-
-    def _determinism(self) -> dict:
-        """Deterministic mode in the config when on (other kernels, other numbers: a run is
-        resumed only in the mode it started in); left out when off, as stores before it."""
-        return {"deterministic": True} if self.deterministic else {}
+        return experiment_config(self)
 
     def run(self, max_models: int | None = None, max_time: float | None = None) -> dict:
         """Start a new experiment in the store and run it to the end; returns a summary.
@@ -400,6 +345,7 @@ class Experiment(Proposals):
             raise
         self.checkpoint_dir = self.store.checkpoint_dir  # the run's own: nothing outside it
         self.folder = CheckpointDir(self.checkpoint_dir)
+        self.proposals.open(self.store, self.folder)
 
     def _close(self) -> None:
         """The driver ends: the store is closed (its write-ahead log folded into the file, so
@@ -419,34 +365,21 @@ class Experiment(Proposals):
                 _log.warning("dropped models %s: recorded without their trial by a crash "
                              "(they never trained; the strategy may propose them again)",
                              dropped)
-        models = store.models()
-        for row in models:
-            self._model_of[sample_key(row["sample"])] = row["id"]
-            if row["hash"]:
-                key = self._dedup_key(row["hash"], row["sample"])
-                self._known[key] = self._outcomes.known(row)
-                if row["status"] == ModelStatus.TRAINING:  # its trial resumes below
-                    self._keys[row["id"]] = key
-        self._count = len(models)
-        if self.objectives.multi:  # the front kept so far, to extend
-            table = FrontTable(store)
-            ids = set(table.front_ids() or [])
-            self._outcomes.front.members = {
-                m["model_id"]: self.objectives.point(m["values"])
-                for m in table.models() if m["model_id"] in ids}
+        self.proposals.restore()
         executor = self._executor()
         if self.one_shot:
-            return self._one_shot_loop(executor, resume)
+            return one_shot.host(self, executor, resume)
         epochs = getattr(self.trainer, "epochs", None)
-        source = None if self.scheduler.spawns_trials else self._next_trial
+        proposals = self.proposals
+        source = None if self.scheduler.spawns_trials else proposals.next_trial
         kwargs = dict(max_failures=self.max_failures, model_retries=self.model_retries,
                       max_steps=epochs,
                       checkpoint_dir=self.checkpoint_dir, source=source,
-                      on_result=self._on_result, on_trial_end=self._on_trial_end,
-                      id_prefix=f"e{eid}-", spawn_config=self._spawn_config)
+                      on_result=proposals.on_result, on_trial_end=proposals.on_trial_end,
+                      id_prefix=f"e{eid}-", spawn_config=proposals.spawn_config)
         if self.optimize:
             kwargs.update(planner=JobPlanner(
-                batch_models=self.batch_models, group_key=self._group_key,
+                batch_models=self.batch_models, group_key=proposals.group_key,
                 profile=self.optimize == "auto", fuse=self.fuse, passes=self.passes,
                 merge=self.optimize != "pack", dedicated=self.dedicated),
                 packer=Packer(self._packs(executor), getattr(
@@ -454,8 +387,10 @@ class Experiment(Proposals):
                     self.optimization.memory_budget),
                 on_group=self._on_group)
         self.runner = None
+        proposals.attach(None)
         started = time.monotonic()
         self._deadline = None if self.max_time is None else started + self.max_time
+        proposals.budget(self.max_models, self._deadline)
         store.set_experiment_status("running")
         try:
             if resume:
@@ -465,10 +400,12 @@ class Experiment(Proposals):
                 runner.planner.restore(PlanTable(store).memory())
                 self._rebind(runner)
                 self.runner = runner
+                proposals.attach(runner)
                 self._finish_half_ended(runner)
             else:
                 runner = TrialRunner(executor, self.scheduler, store, **kwargs)
             self.runner = runner
+            proposals.attach(runner)
             try:
                 runner.run()
             except EnvironmentFailure as err:  # the executor can no longer run anything
@@ -477,9 +414,7 @@ class Experiment(Proposals):
             done = not runner.budget_hit() and runner.stop_reason is None
             store.set_experiment_status("done" if done else "stopped")
             if runner.stop_reason is not None:
-                raise EnvironmentFailure(
-                    f"{self.path}: stopped, {runner.stop_reason}. Nothing is lost: fix the "
-                    f"cause, then resume ({_RESUME.format(path=self.path)})")
+                raise stopped(self.path, runner.stop_reason)
         except KeyboardInterrupt:
             store.set_experiment_status("interrupted")
             raise
@@ -489,6 +424,19 @@ class Experiment(Proposals):
             store.flush()
         return with_failures(self.store, self.path, self.summary())  # or SearchFailed
 
+    def _on_group(self, record: dict) -> None:
+        PlanTable(self.store).add(record)
+        if record["status"] in ("reverted", "failed"):
+            _log.info("group %s %s: %s", record["job_id"], record["status"], record["reason"])
+
+    def _packs(self, executor) -> bool:
+        """Whether batches are packed by profile: ``packing``, where ``"auto"`` is on when the
+        workers train on GPUs (where memory decides what fits; on a CPU-only machine
+        benchmarks/packing_e2e.py measured an even split as fast)."""
+        if self.packing != "auto":
+            return bool(self.packing)
+        return bool(getattr(executor, "devices", None))
+
     def _executor(self):
         executor = self.executor
         if executor is None or isinstance(executor, str):  # a name of the registry
@@ -497,36 +445,6 @@ class Experiment(Proposals):
             return make_executor(executor or "local", self.workers, self.devices,
                                  one_shot=self.one_shot, ranks=self.ranks)
         return executor
-
-    def _one_shot_loop(self, executor, resume: bool) -> dict:
-        """Host the one-shot strategy (:class:`~.one_shot.OneShotRun`) to its end."""
-        started = time.monotonic()
-        self._deadline = None if self.max_time is None else started + self.max_time
-        self.store.set_experiment_status("running")
-        try:
-            if resume:
-                self.folder.remove_temporaries()  # half-written by workers killed with us
-            try:
-                status, why = one_shot.OneShotRun(self, executor).run(self._deadline)
-            except EnvironmentFailure as err:  # the executor can no longer run anything
-                status, why = "environment", str(err)
-            if status == "environment":
-                self.store.set_experiment_status("stopped")
-                raise EnvironmentFailure(
-                    f"{self.path}: stopped, {why}. Nothing is lost: fix the cause, then resume "
-                    f"({_RESUME.format(path=self.path)})")
-            if status == "failed":  # the store already says failed, and why
-                raise ExperimentError(f"{self.path}: {why} (recorded: retiarii status "
-                                      f"{self.path})")
-            self.store.set_experiment_status(status)
-        except KeyboardInterrupt:
-            self.store.set_experiment_status("interrupted")
-            raise
-        finally:
-            if executor is not self.executor:  # made here (None or "ray"): ours to close
-                executor.close()
-            self.store.flush()
-        return self.summary()
 
     def _rebind(self, runner: TrialRunner) -> None:
         """Point resumed trials' specs at this process's space and trainer. The references
@@ -542,7 +460,7 @@ class Experiment(Proposals):
     def _finish_half_ended(self, runner: TrialRunner) -> None:
         """Complete the end of trials whose ending the driver journaled but whose effects (the
         model's status, the strategy told) it died before writing: those are written in one
-        transaction (:meth:`_on_trial_end`), so a model still ``training`` means none were."""
+        transaction (:meth:`.Proposals.on_trial_end`), so a model still ``training`` means none were."""
         training = {row["id"] for row in self.store.models("training")}
         ended = [t for t in runner.trials.values()
                  if t.config.get("model_id") in training
@@ -551,41 +469,9 @@ class Experiment(Proposals):
             return  # PBT's trials share models: a model's status follows its last trial
         order = {row["id"]: row["ended"] or 0.0 for row in self.store.trials()}
         for trial in sorted(ended, key=lambda t: order.get(t.trial_id, 0.0)):
-            self._on_trial_end(trial, report=False)
+            self.proposals.on_trial_end(trial, report=False)
 
     def summary(self) -> dict:
-        """Trials by state, the best finished models, models proposed, trials running now."""
-        if self.store is not None and self.store.db is None:  # the driver has ended
-            with Store(self.path) as store:
-                store.use_experiment(self.store.experiment_id)
-                return self._summary(store)
-        return self._summary(self.store)
-
-    def _summary(self, store: Store) -> dict:
-        if self.one_shot:
-            table = SegmentTable(store)
-            search = table.summary(self.strategy.num_segments(), self.mode)
-            return {"store": self.path, "models": search["models"], "trials": {},
-                    "best": search["best"], "running": 0, "max_models": None,
-                    "one_shot": search}
-        counts = store.counts_by_state()
-        if self.objectives.constraints:  # the best feasible models only
-            feasible = {m["model_id"] for m in FrontTable(store).models()
-                        if m["violation"] == 0}
-            best = [b for b in store.best_models(self.metric, self.mode, max(self._count, 5),
-                                                 finished=True)
-                    if b["model_id"] in feasible][:5]
-        else:
-            best = store.best_models(self.metric, self.mode, 5, finished=True)
-        runner = getattr(self, "runner", None)
-        running, jobs = ((runner.running, runner.jobs_running) if runner is not None
-                         else (counts.get("RUNNING", 0),) * 2)
-        out = {"store": self.path, "models": self._count, "trials": counts, "best": best,
-               "running": running, "jobs": jobs, "max_models": self.max_models}
-        if self.objectives.multi:  # the result: every model on the front
-            out["pareto"] = FrontTable(store).front()
-            out["objectives"] = self.objectives.to_json()
-        plans = PlanTable(store).summary()
-        if plans["jobs"]:
-            out["optimization"] = plans
-        return out
+        """Trials by state, the best finished models, models proposed, trials running now
+        (:func:`.run_summary.run_summary`)."""
+        return run_summary(self)

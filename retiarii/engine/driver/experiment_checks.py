@@ -22,7 +22,8 @@ from ..jobs.job import Executor
 from .experiment_support import ExperimentError
 from ..trainers.trainer import Trainer
 
-__all__ = ["BudgetWarning", "budget_warning", "warn_budget", "check_arguments", "optimize_config",
+__all__ = ["BudgetWarning", "budget_warning", "warn_budget", "check_arguments", "check_costs",
+           "check_ranks", "optimize_config",
            "resolve_strategy",
            "resolve_scheduler"]
 
@@ -123,6 +124,32 @@ def check_arguments(*, trainer, store, workers, devices, max_models, max_time, s
         raise ExperimentError(f"progress={progress!r}: give a function of the summary dict")
     if origin is not None and not isinstance(origin, dict):
         raise ExperimentError(f"origin={origin!r}: give a JSON dict (or None)")
+
+
+def check_costs(costs: Any) -> dict:
+    """The user's own costs as a dict name -> function, none named as an engine's cost."""
+    if costs is not None and (not isinstance(costs, dict) or not all(
+            isinstance(k, str) and callable(f) for k, f in costs.items())):
+        raise ExperimentError(f"costs={costs!r}: give a dict name -> function of the "
+                              f"built module returning a number")
+    from .costs import COSTS
+
+    clash = sorted(set(costs or {}) & set(COSTS))
+    if clash:
+        raise ExperimentError(f"costs={{{clash[0]!r}: ...}}: {clash[0]} is measured by the "
+                              f"engine; give your cost another name")
+    return dict(costs or {})
+
+
+def check_ranks(ranks: Any, strategy: Any, one_shot: bool) -> int:
+    """Ranks of a one-shot segment: a whole number >= 1, above 1 only for one-shot searches."""
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ExperimentError(f"ranks={ranks!r}: give a number of ranks >= 1")
+    if ranks > 1 and not one_shot:
+        raise ExperimentError(f"ranks={ranks} runs a one-shot segment on several ranks; "
+                              f"{type(strategy).__name__} is multi-trial: use workers= to "
+                              f"train its models in parallel, or weight_sharing=True")
+    return ranks
 
 
 class BudgetWarning(UserWarning):

@@ -8,13 +8,15 @@ from typing import Any
 
 from ...choices import ValueChoice
 from ...moved import current_refs
+from ...refs import ref_of
 from ...sampler import sample_key
 from ..errors import EnvironmentFailure, ExperimentError  # (executors raise them too)
 from ..jobs.worker_refs import object_ref
 from ..trainers.trainer import Trainer
 
-__all__ = ["EnvironmentFailure", "ExperimentError", "DrawnModels", "comparable", "object_ref",
-           "recorded_config", "space_fingerprint", "trainer_notes", "trainer_spec"]
+__all__ = ["EnvironmentFailure", "ExperimentError", "DrawnModels", "comparable",
+           "experiment_config", "object_ref", "recorded_config", "space_fingerprint",
+           "trainer_notes", "trainer_spec"]
 
 
 def trainer_spec(trainer: Trainer) -> tuple[Any, dict[str, ValueChoice]]:
@@ -37,6 +39,34 @@ def trainer_notes(trainer: Any, metric: str) -> dict:
         except Exception:  # noqa: BLE001 (a description must never stop a run: it stays unknown)
             notes[key] = None
     return notes
+
+
+def experiment_config(exp: Any) -> dict:
+    """What a resume of experiment ``exp`` must match (budgets may change between runs).
+    Deterministic mode is kept when on (other kernels, other numbers: a run is resumed only in
+    the mode it started in); left out when off, as stores before it."""
+    determinism = {"deterministic": True} if exp.deterministic else {}
+    space = {"ref": exp.space_ref, **space_fingerprint(exp.search_space)}
+    if exp.one_shot:
+        from .one_shot_host import one_shot_spec
+
+        config = {"space": space, "strategy": one_shot_spec(exp.strategy),
+                  "trainer": exp.trainer_spec, "seed": exp.seed, "metric": exp.metric,
+                  "mode": exp.mode}
+        if exp.ranks > 1:  # other ranks, other samples per step: another search
+            config["ranks"] = exp.ranks
+        if exp.device_memory is not None:  # another split, other models per rank
+            config["device_memory"] = exp.device_memory
+        return {**config, **determinism}
+    return {"space": space,
+            "strategy": {"class": ref_of(type(exp.strategy)), "config": exp.strategy.config(),
+                         "seed": getattr(exp.strategy, "seed", None)},
+            "scheduler": {"class": ref_of(type(exp.scheduler))},
+            "trainer": exp.trainer_spec, "seed": exp.seed, "metric": exp.metric,
+            "mode": exp.mode, "dedup": exp.dedup, **determinism,
+            # left out for one metric: stores from before several objectives still resume
+            **({"objectives": exp.objectives.to_json()} if exp.objectives.extended else {}),
+            **({"costs": sorted(exp.costs)} if exp.costs else {})}
 
 
 def recorded_config(exp: Any) -> dict:

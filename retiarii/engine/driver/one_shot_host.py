@@ -24,8 +24,8 @@ Example::
     # Experiment(space, rt.strategies.Random(seed=0), ..., weight_sharing=True): the
     # multi-trial strategy samples the models of a weight-sharing super-network
 
-:class:`Experiment` hands its one-shot runs to :class:`OneShotRun`; :func:`check_options`
-refuses the options a one-shot search cannot honour, naming each.
+:class:`Experiment` hands its one-shot runs to :func:`host` (a :class:`OneShotRun` to its
+end); :func:`check_options` refuses the options a one-shot search cannot honour, naming each.
 """
 from __future__ import annotations
 
@@ -35,13 +35,14 @@ import warnings
 from typing import Any
 
 from ...strategies.one_shot.base import OneShot
+from ..errors import EnvironmentFailure, ExperimentError, stopped
 from ..jobs.job import (
     FailureKind, Job, JobFailed, JobFinished, SegmentDone, TrialCheckpointed, TrialTask,
 )
 from ..worker_side.one_shot_segment import build_strategy, strategy_spec
 from ..storage.segments_table import SegmentTable, finite
 
-__all__ = ["OneShotRun", "SelectionWarning", "check_options", "wrap_weight_sharing", "one_shot_spec"]
+__all__ = ["OneShotRun", "host", "SelectionWarning", "check_options", "wrap_weight_sharing", "one_shot_spec"]
 
 _log = logging.getLogger("retiarii.engine")
 
@@ -313,6 +314,36 @@ class OneShotRun:
         for text in self.table.summary(None, self.exp.mode)["warnings"]:
             warnings.warn(f"{self.exp.path}: {text}", SelectionWarning, stacklevel=2)
         return "done", ""
+
+
+def host(exp: Any, executor: Any, resume: bool) -> dict:
+    """Host experiment ``exp``'s one-shot strategy (a :class:`OneShotRun`) to its end, the
+    experiment's status kept in its store; returns its summary. ``executor`` is closed unless
+    it is the one the user gave."""
+    started = time.monotonic()
+    exp._deadline = None if exp.max_time is None else started + exp.max_time
+    exp.store.set_experiment_status("running")
+    try:
+        if resume:
+            exp.folder.remove_temporaries()  # half-written by workers killed with us
+        try:
+            status, why = OneShotRun(exp, executor).run(exp._deadline)
+        except EnvironmentFailure as err:  # the executor can no longer run anything
+            status, why = "environment", str(err)
+        if status == "environment":
+            exp.store.set_experiment_status("stopped")
+            raise stopped(exp.path, why)
+        if status == "failed":  # the store already says failed, and why
+            raise ExperimentError(f"{exp.path}: {why} (recorded: retiarii status {exp.path})")
+        exp.store.set_experiment_status(status)
+    except KeyboardInterrupt:
+        exp.store.set_experiment_status("interrupted")
+        raise
+    finally:
+        if executor is not exp.executor:  # made here (None or "ray"): ours to close
+            executor.close()
+        exp.store.flush()
+    return exp.summary()
 
 
 class SelectionWarning(UserWarning):

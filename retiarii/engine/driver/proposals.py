@@ -1,12 +1,25 @@
 """The multi-trial side of an experiment: the strategy's samples become trials, trial ends
-become the strategy's feedback and the models' status (a mixin of
-:class:`~.experiment.Experiment`, which owns the store, the runner and the budgets).
+become the strategy's feedback and the models' status.
 
-:meth:`Proposals._next_trial` is the runner's source: it asks the strategy, instantiates the
+:class:`Proposals` is a collaborator the :class:`~.experiment.Experiment` holds (the experiment
+owns the store, the runner and the budgets and hands them over: :meth:`Proposals.open`,
+:meth:`Proposals.attach`, :meth:`Proposals.budget`); what it keeps is the bookkeeping of the
+proposals themselves: which structures are known, which models are in flight, the costs measured.
+
+:meth:`Proposals.next_trial` is the runner's source: it asks the strategy, instantiates the
 sample (shapes checked; a model that cannot be built fails alone, recorded), skips structures
 already trained (``dedup``), and stages the model with the strategy's state in one
-transaction. :meth:`Proposals._on_trial_end` writes the model's status and tells the strategy,
+transaction. :meth:`Proposals.on_trial_end` writes the model's status and tells the strategy,
 also in one transaction, then deletes the checkpoints the scheduler says nothing reads again.
+
+Example (what the experiment does with it)::
+
+    proposals = Proposals(strategy=..., space=..., search_space=..., trainer=..., ...)
+    proposals.open(store, CheckpointDir(store.checkpoint_dir)); proposals.restore()
+    proposals.budget(max_models=200, deadline=None)
+    runner = TrialRunner(executor, scheduler, store, source=proposals.next_trial,
+                         on_trial_end=proposals.on_trial_end, ...)
+    proposals.attach(runner)
 """
 from __future__ import annotations
 
@@ -14,7 +27,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ...enums import ModelStatus
 from ...mutator import MutationError
@@ -23,10 +36,10 @@ from ...shapes import ShapeMismatchError
 from ...strategies.multi_trial.base import SpaceExhausted, UnknownSample
 from ...threads import one_thread
 from ..storage.checkpoint import CheckpointPathError
-from .experiment_support import ExperimentError
+from .costs import CostMeter
+from .experiment_support import DrawnModels, ExperimentError
 from .failures import build_error
-from ..storage.pareto import FrontTable
-from ..storage.plans_table import PlanTable
+from ..storage.pareto import FrontTable, Outcomes
 from ..runner.trial_runner import Trial, TrialState
 
 __all__ = ["Proposals"]
@@ -35,9 +48,96 @@ _log = logging.getLogger("retiarii.engine")
 
 
 class Proposals:
-    """Turning samples into trials and trial ends into feedback; see the module docstring."""
+    """Turning samples into trials and trial ends into feedback; see the module docstring.
 
-    def _group_key(self, trial: Trial) -> Any:
+    Args:
+        strategy, scheduler, trainer: the experiment's own.
+        space: the model space workers rebuild from; ``search_space``: it plus the trainer's
+            ValueChoices, as the strategy searches it.
+        objectives: the experiment's :class:`~retiarii.objectives.Objectives`.
+        costs: the user's own costs (name -> function of the built module).
+        space_ref, trainer_spec: what a worker rebuilds the space and trainer from.
+        trainer_labels: the sample's labels that are the trainer's (kept out of the worker's).
+        seed: trial i gets ``seed + i``.
+        dedup: never train a structure (and its hyper-parameters) twice.
+        deterministic: trials train in deterministic mode.
+        estimate_profiles: the runner may pack or budget memory: each trial gets a profile.
+        on_end: called after each trial's end is recorded (the experiment's progress report).
+    """
+
+    def __init__(self, *, strategy, scheduler, trainer, space, search_space, objectives,
+                 costs: dict[str, Callable], space_ref: Any, trainer_spec: Any,
+                 trainer_labels: set[str], seed: int, dedup: bool, deterministic: bool,
+                 estimate_profiles: bool, on_end: Callable[[], None] | None = None):
+        self.strategy, self.scheduler, self.trainer = strategy, scheduler, trainer
+        self.space, self.search_space, self.objectives = space, search_space, objectives
+        self.costs, self.space_ref, self.trainer_spec = costs, space_ref, trainer_spec
+        self._trainer_labels, self.seed, self.dedup = trainer_labels, seed, dedup
+        self.deterministic, self.estimate_profiles = deterministic, estimate_profiles
+        self._on_end = on_end
+        self._drawn = DrawnModels(search_space)
+        self._outcomes = Outcomes(objectives)
+        self.store = self.folder = self.runner = None
+        self.max_models: int | None = None
+        self._deadline: float | None = None
+        self._meter: CostMeter | None = None
+        self._costs: dict[int, dict] = {}  # model id -> its measured costs, until it ends
+        # dedup key -> (what the strategy was told, violation); None: pending
+        self._known: dict[str, tuple | None] = {}
+        self._keys: dict[int, str] = {}  # model id -> dedup key, until its trial ends
+        self.count = 0  # models proposed so far (this experiment, resumes included)
+        self._model_of: dict[str, int] = {}  # sample key -> model id (parents of children)
+        self._data_keys: dict[str, Any] = {}  # hparams (JSON) -> the trainer's data key
+
+    # ---- what the experiment hands over -----------------------------------------------------
+    def open(self, store, folder) -> None:
+        """The store the driver opened and the run's checkpoint folder."""
+        self.store, self.folder = store, folder
+
+    def attach(self, runner) -> None:
+        """The runner whose trials these are (None while :meth:`TrialRunner.resume` rebuilds
+        it: ends replayed then delete no checkpoint)."""
+        self.runner = runner
+
+    def budget(self, max_models: int | None, deadline: float | None) -> None:
+        """Stop proposing after ``max_models`` models or at ``deadline`` (time.monotonic)."""
+        self.max_models, self._deadline = max_models, deadline
+
+    def restore(self) -> None:
+        """What the store already holds of this experiment: the models proposed (their dedup
+        keys and outcomes, those still training) and, with several objectives, the front."""
+        models = self.store.models()
+        for row in models:
+            self._model_of[sample_key(row["sample"])] = row["id"]
+            if row["hash"]:
+                key = self._dedup_key(row["hash"], row["sample"])
+                self._known[key] = self._outcomes.known(row)
+                if row["status"] == ModelStatus.TRAINING:  # its trial resumes
+                    self._keys[row["id"]] = key
+        self.count = len(models)
+        if self.objectives.multi:  # the front kept so far, to extend
+            table = FrontTable(self.store)
+            ids = set(table.front_ids() or [])
+            self._outcomes.front.members = {
+                m["model_id"]: self.objectives.point(m["values"])
+                for m in table.models() if m["model_id"] in ids}
+
+    def _cost_meter(self) -> CostMeter:
+        """The meter of the costs the objectives read (on this machine's CPU, one thread)."""
+        if self._meter is None or self._meter.store is not self.store:
+            from .costs import needed_costs
+
+            value = getattr(self.trainer, "value", None)
+            try:
+                batch = int(value("batch_size", {})) if value else 1
+            except (AttributeError, TypeError, ValueError):
+                batch = 1  # a trainer without a batch size: latency_batch_ms at batch 1
+            self._meter = CostMeter(self.store, self.space.example_input, batch,
+                                    needed_costs(self.objectives.needed, self.costs),
+                                    user=self.costs)
+        return self._meter
+
+    def group_key(self, trial: Trial) -> Any:
         """What trials must share to train in one job: the space, the trainer and the data
         key of their hyper-parameters (None: the trainer shares nothing; alone)."""
         config = trial.config
@@ -57,11 +157,6 @@ class Proposals:
         return (json.dumps(config["space"], sort_keys=True, default=str),
                 json.dumps(config["trainer"], sort_keys=True, default=str), key)
 
-    def _on_group(self, record: dict) -> None:
-        PlanTable(self.store).add(record)
-        if record["status"] in ("reverted", "failed"):
-            _log.info("group %s %s: %s", record["job_id"], record["status"], record["reason"])
-
     def _dedup_key(self, structure_hash: str, sample: dict, spawned: dict | None = None) -> str:
         """The structure and every hyper-parameter the trial trains with: the sample's and a
         scheduler's own (``spawned``: a PBT trial's), which the documented rule counts too."""
@@ -80,11 +175,11 @@ class Proposals:
         return dict(distinct[len(fresh) % len(distinct)]) if distinct else None
 
     def _budget_left(self) -> bool:
-        if self.max_models is not None and self._count >= self.max_models:
+        if self.max_models is not None and self.count >= self.max_models:
             return False
         return self._deadline is None or time.monotonic() < self._deadline
 
-    def _next_trial(self, budgeted: bool = True, spawned: dict | None = None) -> dict | None:
+    def next_trial(self, budgeted: bool = True, spawned: dict | None = None) -> dict | None:
         """The runner's source: the strategy's next model as a trial config, or None.
         ``spawned``: the hyper-parameters a scheduler gives the trial (PBT); they count in the
         dedup key, and an architecture is reused when the strategy has no new one."""
@@ -106,7 +201,7 @@ class Proposals:
                     else:
                         self.search_space.check_shapes(model)
             except (ShapeMismatchError, MutationError, SampleError) as e:
-                self._count += 1  # a model that cannot be built fails alone, recorded
+                self.count += 1  # a model that cannot be built fails alone, recorded
                 _log.warning("model %s cannot be built, recorded as failed: %s", sample, e)
                 self.store.add_model(sample, None, None, status=ModelStatus.FAILED,
                                      error=build_error(e))
@@ -130,7 +225,7 @@ class Proposals:
             costs = self._proposal_costs(model, structure)
             ruled_out = self._outcomes.ruled_out(costs)
             if ruled_out is not None:  # a constraint rules it out: recorded, never trained
-                self._count += 1
+                self.count += 1
                 _log.info("model %s %s", sample, ruled_out)
                 self.store.add_model(sample, model.graph.to_data(), structure,
                                      status=ModelStatus.FAILED, error=ruled_out)
@@ -138,7 +233,7 @@ class Proposals:
                 self.strategy.tell(sample, None)
                 self._save_strategy()
                 continue
-            self._count += 1
+            self.count += 1
             # The model, its trial and the strategy's state after proposing it are written in
             # one transaction, when the runner journals the trial: a crash leaves all or none
             # of them, and a resumed strategy proposes exactly what an uninterrupted one does.
@@ -155,12 +250,12 @@ class Proposals:
             config = {"space": self.space_ref, "trainer": self.trainer_spec,
                       "sample": {k: v for k, v in sample.items()
                                  if k not in self._trainer_labels},
-                      "hparams": model.hparams, "seed": self.seed + self._count - 1,
+                      "hparams": model.hparams, "seed": self.seed + self.count - 1,
                       "model_id": model_id, "choices": sample, "checked": True}
-            runner = getattr(self, "runner", None)
-            if self.optimize and runner is not None and (
+            runner = self.runner
+            if self.estimate_profiles and runner is not None and (
                     runner.packer.packing or runner.packer.budget != float("inf")):
-                config["profile"] = self._estimate(model)  # packing, or the memory budget
+                config["profile"] = self.estimate(model)  # packing, or the memory budget
             if costs:  # schedulers of several objectives read them (MOASHA, Scalarized)
                 config["costs"] = costs
             if self.deterministic:  # its worker trains it in deterministic mode
@@ -171,15 +266,7 @@ class Proposals:
             return config
         return None
 
-    def _packs(self, executor) -> bool:
-        """Whether batches are packed by profile: ``packing``, where ``"auto"`` is on when the
-        workers train on GPUs (where memory decides what fits; on a CPU-only machine
-        benchmarks/packing_e2e.py measured an even split as fast)."""
-        if self.packing != "auto":
-            return bool(self.packing)
-        return bool(getattr(executor, "devices", None))
-
-    def _estimate(self, model) -> dict | None:
+    def estimate(self, model) -> dict | None:
         """The packing profile of a proposed model, estimated from its IR (shapes checked),
         at the trainer's batch size (engine/placing.py); None when it cannot be estimated."""
         from ...optim.profile import estimate_profile
@@ -197,7 +284,7 @@ class Proposals:
             return None
         return {"units": round(units, 3), "memory": memory}
 
-    def _spawn_config(self, spawn, parent: Trial | None) -> dict:
+    def spawn_config(self, spawn, parent: Trial | None) -> dict:
         """A scheduler's spawn (PBT) as a worker spec: a child keeps its parent's model and
         gets the spawn's hyper-parameters; a fresh trial takes a new model from the strategy."""
         if parent is not None:
@@ -208,9 +295,9 @@ class Proposals:
                 row = self.store.get_model(base["model_id"])
                 base["model_id"] = self.store.stage_model(
                     row["sample"], row["graph"], row["hash"], parent=row["id"])
-                self._count += 1
+                self.count += 1
         else:  # the population needs a model: the model budget does not apply to it
-            base = self._next_trial(budgeted=False, spawned=dict(spawn.config))
+            base = self.next_trial(budgeted=False, spawned=dict(spawn.config))
             if base is None:
                 raise ExperimentError(
                     f"no model can start the new PBT trial {spawn.trial_id}: the strategy has "
@@ -221,7 +308,7 @@ class Proposals:
     def _collect_garbage(self, trial: Trial) -> None:
         """Delete the checkpoints the scheduler says nothing will read again (``trial``'s
         alone, unless the scheduler's trials share checkpoints)."""
-        runner = getattr(self, "runner", None)
+        runner = self.runner
         if runner is None:  # still being rebuilt by TrialRunner.resume
             return
         if self.scheduler.checkpoints_shared:
@@ -247,7 +334,7 @@ class Proposals:
     def _save_strategy(self) -> None:
         self.store.save_strategy_state(self.strategy.state_dict())
 
-    def _on_result(self, trial: Trial, result: dict) -> None:
+    def on_result(self, trial: Trial, result: dict) -> None:
         sample = trial.config.get("choices")
         if sample is None:
             return
@@ -255,17 +342,17 @@ class Proposals:
             self.strategy.on_step(sample, result["training_iteration"], result)
         except UnknownSample:
             # A trial resumed after a crash whose sample the restored strategy has not proposed
-            # (again) yet: it learns the final value when it proposes it (see _next_trial).
+            # (again) yet: it learns the final value when it proposes it (see next_trial).
             pass
 
-    def _on_trial_end(self, trial: Trial, report: bool = True) -> None:
+    def on_trial_end(self, trial: Trial, report: bool = True) -> None:
         # The model's status and the strategy's state are one transaction: a model still
         # ``training`` after a crash tells resume that this end has to be done again.
         with self.store.transaction():
             self._end_model(trial)
         self._collect_garbage(trial)
-        if self.progress is not None and report:
-            self.progress(self.summary())
+        if self._on_end is not None and report:
+            self._on_end()
 
     def _tell(self, sample: dict, told, violation: float = 0.0) -> None:
         """Tell the strategy a result; the violation only with several objectives (a

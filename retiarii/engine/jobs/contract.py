@@ -6,7 +6,8 @@ runner keeps, per group key and kind of device, the layout decision in force
 (:class:`HeldLayout`: sent back to later jobs in :attr:`GroupOrder.layouts`, written in each
 unit's ``"decision"`` of the plans table, read back on resume). Both are frozen dataclasses
 with one codec each (``to_json`` / ``from_json``), and this module is the only place their
-fields are spelled.
+fields are spelled. What grouped jobs taught the runner (:class:`GroupMemory`) is what the plans
+table reads back for it on resume: it lives here so that the store need not import the runner.
 
 Example::
 
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GroupOrder", "HeldLayout", "group_order"]
+__all__ = ["GroupMemory", "GroupOrder", "HeldLayout", "group_order"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +145,14 @@ def group_order(meta: Mapping) -> GroupOrder | None:
     if isinstance(order, Mapping):
         return GroupOrder.from_json(order)
     raise TypeError(f"job meta['group'] = {order!r}: give a GroupOrder (or True)")
+
+
+@dataclass
+class GroupMemory:
+    """What grouped jobs taught the planner; restored from the plans table on resume."""
+
+    alone: set[str] = field(default_factory=set)  # reverted or failed groups' trials: alone
+    unfused: set[str] = field(default_factory=set)  # fusion reverted: unfused from now on
+    alone_s: dict[str, float] = field(default_factory=dict)  # trial -> step time alone
+    layouts: dict[str, dict[str, HeldLayout]] = field(default_factory=dict)  # key -> device ->
+    alone_arch: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> arch -> s

@@ -19,13 +19,13 @@ import enum
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 from ...optim.cost import Layout, choose_layout, describe
 from ...optim.passes import LayoutPasses, get_pass, parse_settings, pass_ref
 from ..jobs.job import FailureKind, JobFailed, TrialTask
-from ..jobs.contract import GroupOrder, HeldLayout
+from ..jobs.contract import GroupMemory, GroupOrder, HeldLayout
 from .trial import Trial
 
 # A later job of a key whose layout is chosen profiles at most this many of its trials alone,
@@ -35,17 +35,6 @@ from .trial import Trial
 JUDGE_SAMPLE = 2
 
 __all__ = ["GroupEnd", "GroupMemory", "JUDGE_SAMPLE", "JobPlanner", "Step", "key_id", "sampled_alone"]
-
-
-@dataclass
-class GroupMemory:
-    """What grouped jobs taught the planner; restored from the plans table on resume."""
-
-    alone: set[str] = field(default_factory=set)  # reverted or failed groups' trials: alone
-    unfused: set[str] = field(default_factory=set)  # fusion reverted: unfused from now on
-    alone_s: dict[str, float] = field(default_factory=dict)  # trial -> step time alone
-    layouts: dict[str, dict[str, HeldLayout]] = field(default_factory=dict)  # key -> device ->
-    alone_arch: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> arch -> s
 
 
 class Step(enum.Enum):

@@ -29,6 +29,9 @@ from .packer import Packer
 from .journal import Journal, MemoryJournal
 from .trial import ALLOWED, IllegalTransition, Trial, TrialState
 from .job_events import TrialEvents
+from .journal_replay import read_journal
+from .spawns import check_respawn, check_spawn, spawn_start
+from .waiting import WaitingTrials
 
 # Trial, its lifecycle and the journals live in trial.py and journal.py; imported from here too.
 __all__ = ["TrialRunner", "failure_of", "Trial", "TrialState", "ALLOWED", "IllegalTransition",
@@ -121,10 +124,7 @@ class TrialRunner(TrialEvents):
         self._fed_log: list[list] = []  # [trial, step] each time _fed changed (journaled)
         self._journaled: dict[str, int] = {}
         self._orphans: dict[str, Trial] = {}
-        # the waiting trials, each an ordered {trial: creation index} (sorted lazily)
-        self._waiting: dict[TrialState, dict[str, int]] = {TrialState.PENDING: {},
-                                                           TrialState.PAUSED: {}}
-        self._unsorted: set[TrialState] = set()
+        self._waiting = WaitingTrials()
         self._jobs = 0
         self._ids = 0
         self.source, self.on_result, self.on_trial_end = source, on_result, on_trial_end
@@ -199,37 +199,10 @@ class TrialRunner(TrialEvents):
         """Rebuild a runner from ``journal`` after the driver died; the scheduler gets its saved
         state back, RUNNING trials go back to PENDING and continue from their last checkpoint."""
         runner = cls(executor, scheduler, journal, **kwargs)
-        saved, results, failed_by = None, [], {}
-        for kind, p in journal.records():
-            if kind == "trial_added":
-                if p["trial_id"] not in runner.trials:
-                    runner.trials[p["trial_id"]] = trial = Trial.from_record(p)
-                    runner._order[p["trial_id"]] = len(runner._order)
-                    if trial.donor is not None and not runner._usable(trial, trial.donor):
-                        trial.donor = None  # refused (logged): the child starts afresh
-            elif kind == "scheduler_state":
-                saved = p["state"]
-            elif kind == "transition":
-                trial = runner.trials[p["trial_id"]]
-                trial.state = TrialState(p["new"])
-                if trial.state is TrialState.ERRORED:
-                    trial.attempts, trial.error = trial.attempts + 1, p["reason"]
-                    failed_by[trial.trial_id] = failure_of(p["reason"])
-                    if failed_by[trial.trial_id] is FailureKind.MODEL:
-                        trial.model_failures += 1
-            elif kind == "result":
-                trial = runner.trials[p["trial_id"]]
-                results.append((trial, p))
-                runner._journaled[trial.trial_id] = max(runner._journaled.get(trial.trial_id, 0),
-                                                        p["step"])
-                trial.step, trial.last_result = p["step"], result_dict(p["step"], p["metrics"])
-                trial.time_total = trial.last_result.get("time_total_s", trial.time_total)
-            elif kind == "checkpoint":
-                trial = runner.trials[p["trial_id"]]
-                if runner._usable(trial, p["path"]):
-                    trial.checkpoints[p["step"]] = p["path"]
-            elif kind == "forget_checkpoint":
-                runner.trials[p["trial_id"]].checkpoints.pop(p["step"], None)
+        replay = read_journal(journal, runner._usable)
+        runner.trials, runner._journaled = replay.trials, replay.journaled
+        runner._order = {trial_id: i for i, trial_id in enumerate(replay.trials)}
+        saved, results, failed_by = replay.saved, replay.results, replay.failed_by
         known = 0
         if saved is not None:
             scheduler.load_state_dict(saved["scheduler"])
@@ -304,14 +277,7 @@ class TrialRunner(TrialEvents):
 
     def _track(self, trial: Trial) -> None:
         """Keep the waiting lists in step with the trial's state."""
-        for state, waiting in self._waiting.items():
-            if state is trial.state:
-                index = self._order[trial.trial_id]
-                if waiting and index < next(reversed(waiting.values())):
-                    self._unsorted.add(state)  # a retry or resume: not the newest trial
-                waiting[trial.trial_id] = index
-            else:
-                waiting.pop(trial.trial_id, None)
+        self._waiting.track(trial.trial_id, trial.state, self._order[trial.trial_id])
 
     def _after_scheduler(self) -> None:
         """Apply the scheduler's stop list, then save its state (with what it has seen)."""
@@ -353,14 +319,7 @@ class TrialRunner(TrialEvents):
 
     def _candidates(self) -> list[str]:
         """PENDING trials in creation order, then PAUSED ones (none with a job in flight)."""
-        out = []
-        for state, waiting in self._waiting.items():
-            if state in self._unsorted:
-                self._waiting[state] = waiting = dict(sorted(waiting.items(), key=lambda x: x[1]))
-                self._unsorted.discard(state)
-            busy = waiting.keys() & self._flights.keys()  # paused, their last segment finishing
-            out.extend(waiting if not busy else (t for t in waiting if t not in busy))
-        return out
+        return self._waiting.candidates(busy=self._flights)
 
     def _fill(self) -> None:
         """Give every free slot a job: the scheduler's pick (else a spawned or new trial),
@@ -413,40 +372,18 @@ class TrialRunner(TrialEvents):
         return trial
 
     def _add_spawn(self, spawn: Spawn) -> Trial:
-        if not isinstance(spawn, Spawn):
-            raise TypeError(f"{type(self.scheduler).__name__}.next_spawn() returned {spawn!r}; "
-                            f"return a retiarii.strategies.Spawn or None")
+        check_spawn(spawn, type(self.scheduler).__name__)
         trial_id = spawn.trial_id or self._new_id()
         if trial_id in self._orphans:  # re-spawned after a restart: it is already journaled
             trial = self._orphans.pop(trial_id)
-            hparams = trial.config.get("hparams") or {}  # an experiment's spec holds them here
-            same = trial.config == dict(spawn.config) or all(
-                hparams.get(k) == v for k, v in spawn.config.items())
-            if trial.parent != spawn.parent or not same:
-                raise ValueError(f"the scheduler re-spawned {trial_id!r} differently after a "
-                                 f"restart (parent/config changed): its state is inconsistent")
+            check_respawn(trial, spawn)
             self.trials[trial_id] = trial
             self._track(trial)
             self.scheduler.on_trial_add(trial_id, trial.config)
             return trial
         if trial_id in self.trials:
             raise ValueError(f"{type(self.scheduler).__name__} spawned {trial_id!r}, which exists")
-        donor, step = None, None
-        if spawn.parent is not None:
-            parent = self.trials.get(spawn.parent)
-            if parent is None:
-                raise ValueError(f"spawn of {trial_id!r} names parent {spawn.parent!r}, which is "
-                                 f"not a trial of this run")
-            step = spawn.parent_step if spawn.parent_step is not None else max(
-                parent.checkpoints, default=None)
-            donor = parent.checkpoints.get(step)
-            if donor is None:
-                raise ValueError(f"spawn of {trial_id!r} needs a checkpoint of {spawn.parent!r} at "
-                                 f"step {step}, but it has {sorted(parent.checkpoints)}")
-        if self.max_steps is not None and (step or 0) >= self.max_steps:
-            raise ValueError(f"spawn of {trial_id!r} starts at step {step}, but the runner's "
-                             f"max_steps={self.max_steps} leaves it nothing to train: raise "
-                             f"max_steps or end the scheduler sooner (PBT: max_generations)")
+        donor, step = spawn_start(spawn, self.trials.get(spawn.parent), self.max_steps, trial_id)
         config = self.spawn_config(spawn, self.trials.get(spawn.parent))
         trial = Trial(trial_id, config, parent=spawn.parent, parent_step=step,
                       donor=donor, max_steps=self.max_steps, spawned=True,

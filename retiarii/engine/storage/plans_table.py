@@ -27,8 +27,7 @@ import json
 import statistics
 import time
 
-from ..runner.planner import GroupMemory
-from ..jobs.contract import HeldLayout
+from ..jobs.contract import GroupMemory, HeldLayout
 
 __all__ = ["PlanTable"]
 

@@ -1,18 +1,21 @@
 """The store's schema: its tables, one function per version, and the migrations between them.
 
 ``MIGRATIONS[i]`` takes a file from schema version ``i`` to ``i + 1``; a fresh file runs them
-all, an older one the ones it lacks (:meth:`.store.Store._migrate`, each in one transaction).
+all, an older one the ones it lacks (:func:`migrate`, each in one transaction).
 ``docs/store.md`` documents every table and column.
 """
 from __future__ import annotations
 
+import os
+import sqlite3
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the driver imports it with the store
     import sqlite_utils
 
 
-__all__ = ["StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES", "APPLICATION"]
+__all__ = ["StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES", "APPLICATION", "migrate",
+           "unusable"]
 
 STATES = ("PENDING", "RUNNING", "PAUSED", "TERMINATED", "ERRORED")
 APPLICATION = "retiarii"
@@ -21,6 +24,21 @@ APPLICATION = "retiarii"
 class StoreError(RuntimeError):
     """A store file that cannot be used (corrupt, not ours, too new) or a journal call that
     contradicts what the store holds."""
+
+
+def unusable(path: str, err: sqlite3.DatabaseError) -> StoreError:
+    """Why SQLite could not open the store ``path``, and the fix: a file or folder that is not
+    writable, or a file that is not a database (corrupt, another kind)."""
+    text = str(err).lower()
+    if isinstance(err, sqlite3.OperationalError) and any(
+            word in text for word in ("readonly", "read-only", "unable to open", "permission",
+                                      "disk i/o")):
+        folder = os.path.dirname(os.path.abspath(path))
+        return StoreError(f"{path} cannot be opened for writing ({err}): the file and its "
+                          f"folder {folder} must be writable (SQLite keeps its journal beside "
+                          f"the file); fix the permissions or copy the run to a writable place")
+    return StoreError(f"{path} is not a usable SQLite database ({err}); it is corrupt or "
+                      "another kind of file: give a new path, or restore it from a backup")
 
 
 # ---- schema and migrations ------------------------------------------------------------------
@@ -164,3 +182,32 @@ def _schema_v11(db: sqlite_utils.Database) -> None:
 MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4, _schema_v5, _schema_v6,
               _schema_v7, _schema_v8, _schema_v9, _schema_v10, _schema_v11]
 SCHEMA_VERSION = 11
+
+
+def migrate(db: sqlite_utils.Database, path: str, migrations: list) -> None:
+    """Bring the store ``db`` (the file ``path``) to schema version ``len(migrations)``: a
+    fresh file runs every migration, an older one those it lacks, each in one transaction
+    with the version it reaches (a failed one leaves the file at its old version). A file
+    that is not a retiarii store, or of a newer version, is refused."""
+    latest = len(migrations)
+    tables = set(db.table_names())
+    if not tables:
+        version = 0
+    elif "meta" not in tables:
+        raise StoreError(f"{path} is a SQLite database but not a retiarii store (it has "
+                         f"tables {sorted(tables)[:5]}, no 'meta'); give a new path")
+    else:
+        meta = {r["key"]: r["value"] for r in db["meta"].rows}
+        if meta.get("application") != APPLICATION:
+            raise StoreError(f"{path} is a SQLite database but not a retiarii store")
+        version = int(meta.get("schema_version", 0))
+    if version > latest:
+        raise StoreError(f"{path} has store schema version {version}, written by a newer "
+                         f"retiarii; this one reads up to version {latest}: upgrade "
+                         "retiarii to open it")
+    for target in range(version + 1, latest + 1):
+        with db.atomic():  # a failed migration leaves the file at its old version
+            migrations[target - 1](db)
+            db["meta"].upsert_all(
+                [{"key": "application", "value": APPLICATION},
+                 {"key": "schema_version", "value": str(target)}], pk="key")

@@ -21,7 +21,6 @@ this folder (:func:`~.checkpoint.legacy_name`), and nothing outside it is ever h
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -34,7 +33,8 @@ from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
 from .state_tables import StateTables
 from .sqlite_import import import_sqlite_utils
 from .queries import StoreQueries, decode_json_columns, encode_state, json_text, not_found_error
-from .schema import APPLICATION, MIGRATIONS, SCHEMA_VERSION, STATES, StoreError
+from .journal_records import read_records
+from .schema import MIGRATIONS, SCHEMA_VERSION, STATES, StoreError, migrate, unusable
 from ...enums import ModelStatus
 
 __all__ = ["Store", "StoreError", "SCHEMA_VERSION", "MIGRATIONS", "STATES"]
@@ -80,51 +80,16 @@ class Store(StoreQueries):
             self.db.execute("PRAGMA busy_timeout=10000")  # a second opener waits, not fails
             self.db.enable_wal()
             self.db.execute("PRAGMA synchronous=NORMAL")
-            self._migrate()
+            migrate(self.db, self.path, MIGRATIONS)
             self._states = StateTables(self.db, self.path)
         except sqlite3.DatabaseError as err:
             if self.db is not None:
                 self.db.close()
-            text = str(err).lower()
-            if isinstance(err, sqlite3.OperationalError) and any(
-                    word in text for word in ("readonly", "read-only", "unable to open",
-                                              "permission", "disk i/o")):
-                folder = os.path.dirname(os.path.abspath(self.path))
-                raise StoreError(f"{self.path} cannot be opened for writing ({err}): the file "
-                                 f"and its folder {folder} must be writable (SQLite keeps its "
-                                 f"journal beside the file); fix the permissions or copy the "
-                                 f"run to a writable place") from err
-            raise StoreError(f"{self.path} is not a usable SQLite database ({err}); it is "
-                             "corrupt or another kind of file: give a new path, or restore "
-                             "it from a backup") from err
+            raise unusable(self.path, err) from err
         except BaseException:
             if self.db is not None:
                 self.db.close()
             raise
-
-    def _migrate(self) -> None:
-        assert len(MIGRATIONS) == SCHEMA_VERSION, "every schema version needs its migration"
-        tables = set(self.db.table_names())
-        if not tables:
-            version = 0
-        elif "meta" not in tables:
-            raise StoreError(f"{self.path} is a SQLite database but not a retiarii store (it has "
-                             f"tables {sorted(tables)[:5]}, no 'meta'); give a new path")
-        else:
-            meta = {r["key"]: r["value"] for r in self.db["meta"].rows}
-            if meta.get("application") != APPLICATION:
-                raise StoreError(f"{self.path} is a SQLite database but not a retiarii store")
-            version = int(meta.get("schema_version", 0))
-        if version > SCHEMA_VERSION:
-            raise StoreError(f"{self.path} has store schema version {version}, written by a newer "
-                             f"retiarii; this one reads up to version {SCHEMA_VERSION}: upgrade "
-                             "retiarii to open it")
-        for target in range(version + 1, SCHEMA_VERSION + 1):
-            with self.db.atomic():  # a failed migration leaves the file at its old version
-                MIGRATIONS[target - 1](self.db)
-                self.db["meta"].upsert_all(
-                    [{"key": "application", "value": APPLICATION},
-                     {"key": "schema_version", "value": str(target)}], pk="key")
 
     @property
     def checkpoint_dir(self) -> str:
@@ -461,35 +426,7 @@ class Store(StoreQueries):
         written, then the latest ``scheduler_state`` (the payloads of ``MemoryJournal``)."""
         self.flush()
         where, params = self._scope()
-        out: list[tuple[str, dict]] = []
-        for spec, record in self.db.execute(
-                f"SELECT spec, record FROM trials t WHERE {where} ORDER BY seq", params):
-            payload = json.loads(record)
-            payload.setdefault("config", json.loads(spec))
-            out.append(("trial_added", payload))
-        for trial_id, old, new, reason in self.db.execute(
-                f"SELECT e.trial_id, e.old_state, e.new_state, e.reason FROM events e JOIN trials t "
-                f"ON t.id = e.trial_id WHERE e.old_state IS NOT NULL AND {where} ORDER BY e.id",
-                params):  # (the 'added' pseudo-event has no old state and no transition)
-            out.append(("transition", {"trial_id": trial_id, "old": old, "new": new,
-                                       "reason": reason}))
-        current: dict | None = None
-        for trial_id, step, name, value, time in self.db.execute(
-                f"SELECT m.trial_id, m.step, m.name, m.value, m.time FROM metrics m JOIN trials t "
-                f"ON t.id = m.trial_id WHERE {where} ORDER BY t.seq, m.step, m.rowid", params):
-            if current is None or (current["trial_id"], current["step"]) != (trial_id, step):
-                current = {"trial_id": trial_id, "step": step, "metrics": {}, "time": time}
-                out.append(("result", current))
-            current["metrics"][name] = math.nan if value is None else value
-        folder = self.checkpoint_dir
-        for _, payload in out:  # a PBT child's donor: a checkpoint of another trial
-            if payload.get("donor") is not None:
-                payload["donor"] = legacy_name(payload["donor"], folder)
-        for trial_id, step, path in self.db.execute(
-                f"SELECT c.trial_id, c.step, c.path FROM checkpoints c JOIN trials t "
-                f"ON t.id = c.trial_id WHERE {where} ORDER BY t.seq, c.rowid", params):
-            out.append(("checkpoint", {"trial_id": trial_id, "step": step,
-                                       "path": legacy_name(path, folder)}))
+        out = read_records(self.db, where, params, self.checkpoint_dir)
         state = self.load_scheduler_state()
         if state is not None:
             out.append(("scheduler_state", {"state": state}))
