@@ -42,6 +42,7 @@ from ...optim import build_group, build_plan
 from ...optim.passes import PassManager
 from ...optim.cost import relative_spread
 from ..storage import checkpoint as ckpt
+from ..jobs.measure_lock import paced
 from ...optim.plan import LogicalPlan, PlanModel
 from ...training import to_device as _to_device
 from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, set_training
@@ -348,7 +349,7 @@ class TrainingGroup:
         batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
         if first.batch:  # resuming mid-epoch: every run is at the same position
             batches = itertools.islice(iter(batches), first.batch, None)
-        batches = self._feed(iter(batches))
+        batches = paced(self._feed(iter(batches)))  # (a cost measured here pauses them)
         sync, clock = sync_device if self._measure else (lambda device: None), compute_clock(first.device)
         while True:
             sync(first.device)
