@@ -42,10 +42,9 @@ from ...optim import build_group, build_plan
 from ...optim.passes import PassManager
 from ...optim.cost import relative_spread
 from ..storage import checkpoint as ckpt
-from ..jobs.measure_lock import paced
 from ...optim.plan import LogicalPlan, PlanModel
 from ...training import to_device as _to_device
-from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, set_training
+from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, paced, set_training
 from .compute_clock import compute_clock
 
 __all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
