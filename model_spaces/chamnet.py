@@ -22,8 +22,9 @@ itself. The paper searches ranges of these hyper-parameters; the grids here are 
 Size: stage 1: 3 widths x 2 depths; stages 2-6: 3 x 3 x 3; stage 7: 3 x 2 x 3; times 3
 resolutions: 6 * 27 ** 5 * 18 * 3 = 4,649,045,868 models in both presets (see :func:`size`).
 
-``retiarii nas run chamnet`` searches it with TPE, a surrogate-guided search as ChamNet's is
-(not its Gaussian process and genetic search: a predictor-based strategy is to come).
+``retiarii nas run chamnet`` searches it as the paper does (``retiarii.strategies.ChamNet``):
+a Gaussian process predicts accuracy, a latency lookup table latency, and a genetic search
+proposes the best-predicted model under a latency constraint.
 
 Presets: :func:`paper` is MobileNetV2 1.0's skeleton for 224x224 ImageNet; :func:`small`
 divides widths by 4 (4 ... 80, stem 8, head 64), strides 2 only in stages 2 and 4, for the

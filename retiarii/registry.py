@@ -79,6 +79,8 @@ MULTI_TRIAL = _table(
     Entry("wann", _M + "wann:WANN", (("population_size", 16), ("sample_size", 4))),
     Entry("tpe", _M + "tpe:TPE"),
     Entry("predictor", _M + "predictor:Predictor"),
+    # Dai et al.'s Gaussian process and genetic search; no latency table: unconstrained
+    Entry("chamnet", _M + "chamnet:ChamNet"),
     Entry("progressive", _M + "progressive:Progressive"),
     # a GCN over NAS-Bench-101's cells (the paper's); small rounds for the CLI's budgets
     Entry("neural_predictor", _M + "neural_predictor:NeuralPredictor",

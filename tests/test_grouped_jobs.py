@@ -371,3 +371,38 @@ def test_a_grouped_job_replays_each_model_once(tmp_path, monkeypatch):
     units = _units(Job("g", grouped, meta={"group": True}), grouped, runs, WorkerContext())
     plan_models = {m.trial_id: m.model for m in units[0]._plan.models}
     assert all(plan_models[t] is runs[t].ir for t in HEAD)
+
+
+def test_a_grouped_job_waits_while_a_cost_is_measured(tmp_path, monkeypatch):
+    """The group's batches (grouped, fused, dedicated and measuring groups share this loop)
+    run under the machine's measurement lock: while a measurement holds it, the group's
+    loader has handed out its first batch but no model steps; the steps follow its end."""
+    import threading
+
+    from retiarii.engine.jobs import measure_lock
+
+    monkeypatch.setattr(measure_lock, "_MACHINE", measure_lock.MeasureLock(str(tmp_path)))
+    tasks = [_task(t, tmp_path, stop=1) for t in "ab"]
+    runs = {t.trial_id: _open(t) for t in tasks}
+    plan = plan_group({t: SPACE.replay({"h/head": HEAD[t]}) for t in runs},
+                      runs["a"].trainer.data_key({}), {t: {} for t in runs})
+    group = TrainingGroup(plan, runs, runs["a"].trainer)
+    events, loaded = [], threading.Event()
+    loader = group.trainer.train_dataloader
+
+    def watched(*args, **kwargs):
+        for batch in loader(*args, **kwargs):
+            loaded.set()
+            yield batch
+
+    monkeypatch.setattr(group.trainer, "train_dataloader", watched)
+    runs["a"].model.head.register_forward_pre_hook(lambda m, a: events.append("step"))
+    with measure_lock.MeasureLock(str(tmp_path)).measuring():
+        thread = threading.Thread(target=group.train_epoch)
+        thread.start()
+        assert loaded.wait(120)
+        thread.join(2.0)         # time it would take to step, were the batch not held
+        assert thread.is_alive() and events == []
+        events.append("measured")
+    thread.join(300)
+    assert events[0] == "measured" and events.count("step") > 1

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import toy_spaces  # noqa: E402
 from retiarii.strategies import (  # noqa: E402
-    TPE, BudgetExhausted, GridSearch, PolicyBasedRL, Predictor, Progressive, Random,
+    TPE, BudgetExhausted, ChamNet, GridSearch, PolicyBasedRL, Predictor, Progressive, Random,
     RegularizedEvolution, SpaceExhausted,
 )
 from retiarii.sampler import RandomSampler, ReplaySampler, sample_key  # noqa: E402
@@ -87,6 +87,8 @@ STRATEGIES = {
     "rl": lambda seed, **kw: PolicyBasedRL(seed=seed, **kw),
     "tpe": lambda seed, **kw: TPE(seed=seed, n_startup=5, **kw),
     "predictor": lambda seed, **kw: Predictor(seed=seed, n_startup=5, n_candidates=20, **kw),
+    "chamnet": lambda seed, **kw: ChamNet(seed=seed, n_startup=5, population=8, generations=3,
+                                          **kw),
     "progressive": lambda seed, **kw: Progressive(seed=seed, depth_label="n_paths", beam=3,
                                                   n_candidates=20, **kw),
 }

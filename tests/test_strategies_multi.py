@@ -11,6 +11,7 @@ from retiarii.scalarization import MnasNetReward, WeightedSum, scalarization_fro
 from retiarii.strategies import (
     TPE, GridSearch, PolicyBasedRL, Predictor, Random, RegularizedEvolution,
 )
+from retiarii.sampler import sample_key
 from retiarii.strategies.multi_trial.evolution import crowded_tournament
 from retiarii.strategies.multi_trial.predictor import improvement_order
 from retiarii.strategies.multi_trial.tpe import motpe_split, motpe_weights, reference_point
@@ -324,3 +325,16 @@ def test_motpe_joint_keeps_a_fronts_ends_whole():
     assert TPE(seed=0).config() == TPE(seed=0, multivariate=None).config()
     with pytest.raises(ValueError, match="multivariate"):
         TPE(multivariate="yes")
+
+
+def test_nsga_evolution_keeps_the_front_where_aging_would_drop_its_oldest():
+    """Hand-made: P=2 holds (1, 3) and (3, 1), both on the front; a dominated child joins
+    and is the one that leaves (aging would drop (1, 3)); a child that dominates both
+    leaves them one front behind, tied, and the older of the two leaves."""
+    evo = RegularizedEvolution(2, 1, seed=0)
+    evo.use_objectives(["min", "min"])
+    for i, point in enumerate([(1.0, 3.0), (3.0, 1.0), (4.0, 4.0)]):
+        evo.tell({"op": i}, list(point))
+    assert [k for k, _ in evo._population] == [sample_key({"op": 0}), sample_key({"op": 1})]
+    evo.tell({"op": 3}, [0.5, 0.5])   # dominates both: the older of the two, equal, leaves
+    assert {k for k, _ in evo._population} == {sample_key({"op": 1}), sample_key({"op": 3})}

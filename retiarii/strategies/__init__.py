@@ -20,6 +20,7 @@ from .multi_trial.wann import WANN
 from .multi_trial.rl import PolicyBasedRL
 from .multi_trial.tpe import TPE
 from .multi_trial.predictor import Predictor
+from .multi_trial.chamnet import ChamNet
 from .multi_trial.progressive import Progressive
 from .multi_trial.neural_predictor import NeuralPredictor
 from .one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult

@@ -44,7 +44,7 @@ from ...optim.cost import relative_spread
 from ..storage import checkpoint as ckpt
 from ...optim.plan import LogicalPlan, PlanModel
 from ...training import to_device as _to_device
-from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, set_training
+from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, paced, set_training
 from .compute_clock import compute_clock
 
 __all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
@@ -348,7 +348,7 @@ class TrainingGroup:
         batches: Iterable = self.trainer.train_dataloader(first.hparams, first.epoch)
         if first.batch:  # resuming mid-epoch: every run is at the same position
             batches = itertools.islice(iter(batches), first.batch, None)
-        batches = self._feed(iter(batches))
+        batches = paced(self._feed(iter(batches)))  # (a cost measured here pauses them)
         sync, clock = sync_device if self._measure else (lambda device: None), compute_clock(first.device)
         while True:
             sync(first.device)

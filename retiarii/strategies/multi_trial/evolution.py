@@ -80,8 +80,9 @@ class RegularizedEvolution(Strategy):
     Several objectives (``Experiment(metric=[...], mode=[...])``, :meth:`use_objectives`):
     the tournament compares members as NSGA-II does, by non-dominated rank within the
     population (constraints by Deb's rule: feasible first), then by crowding distance, so the
-    population spreads along the front; aging still removes the oldest. The search's result
-    is its front (:meth:`pareto`).
+    population spreads along the front; and the member that leaves when a child joins is
+    the worst by that comparison (NSGA-II's elitist survival, one child at a time; ties: the
+    oldest) instead of the oldest. The search's result is its front (:meth:`pareto`).
 
     Foreign samples are accepted: ``tell`` of a sample this strategy never proposed (a known
     good architecture, results imported from another run) adds it to the population like a
@@ -174,8 +175,20 @@ class RegularizedEvolution(Strategy):
         return child
 
     def _on_tell(self, key: str, score: float | None) -> None:
-        if score is not None:
-            self._population.append((key, score))
+        if score is None:
+            return
+        if self.objectives is None or len(self._population) < self.population_size:
+            self._population.append((key, score))  # one metric: the oldest dies (aging)
+            return
+        # Several objectives: NSGA-II's survival, steady-state: of the population and the
+        # child, the worst by the crowded comparison leaves (ties: the oldest). Aging here
+        # killed the front's members after P models, so the tournaments no longer drew the
+        # elite NSGA-II breeds from (benchmarks/README.md, #30: +1.5 -> +2.1 s.e. over random)
+        members = [*self._population, (key, score)]
+        keys = nsga_keys([s.point for _, s in members], [s.violation for _, s in members])
+        worst = max(range(len(members)), key=lambda i: (keys[i], -i))
+        self._population = deque((m for i, m in enumerate(members) if i != worst),
+                                 maxlen=self.population_size)
 
     def random_startup(self) -> tuple[int, str] | None:
         return self.population_size, f"population_size={self.population_size}"
