@@ -77,8 +77,9 @@ FUSE_MARGIN = 1.2
 # and backward, and small kernels' poor use of the cores) and pays the concatenations. So it
 # wins where a frozen call does little arithmetic per model: measured (benchmarks/README.md,
 # "Operator batching" and "bfreeze"): MobileNetV2 0.25 at 32 px, 0.95 / 1.9 / 3.8 MFLOP per
-# call and model (16 / 32 / 64 examples), faster than CSE alone by 1.9x / ... ; the 3x3 CNN of
-# benchmarks/batching.py, 17 MFLOP (4 examples) 1.13x faster, 136 MFLOP (32 examples) 0.79-0.86x.
+# call and model (16 / 32 / 64 examples), faster than CSE alone by 1.87x / 1.96x / 1.72x; the
+# 3x3 CNN of benchmarks/batching.py, 17 MFLOP (4 examples) 1.13x, 136 MFLOP (32) 0.79-0.86x:
+# break-even near 39 MFLOP by log interpolation of the CNN's two points, taken a little below.
 BATCH_CPU_CALL_FLOPS = 32e6
 
 
