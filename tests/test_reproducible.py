@@ -122,9 +122,13 @@ def test_step_costs_run_on_meta_tensors_and_move_nothing():
     assert costs.frozen_flops == 2 * 4 * 8 * 8 and costs.flops == 5 * 4 * 8 + 2 * 4 * 8 * 2
 
 
-def test_batching_is_decided_by_the_examples_per_model():
-    assert dm.batching_wins(16, "cpu") and not dm.batching_wins(32, "cpu")
-    assert dm.batching_wins(256, "cuda:0")
+def test_batching_is_decided_by_the_frozen_flops_per_call():
+    """(tests/test_batching_rule.py holds the hand-computed cases.)"""
+    frozen = fx.symbolic_trace(nn.Sequential(nn.Linear(64, 64).requires_grad_(False),
+                                             nn.Linear(64, 10)))
+    small, large = (dm.step_costs(frozen, [torch.zeros(b, 64)]) for b in (32, 10**5))
+    assert dm.batching_wins([small], "cpu") and not dm.batching_wins([large], "cpu")
+    assert dm.batching_wins([large], "cuda:0")
 
 
 def test_compute_is_timed_in_cpu_time_on_a_one_thread_cpu_worker(monkeypatch):

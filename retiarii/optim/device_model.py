@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BATCH_CPU_EXAMPLES", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts",
+__all__ = ["BATCH_CPU_CALL_FLOPS", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts",
            "batching_wins", "predicted_fused_speedup", "step_costs"]
 
 
@@ -72,9 +72,15 @@ DEVICES = {
                         fused_op_s=40e-6, fused_model_s=0.1e-3, fused_rate=30e12),
 }
 FUSE_MARGIN = 1.2
-# Operator batching on a CPU saves per-call work only (benchmarks/README.md, "Operator
-# batching": faster than CSE alone at 4 and 16 examples per model, slower at 32).
-BATCH_CPU_EXAMPLES = 16
+# Operator batching on a CPU computes the same FLOPs as CSE alone (a convolution over K x B
+# examples costs K of B); it saves each batched call's fixed work (K - 1 dispatches, forward
+# and backward, and small kernels' poor use of the cores) and pays the concatenations. So it
+# wins where a frozen call does little arithmetic per model: measured (benchmarks/README.md,
+# "Operator batching" and "bfreeze"): MobileNetV2 0.25 at 32 px, 0.95 / 1.9 / 3.8 MFLOP per
+# call and model (16 / 32 / 64 examples), faster than CSE alone by 1.87x / 1.96x / 1.72x; the
+# 3x3 CNN of benchmarks/batching.py, 17 MFLOP (4 examples) 1.13x, 136 MFLOP (32) 0.79-0.86x:
+# break-even near 39 MFLOP by log interpolation of the CNN's two points, taken a little below.
+BATCH_CPU_CALL_FLOPS = 32e6
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,12 @@ class StepCosts:
     flops: float
     frozen_flops: float
     op_flops: tuple[float, ...] = ()
+    frozen_calls: int = 0  # calls of frozen layers with weights in one forward
+
+    @property
+    def frozen_flops_per_call(self) -> float:
+        """The mean forward FLOPs of one call of a frozen layer with weights (0 without)."""
+        return self.frozen_flops / self.frozen_calls if self.frozen_calls else 0.0
 
 
 def _op(name: str, m: nn.Module) -> str:
@@ -137,7 +149,7 @@ def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
         memo[id(t)] = (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
                        if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
     shadow = copy.deepcopy(model, memo)
-    trainable, frozen = [0.0], [0.0]
+    trainable, frozen, frozen_calls = [0.0], [0.0], [0]
     by_path: dict[str, float] = {}
 
     def hook(module, _args, out, path=""):
@@ -149,6 +161,7 @@ def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
                 by_path[path] = by_path.get(path, 0.0) + flops
             else:
                 frozen[0] += flops
+                frozen_calls[0] += 1
     handles = [m.register_forward_hook(lambda mod, a, o, path=name: hook(mod, a, o, path))
                for name, m in shadow.named_modules()
                if any(True for _ in m.parameters(recurse=False))]
@@ -162,7 +175,8 @@ def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
             h.remove()
     ops = _ops(model)
     return StepCosts(tuple(o for o, _ in ops), trainable[0], frozen[0],
-                     tuple(by_path.get(path, 0.0) if path else 0.0 for _, path in ops))
+                     tuple(by_path.get(path, 0.0) if path else 0.0 for _, path in ops),
+                     frozen_calls[0])
 
 
 def _device(device: Any) -> tuple[DeviceModel, float]:
@@ -215,9 +229,19 @@ def _take(left: Counter, op: str) -> bool:
     return False
 
 
-def batching_wins(examples_per_model: int, device: Any = "cpu") -> bool:
-    """Whether operator batching is taken under ``batching="auto"``: on a GPU always (one
-    kernel for N small batches), on a CPU up to :data:`BATCH_CPU_EXAMPLES` examples per
-    model (it saves per-call work, and pays the concatenations, which grow with the batch)."""
+def batching_wins(costs: Sequence[StepCosts], device: Any = "cpu") -> bool:
+    """Whether operator batching is taken under ``batching="auto"`` for the models of
+    ``costs``: on a GPU always (one kernel for N small batches); on a CPU when their frozen
+    layers with weights do at most :data:`BATCH_CPU_CALL_FLOPS` forward FLOPs per call and
+    model on average (a call's fixed work then weighs more than the concatenations batching
+    pays). Deterministic: shapes decide, never a clock.
+
+    Example::
+
+        batching_wins([step_costs(m, [x]) for m in models], "cpu")   # MobileNetV2 0.25: True
+    """
     kind = torch.device(device).type if not isinstance(device, str) else device.split(":")[0]
-    return kind != "cpu" or examples_per_model <= BATCH_CPU_EXAMPLES
+    if kind != "cpu":
+        return True
+    per_call = [c.frozen_flops_per_call for c in costs if c.frozen_calls]
+    return bool(per_call) and sum(per_call) / len(per_call) <= BATCH_CPU_CALL_FLOPS

@@ -11,8 +11,8 @@ without timing anything, so every run of a seeded search makes the same decision
   choice says (apart or CSE, which time may choose: bit-identical);
 - a pass set ``"auto"`` (``batching``): run when the pass's own test says its plan is worth
   it (``Pass.worth_measuring``: on a CPU, it batches a frozen layer with weights) and the
-  batch holds few enough examples per model (:func:`~retiarii.optim.device_model.
-  batching_wins`);
+  models' frozen layers do little enough work per call for the device
+  (:func:`~retiarii.optim.device_model.batching_wins`, FLOPs from the first batch's shapes);
 - ``"measure"`` is the older rule, handed on as ``"auto"`` to the measuring code
   (layouts.py, measuring.py): chosen by measurement, reverted on evidence.
 
@@ -215,7 +215,12 @@ def _pass_wins(name: str, found: tuple | None, ids: list[str], models: Mapping, 
                data_key: str, settings: Mapping, device: Any) -> bool:
     """Whether pass ``name`` set ``"auto"`` runs: its plan changes something worth it (the
     pass's own test) and the batch is small enough per model for the device."""
-    if found is None or not batching_wins(found[1], device):
+    if found is None:
+        return False
+    try:  # the frozen layers' work per call decides (device_model.batching_wins)
+        if not batching_wins([_costs(t, models, runs, found[0]) for t in ids], device):
+            return False
+    except Exception:  # noqa: BLE001 (a model the meta forward cannot run: not batched)
         return False
     forced = [n for n, v in settings.items() if v is True]
     base = plan_group({t: models[t] for t in ids}, data_key, {t: runs[t].hparams for t in ids},
