@@ -132,8 +132,11 @@ ROWS: tuple[Row, ...] = (
          "a path per batch of the shared weights and learns by REINFORCE"),
     _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
          "model_spaces.nasnet_search", "PolicyBasedRL",
-         _NASNET_NOTE + "; an LSTM controller by policy gradient (the paper: PPO)",
-         variant="the controller learns by REINFORCE, not PPO"),
+         _NASNET_NOTE + "; an LSTM controller learns by PPO, as the paper's: the clipped "
+         "surrogate (epsilon 0.2) over batches of 4 told architectures, 4 epochs each, the "
+         "old policy the one that drew them (the paper: batches of many workers' models, "
+         "20,000 models; here the launcher's budget)",
+         options={"algorithm": "ppo"}),
     _row(4, "amoebanet", "AmoebaNet", "NASNet cell", "regularized evolution",
          "Real et al., AAAI 2019", "model_spaces.nasnet_search", "RegularizedEvolution",
          _NASNET_NOTE + "; aging evolution, each child one hidden-state or op mutation of one "
