@@ -160,9 +160,18 @@ ROWS: tuple[Row, ...] = (
     _row(8, "large_scale_evolution", "Large-Scale Evolution",
          "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017",
          "model_spaces.large_scale_evolution", "RegularizedEvolution",
-         "structural mutations and the learning rate; no weight inheritance",
-         options={"initial": "base"},
-         variant="no weight inheritance"),
+         "the paper's structural mutations (insert/remove a conv, alter channels, kernel, "
+         "stride, insert/remove a skip) and its learning-rate mutation, from the minimal "
+         "network (a linear classifier); weight inheritance as the paper's: each child "
+         "starts from its parent's trained tensors wherever the mutation kept a layer's "
+         "shape, changed layers fresh (RegularizedEvolution(inherit=True), "
+         "engine/trainers/inheritance.py); the paper's selection: two members drawn, the "
+         "worse killed, the better's child joins (RegularizedEvolution(kill=\"worse\", "
+         "sample_size=2)). Scale: a population of 8, the launcher's budget (the paper: "
+         "1000, 250 workers, 25,600 steps per child); the identity and reset-weights "
+         "mutations are left out (an identity would repeat its parent, which the engine "
+         "does not retrain)",
+         options={"initial": "base", "inherit": True, "kill": "worse", "sample_size": 2}),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
          "Tan & Le, ICML 2019", "model_spaces.efficientnet", "PolicyBasedRL",
          "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together",
