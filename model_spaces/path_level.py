@@ -1,38 +1,43 @@
 """Path-level network transformation (Cai et al., "Path-Level Network Transformation for
-Efficient Architecture Search", ICML 2018): an evolving space whose layers grow into trees of
-branches by *replication* and *split*.
+Efficient Architecture Search", ICML 2018): a DenseNet-BC whose 3x3 convolutions become one
+tree-structured cell, grown by the paper's path-level transformations.
 
-The base network is a stem, ``num_layers`` 3x3 conv layers (each a leaf :class:`PathOp`) and
-a classifier. Every step of :class:`PathMutator` (open-ended: while ``"path/grow{i}"`` says
-True) picks a leaf op (``"path/leaf{i}"``) and one transformation (``"path/kind{i}"``)::
+The base network is DenseNet-BC: a 3x3 stem, dense blocks of layers (BN-ReLU-1x1 conv to 4k
+channels, then the *cell*, 4k -> k, its output concatenated to the layer's input), a
+transition between blocks (BN-ReLU-1x1 conv halving the channels, 2x2 average pooling), BN-ReLU,
+global pooling and a classifier. Every layer's cell starts as the 3x3 conv (``["op",
+"conv_3x3"]``) and all cells share one structure, as the paper's searched cell.
 
-    replicate:   a ─▶ op ─▶ b       becomes   a ─┬─▶ op  ─┬─▶ mean ─▶ b     (the "add" node)
-                                                 └─▶ op' ─┘
-    split:       a ─▶ conv(C) ─▶ b  becomes   a ─┬─▶ conv(C/2) ─┬─▶ cat ─▶ b (the "concat"
-                                                 └─▶ conv(C/2) ─┘               node)
-    change_op:   a ─▶ op ─▶ b       becomes   a ─▶ op'' ─▶ b  (``"path/op{i}"``)
+Each step of :class:`CellMutator` (open-ended: while ``"path/grow{i}"`` says True) picks a node
+of the cell's tree (``"path/node{i}"``: ``"r"``, ``"r.0"``, ...), one transformation
+(``"path/kind{i}"``) and, for ``change_op``, the new primitive (``"path/op{i}"``); the trees and
+transformations are :mod:`model_spaces.path_tree`'s::
 
-Replication and split are the paper's function-preserving transformations (with weights
-copied, or divided among the branches, the network computes the same function; here every
-model trains from scratch, so only the structure matters); change_op then makes a branch
-another primitive, as the paper's tree cells allow. Branches can be transformed again, so a
-layer grows into a tree. Primitives: conv 1x1 and 3x3, sep conv 3x3 / 5x5 / 7x7 (each with
-BatchNorm and ReLU), avg and max pool 3x3 and identity (the last three only where a leaf
-keeps its width).
+    replicate:  t            ->  add[t, t]             (replication-add: the branches' mean)
+    split:      op(C)        ->  concat[op(C/2), op(C/2)]   (split-concat of the filters)
+    deepen:     t            ->  seq[t, identity]      (a new node: the tree grows deeper)
+    change_op:  identity     ->  another primitive     (the new edge's operation)
 
-Unbounded space (``size()`` is ``math.inf``). The paper's meta-controller is a tree-structured
-RL agent; the row runs ``PolicyBasedRL`` over the transformation choices. Presets:
-:func:`small` 3 layers of 16 channels; :func:`paper` 6 layers of 64 channels on CIFAR-10
-shapes (the paper transforms DenseNet and PyramidNet cells; this base is a plain
-conv stack).
+So the meta-controller's actions (the row runs ``PolicyBasedRL`` over these choices) are the
+paper's: where to replicate or split (a node's merge scheme, add or concat, and its branches,
+one more per step), where to insert a node, and which operation a new edge takes. The first
+three preserve the network's function when the transformed network takes the original's
+weights (:func:`transfer_network`: copied, or the filters divided); the tests check it.
+Primitives (the paper's): 1x1 and 3x3 conv, 3x3 / 5x5 / 7x7 depthwise-separable conv, 3x3
+average and max pooling, identity.
+
+Unbounded space (``size()`` is ``math.inf``). Presets: :func:`small` k = 8, 2 blocks of 2
+layers (8x8 digits); :func:`paper` DenseNet-BC with k = 12, 3 blocks of 16 layers (L = 100,
+CIFAR-10 shapes), the paper's first base network.
 
 Example::
 
     >>> space = small()
-    >>> model = space.instantiate({"path/grow0": True, "path/leaf0": "layers.1",
+    >>> model = space.instantiate({"path/grow0": True, "path/node0": "r",
     ...                            "path/kind0": "split", "path/grow1": False})
-    >>> sorted(n.name for n in model.graph.nodes if n.name.startswith("path_0"))
-    ['path_0_branch', 'path_0_merge']
+    >>> sorted({n.op.spec["args"][0][0] for n in model.graph.nodes
+    ...         if n.kind == "module" and n.op.spec["cls"].endswith(":Cell")})
+    ['concat']
 """
 from __future__ import annotations
 
@@ -40,132 +45,122 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii import ops
+from model_spaces.path_tree import PRIMITIVES, Tree, apply, kinds, nodes, transfer
 
-PRIMITIVES = ("conv_3x3", "conv_1x1", "sep_conv_3x3", "sep_conv_5x5", "sep_conv_7x7",
-              "avg_pool_3x3", "max_pool_3x3", "identity")
-WIDTH_KEEPING = ("avg_pool_3x3", "max_pool_3x3", "identity")
-KINDS = ("replicate", "split", "change_op")
+BASE_CELL = ["op", "conv_3x3"]
 
 
 @rt.leaf
-class PathOp(nn.Module):
-    """One primitive: (B, C_in, H, W) -> (B, C_out, H, W)."""
+class Cell(nn.Module):
+    """The tree-structured cell: (B, C_in, H, W) -> (B, C_out, H, W)."""
 
-    def __init__(self, name: str, c_in: int, c_out: int):
+    def __init__(self, tree: list, c_in: int, c_out: int):
         super().__init__()
-        if name in WIDTH_KEEPING and c_in != c_out:
-            raise ValueError(f"{name} keeps the width; got {c_in} -> {c_out} channels")
-        if name.startswith("sep_conv_"):
-            k = int(name[-1])
-            self.op = nn.Sequential(nn.Conv2d(c_in, c_in, k, padding=k // 2, groups=c_in,
-                                              bias=False),
-                                    nn.Conv2d(c_in, c_out, 1, bias=False),
-                                    nn.BatchNorm2d(c_out), nn.ReLU())
-        elif name.startswith("conv_"):
-            k = int(name[-1])
-            self.op = nn.Sequential(nn.Conv2d(c_in, c_out, k, padding=k // 2, bias=False),
-                                    nn.BatchNorm2d(c_out), nn.ReLU())
-        elif name == "avg_pool_3x3":
-            self.op = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
-        elif name == "max_pool_3x3":
-            self.op = nn.MaxPool2d(3, 1, 1)
-        else:
-            self.op = nn.Identity()
+        self.tree = Tree(tree, c_in, c_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x)
+        return self.tree(x)
 
 
-class ConvStack(nn.Module):
-    """Stem, ``num_layers`` conv 3x3 leaves (max pooling after every third), classifier."""
+class DenseLayer(nn.Module):
+    """BN-ReLU-1x1 conv (4k), the cell (4k -> k), concatenated: (B, C, H, W) -> (B, C+k, H, W)."""
 
-    def __init__(self, channels: int, num_layers: int, in_channels: int, num_classes: int):
+    def __init__(self, c_in: int, growth: int):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(channels), nn.ReLU())
-        layers = []
-        for i in range(num_layers):
-            layers.append(PathOp("conv_3x3", channels, channels))
-            if i % 3 == 2 and i < num_layers - 1:
-                layers.append(nn.MaxPool2d(2, 2))
-        self.layers = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(channels, num_classes)
+        self.bn = nn.BatchNorm2d(c_in)
+        self.relu = nn.ReLU()
+        self.bottleneck = nn.Conv2d(c_in, 4 * growth, 1, bias=False)
+        self.cell = Cell(BASE_CELL, 4 * growth, growth)
 
     def forward(self, x):
-        return self.fc(self.pool(self.layers(self.stem(x))).flatten(1))
+        return torch.cat([x, self.cell(self.bottleneck(self.relu(self.bn(x))))], dim=1)
 
 
-class PathMutator(rt.Mutator):
-    """Replication, split and op changes of leaf ops, one per step (module docstring)."""
+class DenseNetBC(nn.Module):
+    """Stem, ``blocks`` dense blocks of ``layers`` layers with transitions, classifier."""
+
+    def __init__(self, growth: int, blocks: int, layers: int, in_channels: int,
+                 num_classes: int):
+        super().__init__()
+        c = 2 * growth
+        parts: list[nn.Module] = [nn.Conv2d(in_channels, c, 3, padding=1, bias=False)]
+        for b in range(blocks):
+            for _ in range(layers):
+                parts.append(DenseLayer(c, growth))
+                c += growth
+            if b < blocks - 1:  # transition: half the channels, half the resolution
+                parts += [nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c // 2, 1, bias=False),
+                          nn.AvgPool2d(2)]
+                c //= 2
+        self.features = nn.Sequential(*parts, nn.BatchNorm2d(c), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.pool(self.features(x)).flatten(1))
+
+
+class CellMutator(rt.Mutator):
+    """The path-level transformations of the shared cell, one per step (module docstring)."""
 
     open_ended = True
 
     def __init__(self):
         super().__init__("path")
 
-    def _leaves(self) -> dict:
-        return {n.name: n for n in self.graph.nodes if n.kind == "module" and n.op.spec
-                and n.op.spec["cls"].endswith(":PathOp")}
-
-    @staticmethod
-    def _args(node) -> tuple[str, int, int]:
-        name, c_in, c_out = node.op.spec["args"]
-        return name, c_in, c_out
-
-    def _kinds(self, node) -> list[str]:
-        name, _, c_out = self._args(node)
-        can_split = name not in WIDTH_KEEPING and c_out >= 2
-        return [k for k in KINDS if k != "split" or can_split]
-
-    def _branches(self, i: int, node, ops_: list, merge: nn.Module) -> None:
-        """``node`` becomes the first of ``ops_`` and a new node the second, both reading
-        ``node``'s input, merged by ``merge`` into what ``node`` fed."""
-        users = self.graph.out_edges(node)
-        src = node.inputs[0]
-        self.replace(node, ops_[0])
-        branch = self.create_node(f"path_{i}_branch", ops_[1])
-        total = self.create_node(f"path_{i}_merge", merge)
-        self.connect(src, branch)
-        for user, port in users:
-            self.connect(total, user, port)
-        self.connect(node, total)
-        self.connect(branch, total)
+    def _cells(self) -> list:
+        return [n for n in self.graph.nodes if n.kind == "module" and n.op.spec
+                and n.op.spec["cls"].endswith(":Cell")]
 
     def mutate(self, targets):
-        i = 0
+        cells = self._cells()
+        growth = cells[0].op.spec["args"][2]  # every cell: 4k -> k channels
+        tree, i = BASE_CELL, 0
         while self.choose([False, True], label=f"path/grow{i}"):
-            node = self.choose(self._leaves(), label=f"path/leaf{i}")
-            kind = self.choose(self._kinds(node), label=f"path/kind{i}")
-            name, c_in, c_out = self._args(node)
-            if kind == "replicate":
-                self._branches(i, node, [PathOp(name, c_in, c_out)] * 2, ops.Mean())
-            elif kind == "split":
-                half = c_out // 2
-                self._branches(i, node, [PathOp(name, c_in, half),
-                                         PathOp(name, c_in, c_out - half)], ops.Concat())
-            else:
-                options = [p for p in PRIMITIVES if p != name and
-                           (c_in == c_out or p not in WIDTH_KEEPING)]
-                self.replace(node, PathOp(self.choose(options, label=f"path/op{i}"), c_in,
-                                          c_out))
+            path = self.choose(list(nodes(tree)), label=f"path/node{i}")
+            kind = self.choose(kinds(tree, path, growth), label=f"path/kind{i}")
+            op = self.choose([p for p in PRIMITIVES if p != "identity"],
+                             label=f"path/op{i}") if kind == "change_op" else None
+            tree = apply(tree, path, kind, growth, op)
             i += 1
+        if i:  # every layer's cell takes the new structure, at that layer's widths
+            for cell in cells:
+                _, c_in, c_out = cell.op.spec["args"]
+                self.replace(cell, Cell(tree, c_in, c_out))
 
 
-def path_level_space(channels: int, num_layers: int, in_channels: int = 3,
+def transfer_network(old: nn.Module, new: nn.Module, path: str, kind: str) -> None:
+    """Give ``new`` (the network after ``kind`` at ``path`` of its cell) ``old``'s weights:
+    every cell through :func:`model_spaces.path_tree.transfer`, every other tensor by name.
+    For replicate, split and deepen, ``new`` then computes ``old``'s function."""
+    old_cells = {n: m for n, m in old.named_modules() if isinstance(m, Cell)}
+    new_cells = {n: m for n, m in new.named_modules() if isinstance(m, Cell)}
+    if old_cells.keys() != new_cells.keys():
+        raise ValueError(f"the networks' cells differ: {sorted(old_cells)} vs "
+                         f"{sorted(new_cells)}")
+    for name, cell in new_cells.items():
+        transfer(old_cells[name].tree, cell.tree, path, kind)
+    old_state = old.state_dict()
+    inside = tuple(f"{name}." for name in new_cells)
+    with torch.no_grad():
+        for name, tensor in new.state_dict().items():
+            if not name.startswith(inside):
+                tensor.copy_(old_state[name])
+
+
+def path_level_space(growth: int, blocks: int, layers: int, in_channels: int = 3,
                      num_classes: int = 10, image_size: int = 32) -> rt.ModelSpace:
     """The path-level space; see the module docstring."""
-    return rt.ModelSpace(ConvStack(channels, num_layers, in_channels, num_classes),
-                         [PathMutator()],
+    return rt.ModelSpace(DenseNetBC(growth, blocks, layers, in_channels, num_classes),
+                         [CellMutator()],
                          example_input=torch.zeros(1, in_channels, image_size, image_size))
 
 
 def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8) -> rt.ModelSpace:
-    """3 layers of 16 channels."""
-    return path_level_space(16, 3, in_channels, num_classes, image_size)
+    """k = 8, 2 dense blocks of 2 layers."""
+    return path_level_space(8, 2, 2, in_channels, num_classes, image_size)
 
 
 def paper(in_channels: int = 3, num_classes: int = 10, image_size: int = 32) -> rt.ModelSpace:
-    """6 layers of 64 channels (max pooling after the third)."""
-    return path_level_space(64, 6, in_channels, num_classes, image_size)
+    """DenseNet-BC (L = 100, k = 12): 3 dense blocks of 16 layers."""
+    return path_level_space(12, 3, 16, in_channels, num_classes, image_size)

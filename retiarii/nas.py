@@ -132,8 +132,11 @@ ROWS: tuple[Row, ...] = (
          "a path per batch of the shared weights and learns by REINFORCE"),
     _row(3, "nasnet", "NASNet", "NASNet cell", "RL", "Zoph et al., CVPR 2018",
          "model_spaces.nasnet_search", "PolicyBasedRL",
-         _NASNET_NOTE + "; an LSTM controller by policy gradient (the paper: PPO)",
-         variant="the controller learns by REINFORCE, not PPO"),
+         _NASNET_NOTE + "; an LSTM controller learns by PPO, as the paper's: the clipped "
+         "surrogate (epsilon 0.2) over batches of 4 told architectures, 4 epochs each, the "
+         "old policy the one that drew them (the paper: batches of many workers' models, "
+         "20,000 models; here the launcher's budget)",
+         options={"algorithm": "ppo"}),
     _row(4, "amoebanet", "AmoebaNet", "NASNet cell", "regularized evolution",
          "Real et al., AAAI 2019", "model_spaces.nasnet_search", "RegularizedEvolution",
          _NASNET_NOTE + "; aging evolution, each child one hidden-state or op mutation of one "
@@ -150,16 +153,34 @@ ROWS: tuple[Row, ...] = (
          "is scored over the shared weights [-2, -1, -0.5, 0.5, 1, 2] (WANNTrainer) and "
          "ranked by non-dominated fronts over (mean accuracy, connections) in 80% of the "
          "tournaments, (mean, max accuracy) in 20%, crowding distance within a front"),
-    _row(7, "path_level", "Path-level NAS", "evolving by replication and split", "RL",
+    _row(7, "path_level", "Path-level NAS",
+         "DenseNet-BC tree cells grown by replication and split", "RL",
          "Cai et al., ICML 2018", "model_spaces.path_level", "PolicyBasedRL",
-         "a plain conv stack transformed (the paper: DenseNet, PyramidNet cells)",
-         variant="a plain conv stack transformed, not the paper's cells"),
+         "DenseNet-BC whose 3x3 convs become one shared tree-structured cell, grown by the "
+         "paper's path-level transformations (replication-add, split-concat, a node inserted "
+         "with an identity edge, a new edge's op; model_spaces/path_tree.py), chosen by an "
+         "LSTM controller by REINFORCE (the paper: a tree-structured LSTM meta-controller "
+         "deciding per node); the transformations preserve the function "
+         "(path_level.transfer_network, tested), but each sampled network trains from "
+         "scratch (the paper: from the start network's weights). Scale: k=8, 2 blocks of 2 "
+         "layers (the paper: DenseNet-BC L=100, k=12; PyramidNet too)",
+         variant="sampled networks train from scratch, not from the start network's "
+                 "weights; a chain LSTM, not the paper's tree-structured controller"),
     _row(8, "large_scale_evolution", "Large-Scale Evolution",
          "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017",
          "model_spaces.large_scale_evolution", "RegularizedEvolution",
-         "structural mutations and the learning rate; no weight inheritance",
-         options={"initial": "base"},
-         variant="no weight inheritance"),
+         "the paper's structural mutations (insert/remove a conv, alter channels, kernel, "
+         "stride, insert/remove a skip) and its learning-rate mutation, from the minimal "
+         "network (a linear classifier); weight inheritance as the paper's: each child "
+         "starts from its parent's trained tensors wherever the mutation kept a layer's "
+         "shape, changed layers fresh (RegularizedEvolution(inherit=True), "
+         "engine/trainers/inheritance.py); the paper's selection: two members drawn, the "
+         "worse killed, the better's child joins (RegularizedEvolution(kill=\"worse\", "
+         "sample_size=2)). Scale: a population of 8, the launcher's budget (the paper: "
+         "1000, 250 workers, 25,600 steps per child); the identity and reset-weights "
+         "mutations are left out (an identity would repeat its parent, which the engine "
+         "does not retrain)",
+         options={"initial": "base", "inherit": True, "kill": "worse", "sample_size": 2}),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
          "Tan & Le, ICML 2019", "model_spaces.efficientnet", "PolicyBasedRL",
          "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together",

@@ -260,10 +260,24 @@ class Proposals:
                 config["costs"] = costs
             if self.deterministic:  # its worker trains it in deterministic mode
                 config["deterministic"] = True
+            if parent is not None and getattr(self.strategy, "inherit_weights", False):
+                donor = self._latest_checkpoint(self._model_of.get(sample_key(parent)))
+                if donor is not None:  # starts from the parent's tensors that fit
+                    config["inherit"] = donor
             frozen = self.space.frozen_fingerprint()
             if frozen is not None:  # the worker checks its frozen values are the driver's
                 config["frozen"] = frozen
             return config
+        return None
+
+    def _latest_checkpoint(self, model_id: int | None) -> str | None:
+        """The latest checkpoint name of the trial that trained model ``model_id`` (None: no
+        such trial here, or it left none: a child of it then starts fresh)."""
+        if self.runner is None or model_id is None:
+            return None
+        for trial in self.runner.trials.values():
+            if trial.config.get("model_id") == model_id and trial.checkpoints:
+                return trial.checkpoints[max(trial.checkpoints)]
         return None
 
     def estimate(self, model) -> dict | None:

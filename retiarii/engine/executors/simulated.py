@@ -324,6 +324,8 @@ class SimulatedExecutor(Executor):
 
     def _resume_state(self, task: TrialTask) -> tuple[str | None, Any]:
         """(why the task cannot start, or None; the model state it starts from)."""
+        if task.spec.get("inherit") and task.start_step == 0:
+            return None, None  # a child inheriting weights: its results are the table's
         if task.checkpoint_in is not None:
             rec = self.checkpoints.get(task.checkpoint_in)
             if rec is None:

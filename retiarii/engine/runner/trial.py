@@ -60,12 +60,14 @@ class Trial:
 
     def resume_point(self) -> tuple[int, str | None]:
         """(step, checkpoint name) the next segment starts from: its own latest checkpoint, else
-        the donor's, else a fresh start."""
+        the donor's, else its parent's when its spec inherits (step 0), else a fresh start."""
         if self.checkpoints:
             step = max(self.checkpoints)
             return step, self.checkpoints[step]
         if self.donor is not None:
             return int(self.parent_step or 0), self.donor
+        if self.config.get("inherit"):  # a child starting from its parent's tensors that fit
+            return 0, self.config["inherit"]  # (engine/trainers/inheritance.py)
         return 0, None
 
     def to_record(self) -> dict[str, Any]:

@@ -169,12 +169,20 @@ def _open_task(task: TrialTask, context: WorkerContext):
         built["model"], module = space.build_with_model(sample, **build_kwargs)
         return module
 
+    # A child's first segment starts from its parent's checkpoint (the trial's donor) with
+    # only the tensors that fit (engine/trainers/inheritance.py), not resumed from it.
+    inherit = bool(spec.get("inherit")) and task.start_step == 0 and task.checkpoint_in
+    checkpoint = None if inherit else task.checkpoint_in
     run = TrialRun(build, trainer, spec.get("hparams") or {},
-                   seed=int(spec.get("seed") or 0), checkpoint=task.checkpoint_in,
+                   seed=int(spec.get("seed") or 0), checkpoint=checkpoint,
                    trial_id=task.trial_id)
+    if inherit:
+        from ..trainers.inheritance import inherit_from
+
+        inherit_from(run, task.checkpoint_in)
     # The IR the module was emitted from: grouped jobs plan on it (no second replay).
     run.ir = built.get("model")
-    check_segment(run, task.start_step, task.stop_step, task.checkpoint_in)
+    check_segment(run, task.start_step, task.stop_step, checkpoint)
     return run
 
 

@@ -111,16 +111,38 @@ class RegularizedEvolution(Strategy):
             (default 5: the paper's ratio S/P = 25/100).
         initial: ``"random"`` (default: random models until the population is full) or
             ``"base"`` (the base model, then its children; see above).
+        kill: ``"oldest"`` (default: aging, Regularized Evolution's rule) or ``"worse"``
+            (Large-Scale Evolution's, Real et al. 2017: a proposal's tournament also kills
+            its worst contestant, the better reproduces, and nothing ages; the population
+            refills with the children as they are told, and the tournament kills no more
+            while only ``sample_size`` members are left).
+        inherit: each child starts training from its parent's trained weights, every
+            parameter and buffer whose name and shape the mutation left unchanged (the
+            engine's weight inheritance, Large-Scale Evolution's; changed layers start
+            fresh, and the child trains its full budget from there). Default False: every
+            model trains from scratch (Regularized Evolution's rule).
         seed: seeds the generator (equal seeds, equal searches in any process).
         mode, dedup, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
     """
 
     accepts_foreign = True
     multi_objective = True
+    # children start from their parents' trained tensors that fit (the driver reads it:
+    # engine/trainers/inheritance.py); set by inherit=
+    inherit_weights = False
 
     def __init__(self, population_size: int = 20, sample_size: int = 5, *,
-                 initial: str = "random", seed: int | None = None, **common: Any):
+                 initial: str = "random", kill: str = "oldest", inherit: bool = False,
+                 seed: int | None = None, **common: Any):
         super().__init__(seed=seed, **common)
+        if kill not in ("oldest", "worse"):
+            raise ValueError(f"RegularizedEvolution: kill must be 'oldest' or 'worse', got "
+                             f"{kill!r}")
+        self.kill = kill
+        if not isinstance(inherit, bool):
+            raise ValueError(f"RegularizedEvolution: inherit must be True or False, got "
+                             f"{inherit!r}")
+        self.inherit_weights = inherit
         if initial not in ("random", "base"):
             raise ValueError(f"RegularizedEvolution: initial must be 'random' or 'base', got "
                              f"{initial!r}")
@@ -133,20 +155,56 @@ class RegularizedEvolution(Strategy):
                              f"[1, population_size={population_size}], got {sample_size!r}")
         self.population_size = population_size
         self.sample_size = sample_size
-        # (sample key, score), oldest first; deque(maxlen) drops the oldest on append.
-        self._population: deque[tuple[str, float]] = deque(maxlen=population_size)
+        # (sample key, score), oldest first; deque(maxlen) drops the oldest on append (with
+        # kill="worse" tournaments remove members instead: no maxlen)
+        self._population: deque[tuple[str, float]] = deque(maxlen=self._maxlen())
+        self._grown = False  # kill="worse": the population was full once (tournaments began)
+        self._doomed: str | None = None  # kill="worse": the loser of the pending tournament
+
+    def _maxlen(self) -> int | None:
+        return self.population_size if self.kill == "oldest" else None
 
     def _propose(self, space: Any) -> Draw:
-        if len(self._population) < self.population_size:
+        if len(self._population) < self.population_size and not self._grown:
             if self.initial == "base":
                 return self._from_base(space)
             return self._random_draw(space)
+        if self.kill == "worse":
+            return self._mutate(space, self._pair_tournament())
         if self.objectives is not None:
             parent_key = crowded_tournament(list(self._population), self.sample_size,
                                             self._rng)
         else:
             parent_key = tournament(list(self._population), self.sample_size, self._rng)
         return self._mutate(space, parent_key)
+
+    def _pair_tournament(self) -> str:
+        """Large-Scale Evolution's tournament: ``sample_size`` members drawn (the paper: 2),
+        the best reproduces and the worst is killed (kept while only ``sample_size`` are
+        left); returns the parent's key."""
+        self._grown = True
+        members = list(self._population)
+        contestants = self._rng.sample(members, min(self.sample_size, len(members)))
+        if self.objectives is not None:  # NSGA-II's crowded comparison, as crowded_tournament
+            keys = nsga_keys([s.point for _, s in members], [s.violation for _, s in members])
+            rank = {m[0]: keys[i] for i, m in enumerate(members)}
+            parent = min(contestants, key=lambda m: rank[m[0]])[0]
+            loser = max(contestants, key=lambda m: rank[m[0]])[0]
+        else:  # max() / min() keep the first of equal scores: seeded order
+            parent = max(contestants, key=lambda m: m[1])[0]
+            loser = min(contestants, key=lambda m: m[1])[0]
+        # killed once ask() accepts the child (a duplicate child is drawn again, with a new
+        # tournament: only the accepted one's loser dies)
+        self._doomed = loser if len(members) > self.sample_size and loser != parent else None
+        return parent
+
+    def ask(self, space: Any) -> dict:
+        self._doomed = None
+        sample = super().ask(space)
+        if self._doomed is not None:
+            self._population = deque(m for m in self._population if m[0] != self._doomed)
+            self._doomed = None
+        return sample
 
     def _from_base(self, space: Any) -> Draw:
         """The base model (every choice's first candidate), then children of it."""
@@ -198,18 +256,24 @@ class RegularizedEvolution(Strategy):
                   "sample_size": self.sample_size}
         if self.initial != "random":  # (states saved before the option existed still load)
             config["initial"] = self.initial
+        if self.inherit_weights:
+            config["inherit"] = True
+        if self.kill != "oldest":
+            config["kill"] = self.kill
         return config
 
     def _state(self) -> dict:
+        grown = {"grown": True} if self._grown else {}  # (kill="worse" only)
         if self.objectives is not None:  # [key, point, violation]
             return {"population": [[k, list(s.point), s.violation]
-                                   for k, s in self._population]}
-        return {"population": [list(member) for member in self._population]}
+                                   for k, s in self._population], **grown}
+        return {"population": [list(member) for member in self._population], **grown}
 
     def _load_state(self, state: dict) -> None:
         if self.objectives is not None:
             members = ((m[0], Scored(tuple(m[1]), m[2])) for m in state["population"])
         else:
             members = ((k, s) for k, s in state["population"])
-        self._population = deque(members, maxlen=self.population_size)
+        self._population = deque(members, maxlen=self._maxlen())
+        self._grown = bool(state.get("grown", False))
 

@@ -1,6 +1,6 @@
 """Policy-based RL: an LSTM controller emits the choices one by one and learns with REINFORCE
-and a moving-average baseline (Zoph & Le, ICLR 2017, whose controller NASNet reuses; Pham et
-al., ENAS, ICML 2018)."""
+and a moving-average baseline (Zoph & Le, ICLR 2017; Pham et al., ENAS, ICML 2018), or with
+PPO over batches of architectures (NASNet, Zoph et al., CVPR 2018: ppo.py)."""
 from __future__ import annotations
 
 import base64
@@ -13,10 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...sampler import ReplaySampler, index_of
+from ...sampler import ReplaySampler, index_of, sample_key
 from ...scalarization import MnasNetReward, WeightedSum
 from ...threads import one_thread
 from .base import Draw, Strategy, draw
+from .ppo import ppo_update
+
+ALGORITHMS = ("reinforce", "ppo")
 
 
 def _uniform_(tensor: torch.Tensor, seed: int, scale: float) -> torch.Tensor:
@@ -94,6 +97,7 @@ class _ControllerSampler:
     def __init__(self, rl: "PolicyBasedRL"):
         self.rl = rl
         self.x, self.state = rl._controller.initial()
+        self.log_prob = 0.0  # of the choices made so far, under the policy that draws them
 
     def choose(self, label: str, candidates: list, context: dict) -> int:
         rl = self.rl
@@ -102,6 +106,7 @@ class _ControllerSampler:
             self.state, logp = rl._controller.step(self.x, self.state, head, rl.tanh_constant)
             probs = logp.exp().tolist()
             index = rl._rng.choices(range(len(candidates)), weights=probs)[0]
+            self.log_prob += float(logp[index])
             self.x = rl._controller.feed(head, index)
         return index
 
@@ -172,8 +177,19 @@ class PolicyBasedRL(Strategy):
         >>> s.probability(Space(), best) > before
         True
 
+    PPO (``algorithm="ppo"``, NASNet's controller update): each proposal keeps its
+    log-probability under the policy that drew it; told models gather with their advantages
+    (``(r - b) / sigma`` as above) until ``ppo_batch`` of them are told, then ``ppo_epochs``
+    Adam steps over the batch lower the clipped surrogate of :mod:`.ppo`
+    (``clip``: PPO's epsilon), and the batch is dropped.
+
     Args:
         seed: seeds the weights and the sampling (equal seeds, equal searches in any process).
+        algorithm: ``"reinforce"`` (default: one step per told model) or ``"ppo"``.
+        ppo_batch: PPO: told models per update (NASNet's controller: a batch of sampled
+            architectures; 4 fits the launcher's budgets of tens of models).
+        ppo_epochs: PPO: steps over each batch (the PPO paper: a few epochs over its data).
+        clip: PPO's epsilon (the PPO paper's 0.2).
         hidden_size: LSTM width; 32 is plenty for spaces of tens of choices and CPU-fast
             (ENAS uses 100 for 100+ decisions).
         learning_rate: Adam's step; higher than ENAS's 3.5e-4 because a search here trains the
@@ -191,7 +207,9 @@ class PolicyBasedRL(Strategy):
         mode, dedup, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
     """
 
-    def __init__(self, *, seed: int | None = None, hidden_size: int = 32,
+    def __init__(self, *, seed: int | None = None, algorithm: str = "reinforce",
+                 ppo_batch: int = 4, ppo_epochs: int = 4, clip: float = 0.2,
+                 hidden_size: int = 32,
                  learning_rate: float = 0.01, baseline_decay: float = 0.9,
                  entropy_weight: float = 1e-3, tanh_constant: float | None = 2.5,
                  init_scale: float = 0.1, reward: MnasNetReward | WeightedSum | None = None,
@@ -201,6 +219,20 @@ class PolicyBasedRL(Strategy):
             raise ValueError(f"PolicyBasedRL: reward must be a MnasNetReward or a WeightedSum "
                              f"(retiarii.scalarization), got {reward!r}")
         self.reward = reward
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"PolicyBasedRL: algorithm must be one of {ALGORITHMS}, "
+                             f"got {algorithm!r}")
+        for name, value in [("ppo_batch", ppo_batch), ("ppo_epochs", ppo_epochs)]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PolicyBasedRL: {name} must be a positive int, got {value!r}")
+        if not 0 < clip < 1:
+            raise ValueError(f"PolicyBasedRL: clip must be in (0, 1), got {clip!r}")
+        self.algorithm, self.ppo_batch, self.ppo_epochs, self.clip = \
+            algorithm, ppo_batch, ppo_epochs, clip
+        # PPO: sample key -> its log-probability when drawn (the old policy), while pending;
+        # and the told batch so far as [key, advantage]
+        self._old_log_prob: dict[str, float] = {}
+        self._batch: list[list] = []
         # several objectives only with a reward that makes them one number
         self.multi_objective = reward is not None
         for name, value in [("hidden_size", hidden_size), ("learning_rate", learning_rate),
@@ -261,8 +293,12 @@ class PolicyBasedRL(Strategy):
     # -- the strategy hooks -------------------------------------------------------------------
 
     def _propose(self, space: Any) -> Draw:
+        sampler = _ControllerSampler(self)
         with one_thread():
-            return draw(space, _ControllerSampler(self))
+            proposal = draw(space, sampler)
+        if self.algorithm == "ppo":
+            self._old_log_prob[sample_key(proposal.sample)] = sampler.log_prob
+        return proposal
 
     def use_objectives(self, modes, names=None) -> None:
         if self.reward is None:
@@ -301,6 +337,11 @@ class PolicyBasedRL(Strategy):
             self._spread = decay * self._spread + (1 - decay) * advantage ** 2
         if self._spread > 0:
             advantage /= math.sqrt(self._spread)
+        if self.algorithm == "ppo":
+            self._batch.append([key, advantage])
+            if len(self._batch) >= self.ppo_batch:
+                self._ppo_step()
+            return
         with one_thread():
             log_prob, entropy = self._log_prob(self._trace(key), self._records[key].sample)
             loss = -advantage * log_prob - self.entropy_weight * entropy
@@ -308,9 +349,31 @@ class PolicyBasedRL(Strategy):
             loss.backward()
             self._optimizer.step()
 
+    def _ppo_step(self) -> None:
+        """PPO's epochs over the told batch (ppo.py), then the batch is dropped."""
+        keys = [key for key, _ in self._batch]
+        old = []
+        with torch.no_grad(), one_thread():
+            for key in keys:  # a sample never drawn here (foreign): the current policy's
+                if key not in self._old_log_prob:
+                    self._old_log_prob[key] = float(
+                        self._log_prob(self._trace(key), self._records[key].sample)[0])
+                old.append(self._old_log_prob[key])
+        with one_thread():
+            ppo_update(lambda i: self._log_prob(self._trace(keys[i]),
+                                                self._records[keys[i]].sample),
+                       old, [a for _, a in self._batch], self._optimizer,
+                       epochs=self.ppo_epochs, clip=self.clip,
+                       entropy_weight=self.entropy_weight)
+        for key in keys:
+            self._old_log_prob.pop(key, None)
+        self._batch = []
+
     def random_startup(self) -> tuple[int, str] | None:
         # its policy moves from the first result; what runs before it (the experiment's first
-        # batch) is drawn from the initial, near-uniform policy
+        # batch) is drawn from the initial, near-uniform policy; PPO's from its first batch
+        if self.algorithm == "ppo":
+            return self.ppo_batch, f"ppo_batch={self.ppo_batch}"
         return 0, "its first result"
 
     def config(self) -> dict:
@@ -318,6 +381,10 @@ class PolicyBasedRL(Strategy):
                 "learning_rate": self.learning_rate, "baseline_decay": self.baseline_decay,
                 "entropy_weight": self.entropy_weight, "tanh_constant": self.tanh_constant,
                 "init_scale": self.init_scale,
+                # (PPO's settings only with PPO: states saved before it existed still load)
+                **({"algorithm": "ppo", "ppo_batch": self.ppo_batch,
+                    "ppo_epochs": self.ppo_epochs, "clip": self.clip}
+                   if self.algorithm == "ppo" else {}),
                 # (left out without a reward: states saved before it existed still load)
                 **({"reward": self.reward.to_json()} if self.reward is not None else {})}
 
@@ -329,6 +396,8 @@ class PolicyBasedRL(Strategy):
             "optimizer": _tensors_to_json(self._optimizer.state_dict()),
             "baseline": self._baseline,
             "spread": self._spread,
+            **({"old_log_prob": self._old_log_prob, "batch": self._batch}
+               if self.algorithm == "ppo" else {}),
         }
 
     def _load_state(self, state: dict) -> None:
@@ -349,4 +418,6 @@ class PolicyBasedRL(Strategy):
         })
         self._baseline = state["baseline"]
         self._spread = state["spread"]
+        self._old_log_prob = dict(state.get("old_log_prob", {}))
+        self._batch = [list(member) for member in state.get("batch", [])]
 

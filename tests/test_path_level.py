@@ -1,0 +1,102 @@
+"""Path-level NAS (Cai et al., ICML 2018): the DenseNet-BC base, the tree cell's transformations,
+and their function-preserving property where the paper claims it (replication-add, split-concat,
+a node inserted with an identity edge); a new edge's operation changes the function."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_spaces import path_level as pl
+from model_spaces import path_tree as pt
+from retiarii import nas
+
+
+def _randomize_batchnorm(net: torch.nn.Module, seed: int) -> None:
+    """Trained-looking statistics and affine weights: a transfer that dropped or misplaced a
+    BatchNorm channel would show in the outputs (fresh ones are all 0 / 1)."""
+    g = torch.Generator().manual_seed(seed)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            n = m.num_features
+            m.running_mean.copy_(torch.rand(n, generator=g) - 0.5)
+            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
+            m.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
+            m.bias.data.copy_(torch.rand(n, generator=g) - 0.5)
+
+
+STEPS = [("r", "split", None), ("r.1", "replicate", None), ("r.0", "deepen", None),
+         ("r.1.0", "split", None), ("r.0.1", "change_op", "sep_conv_3x3")]
+
+
+def _sample(steps) -> dict:
+    sample = {}
+    for i, (path, kind, op) in enumerate(steps):
+        sample.update({f"path/grow{i}": True, f"path/node{i}": path, f"path/kind{i}": kind})
+        if op is not None:
+            sample[f"path/op{i}"] = op
+    sample[f"path/grow{len(steps)}"] = False
+    return sample
+
+
+def test_replication_split_and_deepening_preserve_the_networks_function():
+    space = nas.build_space("path_level", "small")
+    torch.manual_seed(0)
+    old = space.build(_sample([]))
+    _randomize_batchnorm(old, 0)
+    x = torch.randn(4, 1, 8, 8)
+    for n, (path, kind, op) in enumerate(STEPS, start=1):
+        new = space.build(_sample(STEPS[:n]))  # the emitted network of the transformed space
+        pl.transfer_network(old, new, path, kind)
+        old.eval(), new.eval()
+        with torch.no_grad():
+            before, after = old(x), new(x)
+        if kind == "change_op":  # a new edge's operation: fresh weights, another function
+            assert not torch.allclose(before, after, atol=1e-3)
+        else:
+            torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+        old = new
+
+
+def test_split_divides_the_filters_and_their_batchnorm_channels_in_order():
+    old = pt.Tree(["op", "conv_3x3"], 4, 5)
+    _randomize_batchnorm(old, 1)
+    new = pt.Tree(pt.apply(["op", "conv_3x3"], "r", "split", 5), 4, 5)
+    pt.transfer(old, new, "r", "split")
+    w = old.parts[0].op[0].weight  # (5, 4, 3, 3)
+    a, b = new.parts[0].parts[0].op[0].weight, new.parts[1].parts[0].op[0].weight
+    assert (a.shape[0], b.shape[0]) == (3, 2)  # split_sizes(5, 2)
+    assert torch.equal(torch.cat([a, b]), w)
+    mean = old.parts[0].op[1].running_mean
+    assert torch.equal(torch.cat([new.parts[i].parts[0].op[1].running_mean for i in (0, 1)]),
+                       mean)
+
+
+def test_the_transformations_apply_where_the_paper_defines_them():
+    tree = pl.BASE_CELL
+    assert pt.kinds(tree, "r", 8) == ["replicate", "split", "deepen"]  # no op change: a conv
+    assert pt.kinds(tree, "r", 1) == ["replicate", "deepen"]  # one filter: no split
+    tree = pt.apply(tree, "r", "deepen", 8)
+    assert tree == ["seq", [["op", "conv_3x3"], ["op", "identity"]]]
+    assert pt.kinds(tree, "r.1", 8) == ["replicate", "deepen", "change_op"]  # an identity
+    assert list(pt.nodes(tree)) == ["r", "r.0", "r.1"]
+    with pytest.raises(ValueError, match="change_op does not apply"):
+        pt.apply(tree, "r.0", "change_op", 8, "conv_1x1")
+
+
+def test_every_layer_shares_the_cell_and_the_row_runs_rl_over_the_transformations():
+    from retiarii.strategies import PolicyBasedRL
+
+    space = nas.build_space("path_level", "small")
+    model = space.instantiate(_sample(STEPS[:2]))
+    cells = [n.op.spec["args"] for n in model.graph.nodes
+             if n.kind == "module" and n.op.spec and n.op.spec["cls"].endswith(":Cell")]
+    assert len(cells) == 4 and all(c[0] == cells[0][0] for c in cells)  # one structure
+    assert cells[0][0] == ["concat", [["op", "conv_3x3"], ["add", [["op", "conv_3x3"]] * 2]]]
+    rl = nas.strategy("path_level", seed=0)
+    assert isinstance(rl, PolicyBasedRL)
+    labels = set()
+    for _ in range(6):
+        sample = rl.ask(space)
+        labels |= {k.rstrip("0123456789") for k in sample}
+        rl.tell(sample, 0.5)
+    assert labels <= {"path/grow", "path/node", "path/kind", "path/op"}
