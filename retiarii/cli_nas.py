@@ -86,7 +86,8 @@ def _retrain(store: str, search: int, settings: dict, epochs: int) -> None:
     try:
         result = nas_retrain.retrain_selected(
             store, search, settings["name"], settings["preset"], epochs,
-            settings.get("workers") or 2, settings.get("seed", 0), progress=Progress(None))
+            settings.get("workers") or 2, settings.get("seed", 0),
+            deterministic=bool(settings.get("deterministic")), progress=Progress(None))
     except ValueError as err:
         raise CliError(str(err)) from None
     print(file=sys.stderr)

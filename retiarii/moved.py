@@ -26,7 +26,7 @@ import importlib.machinery
 import sys
 from typing import Any
 
-__all__ = ["MOVED", "current_name", "current_ref", "current_refs", "install"]
+__all__ = ["MOVED", "current_name", "current_ref", "current_refs", "install", "package_getattr"]
 
 # old dotted module name -> new dotted module name (``retiarii.`` left out)
 _TABLE = {
@@ -157,6 +157,19 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 _FINDER = _Finder()
+
+
+def package_getattr(package: str):
+    """A module ``__getattr__`` (PEP 562) for ``package`` that answers an old submodule name
+    with its moved module, so ``rt.engine.experiment.ExperimentError`` keeps working as an
+    attribute, as it did when the package imported that submodule itself. A package calls it
+    once: ``__getattr__ = package_getattr(__name__)``."""
+    def moved_attribute(name: str):
+        new = MOVED.get(f"{package}.{name}")
+        if new is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return importlib.import_module(new)
+    return moved_attribute
 
 
 def install() -> None:

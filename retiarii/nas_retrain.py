@@ -127,6 +127,8 @@ def retrain_experiment(settings: dict, **kwargs: Any):
     name = settings["name"]
     trainer = ClassifierTrainer(dataset="digits",
                                 **recipe(name).trainer_settings(settings["retrain_epochs"]))
+    if settings.get("deterministic"):  # as its search ran (--deterministic)
+        kwargs.setdefault("deterministic", True)
     return Experiment(f"retiarii.nas:SPACES.{name}.{settings['preset']}",
                       FixedArchitecture(settings["sample"], seed=settings["seed"]), trainer,
                       store=settings["store"], workers=settings["workers"],
@@ -170,13 +172,16 @@ def finish(settings: dict, retrain_summary: dict | None = None) -> NasResult:
 
 def retrain_selected(store: str, search_experiment: int, name: str, preset: str = "small",
                      retrain_epochs: int = DEFAULT_RETRAIN_EPOCHS, workers: int = 2,
-                     seed: int = 0, **kwargs: Any) -> NasResult:
-    """Retrain what search ``search_experiment`` of ``store`` selected, then report both."""
+                     seed: int = 0, deterministic: bool = False, **kwargs: Any) -> NasResult:
+    """Retrain what search ``search_experiment`` of ``store`` selected, then report both
+    (``deterministic``: in deterministic mode, as the search ran)."""
     model_id, sample, value = selected_model(store, search_experiment)
     settings = {"name": name, "preset": preset, "store": store,
                 "search_experiment": search_experiment, "model": model_id, "sample": sample,
                 "value": value, "retrain_epochs": retrain_epochs, "workers": workers,
                 "seed": seed}
+    if deterministic:  # recorded only when on: a resume rebuilds from these settings
+        settings["deterministic"] = True
     exp = retrain_experiment(settings, **kwargs)
     summary = exp.run()
     return finish(settings, summary)
@@ -208,4 +213,5 @@ def search_and_retrain(name: str, preset: str = "small", max_models: int | None 
                          **kwargs)
     exp.run()
     return retrain_selected(exp.path, exp.store.experiment_id, name, preset, retrain_epochs,
-                            workers, seed, **(retrain_kwargs or {}))
+                            workers, seed, deterministic=bool(kwargs.get("deterministic")),
+                            **(retrain_kwargs or {}))

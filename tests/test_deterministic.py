@@ -267,7 +267,8 @@ def test_cli_run_deterministic_and_resume_keeps_it(tmp_path, capsys, in_process)
 def test_cli_nas_run_deterministic_and_resume_keeps_it(tmp_path, capsys, in_process):
     db = str(tmp_path / "nas.db")
     assert main(["nas", "run", "amoebanet", "--max-models", "1", "--epochs", "1",
-                 "--store", db, "--deterministic"]) == 0, capsys.readouterr().err
+                 "--retrain-epochs", "0", "--store", db, "--deterministic"]) == 0, \
+        capsys.readouterr().err
     config = _config(db)
     assert config["deterministic"] is True and config["origin"]["nas"]["deterministic"] is True
     # resume rebuilds the row's experiment with the flag (else: "differs ... deterministic")
@@ -276,6 +277,16 @@ def test_cli_nas_run_deterministic_and_resume_keeps_it(tmp_path, capsys, in_proc
         store.use_experiment(store.experiments()[-1]["id"])
         assert len(store.trials()) == 2
         assert all(t["spec"]["deterministic"] is True for t in store.trials())
+
+
+def test_the_retraining_of_a_deterministic_nas_run_is_deterministic_too(tmp_path):
+    from retiarii import nas_retrain
+
+    settings = {"name": "amoebanet", "preset": "small", "store": str(tmp_path / "r.db"),
+                "search_experiment": 1, "model": 1, "sample": {}, "value": None,
+                "retrain_epochs": 1, "workers": 1, "seed": 0}
+    assert not nas_retrain.retrain_experiment(settings).deterministic
+    assert nas_retrain.retrain_experiment({**settings, "deterministic": True}).deterministic
 
 
 def _probe_rank(rank, world, group):

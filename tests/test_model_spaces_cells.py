@@ -342,14 +342,18 @@ def test_wann_has_one_shared_weight_read_by_every_connection():
 def test_evolution_rows_start_from_the_base_model(name):
     strategy = nas.strategy(name, seed=0)
     assert isinstance(strategy, RegularizedEvolution) and strategy.initial == "base"
+    good, bad = 0.5, 0.1
+    if name == "wann":  # WANN ranks by its three objectives (mean, connections, max)
+        strategy.use_objectives(("max", "min", "max"), ("val_acc", "connections", "val_acc_max"))
+        good, bad = (0.5, 3, 0.6), (0.1, 5, 0.2)
     space = nas.build_space(name, "small")
     first = strategy.ask(space)
     assert first == space.default_sample()
-    strategy.tell(first, 0.5)
+    strategy.tell(first, good)
     for _ in range(3):  # children of the base: one choice away
         child = strategy.ask(space)
         space.instantiate(child)
-        strategy.tell(child, 0.1)
+        strategy.tell(child, bad)
 
 
 # ---- the predictor rows --------------------------------------------------------------------------

@@ -93,3 +93,18 @@ def test_a_store_written_with_old_references_resumes(tmp_path):
         (config,) = con.execute("SELECT config FROM experiments").fetchone()
     assert json.loads(config)["strategy"]["class"] == "retiarii.strategies.random_search:Random"
     assert summary
+
+
+def test_old_submodule_names_are_attributes_of_their_packages_in_a_fresh_interpreter():
+    """``rt.engine.experiment.ExperimentError`` worked when the package imported the module
+    itself; it still does, with no import statement naming the old path."""
+    code = ("import retiarii as rt\n"
+            "assert rt.engine.experiment.ExperimentError is rt.ExperimentError\n"
+            "assert rt.strategies.evolution.RegularizedEvolution is "
+            "rt.strategies.RegularizedEvolution\n"
+            "assert rt.engine.executors.base.Job is rt.engine.jobs.job.Job\n"
+            "try:\n    rt.engine.no_such_module\nexcept AttributeError as e:\n"
+            "    assert 'no_such_module' in str(e)\nelse:\n    raise SystemExit('no error')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr

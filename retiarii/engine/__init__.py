@@ -9,3 +9,7 @@ from .trainers.trainer import ClassifierConfig, ClassifierTrainer, Trainer
 from .trainers.image_trainer import ImageFolderConfig, ImageFolderTrainer
 from .trainers.trial_training import TrainingError, TrialRun
 from .driver.experiment import EnvironmentFailure, Experiment, ExperimentError, SearchFailed
+
+from ..moved import package_getattr
+
+__getattr__ = package_getattr(__name__)  # old submodule names as attributes (retiarii/moved.py)

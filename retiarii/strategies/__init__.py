@@ -33,3 +33,7 @@ from .one_shot.single_path import SinglePathNAS
 from .one_shot.once_for_all import OnceForAll
 from .one_shot.enas import ENAS
 from .one_shot.weight_sharing import WeightSharing
+
+from ..moved import package_getattr
+
+__getattr__ = package_getattr(__name__)  # old submodule names as attributes (retiarii/moved.py)

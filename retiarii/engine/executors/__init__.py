@@ -4,3 +4,7 @@ from ..jobs.job import (
     TrialTask,
 )
 from .local import LocalExecutor
+
+from ...moved import package_getattr
+
+__getattr__ = package_getattr(__name__)  # old submodule names as attributes (retiarii/moved.py)
