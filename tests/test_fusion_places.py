@@ -223,3 +223,16 @@ def test_a_killed_fused_search_resumes_to_the_uninterrupted_one(tmp_path):
     ex.after = None
     exp().resume()
     assert o._curves(db) == whole
+
+
+def test_each_separate_place_costs_its_gather_and_scatter():
+    """A model differing at three separate layers pays three places; a run of differing
+    layers (a bottleneck) is one place; weightless differences are no place."""
+    assert dm._places([False, True, False, True, False, True], [1, 1, 1, 1, 1, 1]) == 3
+    assert dm._places([False, True, True, False], [1, 1, 1, 1]) == 1
+    assert dm._places([True, False], [0.0, 1]) == 0  # an activation: PerModelPointwise
+    one = dm.StepCosts(("a:L", "b:L", "c:L", "d:L"), 4e6, 0.0, (1e6,) * 4)
+    many = dm.StepCosts(("a:L", "b:L2", "c:L", "d:L2"), 4e6, 0.0, (1e6,) * 4)
+    few = dm.StepCosts(("a:L", "b:L2", "c:L", "d:L"), 4e6, 0.0, (1e6,) * 4)
+    # differing at two places predicts less than at one, with the same FLOPs apart
+    assert dm.predicted_fused_speedup([one, many]) < dm.predicted_fused_speedup([one, few])
