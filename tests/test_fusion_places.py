@@ -177,20 +177,29 @@ def _close(got, want):
                 [v for _, v in points], rel=1e-4), (key, name)
 
 
-def test_a_default_search_choosing_a_layer_at_one_place_fuses(tmp_path):
+def test_a_default_search_choosing_a_layer_at_one_place_is_fused_only_on_request(tmp_path):
+    """On a CPU the device model does not fuse models that differ at a place with weights
+    (measured slower there): the default trains them unfused; fuse=True fuses them, within
+    the fused tolerance, reproducibly."""
+    off = o._curves(_search(tmp_path, "off", optimize=False))
     auto = o._curves(_search(tmp_path, "auto"))
-    rows = o._plans(tmp_path / "auto.db")
+    assert not [u for r in o._plans(tmp_path / "auto.db") for u in r["units"] if u.get("fused")]
+    # train_loss bit for bit; a grouped job's val_loss was seen 2e-7 off under load (a
+    # reduction order of the grouped evaluation, to find: the session note says so)
+    assert {k: v[1]["train_loss"] for k, v in auto.items()} == \
+        {k: v[1]["train_loss"] for k, v in off.items()}
+    _close(auto, off)
+    forced = o._curves(_search(tmp_path, "on", fuse=True))
+    rows = o._plans(tmp_path / "on.db")
     fused = [u for r in rows for u in r["units"] if u.get("fused")]
     assert fused and max(len(u["trials"]) for u in fused) >= 3  # architectures fuse together
-    from retiarii.engine.plans import PlanTable
-    from retiarii.engine.store import Store
-    with Store(tmp_path / "auto.db") as store:  # what `retiarii status` prints
+    from retiarii.engine.storage.plans_table import PlanTable
+    from retiarii.engine.storage.store import Store
+    with Store(tmp_path / "on.db") as store:  # what `retiarii status` prints
         store.use_experiment(store.experiments()[-1]["id"])
-        summary = PlanTable(store).summary()
-    assert summary["fused_trials"] == 6
-    assert any(line.endswith(", fused") for line in summary["predicted"]), summary["predicted"]
-    _close(auto, o._curves(_search(tmp_path, "off", optimize=False)))
-    assert o._curves(_search(tmp_path, "again")) == auto  # reproducible, bit for bit
+        assert PlanTable(store).summary()["fused_trials"] == 6
+    _close(forced, off)
+    assert o._curves(_search(tmp_path, "again", fuse=True)) == forced  # reproducible
 
 
 class _Stops(InProcessExecutor):
@@ -235,4 +244,7 @@ def test_each_separate_place_costs_its_gather_and_scatter():
     many = dm.StepCosts(("a:L", "b:L2", "c:L", "d:L2"), 4e6, 0.0, (1e6,) * 4)
     few = dm.StepCosts(("a:L", "b:L2", "c:L", "d:L"), 4e6, 0.0, (1e6,) * 4)
     # differing at two places predicts less than at one, with the same FLOPs apart
-    assert dm.predicted_fused_speedup([one, many]) < dm.predicted_fused_speedup([one, few])
+    gpu = dm.predicted_fused_speedup
+    assert gpu([one, many], "cuda") < gpu([one, few], "cuda")
+    # on a CPU, models differing at a place with weights are never predicted to gain
+    assert dm.predicted_fused_speedup([one, few], "cpu") <= 1.0

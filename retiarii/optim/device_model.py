@@ -60,6 +60,11 @@ class DeviceModel:
     fused_op_s: float    # one fused operation (K models), forward and backward
     fused_model_s: float  # per model and step in a fused unit: its loss, its proxy
     fused_rate: float    # FLOP/s of the fused layers
+    # whether models that differ at places with weights (per-model layers on slices of the
+    # fused batch) may be predicted to gain: not on a CPU, where workload (d)'s MnasNet-like
+    # space measured 0.70-0.79x fused in whole searches (benchmarks/README.md) and no such
+    # family was measured faster
+    fuses_places: bool = True
 
 
 # Fitted to benchmarks/fusion.py's MLPs (64-W-W-10, Adam, batch 128, one thread) at widths
@@ -67,7 +72,8 @@ class DeviceModel:
 # from the H100 figures of the same benchmark (16 MLPs 6.45x, 16 small CNNs 7.54x).
 DEVICES = {
     "cpu": DeviceModel(op_s=0.12e-3, model_s=0.45e-3, rate=45e9,
-                       fused_op_s=0.2e-3, fused_model_s=0.33e-3, fused_rate=40e9),
+                       fused_op_s=0.2e-3, fused_model_s=0.33e-3, fused_rate=40e9,
+                       fuses_places=False),
     "cuda": DeviceModel(op_s=30e-6, model_s=0.3e-3, rate=30e12,
                         fused_op_s=40e-6, fused_model_s=0.1e-3, fused_rate=30e12),
 }
@@ -219,6 +225,8 @@ def predicted_fused_speedup(costs: Sequence[StepCosts], device: Any = "cpu") -> 
     fused = ((sum(common.values()) + len(weightless) + 2 * places) * dev.fused_op_s
              + k * dev.fused_model_s + own_s
              + (sum(3 * c.flops + c.frozen_flops for c in costs) - 3 * own_flops) / fused_rate)
+    if places and not dev.fuses_places:
+        return min(apart / fused, 1.0)
     return apart / fused
 
 
