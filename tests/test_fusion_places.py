@@ -179,15 +179,14 @@ def _close(got, want):
 
 def test_a_default_search_choosing_a_layer_at_one_place_is_fused_only_on_request(tmp_path):
     """On a CPU the device model does not fuse models that differ at a place with weights
-    (measured slower there): the default trains them unfused; fuse=True fuses them, within
-    the fused tolerance, reproducibly."""
+    (measured slower there): the default fuses at most one architecture's models (its two
+    learning rates), reproducibly; fuse=True fuses the architectures, within the fused
+    tolerance."""
     off = o._curves(_search(tmp_path, "off", optimize=False))
     auto = o._curves(_search(tmp_path, "auto"))
-    assert not [u for r in o._plans(tmp_path / "auto.db") for u in r["units"] if u.get("fused")]
-    # train_loss bit for bit; a grouped job's val_loss was seen 2e-7 off under load (a
-    # reduction order of the grouped evaluation, to find: the session note says so)
-    assert {k: v[1]["train_loss"] for k, v in auto.items()} == \
-        {k: v[1]["train_loss"] for k, v in off.items()}
+    # at most one architecture's two learning rates fuse: never two architectures
+    units = [u for r in o._plans(tmp_path / "auto.db") for u in r["units"] if u.get("fused")]
+    assert all(len(u["trials"]) <= 2 for u in units), units
     _close(auto, off)
     forced = o._curves(_search(tmp_path, "on", fuse=True))
     rows = o._plans(tmp_path / "on.db")
@@ -199,7 +198,7 @@ def test_a_default_search_choosing_a_layer_at_one_place_is_fused_only_on_request
         store.use_experiment(store.experiments()[-1]["id"])
         assert PlanTable(store).summary()["fused_trials"] == 6
     _close(forced, off)
-    assert o._curves(_search(tmp_path, "again", fuse=True)) == forced  # reproducible
+    assert o._curves(_search(tmp_path, "again")) == auto  # the default: reproducible
 
 
 class _Stops(InProcessExecutor):

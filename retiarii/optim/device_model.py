@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BATCH_CPU_CALL_FLOPS", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts",
+__all__ = ["BATCH_CPU_CALL_FLOPS", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts", "fuses_places",
            "batching_wins", "predicted_fused_speedup", "step_costs"]
 
 
@@ -242,6 +242,12 @@ def _places(own: Sequence[bool], flops: Sequence[float]) -> int:
         elif inside:
             count, inside, run_weighted = count + run_weighted, False, False
     return count
+
+
+def fuses_places(device: Any) -> bool:
+    """Whether the device model may predict a gain for models that differ at places with
+    weights on ``device`` (see :class:`DeviceModel`)."""
+    return _device(device)[0].fuses_places
 
 
 def _take(left: Counter, op: str) -> bool:

@@ -34,7 +34,7 @@ def fusion_key(model: Model) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
-def fusion_family(model: Model) -> str:
+def fusion_family(model: Model, places: bool = True) -> str:
     """Models with equal families may fuse: :func:`fusion_key` except that
 
     - a weightless element-wise layer (an activation module: ``nn.ReLU``, ``nn.GELU``,
@@ -49,9 +49,10 @@ def fusion_family(model: Model) -> str:
 
     Every node outside the places keeps its operation (every layer's shape) and inputs, and
     its parameter names. Whether the places give values of one shape is checked on the
-    modules when fusing (``segments_fit``).
+    modules when fusing (``segments_fit``). ``places=False``: activations only (a device
+    where models differing at places never fuse: no tracing is spent on finding them).
     """
-    mutated = model.changed_ops() | model.created()
+    mutated = (model.changed_ops() | model.created()) if places else set()
     boundary: dict[int, frozenset] = {}  # a mutated node -> the outside values its place reads
 
     def pointwise(op: dict) -> bool:

@@ -43,10 +43,11 @@ from ..trainers.trial_training import TrialRun
 __all__ = ["FusedGroup", "fusable_sets", "fused_backward", "fused_step", "fused_unit"]
 
 
-def fusable_sets(models: Mapping[str, Any], excluded: Iterable[str] = ()) -> list[tuple[str, ...]]:
+def fusable_sets(models: Mapping[str, Any], excluded: Iterable[str] = (),
+                 places: bool = True) -> list[tuple[str, ...]]:
     """The trials that may train fused: two or more with an equal :func:`fusion_family`
-    (one architecture, or architectures differing in their activations only), in input
-    order; ``excluded`` trials (fusion reverted for them) never fuse.
+    (one architecture, or architectures differing in their activations or, with ``places``,
+    at places), in input order; ``excluded`` trials (fusion reverted for them) never fuse.
 
     Example::
 
@@ -57,7 +58,7 @@ def fusable_sets(models: Mapping[str, Any], excluded: Iterable[str] = ()) -> lis
     family: dict[str, str] = {}  # one architecture, one family (whatever its history)
     for trial, model in models.items():
         if trial not in skip:
-            key = family.setdefault(fusion_key(model), fusion_family(model))
+            key = family.setdefault(fusion_key(model), fusion_family(model, places))
             out.setdefault(key, []).append(trial)
     return [tuple(ids) for ids in out.values() if len(ids) > 1]
 

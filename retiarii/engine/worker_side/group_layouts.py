@@ -39,6 +39,7 @@ import torch
 
 from ...optim import fusion_key
 from ...optim.cost import Layout, choose_layout, probe_speedups
+from ...optim.device_model import fuses_places
 from ...optim.passes import LayoutPasses, PassManager, get_pass
 from ...rng import swapped_in
 from ..storage import checkpoint as ckpt
@@ -322,7 +323,10 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     """
     passes = job_passes(told)
     device = device_label(runs[ids[0]].device)
-    fusable = (fusable_sets({t: models[t] for t in ids}, told.unfused)
+    # under "auto" on a device where models differing at places never fuse (a CPU), their
+    # families are not formed: finding places costs a trace of every model per job
+    places = told.fuse != "auto" or fuses_places(runs[ids[0]].device)
+    fusable = (fusable_sets({t: models[t] for t in ids}, told.unfused, places)
                if told.fuse in ("auto", "measure", True) else [])
     # fusion and batching under "auto": the device model's decision (layout_model.py)
     resolved = resolve(told.fuse, fusable, passes, ids, models, runs, trainer, data_key)
