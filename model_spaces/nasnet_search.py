@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from retiarii import ops
+
+from .pnas import PNASCell, PNASNet
 
 OP_NAMES = ("identity", "conv_1x3_3x1", "conv_1x7_7x1", "dil_conv_3x3", "avg_pool_3x3",
             "max_pool_3x3", "max_pool_5x5", "max_pool_7x7", "conv_1x1", "conv_3x3",
@@ -114,64 +115,19 @@ class NASNetOp(nn.Module):
         return self.op(x)
 
 
-def preprocess(c: int, stride: int) -> nn.Module:
-    """ReLU, lazy 1x1 conv (the previous cell's width depends on its unused blocks), BN;
-    traced through, so the conv's size settles per model (its output node is ``.2``)."""
-    return nn.Sequential(nn.ReLU(), nn.LazyConv2d(c, 1, stride=stride, bias=False),
-                         nn.BatchNorm2d(c))
-
-
-class NASNetCell(nn.Module):
+class NASNetCell(PNASCell):
     """The base cell: block i = sep_conv_3x3(pre0) + sep_conv_3x3(pre1), every block in the
-    output: (h0, h1) -> (B, 5C, H', W'). ``reduction_prev``: h0 is at twice h1's size."""
+    output: (h0, h1) -> (B, 5C, H', W') (PNAS's cell over NASNet's ops and 5 blocks)."""
 
-    def __init__(self, c: int, reduction: bool, reduction_prev: bool):
-        super().__init__()
-        self.pre0 = preprocess(c, 2 if reduction_prev else 1)
-        self.pre1 = preprocess(c, 1)
-        stride = 2 if reduction else 1
-        for i in range(BLOCKS):
-            setattr(self, f"b{i}_a", NASNetOp("sep_conv_3x3", c, stride))
-            setattr(self, f"b{i}_b", NASNetOp("sep_conv_3x3", c, stride))
-            setattr(self, f"b{i}", ops.Sum())
-        self.out = ops.Concat()
-
-    def forward(self, h0, h1):
-        h0, h1 = self.pre0(h0), self.pre1(h1)
-        return self.out(*(getattr(self, f"b{i}")(getattr(self, f"b{i}_a")(h0),
-                                                 getattr(self, f"b{i}_b")(h1))
-                          for i in range(BLOCKS)))
+    OP = NASNetOp
+    BLOCKS = BLOCKS
 
 
-class NASNet(nn.Module):
+class NASNet(PNASNet):
     """Stem, 3 stacks of ``n`` normal cells with a reduction cell between stacks (channels
     doubled), global pooling, lazy classifier; ``kinds``: (channels, reduction) per cell."""
 
-    def __init__(self, channels: int, n: int, in_channels: int, num_classes: int):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(channels))
-        self.cells = nn.ModuleList()
-        self.kinds: list[tuple[int, bool]] = []
-        c, reduction_prev = channels, False
-        for stack in range(3):
-            if stack > 0:
-                c *= 2
-                self.cells.append(NASNetCell(c, True, reduction_prev))
-                self.kinds.append((c, True))
-                reduction_prev = True
-            for _ in range(n):
-                self.cells.append(NASNetCell(c, False, reduction_prev))
-                self.kinds.append((c, False))
-                reduction_prev = False
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.LazyLinear(num_classes)
-
-    def forward(self, x):
-        h0 = h1 = self.stem(x)
-        for cell in self.cells:
-            h0, h1 = h1, cell(h0, h1)
-        return self.fc(self.pool(h1).flatten(1))  # (B, C', 1, 1) -> (B, num_classes)
+    CELL = NASNetCell
 
 
 def unused(genotype: list[tuple[int, str, int, str]]) -> list[int]:

@@ -96,16 +96,21 @@ through, so the conv's size settles per model (its output node is ``"{name}.2"``
 
 class PNASCell(nn.Module):
     """Every block present, block k = sep_conv_3x3(s0) + sep_conv_3x3(s1): (s0, s1) ->
-    (B, 5C, H', W'). ``reduction_prev``: s0 is at twice s1's resolution."""
+    (B, 5C, H', W'). ``reduction_prev``: s0 is at twice s1's resolution. ``OP`` and
+    ``BLOCKS``: the op module and the block count (NASNet's cell sets its own,
+    model_spaces/nasnet_search.py)."""
+
+    OP: type = PNASOp
+    BLOCKS = MAX_BLOCKS
 
     def __init__(self, c: int, reduction: bool, reduction_prev: bool):
         super().__init__()
         self.pre0 = preprocess(c, 2 if reduction_prev else 1)
         self.pre1 = preprocess(c, 1)
         stride = 2 if reduction else 1
-        for k in range(MAX_BLOCKS):
-            setattr(self, f"b{k}_a", PNASOp("sep_conv_3x3", c, stride))
-            setattr(self, f"b{k}_b", PNASOp("sep_conv_3x3", c, stride))
+        for k in range(self.BLOCKS):
+            setattr(self, f"b{k}_a", self.OP("sep_conv_3x3", c, stride))
+            setattr(self, f"b{k}_b", self.OP("sep_conv_3x3", c, stride))
             setattr(self, f"b{k}", ops.Sum())
         self.out = ops.Concat()
 
@@ -113,12 +118,14 @@ class PNASCell(nn.Module):
         s0, s1 = self.pre0(s0), self.pre1(s1)
         return self.out(*(getattr(self, f"b{k}")(getattr(self, f"b{k}_a")(s0),
                                                  getattr(self, f"b{k}_b")(s1))
-                          for k in range(MAX_BLOCKS)))
+                          for k in range(self.BLOCKS)))
 
 
 class PNASNet(nn.Module):
     """Stem, 3 stacks of ``cells_per_stack`` cells with a reduction cell between stacks
-    (channels doubled), global pooling, lazy classifier."""
+    (channels doubled), global pooling, lazy classifier; ``CELL``: the cell module."""
+
+    CELL: type = PNASCell
 
     def __init__(self, channels: int, cells_per_stack: int, in_channels: int,
                  num_classes: int):
@@ -131,11 +138,11 @@ class PNASNet(nn.Module):
         for stack in range(3):
             if stack > 0:
                 c *= 2
-                self.cells.append(PNASCell(c, True, reduction_prev))
+                self.cells.append(self.CELL(c, True, reduction_prev))
                 self.kinds.append((c, True))
                 reduction_prev = True
             for _ in range(cells_per_stack):
-                self.cells.append(PNASCell(c, False, reduction_prev))
+                self.cells.append(self.CELL(c, False, reduction_prev))
                 self.kinds.append((c, False))
                 reduction_prev = False
         self.pool = nn.AdaptiveAvgPool2d(1)
