@@ -175,3 +175,21 @@ def _children(pid: int) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def test_the_worker_server_starts_with_sigint_blocked():
+    """Deterministic form of the Ctrl-C race above: the server's interpreter must start with
+    SIGINT blocked. multiprocessing's resource tracker, started inside our block, unblocked it
+    on its way out, so the server's exec ran open to a Ctrl-C (CI saw the traceback once)."""
+    import subprocess
+    import sys
+
+    probe = ("from multiprocessing import forkserver\n"
+             "from retiarii.engine.executors.warm import worker_context\n"
+             "worker_context()\n"
+             "pid = forkserver._forkserver._forkserver_pid\n"
+             "status = open(f'/proc/{pid}/status').read()\n"
+             "print([l for l in status.splitlines() if l.startswith('SigBlk')][0].split()[1])\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.strip()
+    assert int(out, 16) & (1 << 1), f"the server's blocked signals {out} lack SIGINT"

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
-import threading
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 import os
 from typing import Any, Callable
 
@@ -68,14 +67,16 @@ def worker_context(method: str = "forkserver") -> Any:
     # blocked while it starts (the mask survives its exec): Python's server ignores Ctrl-C only
     # after its preload, so a Ctrl-C during those seconds printed its traceback into the
     # user's terminal. Workers ignore SIGINT themselves (local.py): Ctrl-C is the driver's.
-    if threading.current_thread() is threading.main_thread():
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            forkserver.ensure_running()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    else:  # only the main thread gets SIGINT
+    # multiprocessing's resource tracker is started first, on its own: its start *unblocks*
+    # SIGINT when done (it does not restore the mask it found), which left the server's exec
+    # open to a Ctrl-C when both started inside our block. The mask is the calling thread's,
+    # so it is set whichever thread starts the server.
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
         forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return ctx
 
 
