@@ -185,7 +185,6 @@ MAX_LINES = 500
 OVER = {"retiarii.engine.worker_side.measuring_group": 613,
         "retiarii.strategies.multi_trial.base": 605,
         "retiarii.engine.worker_side.training_group": 589,
-        "retiarii.optim.relax": 516,
         "retiarii.engine.executors.ray": 533,
         "retiarii.engine.executors.local": 520,
         "retiarii.optim.mixed_parallel": 519}
