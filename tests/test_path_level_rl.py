@@ -200,3 +200,34 @@ def test_the_row_runs_the_tree_controller():
     assert nas.get("path_level").runs_with == "PathLevelRL"
     assert nas.get("path_level").status == "faithful"
     assert isinstance(nas.strategy("path_level", seed=0), plrl.PathLevelRL)
+
+
+def test_an_in_process_search_trains_the_start_network_then_inheriting_children(tmp_path):
+    from engine_helpers import InProcessExecutor
+
+    from retiarii.engine.storage.store import Store
+
+    db = str(tmp_path / "pl.db")
+    nas.experiment("path_level", max_models=3, epochs=1, store=db, seed=0, fuse=False,
+                   batch_models=1, executor=InProcessExecutor()).run()
+    with Store(db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        models = {m["id"]: m for m in store.models()}
+        trials = store.trials()
+    start = [m for m in models.values() if m["sample"] == plrl.START]
+    assert len(start) == 1 and start[0]["parent"] is None
+    children = [t for t in trials if models[t["model_id"]]["parent"] is not None]
+    assert len(children) == 2
+    assert all(models[t["model_id"]]["parent"] == start[0]["id"] and t["spec"].get("inherit")
+               for t in children)  # each from the start network's checkpoint
+    assert all(m["value"] is not None for m in models.values())
+
+
+@pytest.mark.slow
+def test_nas_run_path_level_end_to_end(tmp_path, capsys):
+    from retiarii.cli import main
+
+    db = str(tmp_path / "pl.db")
+    assert main(["nas", "run", "path_level", "--max-models", "3", "--epochs", "1",
+                 "--workers", "1", "--retrain-epochs", "0", "--store", db]) == 0
+    assert "path_level" in capsys.readouterr().out

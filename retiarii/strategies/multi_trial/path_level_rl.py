@@ -13,7 +13,7 @@ from model_spaces.path_tree import PRIMITIVES, apply, kinds, node
 from ...sampler import ReplaySampler, sample_key
 from ...threads import one_thread
 from .base import Draw, SpaceExhausted, draw
-from .rl import PolicyBasedRL, _tensor_from_json, _tensors_to_json
+from .rl import PolicyBasedRL, tensor_from_json, tensors_to_json
 from .tree_lstm import Heads, TreeLSTM
 
 ACTIONS = ("none", "replicate", "split", "deepen", "change_op")
@@ -238,19 +238,19 @@ class PathLevelRL(PolicyBasedRL):
 
     def _state(self) -> dict:
         return {"seed": self._seed, "channels": self._channels,
-                "encoder": _tensors_to_json(self._encoder.state_dict()),
-                "heads": _tensors_to_json(self._heads.state_dict()),
-                "optimizer": _tensors_to_json(self._optimizer.state_dict()),
+                "encoder": tensors_to_json(self._encoder.state_dict()),
+                "heads": tensors_to_json(self._heads.state_dict()),
+                "optimizer": tensors_to_json(self._optimizer.state_dict()),
                 "baseline": self._baseline, "spread": self._spread}
 
     def _load_state(self, state: dict) -> None:
         self._build(state["seed"])
         self._channels = state["channels"]
         for module, name in ((self._encoder, "encoder"), (self._heads, "heads")):
-            module.load_state_dict({k: _tensor_from_json(v) for k, v in state[name].items()})
+            module.load_state_dict({k: tensor_from_json(v) for k, v in state[name].items()})
         saved = state["optimizer"]
         self._optimizer.load_state_dict({
-            "state": {int(i): {k: _tensor_from_json(v) for k, v in s.items()}
+            "state": {int(i): {k: tensor_from_json(v) for k, v in s.items()}
                       for i, s in saved["state"].items()},
             "param_groups": saved["param_groups"]})
         self._baseline, self._spread = state["baseline"], state["spread"]
