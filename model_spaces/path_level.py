@@ -22,7 +22,9 @@ So the meta-controller's actions (the row runs ``PolicyBasedRL`` over these choi
 paper's: where to replicate or split (a node's merge scheme, add or concat, and its branches,
 one more per step), where to insert a node, and which operation a new edge takes. The first
 three preserve the network's function when the transformed network takes the original's
-weights (:func:`transfer_network`: copied, or the filters divided); the tests check it. Each
+weights (:func:`transfer_network`: copied, or the filters divided), and so does a new edge's
+convolution, identity-initialised (a pooling cannot be: it changes the function); the tests
+check it. Each
 cell records its steps, so a transformed network trained by the engine starts from the start
 network's checkpoint through them (:meth:`Cell.inherit_state`; the row's ``PathLevelRL`` asks
 for it, as the paper's children inherit the start network's weights).
@@ -51,6 +53,15 @@ import retiarii as rt
 from model_spaces.path_tree import PRIMITIVES, Tree, apply, kinds, nodes, transfer
 
 BASE_CELL = ["op", "conv_3x3"]
+# How the row's networks train (ClassifierTrainer settings; retiarii.nas.experiment reads a
+# space module's TRAINER): the paper trains its DenseNets with SGD and Nesterov momentum 0.9,
+# weight decay and a cosine schedule, DenseNet-BC's values (lr 0.1, weight decay 1e-4, batch
+# 64, which the digits keep). The family matters for the search: under Adam, whose step ignores
+# the gradient's scale, a replicated node's copies (each getting half the gradient) train
+# exactly as the node alone, so such children tie with the start network; under SGD the copies
+# step half as far.
+TRAINER = {"optimizer": "nesterov", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+           "lr_schedule": "cosine"}
 
 
 @rt.leaf
@@ -72,7 +83,7 @@ class Cell(nn.Module):
     def inherit_state(self, parent: dict[str, torch.Tensor]) -> bool:
         """Take the weights of an ancestor cell (``parent``: its state dict, names relative
         to the cell) through :func:`model_spaces.path_tree.transfer`, one step at a time, so
-        that the cell computes the ancestor's function (up to a ``change_op``'s fresh edge).
+        that the cell computes the ancestor's function (up to a new edge's pooling).
         The ancestor is the tree after the longest prefix of ``steps`` whose tensors have
         ``parent``'s names and shapes; False (nothing copied) when no prefix has them.
 
@@ -89,7 +100,7 @@ class Cell(nn.Module):
             return False
         old.load_state_dict({k[len("tree."):]: v for k, v in parent.items()})
         for (path, kind, _), tree in zip(self.steps[start:], trees[start + 1:]):
-            new = Tree(tree, self.c_in, self.c_out)  # fresh weights where kind is change_op
+            new = Tree(tree, self.c_in, self.c_out)  # change_op: identity-initialised
             transfer(old, new, path, kind)
             old = new
         self.tree.load_state_dict(old.state_dict())
@@ -167,7 +178,8 @@ class CellMutator(rt.Mutator):
 def transfer_network(old: nn.Module, new: nn.Module, path: str, kind: str) -> None:
     """Give ``new`` (the network after ``kind`` at ``path`` of its cell) ``old``'s weights:
     every cell through :func:`model_spaces.path_tree.transfer`, every other tensor by name.
-    For replicate, split and deepen, ``new`` then computes ``old``'s function."""
+    For replicate, split, deepen and a new edge's convolution, ``new`` then computes
+    ``old``'s function (in eval mode; a new edge's pooling changes it)."""
     old_cells = {n: m for n, m in old.named_modules() if isinstance(m, Cell)}
     new_cells = {n: m for n, m in new.named_modules() if isinstance(m, Cell)}
     if old_cells.keys() != new_cells.keys():

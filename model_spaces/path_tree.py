@@ -21,7 +21,9 @@ A node is named by its path from the root: ``"r"``, ``"r.0"`` (the first branch 
 The first three preserve the network's function when the new cell's weights come from the old
 one's (:func:`transfer`): replicated branches are copies (their mean is the original output);
 split branches take the original filters (and their BatchNorm channels), in order; a deepening
-adds an identity. ``change_op`` does not: the new edge's weights are fresh.
+adds an identity. ``change_op`` does too where the new operation can be the identity
+(:func:`identity_init`: the convolutions, plain and depthwise-separable, Net2DeeperNet's way);
+average and max pooling cannot, and change the function.
 """
 from __future__ import annotations
 
@@ -183,7 +185,8 @@ def transfer(old: Tree, new: Tree, path: str, kind: str) -> None:
     transformed node are copied; under it, each replicated branch and the deepened node's
     first part copy the old node's, and each split branch takes its slice (dim 0, in branch
     order) of every tensor whose size differs (a separable conv's depthwise weights and
-    BatchNorm's batch count: whole). ``change_op``: the new edge keeps its fresh weights.
+    BatchNorm's batch count: whole). ``change_op``: the new edge is identity-initialised
+    where its operation allows (:func:`identity_init`; a pooling: not).
     """
     old_state, new_state = old.state_dict(), new.state_dict()
     prefix = _module_path(path)
@@ -193,7 +196,7 @@ def transfer(old: Tree, new: Tree, path: str, kind: str) -> None:
                 tensor.copy_(old_state[name])
                 continue
             if kind == "change_op":
-                continue
+                continue  # identity-initialised below, where the op allows
             # under the node: "parts.{i}." + a name of the old node (split: of its leaf)
             _, branch, inner = name[len(prefix):].split(".", 2)
             if kind == "deepen" and branch != "0":
@@ -205,3 +208,41 @@ def transfer(old: Tree, new: Tree, path: str, kind: str) -> None:
             start = sum(new_state[f"{prefix}parts.{j}.{inner}"].shape[0]
                         for j in range(int(branch)))
             tensor.copy_(source[start:start + tensor.shape[0]])  # (C, ...) -> (C_i, ...)
+    if kind == "change_op":
+        identity_init(new.get_submodule(prefix + "parts.0"))
+
+
+def identity_init(op: PathOp) -> bool:
+    """Set a new edge's ``op`` (c -> c channels) to compute the identity on the inputs an
+    edge of a cell gets, Net2DeeperNet's way; True when it then does, False for pooling.
+
+    A conv's kernel becomes a centred delta per channel pair (the identity matrix at the
+    centre tap); a separable conv's depthwise kernel the centred delta, its pointwise conv the
+    identity matrix; the BatchNorm passes its input through given its running statistics
+    (scale sqrt(var + eps), shift mean: exact in eval mode; in training it normalizes the
+    batch, as in Net2Net). The closing ReLU is the identity because every edge of a cell reads
+    a ReLU's output (the cell's leaves end in ReLU; means, concatenations and pools of them stay
+    >= 0). Average and max pooling have no weights and no setting that makes them the
+    identity: the transformation then changes the function, which the paper accepts for a new
+    edge's operation.
+
+    Example:
+        >>> op = PathOp("sep_conv_3x3", 4, 4).eval()
+        >>> identity_init(op), bool(torch.allclose(op(torch.ones(1, 4, 5, 5)), torch.ones(1)))
+        (True, True)
+    """
+    if not isinstance(op.op, nn.Sequential):  # a pooling (or the identity itself)
+        return isinstance(op.op, nn.Identity)
+    convs = [m for m in op.op if isinstance(m, nn.Conv2d)]
+    bn = next(m for m in op.op if isinstance(m, nn.BatchNorm2d))
+    if any(conv.in_channels != conv.out_channels for conv in convs):
+        raise ValueError(f"identity_init: a new edge keeps its width, got {convs}")
+    with torch.no_grad():
+        for conv in convs:  # (C_out, C_in / groups, k, k): 1 at the centre tap of (o, o)
+            conv.weight.zero_()
+            k = conv.kernel_size[0] // 2
+            channels = torch.arange(conv.out_channels)
+            conv.weight[channels, 0 if conv.groups > 1 else channels, k, k] = 1.0
+        bn.weight.copy_(torch.sqrt(bn.running_var + bn.eps))
+        bn.bias.copy_(bn.running_mean)
+    return True

@@ -56,6 +56,10 @@ RECIPES: dict[str, Recipe] = {
     "enas_rnn": Recipe("adam", 3e-3, 0.0, "cosine", "SGD lr 20, Penn Treebank"),
     "textnas": Recipe("adam", 3e-3, 0.0, "cosine", "Adam, text classification"),
     "wann": Recipe("adam", 3e-3, 0.0, "cosine", "no retraining in the paper (weight sweep)"),
+    # path-level NAS trains its DenseNets as DenseNet-BC does (model_spaces/path_level.py)
+    "path_level": Recipe("nesterov", 0.1, 1e-4, "cosine",
+                         "SGD, Nesterov momentum 0.9, cosine from 0.1, weight decay 1e-4, "
+                         "batch 64 (DenseNet-BC's)"),
 }
 
 

@@ -1,6 +1,7 @@
 """Path-level NAS (Cai et al., ICML 2018): the DenseNet-BC base, the tree cell's transformations,
-and their function-preserving property where the paper claims it (replication-add, split-concat,
-a node inserted with an identity edge); a new edge's operation changes the function."""
+and their function-preserving property (replication-add, split-concat, a node inserted with an
+identity edge, a new edge's convolution identity-initialised); a new edge's pooling cannot be
+the identity and changes the function."""
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,7 @@ def _sample(steps) -> dict:
     return sample
 
 
-def test_replication_split_and_deepening_preserve_the_networks_function():
+def test_every_transformation_of_a_chain_preserves_the_networks_function():
     space = nas.build_space("path_level", "small")
     torch.manual_seed(0)
     old = space.build(_sample([]))
@@ -50,11 +51,43 @@ def test_replication_split_and_deepening_preserve_the_networks_function():
         old.eval(), new.eval()
         with torch.no_grad():
             before, after = old(x), new(x)
-        if kind == "change_op":  # a new edge's operation: fresh weights, another function
-            assert not torch.allclose(before, after, atol=1e-3)
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+        old = new
+
+
+@pytest.mark.parametrize("op", [p for p in pt.PRIMITIVES if p != "identity"])
+def test_a_new_edges_op_is_the_identity_where_it_can_be_and_a_pooling_changes_the_function(op):
+    """seq[conv, identity] -> seq[conv, op]: a conv (plain or separable) is identity-initialised
+    (its kernel a centred delta, its BatchNorm passing through given its statistics), so the
+    cell computes what it did; a pooling has no such setting and pools what the identity
+    passed."""
+    torch.manual_seed(0)
+    deep = pt.apply(pl.BASE_CELL, "r", "deepen", 6)
+    old = pt.Tree(deep, 5, 6)
+    _randomize_batchnorm(old, 2)
+    new = pt.Tree(pt.apply(deep, "r.1", "change_op", 6, op), 5, 6)
+    _randomize_batchnorm(new, 3)  # the new edge's own statistics: the init must use them
+    pt.transfer(old, new, "r.1", "change_op")
+    old.eval(), new.eval()
+    x = torch.randn(4, 5, 8, 8)
+    with torch.no_grad():
+        before, after = old(x), new(x)
+        if op.endswith("pool_3x3"):
+            assert not list(new.parts[1].parameters())  # nothing to set
+            assert not pt.identity_init(new.parts[1].parts[0])
+            assert not torch.allclose(after, before, atol=1e-3)
+            torch.testing.assert_close(after, pt.PathOp(op, 6, 6)(before))
         else:
             torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
-        old = new
+            # with fresh weights instead (no transfer) the function changes: the test can fail
+            fresh = pt.Tree(pt.apply(deep, "r.1", "change_op", 6, op), 5, 6).eval()
+            fresh.parts[0].load_state_dict(old.parts[0].state_dict())
+            assert not torch.allclose(fresh(x), before, atol=1e-3)
+
+
+def test_identity_init_refuses_an_op_that_changes_the_width():
+    with pytest.raises(ValueError, match="keeps its width"):
+        pt.identity_init(pt.PathOp("conv_3x3", 4, 6))
 
 
 def test_split_divides_the_filters_and_their_batchnorm_channels_in_order():

@@ -22,6 +22,7 @@ TRAINER = {"class": "retiarii.engine.trainers.trainer:ClassifierTrainer",
 CHAINS = {"replicate": [["r", "replicate", None]],
           "split": [["r", "split", None]],
           "deepen": [["r", "deepen", None]],
+          "change_op": [["r", "deepen", None], ["r.1", "change_op", "sep_conv_5x5"]],
           "all three": [["r", "split", None], ["r.1", "replicate", None],
                         ["r.0", "deepen", None], ["r.1.0", "split", None]]}
 
@@ -60,7 +61,7 @@ def test_a_child_opened_by_the_worker_computes_its_trained_parents_function(trai
                                   expected, atol=1e-3)
 
 
-def test_a_new_edges_op_starts_fresh_and_the_rest_is_inherited(trained_start):
+def test_a_new_edges_conv_is_identity_initialised_and_the_rest_is_inherited(trained_start):
     start, checkpoint = trained_start
     steps = [["r", "deepen", None], ["r.1", "change_op", "conv_1x1"]]
     child = _child(steps, checkpoint)
@@ -71,6 +72,8 @@ def test_a_new_edges_op_starts_fresh_and_the_rest_is_inherited(trained_start):
             assert torch.equal(tensor, ref[old]), name
         elif ".cell." not in name:  # outside the cells: by name
             assert torch.equal(tensor, ref[name]), name
+        elif name.endswith("parts.1.parts.0.op.0.weight"):  # the new 1x1 conv: the identity
+            assert torch.equal(tensor[:, :, 0, 0], torch.eye(tensor.shape[0])), name
 
 
 def test_a_cell_inherits_from_an_intermediate_ancestor_and_refuses_a_stranger():

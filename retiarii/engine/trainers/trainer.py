@@ -193,17 +193,18 @@ class ClassifierConfig:
     dataset: Any = "digits"  # a name for load_dataset, or an (X, y) pair of tensors
     batch_size: int = 64  # small: digits has 1437 training images, so ~23 steps per epoch
     epochs: int = 10  # steps of a full trial (the scheduler's max_t)
-    optimizer: str = "adam"  # "adam", "adamw" or "sgd"; Adam needs the least tuning
+    optimizer: str = "adam"  # "adam", "adamw", "sgd", "nesterov" (SGD's); Adam needs the least tuning
     lr: float = 1e-3  # Adam's customary default
     weight_decay: float = 0.0  # off by default: the tiny models of a search rarely overfit in 10 epochs
-    momentum: float = 0.9  # SGD only
+    momentum: float = 0.9  # SGD and Nesterov only
     lr_schedule: str | None = None  # None (constant) or "cosine" (annealed to 0 over `epochs`)
     val_fraction: float = 0.2  # held-out share for val_acc / val_loss
     split_seed: int = 0  # fixes the train/val split: every trial must be judged on the same images
     seed: int = 0  # data order: epoch e is shuffled by a generator seeded from (seed, e)
 
 
-_OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+_OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+               "nesterov": torch.optim.SGD}  # (with nesterov=True: the DenseNet recipes')
 
 
 class ClassifierTrainer(Trainer):
@@ -359,8 +360,9 @@ class ClassifierTrainer(Trainer):
             raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(_OPTIMIZERS)}")
         kwargs = {"lr": float(self.value("lr", hparams)),
                   "weight_decay": float(self.value("weight_decay", hparams))}
-        if name == "sgd":
+        if name in ("sgd", "nesterov"):
             kwargs["momentum"] = float(self.value("momentum", hparams))
+            kwargs["nesterov"] = name == "nesterov"
         optimizer = _OPTIMIZERS[name](model.parameters(), **kwargs)
         schedule = self.value("lr_schedule", hparams)
         if schedule is None:
