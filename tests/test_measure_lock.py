@@ -72,3 +72,57 @@ def test_across_processes(tmp_path):
         release.set()
         p.join(60)
     assert MeasureLock(str(tmp_path)).try_training()
+
+
+def test_a_batch_that_waits_for_a_worker_kept_out_does_not_deadlock(tmp_path):
+    """Two ranks of one job: rank A's batch waits for rank B's (a gradient exchange), and B
+    arrives at the gate after a measurement closed it. A measurer waiting for A's batch to
+    end waited forever (seen: two test searches and a latency measurement hung together).
+    It now re-opens the gate after its patience, B enters, both batches end, and it
+    measures with no batch in flight."""
+    folder = str(tmp_path)
+    a, b = MeasureLock(folder), MeasureLock(folder)
+    b_in, events, done = threading.Event(), [], threading.Event()
+    measurer = MeasureLock(folder)
+
+    def rank_a():
+        with a.training():
+            events.append("a in")
+            b_in.wait(30)             # the gradient exchange: needs B inside its batch
+            events.append("a out")
+
+    def rank_b():
+        with b.training():
+            events.append("b in")
+            b_in.set()
+        events.append("b out")
+
+    def measure():
+        with measurer.measuring(patience=0.05, limit=30):
+            events.append("measure")
+        done.set()
+
+    ta = threading.Thread(target=rank_a)
+    ta.start()
+    while "a in" not in events:
+        pass
+    tm = threading.Thread(target=measure)
+    tm.start()
+    while b.try_training():           # until the measurer has closed the gate
+        pass
+    tb = threading.Thread(target=rank_b)
+    tb.start()
+    for t in (ta, tb, tm):
+        t.join(60)
+    assert done.is_set() and b_in.is_set(), events
+    assert events.index("measure") > max(events.index("a out"), events.index("b out")), events
+    assert measurer.contended == 0
+
+
+def test_a_batch_that_never_ends_is_measured_beside_after_the_limit(tmp_path):
+    folder = str(tmp_path)
+    worker, measurer = MeasureLock(folder), MeasureLock(folder)
+    with worker.training():
+        with measurer.measuring(patience=0.01, limit=0.1):
+            assert not worker.try_training()   # the gate is still held while it times
+    assert measurer.contended == 1 and worker.try_training() and measurer.try_measuring()

@@ -12,7 +12,10 @@ user) make a readers-writer lock with the measurer first:
   and opens both.
 
 So a measurement waits at most one batch of each worker and never for a stream of new
-batches (the gate keeps new ones out), and no batch runs while it times. flock locks belong
+batches (the gate keeps new ones out), and no batch runs while it times. A batch that itself
+waits for a worker the gate keeps out (the ranks of one job) would make that wait endless:
+the measurer polls, re-opens the gate for a moment after :data:`PATIENCE` seconds (doubling),
+and after :data:`LIMIT` seconds measures anyway (:attr:`MeasureLock.contended`). flock locks belong
 to an open file, so two ``MeasureLock`` objects in one process exclude each other as two
 processes do (the tests use that). Workers on other machines are not paused: they do not
 share this machine's cores.
@@ -36,7 +39,25 @@ import tempfile
 import time
 from typing import Iterable, Iterator
 
-__all__ = ["MeasureLock", "machine_lock", "paced"]
+__all__ = ["LIMIT", "PATIENCE", "MeasureLock", "machine_lock", "paced"]
+
+PATIENCE = 2.0  # seconds a measurement first waits for the batches in flight
+LIMIT = 120.0   # seconds after which it measures beside a batch that never ends
+_REOPEN_S = 0.05  # how long the gate stays open between two rounds
+_POLL_S = 0.005
+
+
+def _poll(fd: int, seconds: float) -> bool:
+    """Take ``fd`` exclusively within ``seconds`` (polling: a blocked flock has no timeout)."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(_POLL_S)
 
 
 class MeasureLock:
@@ -51,6 +72,7 @@ class MeasureLock:
                            for name in ("gate", "busy"))
         self._fds: tuple[int, int] | None = None
         self.seconds = 0.0
+        self.contended = 0  # measurements that gave up waiting for a batch in flight
 
     def _open(self) -> tuple[int, int]:
         if self._fds is None:  # opened once: a batch costs two flock calls, no open
@@ -58,17 +80,38 @@ class MeasureLock:
         return self._fds
 
     @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        """Hold every local worker between batches for the block."""
+    def measuring(self, patience: float = PATIENCE, limit: float = LIMIT) -> Iterator[None]:
+        """Hold every local worker between batches for the block.
+
+        A batch in flight may itself wait for a worker held at the gate: the ranks of one
+        job exchange gradients inside a batch, so a rank that entered its batch waits for a
+        rank the closed gate keeps out, and waiting for the first one's batch to end would
+        hang both searches (and this one). So the busy lock is polled, not waited on: after
+        ``patience`` seconds without it the gate opens for a moment (those batches meet and
+        end) and the measurement queues again, waiting twice as long each round. After
+        ``limit`` seconds in all it measures beside whatever batch is still in flight, holding
+        only the gate, and counts it in :attr:`contended`: a figure that may include load,
+        better than a search that never ends.
+        """
         gate, busy = self._open()
         start = time.perf_counter()
-        fcntl.flock(gate, fcntl.LOCK_EX)  # no batch starts from now on
+        held = False
         try:
-            fcntl.flock(busy, fcntl.LOCK_EX)  # the batches in flight have ended
+            while True:
+                fcntl.flock(gate, fcntl.LOCK_EX)  # no batch starts from now on
+                held = _poll(busy, min(patience, max(0.0, start + limit - time.perf_counter())))
+                if held or time.perf_counter() - start >= limit:
+                    break
+                fcntl.flock(gate, fcntl.LOCK_UN)  # let the ranks kept out meet theirs
+                time.sleep(_REOPEN_S)
+                patience *= 2
+            if not held:
+                self.contended += 1
             try:
                 yield
             finally:
-                fcntl.flock(busy, fcntl.LOCK_UN)
+                if held:
+                    fcntl.flock(busy, fcntl.LOCK_UN)
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
             self.seconds += time.perf_counter() - start
