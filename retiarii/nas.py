@@ -201,13 +201,15 @@ ROWS: tuple[Row, ...] = (
          "evolution", "Xie & Yuille, ICCV 2017", "model_spaces.genetic_cnn",
          "RegularizedEvolution"),
     _row(13, "oneshot", "Simplified One-Shot", "one-shot cell", "random, weight sharing",
-         "Bender et al., ICML 2018", "model_spaces.oneshot", "SPOS",
-         "SPOS with one search generation: the one-shot model trains (one uniform path a "
-         "batch: path dropout at its limit; the paper drops paths of the whole model), then "
-         "random architectures are ranked with its weights, as Bender et al.'s two phases "
-         "(WeightSharing(Random) would interleave training and ranking)",
-         options={"search_generations": 1, "search_population": 24},
-         variant="one uniform path a batch, not the paper's scheduled path dropout"),
+         "Bender et al., ICML 2018", "model_spaces.oneshot", "PathDropout",
+         "the whole one-shot model trains with scheduled path dropout (each of a choice "
+         "point's k paths dropped with rate ** (1/k), the rate linear from 0 to r = 0.5, a mask "
+         "per example, at least one path kept), ghost BatchNorm (ghost batches of 16 of 64) "
+         "and L2 (1e-4) on the weights the batch used only; then 24 random architectures are "
+         "ranked on it with the other paths zeroed out (BatchNorm on batch statistics) and "
+         "the best retrains. Scale: C=8, 3 cells, --epochs (the paper: CIFAR-10, wider and "
+         "deeper models, large batches, thousands of architectures ranked)",
+         options={"final_rate": 0.5, "ghost_batch": 16, "weight_decay": 1e-4}),
     _row(14, "darts", "DARTS", "DARTS cell (normal + reduction)", "differentiable",
          "Liu et al., ICLR 2019", "model_spaces.darts", "DARTS",
          "first-order DARTS: a mixed op over the 8 ops (none included) on every edge of the "

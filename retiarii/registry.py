@@ -97,6 +97,8 @@ ONE_SHOT = _table(
     Entry("single_path", _O + "single_path:SinglePathNAS"),
     Entry("ofa", _O + "once_for_all:OnceForAll"),
     Entry("enas", _O + "enas:ENAS"),
+    # Bender et al.'s one-shot model: scheduled path dropout, ghost BN, L2 on used weights
+    Entry("path_dropout", _O + "path_dropout:PathDropout"),
 )
 SCHEDULERS = _table(
     # halving by 2 from one epoch: rungs a 5-epoch default trainer still has

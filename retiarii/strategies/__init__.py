@@ -32,6 +32,7 @@ from .one_shot.fairnas import FairNAS
 from .one_shot.single_path import SinglePathNAS
 from .one_shot.once_for_all import OnceForAll
 from .one_shot.enas import ENAS
+from .one_shot.path_dropout import PathDropout
 from .one_shot.weight_sharing import WeightSharing
 
 from ..moved import package_getattr
