@@ -182,9 +182,13 @@ ROWS: tuple[Row, ...] = (
          "does not retrain)",
          options={"initial": "base", "inherit": True, "kill": "worse", "sample_size": 2}),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
-         "Tan & Le, ICML 2019", "model_spaces.efficientnet", "PolicyBasedRL",
-         "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together",
-         variant="B0's blocks and the scaling searched together, not in two steps"),
+         "Tan & Le, ICML 2019", "model_spaces.efficientnet", "CompoundScaling",
+         "in order: MnasNet's RL (reward ACC x (FLOPS / T) ** -0.07, T B0's FLOPs) searches "
+         "the baseline's per-stage kernel and expansion at scale 1; B0 fixed, the grid's "
+         "(alpha, beta, gamma) with alpha * beta^2 * gamma^2 within 10% of 2 train, the best "
+         "is the model at phi=1 (strategies/multi_trial/compound_scaling.py). Scale: 2 "
+         "baseline models, 8 grid points (--max-models 10), widths / 4; SE, depths, widths "
+         "B0's in the baseline search; grid steps 0.1-0.25", options={"b0_models": 2}),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
          "surrogate-guided progressive search", "Liu et al., ECCV 2018", "model_spaces.pnas",
          "Progressive", "the beam of the K best cells of b blocks expanded by one block, the "
@@ -206,9 +210,8 @@ ROWS: tuple[Row, ...] = (
          "point's k paths dropped with rate ** (1/k), the rate linear from 0 to r = 0.5, a mask "
          "per example, at least one path kept), ghost BatchNorm (ghost batches of 16 of 64) "
          "and L2 (1e-4) on the weights the batch used only; then 24 random architectures are "
-         "ranked on it with the other paths zeroed out (BatchNorm on batch statistics) and "
-         "the best retrains. Scale: C=8, 3 cells, --epochs (the paper: CIFAR-10, wider and "
-         "deeper models, large batches, thousands of architectures ranked)",
+         "ranked on it with the other paths zeroed out (BatchNorm on batch statistics), the "
+         "best retrains. Scale: C=8, 3 cells, --epochs (the paper: wider, deeper, CIFAR-10)",
          options={"final_rate": 0.5, "ghost_batch": 16, "weight_decay": 1e-4}),
     _row(14, "darts", "DARTS", "DARTS cell (normal + reduction)", "differentiable",
          "Liu et al., ICLR 2019", "model_spaces.darts", "DARTS",
@@ -494,8 +497,4 @@ def runs(row: Row) -> str:
 def table() -> list[list[str]]:
     """The rows as ``[number, name, space, strategy, paper, status]`` strings; the strategy
     column says what runs here (see :func:`runs`)."""
-    out = []
-    for row in ROWS:
-        strategy = runs(row)
-        out.append([str(row.number), row.name, row.space, strategy, row.paper, row.status])
-    return out
+    return [[str(r.number), r.name, r.space, runs(r), r.paper, r.status] for r in ROWS]

@@ -82,6 +82,8 @@ MULTI_TRIAL = _table(
     # Dai et al.'s Gaussian process and genetic search; no latency table: unconstrained
     Entry("chamnet", _M + "chamnet:ChamNet"),
     Entry("progressive", _M + "progressive:Progressive"),
+    # EfficientNet: MnasNet's RL for the baseline, then the constrained scaling grid
+    Entry("compound_scaling", _M + "compound_scaling:CompoundScaling"),
     # a GCN over NAS-Bench-101's cells (the paper's); small rounds for the CLI's budgets
     Entry("neural_predictor", _M + "neural_predictor:NeuralPredictor",
           (("graph", "model_spaces.nasbench101:cell_graph"),

@@ -22,6 +22,7 @@ from .multi_trial.tpe import TPE
 from .multi_trial.predictor import Predictor
 from .multi_trial.chamnet import ChamNet
 from .multi_trial.progressive import Progressive
+from .multi_trial.compound_scaling import CompoundScaling
 from .multi_trial.neural_predictor import NeuralPredictor
 from .one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .one_shot.darts import DARTS
