@@ -412,9 +412,12 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         kind = Layout.FUSED if isinstance(group, FusedGroup) else (
             rest if layout is Layout.FUSED else layout)
         group.extra = {"layout": kind.value, "choice": choice}
-        if resolved.decided and (kind is Layout.FUSED and told.fuse == "auto" or kind is
-                                 Layout.BATCHING and "auto" in told.passes.values()):
-            group.extra["decided"] = True  # chosen by the device model: never reverted by time
+        if kind is Layout.FUSED and told.fuse is True or resolved.decided and (
+                kind is Layout.FUSED and told.fuse == "auto" or kind is Layout.BATCHING
+                and "auto" in told.passes.values()):
+            # chosen by the device model or forced (fuse=True): never reverted by time, since
+            # apart would round otherwise and reruns of a seeded search would differ
+            group.extra["decided"] = True
         units.append(group)
     for trial, why in lone.items():
         mine = {trial: measured[trial]} if trial in measured else {}
