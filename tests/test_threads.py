@@ -42,3 +42,34 @@ def test_the_driver_checks_shapes_on_one_thread(tmp_path, monkeypatch, two_threa
     exp.run(max_models=4)
     assert len(seen) >= 4 and set(seen) == {1}  # every proposal's check, one thread each
     assert torch.get_num_threads() == 2  # the driver's own setting is back
+
+
+def test_idle_cores_leaves_out_the_cores_other_processes_keep_busy(monkeypatch):
+    import retiarii.threads as threads
+
+    for load, cores, idle in ((0.0, 4, 4), (1.2, 4, 3), (8.6, 2, 1), (3.0, 2, 1), (0.4, 1, 1)):
+        monkeypatch.setattr(threads.os, "getloadavg", lambda load=load: (load, load, load))
+        assert threads.idle_cores(cores) == idle, (load, cores)
+
+    def unsupported():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(threads.os, "getloadavg", unsupported)
+    assert threads.idle_cores(3) == 3  # unknown load: all of them
+
+
+def test_a_local_worker_on_a_loaded_machine_gets_one_thread(monkeypatch):
+    """The oneshot row's one worker took 2 threads on a 2-core machine at load 9 and ran
+    5-40x slower than on one (retiarii/threads.py): the default now counts busy cores."""
+    import retiarii.threads as threads
+    from retiarii.engine.executors.local import LocalExecutor
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    with LocalExecutor(1, devices=[]) as loaded:
+        assert loaded.threads == 1
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    with LocalExecutor(1, devices=[]) as idle:
+        assert idle.threads == 4  # an idle machine: every core, as before
+    with LocalExecutor(2, devices=[]) as shared:
+        assert shared.threads == 2
