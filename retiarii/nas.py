@@ -181,12 +181,11 @@ ROWS: tuple[Row, ...] = (
          options={"initial": "base", "inherit": True, "kill": "worse", "sample_size": 2}),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
          "Tan & Le, ICML 2019", "model_spaces.efficientnet", "CompoundScaling",
-         "in order: MnasNet's RL (reward ACC x (FLOPS / T) ** -0.07, T B0's FLOPs) searches "
-         "the baseline's per-stage kernel and expansion at scale 1; B0 fixed, the grid's "
-         "(alpha, beta, gamma) with alpha * beta^2 * gamma^2 within 10% of 2 train, the best "
-         "is the model at phi=1 (strategies/multi_trial/compound_scaling.py). Scale: 2 "
-         "baseline models, 8 grid points (--max-models 10), widths / 4; SE, depths, widths "
-         "B0's in the baseline search; grid steps 0.1-0.25", options={"b0_models": 2}),
+         "MnasNet's RL (reward ACC x (FLOPS / T) ** -0.07) searches B0's per-stage kernel and "
+         "expansion; B0 fixed, the (alpha, beta, gamma) with alpha * beta^2 * gamma^2 within "
+         "10% of 2 train; the best scaled model (phi = 1 only) retrains. Scale: 2 B0 models, "
+         "8 grid points (10 models), widths / 4 (docs/spaces.md)", options={"b0_models": 2},
+         variant="B0's search holds SE and layers per stage at B0's"),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
          "surrogate-guided progressive search", "Liu et al., ECCV 2018", "model_spaces.pnas",
          "Progressive", "the beam of the K best cells of b blocks expanded by one block, the "
@@ -396,6 +395,8 @@ _LAUNCHER = {
 }
 
 
+# multi-trial rows whose method needs more than 8 models (efficientnet: 2 + its 8 grid points)
+MODELS = {"efficientnet": 10}
 # Rows whose paper steps the architecture on a split of the training data (the validation
 # split stays the reported result): their search trains with retiarii.arch_split's trainer
 ARCH_SPLIT = {"darts", "darts_rnn"}
@@ -441,7 +442,7 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
     Args:
         name: a row name (``retiarii nas list``).
         preset: ``"small"`` (trains in seconds) or ``"paper"`` (the published sizes: slow).
-        max_models: multi-trial rows: models to train (default 8). A one-shot row's segments
+        max_models: multi-trial rows: models to train (default 8, :data:`MODELS`). A one-shot row's segments
             decide how many models it evaluates: giving it is an error.
         epochs: epochs per model (multi-trial), or segments of the search (one-shot).
         workers, seed: worker processes; seed of the strategy and the trials.
@@ -462,7 +463,7 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
                          f"whose segments (epochs={epochs}) decide how many models it "
                          f"evaluates; leave max_models out")
     if not row.one_shot:
-        kwargs["max_models"] = 8 if max_models is None else max_models
+        kwargs["max_models"] = MODELS.get(name, 8) if max_models is None else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
     trainer = ClassifierTrainer(dataset="digits", epochs=epochs)
     if row.runs_with in WEIGHT_AGNOSTIC:  # scored over a sweep of shared values, not trained

@@ -7,7 +7,8 @@ threads wait for cores they do not get (OpenMP workers spinning): on a loaded 2-
 MnasNet's shape check took about a second with 2 threads and 0.01-0.04 s with one
 (benchmarks/README.md, "Packing models onto devices"), and an RL controller's ``tell`` 7x
 longer. :func:`one_thread` runs a block on one thread and restores the setting;
-:func:`idle_cores` sizes a new worker's thread pool to the cores other processes leave free.
+:func:`worker_threads` sizes a new worker's thread pool to the cores other processes leave
+free (:func:`idle_cores`).
 
 Example::
 
@@ -22,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["idle_cores", "one_thread"]
+__all__ = ["idle_cores", "one_thread", "worker_threads"]
 
 
 @contextlib.contextmanager
@@ -56,3 +57,15 @@ def idle_cores(cores: int) -> int:
     except (OSError, AttributeError):  # no load average on this platform: assume idle
         return max(1, cores)
     return max(1, min(cores, round(cores - load)))
+
+
+def worker_threads(cores: int, workers: int) -> int:
+    """A local worker's default torch threads: ``cores // workers``, at most the
+    :func:`idle_cores`, at least 1, so the workers together use the machine without
+    oversubscribing it (an idle machine: every core, shared among the workers).
+
+    Example:
+        >>> 1 <= worker_threads(8, 2) <= 4
+        True
+    """
+    return max(1, min(cores // max(workers, 1), idle_cores(cores)))

@@ -97,7 +97,11 @@ def test_candidates_are_evaluated_with_the_other_paths_zeroed_out():
     assert not seen and 0.0 <= metrics["val_acc"] <= 1.0
 
 
-def test_a_search_trains_with_the_schedule_then_ranks_random_architectures():
+def test_a_search_trains_with_the_schedule_then_ranks_random_architectures(monkeypatch):
+    from retiarii.engine.trainers import trainer as trainer_module
+
+    x, y = trainer_module.load_dataset("digits")  # 300 images: a few batches an epoch
+    monkeypatch.setitem(trainer_module._DATASETS, "digits", (x[:300], y[:300]))
     s, trainer = _strategy(epochs=2, search_population=4)
     ctx = lambda seg: SegmentContext(seg, trainer, {}, torch.device("cpu"))  # noqa: E731
     first = s.run_segment(ctx(0))

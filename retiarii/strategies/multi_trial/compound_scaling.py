@@ -177,6 +177,14 @@ class CompoundScaling(Strategy):
             kv[1][0] if isinstance(kv[1], (list, tuple)) else kv[1]))
         return dict(self._records[key].sample), value
 
+    def selected(self) -> dict | None:
+        """The best scaled model (:meth:`best`): what EfficientNet retrains, never a phase-1
+        model (None before a phase-2 model is told). A multi-trial strategy with this method
+        names its choice: the experiment records it as its result model
+        (``engine/storage/result_model.py``), which ``nas run`` retrains."""
+        best = self.best()
+        return None if best is None else best[0]
+
     def config(self) -> dict:
         return {**super().config(), "b0_models": self.b0_models, "scaling": list(self.scaling),
                 "target": self.target, "tolerance": self.tolerance, "rl": self.rl,
