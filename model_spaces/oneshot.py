@@ -22,9 +22,12 @@ subsets; with the paper's 4 blocks, 3 * 6 * 10 * 15 * 28 ** 4 = 1,659,571,200 (t
 states no count).
 
 Bender et al. train the one-shot model once and rank random architectures with its shared
-weights; ``retiarii nas run oneshot`` does the same with ``SPOS`` and one search generation
-(the one-shot model trains one uniform path per batch, where the paper drops paths of the
-whole model).
+weights; ``retiarii nas run oneshot`` does the same with ``PathDropout``
+(``retiarii/strategies/one_shot/path_dropout.py``): the whole one-shot model (``space.macro
+["build"]``) trains with scheduled path dropout over every choice point, a block's inputs and
+its ops (``OneShotNet.choice_points``; a cell's ``masks`` weigh the paths, a path no example
+keeps is not computed), and a candidate is evaluated on it with the paths it does not use
+zeroed out (``OneShotNet.paths_of``).
 
 Presets: :func:`paper` 3 stacks of 3 cells of C = 32 on 32x32 (a CIFAR-10 size; the paper
 sweeps widths); :func:`small` 3 stacks of one cell of C = 8.
@@ -36,6 +39,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -88,14 +92,30 @@ class OneShotCell(nn.Module):
             for name in OP_NAMES:
                 setattr(self, f"b{b}_{name}", make_op(name, channels))
             setattr(self, f"b{b}", ops.Sum())
+        # path dropout (PathDropout sets it on its own copy; None when traced): choice point
+        # -> (B, k) weights of its paths, "in{b}" over the b + 2 states, "ops{b}" over OP_NAMES
+        self.masks: dict | None = None
 
     def forward(self, s0, s1):
         states = [self.pre0(s0), self.pre1(s1)]
         for b in range(self.num_blocks):
+            if self.masks is not None:
+                x = getattr(self, f"in{b}")(*_kept(self.masks[f"in{b}"],
+                                                    [(lambda s=s: s) for s in states]))
+                states.append(getattr(self, f"b{b}")(*_kept(self.masks[f"ops{b}"], [
+                    functools.partial(getattr(self, f"b{b}_{name}"), x) for name in OP_NAMES])))
+                continue
             x = getattr(self, f"in{b}")(*states)
             states.append(getattr(self, f"b{b}")(*(getattr(self, f"b{b}_{name}")(x)
                                                    for name in OP_NAMES)))
         return torch.cat(states[2:], dim=1)  # (B, C, H, W) x N -> (B, N*C, H, W)
+
+
+def _kept(mask: torch.Tensor, paths: list) -> list[torch.Tensor]:
+    """Each path (a thunk giving (B, C, H, W)) times its column of ``mask`` (B, k); a path no
+    example keeps is not computed, so its weights take no part in the batch."""
+    return [path() * mask[:, j].view(-1, 1, 1, 1) for j, path in enumerate(paths)
+            if bool(mask[:, j].any())]
 
 
 class OneShotNet(nn.Module):
@@ -126,6 +146,31 @@ class OneShotNet(nn.Module):
             s0, s1 = s1, cell(s0, s1)
         return self.fc(self.pool(s1).flatten(1))
 
+    def choice_points(self) -> list[tuple[str, int]]:
+        """``(name, k)`` of every choice point of the one-shot model: ``cells.{i}.in{b}`` (a
+        block's k = b + 2 candidate inputs) and ``cells.{i}.ops{b}`` (its 7 ops)."""
+        return [(f"cells.{i}.{kind}{b}", b + 2 if kind == "in" else len(OP_NAMES))
+                for i in range(len(self.cells)) for b in range(self.cells[i].num_blocks)
+                for kind in ("in", "ops")]
+
+    def set_masks(self, masks: dict | None) -> None:
+        """Weights ``{choice point: (B, k)}`` of the paths (None: every path, unweighted)."""
+        for i, cell in enumerate(self.cells):
+            cell.masks = None if masks is None else {
+                key: masks[f"cells.{i}.{key}"] for key in
+                (f"{kind}{b}" for b in range(cell.num_blocks) for kind in ("in", "ops"))}
+
+    def paths_of(self, sample: dict) -> dict[str, list[int]]:
+        """The paths architecture ``sample`` keeps at each choice point (every cell alike)."""
+        out = {}
+        for name, _ in self.choice_points():
+            b = int(name.rsplit(".", 1)[1].lstrip("inops"))
+            if ".in" in name:
+                out[name] = [int(v) for v in str(sample[f"block{b}/inputs"]).split("+")]
+            else:
+                out[name] = [OP_NAMES.index(v) for v in str(sample[f"block{b}/ops"]).split("+")]
+        return out
+
 
 class ChoiceBlockMutator(rt.Mutator):
     """Keeps each block's chosen inputs and ops in every cell (one architecture)."""
@@ -155,8 +200,12 @@ def oneshot_space(channels: int, cells_per_stack: int, num_blocks: int = BLOCKS,
                   image_size: int = 32) -> rt.ModelSpace:
     """The one-shot cell space; see the module docstring."""
     net = OneShotNet(channels, cells_per_stack, num_blocks, in_channels, num_classes)
-    return rt.ModelSpace(net, [ChoiceBlockMutator(3 * cells_per_stack, num_blocks)],
-                         example_input=torch.zeros(1, in_channels, image_size, image_size))
+    space = rt.ModelSpace(net, [ChoiceBlockMutator(3 * cells_per_stack, num_blocks)],
+                          example_input=torch.zeros(1, in_channels, image_size, image_size))
+    # the one-shot model PathDropout trains (a fresh one: its weights are the strategy's)
+    space.macro = {"kind": "path_dropout", "build": functools.partial(
+        OneShotNet, channels, cells_per_stack, num_blocks, in_channels, num_classes)}
+    return space
 
 
 def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8) -> rt.ModelSpace:

@@ -65,7 +65,7 @@ def cmd_nas_run(args) -> int:
             settings["deterministic"] = True
         exp = nas.experiment(**settings, store=args.store,
                              origin={"nas": {**settings, "retrain_epochs": args.retrain_epochs}},
-                             progress=Progress(args.max_models or 8))
+                             progress=Progress(args.max_models or nas.MODELS.get(args.name, 8)))
     except (KeyError, nas.RowNotImplemented) as err:
         raise CliError(str(err).strip('"')) from None
     summary = exp.run()
@@ -125,7 +125,8 @@ def resume_nas(recorded: dict, args) -> int:
     try:
         exp = nas.experiment(**recorded, store=args.db,
                              origin={"nas": {**recorded, "retrain_epochs": retrain_epochs}},
-                             progress=Progress(recorded.get("max_models") or 8))
+                             progress=Progress(recorded.get("max_models")
+                                               or nas.MODELS.get(recorded["name"], 8)))
     except (KeyError, nas.RowNotImplemented, ValueError) as err:
         raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
     summary = exp.resume(experiment=getattr(args, "experiment", None))
@@ -152,7 +153,7 @@ def add_nas_parser(sub) -> None:
     nas_run.add_argument("--preset", choices=("small", "paper"), default="small",
                          help="small (trains in seconds, default) or paper (published sizes)")
     nas_run.add_argument("--max-models", type=int, default=None,
-                         help="models to train (default 8; not for one-shot rows)")
+                         help="models to train (default 8, efficientnet 10; not for one-shot rows)")
     nas_run.add_argument("--epochs", type=int, default=2,
                          help="epochs per model, or a one-shot row's segments (default 2)")
     nas_run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")

@@ -183,9 +183,12 @@ ROWS: tuple[Row, ...] = (
          "does not retrain)",
          options={"initial": "base", "inherit": True, "kill": "worse", "sample_size": 2}),
     _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
-         "Tan & Le, ICML 2019", "model_spaces.efficientnet", "PolicyBasedRL",
-         "B0's stages (kernel, expansion) and the scaling grid at phi=1 searched together",
-         variant="B0's blocks and the scaling searched together, not in two steps"),
+         "Tan & Le, ICML 2019", "model_spaces.efficientnet", "CompoundScaling",
+         "MnasNet's RL (reward ACC x (FLOPS / T) ** -0.07) searches B0's per-stage kernel and "
+         "expansion; B0 fixed, the (alpha, beta, gamma) with alpha * beta^2 * gamma^2 within "
+         "10% of 2 train; the best scaled model (phi = 1 only) retrains. Scale: 2 B0 models, "
+         "8 grid points (10 models), widths / 4 (docs/spaces.md)", options={"b0_models": 2},
+         variant="B0's search holds SE and layers per stage at B0's"),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
          "surrogate-guided progressive search", "Liu et al., ECCV 2018", "model_spaces.pnas",
          "Progressive", "the beam of the K best cells of b blocks expanded by one block, the "
@@ -202,13 +205,14 @@ ROWS: tuple[Row, ...] = (
          "evolution", "Xie & Yuille, ICCV 2017", "model_spaces.genetic_cnn",
          "RegularizedEvolution"),
     _row(13, "oneshot", "Simplified One-Shot", "one-shot cell", "random, weight sharing",
-         "Bender et al., ICML 2018", "model_spaces.oneshot", "SPOS",
-         "SPOS with one search generation: the one-shot model trains (one uniform path a "
-         "batch: path dropout at its limit; the paper drops paths of the whole model), then "
-         "random architectures are ranked with its weights, as Bender et al.'s two phases "
-         "(WeightSharing(Random) would interleave training and ranking)",
-         options={"search_generations": 1, "search_population": 24},
-         variant="one uniform path a batch, not the paper's scheduled path dropout"),
+         "Bender et al., ICML 2018", "model_spaces.oneshot", "PathDropout",
+         "the whole one-shot model trains with scheduled path dropout (each of a choice "
+         "point's k paths dropped with rate ** (1/k), the rate linear from 0 to r = 0.5, a mask "
+         "per example, at least one path kept), ghost BatchNorm (ghost batches of 16 of 64) "
+         "and L2 (1e-4) on the weights the batch used only; then 24 random architectures are "
+         "ranked on it with the other paths zeroed out (BatchNorm on batch statistics), the "
+         "best retrains. Scale: C=8, 3 cells, --epochs (the paper: wider, deeper, CIFAR-10)",
+         options={"final_rate": 0.5, "ghost_batch": 16, "weight_decay": 1e-4}),
     _row(14, "darts", "DARTS", "DARTS cell (normal + reduction)", "differentiable",
          "Liu et al., ICLR 2019", "model_spaces.darts", "DARTS",
          "first-order DARTS: a mixed op over the 8 ops (none included) on every edge of the "
@@ -392,6 +396,8 @@ _LAUNCHER = {
 }
 
 
+# multi-trial rows whose method needs more than 8 models (efficientnet: 2 + its 8 grid points)
+MODELS = {"efficientnet": 10}
 # Rows whose paper steps the architecture on a split of the training data (the validation
 # split stays the reported result): their search trains with retiarii.arch_split's trainer
 ARCH_SPLIT = {"darts", "darts_rnn"}
@@ -437,7 +443,7 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
     Args:
         name: a row name (``retiarii nas list``).
         preset: ``"small"`` (trains in seconds) or ``"paper"`` (the published sizes: slow).
-        max_models: multi-trial rows: models to train (default 8). A one-shot row's segments
+        max_models: multi-trial rows: models to train (default 8, :data:`MODELS`). A one-shot row's segments
             decide how many models it evaluates: giving it is an error.
         epochs: epochs per model (multi-trial), or segments of the search (one-shot).
         workers, seed: worker processes; seed of the strategy and the trials.
@@ -458,7 +464,7 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
                          f"whose segments (epochs={epochs}) decide how many models it "
                          f"evaluates; leave max_models out")
     if not row.one_shot:
-        kwargs["max_models"] = 8 if max_models is None else max_models
+        kwargs["max_models"] = MODELS.get(name, 8) if max_models is None else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
     # the paper's optimizer family where the space module states it (path_level: Nesterov SGD)
     recipe = getattr(importlib.import_module(row.module), "TRAINER", {})
@@ -493,8 +499,4 @@ def runs(row: Row) -> str:
 def table() -> list[list[str]]:
     """The rows as ``[number, name, space, strategy, paper, status]`` strings; the strategy
     column says what runs here (see :func:`runs`)."""
-    out = []
-    for row in ROWS:
-        strategy = runs(row)
-        out.append([str(row.number), row.name, row.space, strategy, row.paper, row.status])
-    return out
+    return [[str(r.number), r.name, r.space, runs(r), r.paper, r.status] for r in ROWS]

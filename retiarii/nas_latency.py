@@ -59,7 +59,8 @@ ELASTIC_LATENCY = ("once_for_all",)
 # ChamNet's genetic search keeps the lookup table's prediction under the target, the median
 # predicted latency of random models as MnasNet's (the paper: a platform's latency budget);
 # the Experiment checks the per-operator table's own sum too, before training
-COST_TERMS = {"fbnet": "latency loss", "mnasnet": "reward", "chamnet": "latency constraint"}
+COST_TERMS = {"fbnet": "latency loss", "mnasnet": "reward", "chamnet": "latency constraint",
+              "efficientnet": "FLOPs reward"}
 # random models whose median predicted latency is MnasNet's target (the paper: 75 ms, a
 # budget on its phone; here the middle of the space on this machine)
 MNASNET_TARGET_MODELS = 16
@@ -115,7 +116,24 @@ def _paper_term(name: str, presets: Any, preset: str, store: str, options: dict,
         target = latency_target(presets, preset, store)
         return {"reward": MnasNetReward("val_acc", "predicted_latency_ms", target=target),
                 **options}
+    if name == "efficientnet" and "reward" not in options and "metric" not in kwargs:
+        return {"reward": _flops_reward(presets, preset, kwargs), **options}
     return options
+
+
+def _flops_reward(presets: Any, preset: str, kwargs: dict):
+    """EfficientNet's phase-1 reward: MnasNet's ``ACC x (FLOPS / T) ** -0.07`` on FLOPs, ``T``
+    the FLOPs of the space's default model (B0 as published; the paper: a 400M target)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .scalarization import MnasNetReward
+
+    space = getattr(presets, preset)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        space.instantiate(space.default_sample()).to_module().eval()(space.example_input[:1])
+    kwargs.update(metric=["val_acc", "flops"], mode=["max", "min"])
+    return MnasNetReward("val_acc", "flops", target=float(counter.get_total_flops()))
 
 
 def latency_table(presets: Any, preset: str, store: str) -> dict:

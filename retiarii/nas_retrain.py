@@ -3,7 +3,8 @@
 A NAS paper's figure is the accuracy of the architecture its search selects, *retrained from
 scratch* with a longer recipe, and the search's cost. :func:`search_and_retrain` runs the
 row's search (:func:`retiarii.nas.experiment`), takes the architecture it selected (a
-one-shot search's result, or a multi-trial search's best model), and retrains it from scratch
+one-shot search's result, the choice a multi-trial strategy names, as EfficientNet's scaled
+model, or else a multi-trial search's best model), and retrains it from scratch
 as a second experiment of the same store whose ``origin["nas_retrain"]`` names the search
 experiment and model it retrains; ``retiarii resume`` continues either phase. The recipe is
 the row's paper's, scaled to the digits (:data:`RECIPES`; ``retrain_epochs`` epochs).
@@ -96,7 +97,9 @@ class NasResult:
 
 def selected_model(store: str, experiment: int) -> tuple[int, dict, float | None]:
     """(model id, sample, metric value) of what search ``experiment`` of ``store`` selected:
-    a one-shot search's result model, or a multi-trial search's best finished model."""
+    its result model (a one-shot search's result, or the choice a multi-trial strategy names
+    with a ``selected()`` method: EfficientNet's best scaled model), else the best finished
+    model by the experiment's (first) metric."""
     from .engine.storage.store import Store
 
     with Store(store) as db:
@@ -104,15 +107,18 @@ def selected_model(store: str, experiment: int) -> tuple[int, dict, float | None
         exp = db.get_experiment()
         config = exp["config"]
         metric, mode = config.get("metric", "val_acc"), config.get("mode", "max")
-        if (config.get("strategy") or {}).get("one_shot"):
-            model_id = exp.get("result_model")
-            if model_id is None:
-                raise ValueError(f"{store}: the one-shot search (experiment {experiment}) has no "
-                                 f"result yet: resume it (retiarii resume {store})")
+        if isinstance(metric, (list, tuple)):  # several objectives: the first ranks
+            metric, mode = metric[0], mode[0] if isinstance(mode, (list, tuple)) else mode
+        model_id = exp.get("result_model")
+        if model_id is not None:
             model = db.get_model(model_id)
-            value = (model.get("metrics") or {}).get(metric) if isinstance(
-                model.get("metrics"), dict) else model.get("value")
+            metrics = model.get("metrics")
+            # a one-shot candidate's metrics, or the value a multi-trial strategy was told
+            value = metrics.get(metric) if isinstance(metrics, dict) else model.get("value")
             return model_id, dict(model["sample"]), value
+        if (config.get("strategy") or {}).get("one_shot"):
+            raise ValueError(f"{store}: the one-shot search (experiment {experiment}) has no "
+                             f"result yet: resume it (retiarii resume {store})")
         best = db.best_models(metric, mode, 1, finished=True)
         if not best:
             raise ValueError(f"{store}: the search (experiment {experiment}) finished no model: "

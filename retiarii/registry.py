@@ -84,6 +84,8 @@ MULTI_TRIAL = _table(
     # Dai et al.'s Gaussian process and genetic search; no latency table: unconstrained
     Entry("chamnet", _M + "chamnet:ChamNet"),
     Entry("progressive", _M + "progressive:Progressive"),
+    # EfficientNet: MnasNet's RL for the baseline, then the constrained scaling grid
+    Entry("compound_scaling", _M + "compound_scaling:CompoundScaling"),
     # a GCN over NAS-Bench-101's cells (the paper's); small rounds for the CLI's budgets
     Entry("neural_predictor", _M + "neural_predictor:NeuralPredictor",
           (("graph", "model_spaces.nasbench101:cell_graph"),
@@ -99,6 +101,8 @@ ONE_SHOT = _table(
     Entry("single_path", _O + "single_path:SinglePathNAS"),
     Entry("ofa", _O + "once_for_all:OnceForAll"),
     Entry("enas", _O + "enas:ENAS"),
+    # Bender et al.'s one-shot model: scheduled path dropout, ghost BN, L2 on used weights
+    Entry("path_dropout", _O + "path_dropout:PathDropout"),
 )
 SCHEDULERS = _table(
     # halving by 2 from one epoch: rungs a 5-epoch default trainer still has

@@ -42,3 +42,22 @@ def test_the_driver_checks_shapes_on_one_thread(tmp_path, monkeypatch, two_threa
     exp.run(max_models=4)
     assert len(seen) >= 4 and set(seen) == {1}  # every proposal's check, one thread each
     assert torch.get_num_threads() == 2  # the driver's own setting is back
+
+
+def test_a_local_workers_threads_do_not_depend_on_the_load(monkeypatch):
+    """The thread count decides how CPU kernels split their sums: a default read from the
+    load average made two runs of a seeded search round differently (it was tried; see
+    retiarii/threads.py). It is the cores shared among the workers, whatever the load."""
+    import os
+
+    from retiarii.engine.executors.local import LocalExecutor
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    for load in (0.0, 9.0):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        with LocalExecutor(1, devices=[]) as one:
+            assert one.threads == 4
+        with LocalExecutor(2, devices=[]) as two:
+            assert two.threads == 2
+        with LocalExecutor(2, devices=[], threads_per_worker=1) as pinned:
+            assert pinned.threads == 1

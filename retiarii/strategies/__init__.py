@@ -22,6 +22,7 @@ from .multi_trial.tpe import TPE
 from .multi_trial.predictor import Predictor
 from .multi_trial.chamnet import ChamNet
 from .multi_trial.progressive import Progressive
+from .multi_trial.compound_scaling import CompoundScaling
 from .multi_trial.neural_predictor import NeuralPredictor
 from .one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .one_shot.darts import DARTS
@@ -32,6 +33,7 @@ from .one_shot.fairnas import FairNAS
 from .one_shot.single_path import SinglePathNAS
 from .one_shot.once_for_all import OnceForAll
 from .one_shot.enas import ENAS
+from .one_shot.path_dropout import PathDropout
 from .one_shot.weight_sharing import WeightSharing
 
 from ..moved import package_getattr

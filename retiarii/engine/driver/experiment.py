@@ -49,6 +49,7 @@ from ..runner.planner import JobPlanner
 from ..runner.packer import Packer
 from ..executors.warm import start_server_for
 from ..storage.plans_table import PlanTable
+from ..storage.result_model import record_selection
 from .proposals import Proposals
 from .run_summary import run_summary
 from ..errors import stopped
@@ -411,6 +412,8 @@ class Experiment:
             except EnvironmentFailure as err:  # the executor can no longer run anything
                 runner.stop_reason = str(err)  # in-flight trials resume later, charged nothing
             store.flush()
+            # a strategy whose method names its choice (a selected() method) has it recorded
+            record_selection(store, getattr(self.strategy, "selected", lambda: None)())
             done = not runner.budget_hit() and runner.stop_reason is None
             store.set_experiment_status("done" if done else "stopped")
             if runner.stop_reason is not None:

@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from ...threads import worker_threads
 from ..errors import EnvironmentFailure, main_guard_hint
 from ..jobs.job import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 from .local_worker import worker_main
@@ -113,8 +114,7 @@ class LocalExecutor(Executor):
             there is no GPU. More workers than GPUs share them round-robin.
         devices: GPU ids for ``CUDA_VISIBLE_DEVICES``, as this machine names them. Default:
             every GPU this process sees (:func:`visible_gpus`); ``[]`` forces CPU-only workers.
-        threads_per_worker: torch threads in each worker. Default: cores // num_workers (at
-            least 1), so the workers together use the machine without oversubscribing it.
+        threads_per_worker: torch threads a worker (default: :func:`retiarii.threads.worker_threads`).
         heartbeat_interval: seconds between a worker's heartbeats.
         heartbeat_timeout: a worker silent this long is killed and reported lost (None: never).
             Generous by default: one heartbeat thread keeps beating through long epochs.
@@ -154,7 +154,7 @@ class LocalExecutor(Executor):
         if num_workers < 1:
             raise ValueError(f"LocalExecutor needs at least one worker, got num_workers={num_workers}")
         self.num_slots = num_workers
-        self.threads = threads_per_worker or max(1, (cores or 1) // num_workers)
+        self.threads = threads_per_worker or worker_threads(cores or 1, num_workers)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
