@@ -138,9 +138,12 @@ class Table:
         # three quarters of the models miss, the most accurate of them included
         # (docs/multi_objective.md); --target-quantile 0.5 gives the earlier median target
         self.target_quantile = target_quantile
-        # (the inclusive method: 0.5 is the median, as before)
-        self.target = statistics.quantiles(lats, n=100, method="inclusive")[
-            round(target_quantile * 100) - 1]
+        # linear between the two nearest latencies (as statistics.quantiles' inclusive
+        # method; 0.5 is the median, as before), exact where they are equal
+        ordered = sorted(lats)
+        j, frac = divmod((len(ordered) - 1) * round(target_quantile * 100), 100)
+        upper = ordered[min(j + 1, len(ordered) - 1)]
+        self.target = ordered[j] + (upper - ordered[j]) * frac / 100
         true = [self.point(v) for v in self.values.values()]
         self.true_hv = hypervolume([true[i] for i in pareto_indices(true)], (1.0, 1.0))
 
