@@ -62,16 +62,47 @@ def test_won_tied_lost_and_sign_test_by_hand():
     assert mo._wins([0.1] * 6 + [0.0]) == "6/1/0 (sign p=0.031)"
 
 
+def test_latency_target_is_a_quantile_of_the_table(table):
+    import statistics
+
+    lats = sorted(la for _, la in table.values.values())
+    # the first quartile (inclusive method, 1,024 values): a quarter of the way from the 256th
+    # latency to the 257th, so exactly 256 models meet it and 768 miss it
+    assert table.target_quantile == 0.25
+    assert lats[255] < table.target < lats[256]
+    assert table.target == pytest.approx(0.25 * lats[255] + 0.75 * lats[256], rel=1e-12)
+    assert sum(la <= table.target for la in lats) == 256
+    # the most accurate model of the table misses the budget: the constraint binds
+    best = max(table.values.values())
+    assert best[1] > table.target
+    # 0.5 is the median target used before: halfway between the 512th and 513th
+    median = mo.Table(0.5).target
+    assert median == pytest.approx(statistics.median(lats), rel=1e-12)
+    assert sum(la <= median for la in lats) == 512
+    for bad in (0.0, 1.0, 0.255, -0.1):
+        with pytest.raises(ValueError, match="target_quantile"):
+            mo.Table(bad)
+
+
 def test_mnasnet_soft_reward_prefers_the_fastest_model_of_the_table(table):
-    # why the benchmark also runs the hard reward: the soft one's best model lies far under the
-    # target and is less accurate than the best model under it, which the judgment measures
+    # why the benchmark also runs the hard reward: the soft one's best model is the fastest of
+    # the table, less accurate than the best model under the target, which the judgment
+    # measures; and with alpha == beta the target only scales the soft reward
+    # (acc * lat**w * target**-w), so the soft reward ranks models alike for any target
     def best(reward):
         return max(table.values.values(),
                    key=lambda v: reward({"val_acc": v[0], "latency_ms": v[1]}))
 
-    under = max(a for a, la in table.values.values() if la <= table.target)
-    soft = best(mo.MnasNetReward("val_acc", "latency_ms", target=table.target))
-    hard = best(mo.MnasNetReward("val_acc", "latency_ms", target=table.target, alpha=0.0,
-                                 beta=-1.0))
-    assert soft[1] < 0.6 * table.target and soft[0] < under
-    assert hard[1] <= table.target and hard[0] == under
+    soft_best = []
+    for target in (table.target, mo.Table(0.5).target):
+        under = max(a for a, la in table.values.values() if la <= target)
+        soft = best(mo.MnasNetReward("val_acc", "latency_ms", target=target))
+        hard = best(mo.MnasNetReward("val_acc", "latency_ms", target=target, alpha=0.0,
+                                     beta=-1.0))
+        assert soft[1] < 0.34 and soft[0] < under  # among the 4 fastest of the table
+        soft_best.append(soft)
+        assert hard[1] <= target and hard[0] == under
+    assert soft_best[0] == soft_best[1]
+    # the scale: 0.9 at 1 ms, target 2 or 4: 0.9 * 2**0.07 and 0.9 * 4**0.07
+    a, b = (mo.MnasNetReward("acc", "lat", target=t)({"acc": 0.9, "lat": 1.0}) for t in (2, 4))
+    assert a == pytest.approx(0.9 * 1.049717) and b / a == pytest.approx(2 ** 0.07)
