@@ -395,9 +395,7 @@ _LAUNCHER = {
     "WANN": {"population_size": 8, "sample_size": 3},
 }
 
-
-# multi-trial rows whose method needs more than 8 models (efficientnet: 2 + its 8 grid points)
-MODELS = {"efficientnet": 10}
+MODELS = {"efficientnet": 10}  # multi-trial rows needing more than 8 models (2 + 8 grid points)
 # Rows whose paper steps the architecture on a split of the training data (the validation
 # split stays the reported result): their search trains with retiarii.arch_split's trainer
 ARCH_SPLIT = {"darts", "darts_rnn"}
