@@ -26,6 +26,7 @@ from retiarii.engine.storage.plans_table import PlanTable
 from retiarii.engine.storage.store import Store
 from retiarii.optim.cost import NOISE_FLOOR, Layout, Verdict, judge_segment
 from retiarii.engine.jobs.contract import GroupOrder
+from retiarii.engine.jobs.reports import UnitReport
 from test_layouts import Measured
 
 C, F = Layout.CSE, Layout.FUSED
@@ -158,7 +159,7 @@ def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monk
     events = g._run(Job("m", tasks, meta=meta))
     assert isinstance(events[-1], JobFinished), events[-1]
     assert timed == [{C: 2, Layout.BATCHING: 2}]
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert unit["choice"]["measured_on"] == "first batches"
     assert unit["layout"] == ("batching" if chosen[Layout.BATCHING] > 1 else "separate")
     alone = [_adapter_task(t, tmp_path, "a-") for t in SAMPLES]
@@ -178,7 +179,7 @@ def test_a_decisive_bound_skips_the_alone_profiles_and_fusion(tmp_path, monkeypa
     tasks = [g._task(t, tmp_path, tag="b-") for t in "adb"]  # a and d: one architecture
     events = g._run(Job("b", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     choice = unit["choice"]
     assert not calls and not unit["alone_s"] and choice["bound_s"] >= 0.0
     assert "fused" not in choice["speedups"] and choice["skipped"].startswith("fused not measured")
@@ -248,7 +249,7 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
     tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
     events = g._run(Job("f", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert unit["choice"]["skipped"].startswith("fused not measured: a grouped step's per-model")
     assert "fused" not in unit["choice"]["speedups"] and set(unit["alone_s"]) == set("adb")
 
@@ -277,7 +278,7 @@ def _measured_job(tasks):
     meta = {"group": GroupOrder(passes={"batching": "measure"}, fuse="measure",
                                 profile=tuple(t.trial_id for t in tasks))}
     events = g._run(Job("m", tasks, meta=meta))
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     return events, unit
 
 
@@ -507,12 +508,12 @@ def test_a_segment_is_judged_on_its_chosen_layouts_batches_by_hand(monkeypatch):
     # 0.10, 0.10, 0.11, 0.10: judged on those four, median 0.10, spread 0 (MAD 0 / 0.10)
     steps = [2.0, 0.05, 0.06, 1.5, 0.04, 0.10, 0.10, 0.11, 0.10]
     monkeypatch.setattr(grouped.TrainingGroup, "report",
-                        lambda self: {"trials": ["a", "b"], "merged": True, "batches": 9,
-                                      "load_s": 0.0, "compute_s": sum(steps), "setup_s": 0.0,
-                                      "step_s": 0.10, "spread": 0.5})
+                        lambda self: UnitReport(("a", "b"), merged=True, batches=9,
+                                                load_s=0.0, compute_s=sum(steps), setup_s=0.0,
+                                                step_s=0.10, spread=0.5))
     group = _bare_group(_steps=steps, _measured_to=5, _warm_after=0, _layout=F,
                         _times={C: [0.05, 0.06], F: [0.04]})
-    out = measuring.MeasuringGroup.report(group)
+    out = measuring.MeasuringGroup.report(group).to_json()
     assert (out["step_s"], out["spread"], out["judged_batches"]) == (0.10, 0.0, 4)
     # 2 models of 0.03 s alone: apart 9 x 0.06 = 0.54 s, merged 9 x 0.10 = 0.9 s: 0.6x,
     # beyond the noise (floor 5%): reverted at once, in the run's only grouped segment
@@ -522,14 +523,14 @@ def test_a_segment_is_judged_on_its_chosen_layouts_batches_by_hand(monkeypatch):
     assert speedup == pytest.approx(0.6) and judge_segment(speedup, out["spread"]).revert
     # the chosen layout's first batch after the decision is its warm-up when it had none
     group._warm_after = 1
-    assert measuring.MeasuringGroup.report(group)["judged_batches"] == 3
+    assert measuring.MeasuringGroup.report(group).judged_batches == 3
     # decided at the epoch's end: nothing after it, its timed batches are the evidence
     group._measured_to, group._warm_after, group._layout = 9, 0, C
-    out = measuring.MeasuringGroup.report(group)
+    out = measuring.MeasuringGroup.report(group).to_json()
     assert (out["step_s"], out["spread"], out["judged_batches"]) == (0.06, None, 2)
     # undecided: the group's own report stands
     group._measured_to = None
-    assert measuring.MeasuringGroup.report(group)["spread"] == 0.5
+    assert measuring.MeasuringGroup.report(group).spread == 0.5
 
 
 def test_the_alone_profiles_are_taken_again_only_near_the_margin_by_hand():

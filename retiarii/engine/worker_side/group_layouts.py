@@ -19,9 +19,10 @@ group_tasks`) can train in one of the :class:`~retiarii.optim.cost.Layout` s: ea
 - else the forced settings (``fuse=True``, ``batching=True``) or the default (CSE, and fusion
   under ``fuse="auto"``, measured over the segment afterwards).
 
-Every unit's report then says which layout it trained in (``"layout"``) and the choice
-(``"choice"``: device, order, measured speed-ups, whether this job measured them, the alone
-step times it measured), which the runner keeps per (group key, device) in the plans table.
+Every unit's report (a :class:`~..jobs.reports.UnitReport`) then says which layout it trained
+in (``layout``) and the choice (a :class:`~..jobs.reports.UnitChoice`: device, order, measured
+speed-ups, whether this job measured them, the layouts the device model chose), which the
+runner keeps per (group key, device) in the plans table.
 Whatever the layout, each trial's results are what that layout computes (all proven equal to
 training alone: docs/optimization.md); a layout is chosen before the segment's first step.
 """
@@ -32,6 +33,7 @@ import copy
 import functools
 import itertools
 import time
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,6 +47,7 @@ from ...rng import swapped_in
 from ..storage import checkpoint as ckpt
 from .fused_group import FusedGroup, fusable_sets
 from ..jobs.contract import GroupOrder, HeldLayout
+from ..jobs.reports import UnitChoice, UnitReport
 from .auto_layout import resolve
 from .training_group import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
 from .measuring_group import MeasuringGroup
@@ -317,7 +320,8 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         ids, models, runs: the group's trials, their models (IR) and runs.
         trainer, data_key: what they share.
         profile: trials whose alone step time to measure (None: measure nothing).
-        alone: ``alone(trial, why, extra)`` -> the worker's unit training one trial alone.
+        alone: ``alone(trial, why, report)`` -> the worker's unit training one trial alone
+            (``report``: its :class:`~..jobs.reports.UnitReport`).
         make_group: ``make_group(plan, runs, trainer, profile)`` -> the unit training a merged
             group (a :class:`TrainingGroup`, or the worker's dedicated-device group).
     """
@@ -338,9 +342,13 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
                           {t: runs[t].hparams for t in ids}, passes=passes.of(Layout.CSE))
         if passes.worth_measuring(PassManager(passes.measured).run(base), runs[ids[0]].device):
             merged = [Layout.CSE, Layout.BATCHING]
-    choice: dict[str, Any] = {"device": device, "probed": False}
-    if resolved.predicted:
-        choice["predicted"] = resolved.predicted
+    # the layouts the device model chose: never judged by time (their values round unlike
+    # training alone), however the unit came to train in them (measured or not)
+    chosen = (((Layout.FUSED.value,) if told.fuse == "auto" else ())
+              + ((Layout.BATCHING.value,) if "auto" in told.passes.values() else ())
+              ) if resolved.decided else ()
+    choice = UnitChoice(device=device, predicted=tuple(resolved.predicted),
+                        device_chosen=chosen)
     # One architecture, one step time alone: a trial whose architecture was measured (in
     # this job or an earlier one on this kind of device) is not measured again.
     arch = {t: fusion_key(models[t]) for t in ids}
@@ -357,10 +365,10 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
                            passes)
     if live is not None:  # measured while training (measuring.py): decided after a few batches
         order = list(live)
-        choice.update(order=[x.value for x in order], speedups={})
+        choice = replace(choice, order=tuple(x.value for x in order))
     elif given is not None:
         order = [Layout(x) for x in given.order]
-        choice.update(order=list(given.order), speedups=dict(given.speedups))
+        choice = replace(choice, order=tuple(given.order), speedups=dict(given.speedups))
     elif profile is not None and (len(merged) > 1 or (fuse == "auto" and fusable)):
         candidates = [Layout.SEPARATE, *merged] + ([Layout.FUSED] if fuse == "auto" and fusable else [])
         start = time.perf_counter()
@@ -370,12 +378,12 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         measured.update(probed)
         ranked = choose_layout(speedups)
         order = list(ranked.order)
-        choice.update(order=[x.value for x in order], probed=True,
-                      probe_s=time.perf_counter() - start,
-                      speedups={k.value: v for k, v in ranked.speedups.items()})
+        choice = replace(choice, order=tuple(x.value for x in order), probed=True,
+                         probe_s=time.perf_counter() - start,
+                         speedups={k.value: v for k, v in ranked.speedups.items()})
     else:
         order = ([Layout.FUSED] if fuse in ("auto", True) else []) + merged
-        choice.update(order=[x.value for x in order], speedups={})
+        choice = replace(choice, order=tuple(x.value for x in order))
     if fuse is True:  # forced: fused whatever was measured; the rest as ranked
         order = [Layout.FUSED] + [x for x in order if x is not Layout.FUSED]
     twins: dict[str, list[str]] = {}
@@ -396,7 +404,7 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
         group.twins, group.arch, group.produce_s = twins, arch, resolved.produce_s
         group.start_s = resolved.start_s
-        group.extra = {"layout": group.layout.value, "choice": choice}
+        group.trained_layout = group.layout.value
         return [group]
     usable = [x for x in order if x is Layout.SEPARATE or x in merged
               or (x is Layout.FUSED and fusable)]
@@ -411,16 +419,13 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         group.start_s = resolved.start_s
         kind = Layout.FUSED if isinstance(group, FusedGroup) else (
             rest if layout is Layout.FUSED else layout)
-        group.extra = {"layout": kind.value, "choice": choice}
-        if resolved.decided and (kind is Layout.FUSED and told.fuse == "auto" or kind is
-                                 Layout.BATCHING and "auto" in told.passes.values()):
-            group.extra["decided"] = True  # chosen by the device model: never reverted by time
+        group.trained_layout, group.choice = kind.value, choice
         units.append(group)
     for trial, why in lone.items():
         mine = {trial: measured[trial]} if trial in measured else {}
-        units.append(alone(trial, why, {"layout": Layout.SEPARATE.value, "choice": choice,
-                                        "alone_s": mine, "alone_by_arch": {
-                                            arch[t]: v for t, v in mine.items()}}))
+        units.append(alone(trial, why, UnitReport(
+            (trial,), merged=False, reason=why, layout=Layout.SEPARATE.value, choice=choice,
+            alone_s=mine, alone_by_arch={arch[t]: v for t, v in mine.items()})))
     return units
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,6 +72,7 @@ from ..storage import checkpoint as ckpt
 from .fused_group import fused_backward, fused_step, fused_unit
 from .training_group import TrainingGroup, sync_device
 from .compute_clock import compute_clock
+from ..jobs.reports import UnitChoice, UnitReport
 from .measuring_math import close_call, fused_rivals, judged_steps, median as _median
 
 __all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
@@ -121,7 +123,7 @@ class MeasuringGroup(TrainingGroup):
         group = MeasuringGroup({Layout.CSE: cse_plan, Layout.BATCHING: batched_plan}, runs,
                                trainer, models=models, fusable=[("a", "b")], data_key=key,
                                alone_s={}, want_alone=["a", "c"], choice=choice)
-        group.train_epoch()       # choice["order"], choice["speedups"] are filled in
+        group.train_epoch()       # group.choice.order, .speedups are filled in
 
     Args:
         plans: merged layout -> the group's plan in it (each covering every run), the first
@@ -133,14 +135,15 @@ class MeasuringGroup(TrainingGroup):
         alone_s: trial -> its step time alone, already known (not measured again).
         want_alone: the trials to profile alone when the bound does not decide (one per
             architecture; :attr:`twins` spreads their times).
-        choice: the job's choice record (``layouts.group_units``), filled in when decided.
+        choice: the job's :class:`~..jobs.reports.UnitChoice` (``group_units``); the group
+            holds it (:attr:`choice`), filled in when decided.
         step_times: how fused is timed on copies (``layouts.step_times``, handed in:
             layouts imports this module); None: fusion is never measured.
     """
 
     def __init__(self, plans: Mapping[Layout, LogicalPlan], runs: Mapping, trainer: Any, *,
                  models: Mapping, fusable: list[tuple[str, ...]], data_key: str,
-                 alone_s: Mapping[str, float], want_alone: list[str], choice: dict,
+                 alone_s: Mapping[str, float], want_alone: list[str], choice: UnitChoice,
                  step_times: Any = None):
         self._step_times = step_times
         self._plans = dict(plans)
@@ -197,13 +200,13 @@ class MeasuringGroup(TrainingGroup):
         """The layout it trains in now."""
         return self._layout
 
-    def report(self) -> dict:
+    def report(self) -> UnitReport:
         """:meth:`TrainingGroup.report`; once decided, judged on the chosen layout's own
         batches (:func:`~.measuring_math.judged_steps`)."""
         out = super().report()
         if self._measured_to is not None:
-            out.update(judged_steps(self._steps, self._measured_to, self._warm_after,
-                                    self._times.get(self._layout) or ()))
+            out = replace(out, **judged_steps(self._steps, self._measured_to, self._warm_after,
+                                              self._times.get(self._layout) or ()))
         return out
 
     # ---- building and switching layouts --------------------------------------------------
@@ -258,7 +261,7 @@ class MeasuringGroup(TrainingGroup):
             self._fallback = self._layout if self._layout in self._plans else self._plan_first
         self._layout = layout
         if layout is Layout.SEPARATE:
-            self.extra["layout"] = layout.value
+            self.trained_layout = layout.value
             return
         if layout is Layout.FUSED:
             self._group = self._build()  # falls back to a merged layout if it cannot fuse
@@ -272,7 +275,7 @@ class MeasuringGroup(TrainingGroup):
                 self._modules[layout] = self._build()
             self._plan, self._group = self._plans[layout], self._modules[layout]
             self._built = True
-        self.extra["layout"] = self._layout.value
+        self.trained_layout = self._layout.value
 
     def _leave_fused(self) -> None:
         """Every model and optimizer storage of its own again (:func:`unfuse`)."""
@@ -283,7 +286,7 @@ class MeasuringGroup(TrainingGroup):
     def _fusion_failed(self, why: str) -> None:
         """Fusing these runs failed: fused is no candidate any more; the layout goes back to
         the merged one it left, or the first (measured next, when fused was first)."""
-        self.choice["fused_failed"] = why[:300]
+        self.choice = replace(self.choice, fused_failed=why[:300])
         self._fopt, self._guard = None, None
         self._layout, self._built = self._fallback, False
         rest = [x for x in self._schedule[self._position:] if x is not Layout.FUSED]
@@ -493,7 +496,7 @@ class MeasuringGroup(TrainingGroup):
         self._decided, self._measured_to = True, len(self._steps)  # measured: not judged
         bounds = {x.value: speedups.pop(x) for x in unmeasured if x in speedups}
         if bounds:  # the most they could reach: not measured, ranked as unknown
-            self.choice["bounds"] = bounds
+            self.choice = replace(self.choice, bounds=bounds)
             ranked = choose_layout(speedups)
         # the rest of the segment: the best layout here (fused for every trial: from the
         # next batch, or on from the fused batches measured; fused for part of them applies
@@ -503,26 +506,26 @@ class MeasuringGroup(TrainingGroup):
         self._warm_after = 0 if best in self._stepped else 1  # its first batch: a warm-up
         self._use(best)
         if best is Layout.FUSED:
-            self.choice["fused_from"] = (
+            self.choice = replace(self.choice, fused_from=(
                 f"batch {self._fused_at} of this segment" if self._layout is Layout.FUSED else
-                f"the next segment: {self.choice.get('fused_failed', 'fusing failed here')}"
-            )[:300]
-        self.choice.update(
-            order=[x.value for x in ranked.order], probed=True, measured_on="first batches",
-            probe_s=self._probe_s + time.perf_counter() - start,
+                f"the next segment: {self.choice.fused_failed or 'fusing failed here'}"
+            )[:300])
+        self.choice = replace(
+            self.choice, order=tuple(x.value for x in ranked.order), probed=True,
+            measured_on="first batches", probe_s=self._probe_s + time.perf_counter() - start,
             speedups={k.value: v for k, v in ranked.speedups.items()})
 
     def _fuses_all(self) -> bool:
         """Whether fusion takes every trial of the group in one unit (then fused trains
         here; for part of them, from the next segment), and has not failed here."""
         return (len(self._fusable) == 1 and set(self._fusable[0]) >= set(self.runs)
-                and "fused_failed" not in self.choice)
+                and self.choice.fused_failed is None)
 
     def _speedups(self, batch: Any) -> dict[Layout, float] | None:
         """Each candidate's speed-up over apart per batch: those measured from the batches
-        timed, apart from the alone profiles or its lower bound (then ``choice["bound_s"]``),
+        timed, apart from the alone profiles or its lower bound (then ``choice.bound_s``),
         fused on copies unless it was measured here or is ruled out (then
-        ``choice["skipped"]`` says why); fused measured first and no merged layout yet: its
+        ``choice.skipped`` says why); fused measured first and no merged layout yet: its
         speed-up and, for CSE, the most it could reach (:meth:`_fused_first`). None when no
         batch was timed (a warm-up is no evidence: the key stays undecided)."""
         steps = {lay: min(self._times[lay]) for lay in self._times if self._times[lay]}
@@ -560,8 +563,8 @@ class MeasuringGroup(TrainingGroup):
                 # costs beyond the models' steps alone and the shared part.
                 per_model = (steps[Layout.CSE] - sum(estimate.values()) - shared
                              if Layout.CSE in steps and not bounded else 0.0)
-                if "fused_failed" in self.choice:
-                    skipped = f"fused not measured: {self.choice['fused_failed']}"
+                if self.choice.fused_failed is not None:
+                    skipped = f"fused not measured: {self.choice.fused_failed}"
                 elif device.type == "cpu" and frozen >= best:
                     skipped = f"fused not measured: its frozen parts alone {frozen:.3f}s"
                 elif PER_MODEL_BOUND * per_model >= min(best, apart):
@@ -576,11 +579,10 @@ class MeasuringGroup(TrainingGroup):
                     steps.update(fused)
         finally:
             ckpt.set_native_rng(outer)
-        self.choice["steps_s"] = {k.value: v for k, v in steps.items()}  # per batch, all N
-        if bounded:  # apart was not profiled: the speed-ups are lower bounds
-            self.choice["bound_s"] = shared
-        if skipped:
-            self.choice["skipped"] = skipped
+        self.choice = replace(  # steps_s: per batch, all N; bound_s: apart not profiled,
+            self.choice, steps_s={k.value: v for k, v in steps.items()},  # lower bounds
+            bound_s=shared if bounded else self.choice.bound_s,
+            skipped=skipped or self.choice.skipped)
         return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0),
                               getattr(self, "start_s", 0.0))
 
@@ -608,5 +610,5 @@ class MeasuringGroup(TrainingGroup):
         if early and Layout.FUSED in out and rival / DECISIVE < out[Layout.FUSED] < rival * DECISIVE:
             self._reprofile(batch, early)
             out = fused_rivals(self._alone_now(), steps, ids, load, CSE_FLOOR)
-        self.choice["steps_s"] = {k.value: v for k, v in steps.items()}
+        self.choice = replace(self.choice, steps_s={k.value: v for k, v in steps.items()})
         return out

@@ -46,6 +46,7 @@ from ...optim.plan import LogicalPlan, PlanModel
 from ...training import to_device as _to_device
 from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, paced, set_training
 from .compute_clock import compute_clock
+from ..jobs.reports import UnitChoice, UnitReport
 
 __all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
 
@@ -260,12 +261,13 @@ class TrainingGroup:
         self._steps: list[float] = []  # seconds of each batch's step (their spread: the noise)
         self._alone_s: dict[str, float] = {}
         self.setup_s = 0.0  # planning and building it, as the worker measured
-        self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
+        self.trained_layout: str | None = None  # the layout it trains in (group_layouts.py)
+        self.choice: UnitChoice | None = None  # the layout choice it trains under
         self.twins: dict[str, list[str]] = {}  # profiled trial -> others of its architecture
         self.arch: dict[str, str] = {}  # trial -> its architecture (fusion_key), when known
 
-    def report(self) -> dict:
-        """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
+    def report(self) -> UnitReport:
+        """What this group measured while it trained (a :class:`~..jobs.job.JobProfiled`
         unit): batches, seconds waiting for the loader and computing (the shared part once,
         every model's own part, backward, optimizer steps), and each profiled trial's separate
         step time, and the relative spread of its step times (the first, a warm-up, left
@@ -278,17 +280,19 @@ class TrainingGroup:
         for trial, others in self.twins.items():  # one architecture, one step time alone
             if trial in alone:
                 alone.update({t: alone[trial] for t in others if t not in alone})
-        return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
-                "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
-                "produce_s": getattr(self, "produce_s", 0.0), "compute_s": self._compute_s,
-                "setup_s": self.setup_s, "alone_s": alone, "start_s": getattr(self, "start_s", 0.0),
-                "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
-                "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
-                # what the plan's passes left it: nodes computed once, evaluations per step
-                # (the group's own plan: frozen BatchNorms keyed by their statistics)
-                **({"shared_nodes": len(self._built_plan().shared),
-                    "executions": self._built_plan().executions()} if self._plan is not None else {}),
-                **self.extra}
+        built = self._built_plan() if self._plan is not None else None
+        return UnitReport(
+            tuple(self.members), merged=True, batches=self._batches,
+            load_s=typical * len(loads), first_load_s=loads[0] if loads else 0.0,
+            produce_s=getattr(self, "produce_s", 0.0), compute_s=self._compute_s,
+            setup_s=self.setup_s, alone_s=alone, start_s=getattr(self, "start_s", 0.0),
+            spread=relative_spread(self._steps[1:]), step_s=self._typical_step_s(),
+            alone_by_arch={self.arch[t]: s for t, s in alone.items() if t in self.arch},
+            # what the plan's passes left it: nodes computed once, evaluations per step
+            # (the group's own plan: frozen BatchNorms keyed by their statistics)
+            shared_nodes=None if built is None else len(built.shared),
+            executions=None if built is None else built.executions(),
+            layout=self.trained_layout, choice=self.choice)
 
     def _built_plan(self) -> LogicalPlan:
         """The plan the group module was built from (``GroupModule.plan``), else the one given."""
