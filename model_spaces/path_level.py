@@ -22,7 +22,10 @@ So the meta-controller's actions (the row runs ``PolicyBasedRL`` over these choi
 paper's: where to replicate or split (a node's merge scheme, add or concat, and its branches,
 one more per step), where to insert a node, and which operation a new edge takes. The first
 three preserve the network's function when the transformed network takes the original's
-weights (:func:`transfer_network`: copied, or the filters divided); the tests check it.
+weights (:func:`transfer_network`: copied, or the filters divided); the tests check it. Each
+cell records its steps, so a transformed network trained by the engine starts from the start
+network's checkpoint through them (:meth:`Cell.inherit_state`; the row's ``PathLevelRL`` asks
+for it, as the paper's children inherit the start network's weights).
 Primitives (the paper's): 1x1 and 3x3 conv, 3x3 / 5x5 / 7x7 depthwise-separable conv, 3x3
 average and max pooling, identity.
 
@@ -52,14 +55,45 @@ BASE_CELL = ["op", "conv_3x3"]
 
 @rt.leaf
 class Cell(nn.Module):
-    """The tree-structured cell: (B, C_in, H, W) -> (B, C_out, H, W)."""
+    """The tree-structured cell: (B, C_in, H, W) -> (B, C_out, H, W).
 
-    def __init__(self, tree: list, c_in: int, c_out: int):
+    ``steps``: the transformations ``[path, kind, op]`` that made ``tree`` from
+    :data:`BASE_CELL`, in order; they let the cell take an ancestor's weights through the
+    function-preserving transfers (:meth:`inherit_state`)."""
+
+    def __init__(self, tree: list, c_in: int, c_out: int, steps: list | tuple = ()):
         super().__init__()
+        self.c_in, self.c_out, self.steps = c_in, c_out, [list(s) for s in steps]
         self.tree = Tree(tree, c_in, c_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tree(x)
+
+    def inherit_state(self, parent: dict[str, torch.Tensor]) -> bool:
+        """Take the weights of an ancestor cell (``parent``: its state dict, names relative
+        to the cell) through :func:`model_spaces.path_tree.transfer`, one step at a time, so
+        that the cell computes the ancestor's function (up to a ``change_op``'s fresh edge).
+        The ancestor is the tree after the longest prefix of ``steps`` whose tensors have
+        ``parent``'s names and shapes; False (nothing copied) when no prefix has them.
+
+        The engine's weight inheritance calls it (engine/trainers/inheritance.py)."""
+        trees = [BASE_CELL]
+        for path, kind, op in self.steps:
+            trees.append(apply(trees[-1], path, kind, self.c_out, op))
+        shapes = {k: tuple(v.shape) for k, v in parent.items()}
+        for start in range(len(trees) - 1, -1, -1):
+            old = Tree(trees[start], self.c_in, self.c_out)
+            if {f"tree.{k}": tuple(v.shape) for k, v in old.state_dict().items()} == shapes:
+                break
+        else:
+            return False
+        old.load_state_dict({k[len("tree."):]: v for k, v in parent.items()})
+        for (path, kind, _), tree in zip(self.steps[start:], trees[start + 1:]):
+            new = Tree(tree, self.c_in, self.c_out)  # fresh weights where kind is change_op
+            transfer(old, new, path, kind)
+            old = new
+        self.tree.load_state_dict(old.state_dict())
+        return True
 
 
 class DenseLayer(nn.Module):
@@ -115,18 +149,19 @@ class CellMutator(rt.Mutator):
     def mutate(self, targets):
         cells = self._cells()
         growth = cells[0].op.spec["args"][2]  # every cell: 4k -> k channels
-        tree, i = BASE_CELL, 0
-        while self.choose([False, True], label=f"path/grow{i}"):
+        tree, steps = BASE_CELL, []
+        while self.choose([False, True], label=f"path/grow{len(steps)}"):
+            i = len(steps)
             path = self.choose(list(nodes(tree)), label=f"path/node{i}")
             kind = self.choose(kinds(tree, path, growth), label=f"path/kind{i}")
             op = self.choose([p for p in PRIMITIVES if p != "identity"],
                              label=f"path/op{i}") if kind == "change_op" else None
             tree = apply(tree, path, kind, growth, op)
-            i += 1
-        if i:  # every layer's cell takes the new structure, at that layer's widths
+            steps.append([path, kind, op])
+        if steps:  # every layer's cell takes the new structure, at that layer's widths
             for cell in cells:
-                _, c_in, c_out = cell.op.spec["args"]
-                self.replace(cell, Cell(tree, c_in, c_out))
+                c_in, c_out = cell.op.spec["args"][1:3]
+                self.replace(cell, Cell(tree, c_in, c_out, steps))
 
 
 def transfer_network(old: nn.Module, new: nn.Module, path: str, kind: str) -> None:

@@ -1,25 +1,11 @@
 """The Graph IR: the single source of truth for a model.
 
 A :class:`Graph` holds :class:`Node` s connected by edges into numbered input ports. Each node
-computes one value (its single output) with an :class:`Operation`:
-
-==========  =====================================================  ===========================
-kind        what it computes                                       ``target``
-==========  =====================================================  ===========================
-input       a graph input (a ``forward`` argument)                 the argument name
-output      the graph's result; ``args[0]`` is its structure       None
-module      ``module(*args, **kwargs)``, module from ``spec``     None (the class is in spec)
-function    ``fn(*args, **kwargs)``                                 import ref, ``"torch:cat"``
-method      ``args[0].name(*args[1:], **kwargs)``                  method name, ``"view"``
-param       a parameter or buffer read directly                    None
-constant    a tensor constant                                      None
-subgraph    a cell: ``graph(*args)``                               None (the Graph is ``graph``)
-==========  =====================================================  ===========================
-
-Call arguments are *templates*: encoded values (see :mod:`retiarii.codec`) in which
-``{"__in__": k}`` stands for the value arriving on input port ``k``. The edges live in a
-networkx ``MultiDiGraph`` (key = destination port), so there is exactly one place that says
-what feeds what.
+computes one value (its single output) with an :class:`Operation` (graph_operation.py, whose
+names this module re-exports: the node kinds, and call templates in which ``{"__in__": k}``
+stands for the value arriving on input port ``k``). The edges live in a networkx
+``MultiDiGraph`` (key = destination port), so there is exactly one place that says what feeds
+what. Structural hashes are graph_hash.py's.
 
 Node names follow the module hierarchy (``layer1.0.conv1``); a module node's ``attr`` is the
 attribute path its module lives at (several call nodes may share one module). Every node has a
@@ -35,92 +21,19 @@ Example::
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import json
-import marshal
-from dataclasses import dataclass, field
 from typing import Any, Iterator, KeysView
 
 import networkx as nx
 
-from .codec import DROP, map_tags, port_indices
+from . import graph_hash
+from .codec import DROP, map_tags
 from .graph_checks import (KINDS, GraphError, check_constructible, check_op,  # noqa: F401
                            check_owned_tensor, check_schema, check_tensor_spec, is_int)
+from .graph_operation import Operation, copy_data
 
 SCHEMA_VERSION = 1
-
-
-@dataclass
-class Operation:
-    """What a node computes. All fields are JSON data (already encoded).
-
-    NOTE: [Operation.spec] ``spec`` is the payload of the node's *kind*, and each kind has
-    exactly one meaning for it (as torch.fx's ``target`` means a different thing per opcode):
-
-    - ``module``: how to re-create the module, ``{"cls", "args", "kwargs"}`` (modspec.py);
-    - ``param``: the tensor's declaration, ``{"shape", "dtype", "buffer", "requires_grad",
-      "persistent"}`` and, when small, ``"init"`` (its values);
-    - ``constant``: ``{"value"}``, the encoded tensor;
-    - ``input``: ``{"default"}`` when the argument has one, else None;
-    - ``output``, ``function``, ``method``, ``subgraph``: None.
-
-    One field rather than four keeps the serialized IR (stored in every store's ``models.graph``)
-    and every reader of it unchanged; read it only after checking ``kind``.
-    """
-
-    kind: str
-    target: str | None = None
-    args: list = field(default_factory=list)  # call template (encoded), ports as {"__in__": k}
-    kwargs: dict = field(default_factory=dict)
-    spec: dict | None = None  # the kind's payload: see NOTE: [Operation.spec] above
-    attr: str | None = None  # module/param/subgraph: attribute path in the emitted nn.Module
-    graph: "Graph | None" = None  # subgraph only
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise GraphError(f"unknown operation kind {self.kind!r}; expected one of {KINDS}")
-
-    @property
-    def num_ports(self) -> int:
-        idx = port_indices([self.args, self.kwargs])
-        return max(idx) + 1 if idx else 0
-
-    def to_data(self, with_names: bool = True) -> dict:
-        data: dict[str, Any] = {"kind": self.kind}
-        if self.target is not None:
-            data["target"] = self.target
-        if self.args:
-            data["args"] = self.args
-        if self.kwargs:
-            data["kwargs"] = self.kwargs
-        if self.spec is not None:
-            data["spec"] = self.spec
-        if with_names and self.attr is not None:
-            data["attr"] = self.attr
-        if self.graph is not None:
-            data["graph"] = self.graph.to_data()
-        return data
-
-    @classmethod
-    def from_data(cls, data: dict) -> "Operation":
-        sub = data.get("graph")
-        return cls(kind=data["kind"], target=data.get("target"), args=data.get("args", []),
-                   kwargs=data.get("kwargs", {}), spec=data.get("spec"), attr=data.get("attr"),
-                   graph=Graph.from_data(sub) if sub is not None else None)
-
-    def copy(self) -> "Operation":
-        return Operation(self.kind, self.target, copy_data(self.args),
-                         copy_data(self.kwargs), copy_data(self.spec), self.attr,
-                         self.graph.copy() if self.graph is not None else None)
-
-    def describe(self) -> str:
-        if self.kind == "module":
-            cls = self.spec.get("cls") if isinstance(self.spec, dict) else None
-            return cls.rsplit(":", 1)[-1] if isinstance(cls, str) else "module"
-        if self.kind in ("function", "method"):
-            return str(self.target).rsplit(":", 1)[-1]
-        return self.kind
 
 
 class Node:
@@ -487,7 +400,9 @@ class Graph:
         g = cls()
         try:
             for nd in data["nodes"]:
-                node = g.add_node(nd["name"], Operation.from_data(nd["op"]), uid=nd["uid"])
+                sub = nd["op"].get("graph")  # a subgraph's Graph: read here, where Graph is
+                op = Operation.from_data(nd["op"], Graph.from_data(sub) if sub is not None else None)
+                node = g.add_node(nd["name"], op, uid=nd["uid"])
                 node.meta = nd.get("meta", {})
             for src, dst, port in data["edges"]:
                 if src not in g._nodes or dst not in g._nodes:
@@ -509,30 +424,14 @@ class Graph:
             raise GraphError(f"graph JSON does not parse: {e}") from None
         return cls.from_data(data)
 
-    # ---- structural hash -----------------------------------------------------------------
+    # ---- structural hash (graph_hash.py) -----------------------------------------------------
     def node_hashes(self, view=None, chain=lambda _node, ins: ins) -> dict[int, str]:
         """uid -> hash of (op, inputs' hashes), names/uids ignored; ``view``, ``chain``: rewrite them."""
-        hashes: dict[int, str] = {}
-        seen_attrs: set[str] = set()
-        for node in self.nodes:
-            op = node.op.to_data(with_names=False) if view is None else view(
-                node, node.op.to_data(with_names=False))
-            if node.kind == "subgraph":
-                op["graph"] = node.op.graph.structural_hash()
-            if node.kind == "module":
-                # A second call of one module (tied weights) differs from an independent copy.
-                op["reuses_module"] = node.attr in seen_attrs
-                seen_attrs.add(node.attr)
-            if node.kind == "input":  # its position matters, not the argument's name
-                op.pop("target", None)
-                op["position"] = [n.uid for n in self.input_nodes].index(node.uid)
-            ins = chain(node, [hashes[i.uid] if i is not None else None for i in node.inputs])
-            hashes[node.uid] = hashlib.sha256(json.dumps([op, ins], sort_keys=True).encode()).hexdigest()
-        return hashes
+        return graph_hash.node_hashes(self, view, chain)
 
     def structural_hash(self) -> str:
         """Hash of the whole structure: equal structures hash equal, whatever names and uids."""
-        return hashlib.sha256("".join(sorted(self.node_hashes().values())).encode()).hexdigest()
+        return graph_hash.structural_hash(self)
 
     # ---- emitting ----------------------------------------------------------------------------
     # NOTE: [The one upward import] codegen sits above graph (it imports Graph), so these two
@@ -554,23 +453,3 @@ class Graph:
 
     def __repr__(self):
         return f"Graph({len(self._nodes)} nodes)"
-
-
-def copy_data(data: Any) -> Any:
-    """A deep copy of JSON data (dicts, lists, tuples, scalars), much faster than deepcopy.
-
-    marshal copies exact builtin types in C (this is an in-memory copy, never stored); it
-    refuses anything else (a str enum, a tensor), which the walk below copies by hand.
-    """
-    try:
-        return marshal.loads(marshal.dumps(data))
-    except ValueError:
-        return _copy_walk(data)
-
-
-def _copy_walk(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _copy_walk(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_copy_walk(v) for v in data)
-    return data

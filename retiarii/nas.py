@@ -155,17 +155,15 @@ ROWS: tuple[Row, ...] = (
          "tournaments, (mean, max accuracy) in 20%, crowding distance within a front"),
     _row(7, "path_level", "Path-level NAS",
          "DenseNet-BC tree cells grown by replication and split", "RL",
-         "Cai et al., ICML 2018", "model_spaces.path_level", "PolicyBasedRL",
+         "Cai et al., ICML 2018", "model_spaces.path_level", "PathLevelRL",
          "DenseNet-BC whose 3x3 convs become one shared tree-structured cell, grown by the "
          "paper's path-level transformations (replication-add, split-concat, a node inserted "
-         "with an identity edge, a new edge's op; model_spaces/path_tree.py), chosen by an "
-         "LSTM controller by REINFORCE (the paper: a tree-structured LSTM meta-controller "
-         "deciding per node); the transformations preserve the function "
-         "(path_level.transfer_network, tested), but each sampled network trains from "
-         "scratch (the paper: from the start network's weights). Scale: k=8, 2 blocks of 2 "
-         "layers (the paper: DenseNet-BC L=100, k=12; PyramidNet too)",
-         variant="sampled networks train from scratch, not from the start network's "
-                 "weights; a chain LSTM, not the paper's tree-structured controller"),
+         "with an identity edge, a new edge's op; model_spaces/path_tree.py); the paper's "
+         "meta-controller: a bidirectional tree-LSTM encodes the cell and decides per node, "
+         "by REINFORCE (strategies/multi_trial/path_level_rl.py); each transformed network "
+         "starts from the trained start network's weights through the function-preserving "
+         "transfers (a new edge's op: fresh). Scale: k=8, 2 blocks of 2 layers, nodes to "
+         "depth 2, two branches a node (the paper: DenseNet-BC L=100, k=12; PyramidNet too)"),
     _row(8, "large_scale_evolution", "Large-Scale Evolution",
          "evolving: add/remove/alter layers and skips", "evolution", "Real et al., ICML 2017",
          "model_spaces.large_scale_evolution", "RegularizedEvolution",

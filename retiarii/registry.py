@@ -71,6 +71,8 @@ MULTI_TRIAL = _table(
     Entry("evolution", _M + "evolution:RegularizedEvolution",
           (("population_size", 16), ("sample_size", 4))),
     Entry("rl", _M + "rl:PolicyBasedRL"),
+    # Cai et al.'s tree-LSTM meta-controller over model_spaces/path_level.py's transformations
+    Entry("path_level_rl", _M + "path_level_rl:PathLevelRL"),
     # Liu et al.'s mutation over model_spaces/hierarchical.py's motifs (level 2) and cell (3)
     Entry("hierarchical_evolution", _M + "hierarchical_evolution:HierarchicalEvolution",
           (("population_size", 16), ("sample_size", 4),

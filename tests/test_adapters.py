@@ -23,7 +23,8 @@ import retiarii as rt
 from model_spaces import adapters
 from retiarii.engine.worker_side.training_group import plan_group
 from retiarii.optim.batching import batching
-from retiarii.optim.build import _call, build_group
+from retiarii.optim.build import build_group
+from retiarii.optim.group_module import _call
 from retiarii.optim.cse import cse
 from retiarii.optim.plan import PlanModel, build_plan
 
@@ -79,7 +80,7 @@ def test_frozen_blocks_and_residual_adds_are_batched(space):
 
 
 def test_emitted_cells_call_their_modules_by_flat_names_and_copy_and_move(space):
-    """build._direct_calls: the nested MobileNetV2 modules are called by one flat name (no
+    """cell_emit._direct_calls: the nested MobileNetV2 modules are called by one flat name (no
     ``getattr`` chains in the code), which neither the state dict nor ``modules()`` lists; a
     deep copy and a dtype move compute what the original does."""
     samples = [{"block": b} for b in (0, 2, 4)]

@@ -203,28 +203,39 @@ def test_a_fused_job_lost_midway_leaves_the_store_true(tmp_path, monkeypatch, dr
     # The seed's first job fuses its pairs from step 0; the second fused unit's first trial
     # rounds unlike alone on this CPU. The worker dies once that trial reported its step-1
     # checkpoint: it trained fused and the store must say so, though the job's unit report
-    # never came (and, with the driver killed before the job's plans row, no row names the job
-    # at all); it then trains on unfused, as its twin is behind it. Its twin retries from step
-    # 0 without it: the store must hold the retry's values, not those the lost job reported.
+    # never came; it then trains on unfused, as its twin is behind it. Its twin retries from
+    # step 0 without it: the store must hold the retry's values, not those the lost job
+    # reported. With the driver killed too, it dies right after that checkpoint's transaction
+    # commits, before any later event of the job: the one window where only the checkpoint's
+    # own transaction can say the trial trained fused. The search resumes with fusion off, so
+    # no later plans row names the trial in a fused unit either (with it on, the resumed search
+    # fuses the trial again, and that row would hide a lost mark: an engine that marked trials
+    # by plans rows alone passed this test when its driver died at the job's plans row).
     db, executor = tmp_path / "run.db", LosingExecutor(unit=1)
-    add = PlanTable.add
+    checkpoint = Store.checkpoint
 
-    def dying_add(self, record):
-        if record["job_id"] == executor.job_id:
-            self.store.db.conn.close()  # what was not committed is lost, as in a dead process
-            self.store.db = None
-            raise DriverKilled(record["job_id"])
-        return add(self, record)
+    def dying_checkpoint(self, trial_id, step, *args, **kwargs):
+        checkpoint(self, trial_id, step, *args, **kwargs)
+        if executor.lost is not None and trial_id == executor.lost[0]:
+            self.db.conn.close()  # what was not committed is lost, as in a dead process
+            self.db = None
+            raise DriverKilled(f"{trial_id} at step {step}")
 
     if driver_killed:
-        monkeypatch.setattr(PlanTable, "add", dying_add)
+        monkeypatch.setattr(Store, "checkpoint", dying_checkpoint)
     died = False
     try:
         torture_driver.experiment(str(db), "trials", 16, 16, executor).run()
     except DriverKilled:
         died = True
-        monkeypatch.setattr(PlanTable, "add", add)
-        torture_driver.experiment(str(db), "trials", 16, 16, InProcessExecutor()).resume()
+        monkeypatch.setattr(Store, "checkpoint", checkpoint)
+        with Store(db) as store:  # the window: the checkpoint is there, the job's row is not
+            store.use_experiment(store.experiments()[-1]["id"])
+            assert store.last_checkpoint(executor.lost[0])["step"] == 1
+            assert executor.job_id not in {r["job_id"] for r in PlanTable(store).rows()}
+        resumed = torture_driver.experiment(str(db), "trials", 16, 16, InProcessExecutor())
+        resumed.fuse = False  # grouped unfused from here on (fuse is not part of the config)
+        resumed.resume()
     assert executor.lost is not None and died == driver_killed, executor.lost
     _check_trials_run(db, tmp_path, 16, 16, f"lost the worker after {executor.lost}")
 

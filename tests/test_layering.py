@@ -19,6 +19,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "retiarii"
 LAYERS = [
     {"retiarii.codec"},
     {"retiarii.modspec"},
+    {"retiarii.graph_operation", "retiarii.graph_hash"},  # what a node computes; hashes
     {"retiarii.graph", "retiarii.ops"},
     {"retiarii.interpreter", "retiarii.trace", "retiarii.match"},
     {"retiarii.codegen"},
@@ -181,12 +182,9 @@ def test_local_and_relative_imports_are_edges(tmp_path, monkeypatch):
 MAX_LINES = 500
 # Modules still over MAX_LINES, each at most the lines it has now: the list only shrinks (the
 # job-wing redraw splits them by idea); a module not listed must stay within MAX_LINES.
-OVER = {"retiarii.optim.build": 615,
-        "retiarii.engine.worker_side.measuring_group": 613,
+OVER = {"retiarii.engine.worker_side.measuring_group": 613,
         "retiarii.strategies.multi_trial.base": 605,
         "retiarii.engine.worker_side.training_group": 589,
-        "retiarii.graph": 576,
-        "retiarii.optim.relax": 516,
         "retiarii.engine.executors.ray": 533,
         "retiarii.engine.executors.local": 520,
         "retiarii.optim.mixed_parallel": 519}

@@ -51,3 +51,27 @@ def test_predictor_beats_random_hypervolume_on_the_table(table):
         hv = [table.hv(mo.replay(name, seed, 50, table)) for name in ("predictor", "random")]
         gains.append(hv[0] - hv[1])
     assert sum(gains) / len(gains) > 0 and sum(g > 0 for g in gains) >= 4, gains
+
+
+def test_won_tied_lost_and_sign_test_by_hand():
+    # 3 wins, 2 ties (left out), 1 loss: p = 2 * P(X <= 1), X ~ Bin(4, 1/2) = 2 * 5/16
+    assert mo._wins([0.003, 0.003, 0.0, -0.003, 0.0, 0.006]) == "3/2/1 (sign p=0.625)"
+    # all tied: no evidence either way
+    assert mo._wins([0.0, 0.0]) == "0/2/0 (sign p=1.000)"
+    # 6 of 6 untied won: 2 / 64
+    assert mo._wins([0.1] * 6 + [0.0]) == "6/1/0 (sign p=0.031)"
+
+
+def test_mnasnet_soft_reward_prefers_the_fastest_model_of_the_table(table):
+    # why the benchmark also runs the hard reward: the soft one's best model lies far under the
+    # target and is less accurate than the best model under it, which the judgment measures
+    def best(reward):
+        return max(table.values.values(),
+                   key=lambda v: reward({"val_acc": v[0], "latency_ms": v[1]}))
+
+    under = max(a for a, la in table.values.values() if la <= table.target)
+    soft = best(mo.MnasNetReward("val_acc", "latency_ms", target=table.target))
+    hard = best(mo.MnasNetReward("val_acc", "latency_ms", target=table.target, alpha=0.0,
+                                 beta=-1.0))
+    assert soft[1] < 0.6 * table.target and soft[0] < under
+    assert hard[1] <= table.target and hard[0] == under

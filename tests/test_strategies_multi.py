@@ -14,7 +14,9 @@ from retiarii.strategies import (
 from retiarii.sampler import sample_key
 from retiarii.strategies.multi_trial.evolution import crowded_tournament
 from retiarii.strategies.multi_trial.predictor import improvement_order
-from retiarii.strategies.multi_trial.tpe import motpe_split, motpe_weights, reference_point
+from retiarii.strategies.multi_trial.tpe import (
+    hypervolume_subset, motpe_split, motpe_weights, reference_point,
+)
 
 OPS = list(range(4))
 N = 6
@@ -169,11 +171,31 @@ def test_motpe_split_by_hand():
     assert motpe_split(points, violations, 4) == [0, 1, 2, 3]
     assert motpe_split(points, violations, 5) == [0, 1, 2, 3, 4]
     # front 0 does not fit: reference (4 + 0.5, 4 + 0.5) past the worst of all five points;
-    # contributions 1 * 0.5 = 0.5, 3 * 2 = 6, 0.5 * 2 = 1: (1, 2) then (4, 0) then (0, 4)
+    # greedy subset: alone (0, 4) covers 4.5 * 0.5 = 2.25, (1, 2) 3.5 * 2.5 = 8.75, (4, 0)
+    # 2.25: (1, 2) first; then (0, 4) adds 1 * 0.5 = 0.5 and (4, 0) adds 0.5 * 2 = 1: (4, 0)
     assert reference_point(points) == (4.5, 4.5)
     assert motpe_split(points, violations, 1) == [1]
     assert motpe_split(points, violations, 2) == [1, 2]
     assert motpe_split(points, violations, 3) == [0, 1, 2]
+
+
+def test_motpe_split_greedy_subset_by_hand():
+    # one front; b = (1, 1) and b2 = (1.1, 0.9) crowd the middle. Reference: the worst value
+    # of each objective + a tenth of its range = (4 + 0.4, 4 + 0.38). Alone: a = (0, 4) covers
+    # 4.4 * 0.38 = 1.672, b 3.4 * 3.38 = 11.492, b2 3.3 * 3.48 = 11.484, d = (4, 0.2) 0.4 *
+    # 4.18 = 1.672: b first. Then a adds (1 - 0) * (4.38 - 4) = 0.38, b2 (4.4 - 1.1) * (1 -
+    # 0.9) = 0.33, d (4.4 - 4) * (1 - 0.2) = 0.32: a. Then b2 (0.33 > 0.32). Ranking by
+    # exclusive contribution instead (a 1 * 0.38, b 0.1 * 3, b2 2.9 * 0.1, d 0.4 * 0.7) would
+    # pick a alone first and leave out b, the point that covers the most.
+    points = [(0, 4), (1, 1), (1.1, 0.9), (4, 0.2)]
+    assert reference_point(points) == pytest.approx((4.4, 4.38))
+    assert motpe_split(points, [0] * 4, 1) == [1]
+    assert motpe_split(points, [0] * 4, 2) == [0, 1]
+    assert motpe_split(points, [0] * 4, 3) == [0, 1, 2]
+    assert hypervolume_subset(points, 1, (4.4, 4.38)) == [1]
+    # a dominated point is on a later front: whole fronts come first, then the greedy subset
+    assert motpe_split([*points, (2, 2)], [0] * 5, 4) == [0, 1, 2, 3]
+    assert motpe_split([(2, 2), *points], [0] * 5, 1) == [2]
 
 
 def test_motpe_weights_by_hand():

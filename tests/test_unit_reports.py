@@ -84,13 +84,20 @@ def test_the_codec_round_trips_every_field():
     assert PlanRecord.from_row(record.row()) == record
 
 
-def test_a_layout_the_device_model_chose_cannot_carry_a_time_verdict():
+def test_a_layout_the_device_model_chose_or_the_user_forced_cannot_carry_a_time_verdict():
     decided = UnitReport(("a", "b"), merged=True, layout="batching",
                          choice=UnitChoice("cpu", device_chosen=("batching",)))
     assert decided.decided
     with pytest.raises(ValueError, match="never judged by time"):
         decided.judged(UnitJudgement(verdict="0.80x", slower=True))
     assert decided.judged(UnitJudgement(slower=False)).judgement.slower is False
+    forced = UnitReport(("a", "b"), merged=True, fused=True, layout="fused",
+                        choice=UnitChoice("cpu", forced=("fused",)))  # fuse=True
+    assert forced.decided and UnitReport.from_json(forced.to_json()) == forced
+    with pytest.raises(ValueError, match="never judged by time"):
+        forced.judged(UnitJudgement(verdict="0.50x", slower=True))
+    rest = replace(forced, fused=False, layout="cse")  # the forced job's unfused models
+    assert not rest.decided
     measured = UnitReport(("a", "b"), merged=True, layout="batching",
                           choice=UnitChoice("cpu"))  # batching="measure": time judges it
     assert measured.judged(UnitJudgement(verdict="0.80x")).verdict == "0.80x"

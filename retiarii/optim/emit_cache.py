@@ -67,7 +67,7 @@ def _skeleton(module: nn.Module, graph: Graph) -> nn.Module:
     """A structure copy of ``module`` without what a group adopted: each module and cell node's
     module is an empty placeholder, each parameter node's tensor None (its name kept, so the
     adopting code finds a parameter or a buffer there), and no flat name of a call
-    (``build._direct_calls``) left pointing at an adopted module."""
+    (``cell_emit._direct_calls``) left pointing at an adopted module."""
     skeleton = _copy_structure(module)
     for node in graph.nodes:
         if node.kind in ("module", "subgraph"):

@@ -40,7 +40,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..codec import decode, resolve_ref
@@ -49,6 +48,7 @@ from ..interpreter import init_tensor
 from ..modspec import build_module
 from .arch_params import ArchParameters
 from ..sampler import index_of
+from .relax_mixture import add_mixed, label_weights, needed, node_terms
 from .relax_space import NodePlan, RelaxError, SpaceReading, op_key, read_space
 
 __all__ = ["MODES", "Relaxation", "RelaxError"]
@@ -276,37 +276,10 @@ class Relaxation(ArchParameters):
     # ---- the forward -------------------------------------------------------------------------
     def _label_weights(self) -> dict[str, tuple[Any, set, set]]:
         """label -> (weights, candidates computed, candidates computed with autograd)."""
-        out = {}
-        self.sampled, self.mixing = {}, {}  # mixing: this forward's Gumbel weights (FBNet)
-        for label, alpha in zip(self.labels, self.alphas):
-            n = len(alpha)
-            every = set(range(n))
-            if self.mode == "fixed":
-                i = self._fixed[label]
-                out[label] = ([1.0 if j == i else 0.0 for j in range(n)], {i}, {i})
-            elif self.mode == "softmax":
-                out[label] = (F.softmax(alpha, -1), every, every)
-            elif self.mode == "gumbel":
-                u = torch.rand(n, generator=self.generator).to(alpha.device)
-                g = -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-10)))
-                soft = F.softmax((alpha + g) / self.temperature, -1)
-                if self.hard:
-                    hot = F.one_hot(soft.detach().argmax(), n).to(soft.dtype)
-                    soft = hot - soft.detach() + soft
-                out[label] = (self.mixing.setdefault(label, soft), every, every)
-            else:  # binary
-                p = F.softmax(alpha, -1)
-                k = min(self.paths, n)
-                drawn = torch.multinomial(p.detach().cpu(), k, generator=self.generator)
-                mask = torch.zeros(n, dtype=p.dtype, device=p.device)
-                mask[drawn.to(p.device)] = 1.0
-                q = p * mask / (p * mask).sum()  # the drawn candidates' renormalized probs
-                active = int(drawn[torch.multinomial(q.detach().cpu()[drawn], 1,
-                                                     generator=self.generator)])
-                gate = F.one_hot(torch.tensor(active), n).to(p) - q.detach() + q
-                self.sampled[label] = drawn.tolist()
-                out[label] = (gate, set(drawn.tolist()), {active})
-        return out
+        lw, self.sampled, self.mixing = label_weights(  # mixing: the Gumbel weights (FBNet)
+            self.mode, self.labels, self.alphas, fixed=self._fixed, temperature=self.temperature,
+            hard=self.hard, paths=self.paths, generator=self.generator)
+        return lw
 
     def forward(self, *args: Any) -> Any:
         reading = self.reading
@@ -314,8 +287,8 @@ class Relaxation(ArchParameters):
             raise TypeError(f"the supernet takes {len(reading.inputs)} inputs "
                             f"({reading.inputs}), got {len(args)}")
         lw = self._label_weights()
-        terms = {plan.name: self._terms(plan, lw) for plan in reading.nodes}
-        need = self._needed(terms)
+        terms = {plan.name: node_terms(plan, lw, self.mode) for plan in reading.nodes}
+        need = needed(reading, terms)
         env: dict[str, Any] = dict(zip(reading.inputs, args))
         grad_on = torch.is_grad_enabled()
         for plan in reading.nodes:
@@ -325,103 +298,6 @@ class Relaxation(ArchParameters):
             with torch.set_grad_enabled(grad_on and mode == "grad"):
                 env[plan.name] = self._compute(plan, terms[plan.name], env, grad_on)
         return env[reading.output]
-
-    def _terms(self, plan: NodePlan, lw: dict) -> list:
-        """[(op key, weight or None, with grad, [[(source, weight or None, with grad)] per
-        port])] for this step; an empty list when the node does not exist in it.
-
-        NOTE: [Port weights] Within one operation, a port's sources are weighted by the
-        product of the weights of the labels that move the node's sources, summed over the
-        combinations giving that operation and normalized: the probability of each source
-        given the operation, without the factors of labels that only choose the operation.
-        Those factors are common to the operation's variants; leaving them out keeps the
-        division away from tiny numbers (a Gumbel sample of 1e-30 for one op would make the
-        gradient overflow) and keeps the ports of an operation whose one-hot gate is off
-        defined (binary, hard gumbel): its gate gradient then sees the active input. An
-        operation whose sources all weigh exactly 0 is not computed.
-        """
-        src_pos = [j for j, label in enumerate(plan.labels)
-                   if label in plan.labels_changing("sources")]
-        variants: dict[int, list] = {}  # variant -> [weight, with grad, port weight]
-        for combo, vid in plan.table.items():
-            if vid is None:
-                continue
-            w, grad, ok = None, True, True
-            for label, i in zip(plan.labels, combo):
-                weights, computed, with_grad = lw[label]
-                if i not in computed:
-                    ok = False
-                    break
-                grad = grad and i in with_grad
-                w = weights[i] if w is None else w * weights[i]
-            if not ok:
-                continue
-            wp = 1.0
-            for j in src_pos:
-                wp = wp * lw[plan.labels[j]][0][combo[j]]
-            if vid in variants:
-                acc = variants[vid]
-                acc[0], acc[1], acc[2] = acc[0] + w, acc[1] or grad, acc[2] + wp
-            else:
-                variants[vid] = [w, grad, wp]
-        if self.mode == "fixed":  # exactly the sample's operation: no weights at all
-            variants = {v: [None, True, None] for v, (w, _, _) in variants.items() if w != 0.0}
-        if not variants:
-            return []
-        exists = None
-        if plan.may_be_absent and self.mode != "fixed":
-            exists = _nonzero(sum(acc[0] for acc in variants.values()))
-        by_op: dict[str, list[int]] = {}
-        for vid in variants:
-            by_op.setdefault(plan.variants[vid][0], []).append(vid)
-        single = len(by_op) == 1
-        out = []
-        for key, vids in by_op.items():
-            w_op = None
-            if plan.labels and self.mode != "fixed":
-                w_op = sum(variants[v][0] for v in vids)
-            grad = any(variants[v][1] for v in vids)
-            ports = []
-            for k in range(len(plan.variants[vids[0]][1])):
-                srcs: dict[str, list] = {}
-                for v in vids:
-                    s = plan.variants[v][1][k]
-                    _, g, w = variants[v]
-                    if s in srcs:
-                        srcs[s][0], srcs[s][1] = srcs[s][0] + w, srcs[s][1] or g
-                    else:
-                        srcs[s] = [w, g]
-                if len(srcs) == 1:
-                    ports.append([(s, None, g) for s, (w, g) in srcs.items()])
-                    continue
-                total = sum(w for w, _ in srcs.values())
-                if float(total.detach() if isinstance(total, torch.Tensor) else total) == 0.0:
-                    ports = None  # an operation that cannot run on the active inputs
-                    break
-                ports.append([(s, w / _nonzero(total), g) for s, (w, g) in srcs.items()])
-            if ports is None:
-                continue
-            weight = None
-            if not single or exists is not None:
-                weight = w_op if exists is None else w_op / exists
-            out.append((key, weight, grad, ports))
-        return out
-
-    def _needed(self, terms: dict[str, list]) -> dict[str, str]:
-        """node -> "grad" or "nograd": what this step computes, walking back from the output."""
-        need = {self.reading.output: "grad"}
-        for plan in reversed(self.reading.nodes):
-            mode = need.get(plan.name)
-            if mode is None:
-                continue
-            for _, _, grad, ports in terms[plan.name]:
-                t = mode if grad else "nograd"
-                for port in ports:
-                    for src, _, g in port:
-                        m = t if g else "nograd"
-                        if need.get(src) != "grad":
-                            need[src] = m
-        return need
 
     def _compute(self, plan: NodePlan, terms: list, env: dict, grad_on: bool) -> Any:
         if not terms:
@@ -437,7 +313,7 @@ class Relaxation(ArchParameters):
                 mixed = None
                 for src, w, g in port:
                     x = env[src] if g or not grad_on else env[src].detach()
-                    mixed = w * x if mixed is None else _add(mixed, w * x, plan)
+                    mixed = w * x if mixed is None else add_mixed(mixed, w * x, plan)
                 values.append(mixed)
             if grad or not grad_on:
                 y = self._run_op(self.reading.ops[key], values)
@@ -446,7 +322,7 @@ class Relaxation(ArchParameters):
                     y = self._run_op(self.reading.ops[key], values)
             if weight is not None:
                 y = weight * y
-            out = y if out is None else _add(out, y, plan)
+            out = y if out is None else add_mixed(out, y, plan)
         return out
 
     def _run_op(self, op, inputs: list) -> Any:
@@ -475,30 +351,6 @@ class Relaxation(ArchParameters):
         return (f"mode={self.mode!r}, labels={len(self.labels)}, "
                 f"candidates={sum(len(k) for k in self.keys.values())}, "
                 f"weight_modules={len(self.weights)}")
-
-
-def _nonzero(w: Any) -> Any:
-    """``w`` to divide by, at least 1e-6: a one-hot gate that is off (0) or a weight that
-    underflowed divides terms that weigh (almost) nothing anyway, without a NaN or an
-    overflowing gradient."""
-    if isinstance(w, torch.Tensor):
-        return w.clamp_min(1e-6)
-    return w if w != 0 else 1.0
-
-
-def _add(a: Any, b: Any, plan: NodePlan) -> Any:
-    """a + b for the mixture of a node; a shape mismatch names the node and its choices."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise RelaxError(f"node {plan.name!r}: its candidates for labels {list(plan.labels)} "
-                         f"return {type(a).__name__} and {type(b).__name__}, not tensors; only "
-                         f"tensors can be mixed")
-    if a.shape != b.shape:
-        raise RelaxError(f"labels {list(plan.labels)} change the shape of what node "
-                         f"{plan.name!r} computes ({list(a.shape)} vs {list(b.shape)}): "
-                         f"candidates of different widths are not shared by slicing here, "
-                         f"so they cannot be mixed; use spos/enas or a multi-trial strategy, "
-                         f"or make the candidates keep the shape")
-    return a + b
 
 
 def rescale_drawn(relax: Relaxation, before: dict[str, torch.Tensor]) -> None:

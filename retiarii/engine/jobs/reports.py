@@ -11,8 +11,9 @@ this module is the only place their fields are spelled; the JSON is the plans ta
 it does not know are ignored, missing ones take their defaults).
 
 A layout the device model chose (fused under ``fuse="auto"``, batching set ``"auto"``:
-:mod:`~retiarii.engine.worker_side.auto_layout`) rounds unlike training alone, so time never
-judges it: :attr:`UnitReport.decided` is derived from the choice (``device_chosen``), and a
+:mod:`~retiarii.engine.worker_side.auto_layout`) or the user forced (fused under
+``fuse=True``) rounds unlike training alone, so time never judges it:
+:attr:`UnitReport.decided` is derived from the choice (``device_chosen``, ``forced``), and a
 decided report cannot carry a time verdict (:meth:`UnitReport.judged` raises).
 
 Example::
@@ -62,6 +63,8 @@ class UnitChoice:
         speedups: layout -> measured speed-up over apart (None: not measured).
         device_chosen: the layouts the device model chose (rounding unlike training alone:
             never judged by time).
+        forced: the layouts the user forced (``fused`` under ``fuse=True``): never judged
+            by time either.
         predicted: one line per fusable set the device model judged.
         probe_s: seconds the measurement cost.
         measured_on: ``"first batches"`` when measured on the segment's real batches.
@@ -78,6 +81,7 @@ class UnitChoice:
     order: tuple[str, ...] = ()
     speedups: Mapping[str, float | None] = field(default_factory=dict)
     device_chosen: tuple[str, ...] = ()
+    forced: tuple[str, ...] = ()
     predicted: tuple[str, ...] = ()
     probe_s: float | None = None
     measured_on: str | None = None
@@ -96,6 +100,7 @@ class UnitChoice:
         return cls(device=data.get("device") or "", probed=bool(data.get("probed")),
                    order=_tuple(data.get("order")), speedups=dict(data.get("speedups") or {}),
                    device_chosen=_tuple(data.get("device_chosen")),
+                   forced=_tuple(data.get("forced")),
                    predicted=_tuple(data.get("predicted")), probe_s=data.get("probe_s"),
                    measured_on=data.get("measured_on"), steps_s=data.get("steps_s"),
                    bound_s=data.get("bound_s"), bounds=data.get("bounds"),
@@ -212,10 +217,11 @@ class UnitReport:
 
     @property
     def decided(self) -> bool:
-        """Whether the device model chose this unit's layout (values that round unlike
-        training alone: a measurement must not change them, so time never judges it)."""
+        """Whether the device model chose this unit's layout or the user forced it (values
+        that round unlike training alone: a measurement must not change them, so time never
+        judges it)."""
         return (self.choice is not None and self.layout is not None
-                and self.layout in self.choice.device_chosen)
+                and self.layout in (*self.choice.device_chosen, *self.choice.forced))
 
     @property
     def device(self) -> str | None:
@@ -276,7 +282,7 @@ class UnitReport:
         ``"decided": true`` where newer ones name the layout in ``device_chosen``)."""
         choice = UnitChoice.from_json(data["choice"]) if data.get("choice") else None
         if data.get("decided") and choice is not None and data.get("layout") \
-                and data["layout"] not in choice.device_chosen:
+                and data["layout"] not in (*choice.device_chosen, *choice.forced):
             choice = replace(choice, device_chosen=(*choice.device_chosen, data["layout"]))
         dedicated = data.get("dedicated")
         return cls(trials=_tuple(data.get("trials")), merged=bool(data.get("merged")),

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 
 
 from .checkpoint import CheckpointDir, CheckpointPathError, legacy_name
+from .fused_marks import checkpoint_sources, inherit_fused
 from .state_tables import StateTables
 from .sqlite_import import import_sqlite_utils
 from .queries import StoreQueries, decode_json_columns, encode_state, json_text, not_found_error
@@ -317,6 +318,8 @@ class Store(StoreQueries):
                 if initiator is not None:  # a PBT child (schema v8)
                     self.db.execute("UPDATE trials SET initiator = ? WHERE id = ?",
                                     [initiator, trial.trial_id])
+                # a clone of a fused checkpoint carries its rounding: marked with it, now
+                inherit_fused(self.db, trial.trial_id, checkpoint_sources(self.db, record, spec))
                 self.db.execute("INSERT INTO events (trial_id, old_state, new_state, reason, "
                                 "time) VALUES (?, NULL, ?, 'added', ?)",
                                 [trial.trial_id, state, now])

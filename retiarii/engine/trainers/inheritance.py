@@ -9,6 +9,10 @@ journaled with the trial, so a crash or a resume starts it from the same file), 
 its first segment from that file (``Trial.resume_point``), and the worker builds the child as
 usual (its own seed, so fresh layers are what a fresh trial would have) and copies in, by name,
 every layer of the parent's checkpoint whose tensors all fit the child's (:func:`inherit_matching`).
+A module of the child that knows how it derives from its parent's (a method
+``inherit_state(parent_state) -> bool``, the parent's tensors under its name) takes them itself:
+path-level NAS's cells (model_spaces/path_level.py) map them through their function-preserving
+transformations, where names and shapes differ.
 Optimizer moments, the RNG streams and the step are the child's own: it trains for its full
 budget from step 0, as the paper's children do.
 
@@ -46,15 +50,25 @@ def inherit_matching(model: nn.Module, parent: dict[str, torch.Tensor]
         (['0.weight', '0.bias'], ['1.weight', '1.bias'])
     """
     own = model.state_dict()
+    taken: dict[str, bool] = {}  # names under a module that inherits itself -> whether it did
+    for prefix, module in model.named_modules():
+        if prefix and callable(getattr(module, "inherit_state", None)):
+            inside = {k[len(prefix) + 1:]: v for k, v in parent.items()
+                      if k.startswith(prefix + ".")}
+            ok = bool(inside) and bool(module.inherit_state(inside))
+            taken.update({name: ok for name in own if name.startswith(prefix + ".")})
     fits: dict[str, bool] = {}
     for name, t in own.items():
+        if name in taken:
+            continue
         ok = name in parent and tuple(parent[name].shape) == tuple(t.shape)
         fits[_layer(name)] = fits.get(_layer(name), True) and ok
-    kept = [name for name in own if fits[_layer(name)]]
-    fresh = [name for name in own if not fits[_layer(name)]]
+    kept = [name for name in own if taken.get(name, fits.get(_layer(name)))]
+    fresh = [name for name in own if name not in set(kept)]
     with torch.no_grad():
         for name in kept:
-            own[name].copy_(parent[name])  # state_dict tensors share the model's storage
+            if name not in taken:  # (the module copied its own)
+                own[name].copy_(parent[name])  # state_dict tensors share the model's storage
     return kept, fresh
 
 

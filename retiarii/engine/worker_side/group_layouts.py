@@ -347,8 +347,11 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     chosen = (((Layout.FUSED.value,) if told.fuse == "auto" else ())
               + ((Layout.BATCHING.value,) if "auto" in told.passes.values() else ())
               ) if resolved.decided else ()
+    # fuse=True: the user's layout, never reverted by time either (apart would round
+    # otherwise, and reruns of one seeded search would differ with the machine's load)
     choice = UnitChoice(device=device, predicted=tuple(resolved.predicted),
-                        device_chosen=chosen)
+                        device_chosen=chosen,
+                        forced=(Layout.FUSED.value,) if told.fuse is True else ())
     # One architecture, one step time alone: a trial whose architecture was measured (in
     # this job or an earlier one on this kind of device) is not measured again.
     arch = {t: fusion_key(models[t]) for t in ids}

@@ -111,7 +111,7 @@ class _ControllerSampler:
         return index
 
 
-def _tensors_to_json(obj: Any) -> Any:
+def tensors_to_json(obj: Any) -> Any:
     """Tensors as ``{"data": base64 of the little-endian bytes, "shape", "dtype"}``: exact, and
     the state of the controller and its optimizer, saved after every model, stays small."""
     if isinstance(obj, torch.Tensor):
@@ -120,13 +120,13 @@ def _tensors_to_json(obj: Any) -> Any:
         return {"data": base64.b64encode(data).decode("ascii"), "shape": list(obj.shape),
                 "dtype": str(obj.dtype)}
     if isinstance(obj, dict):
-        return {str(k): _tensors_to_json(v) for k, v in obj.items()}
+        return {str(k): tensors_to_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_tensors_to_json(v) for v in obj]
+        return [tensors_to_json(v) for v in obj]
     return obj
 
 
-def _tensor_from_json(obj: dict) -> torch.Tensor:
+def tensor_from_json(obj: dict) -> torch.Tensor:
     dtype = getattr(torch, obj["dtype"].replace("torch.", ""))
     little = torch.empty((), dtype=dtype).numpy().dtype.newbyteorder("<")
     array = np.frombuffer(base64.b64decode(obj["data"]), dtype=little)
@@ -392,8 +392,8 @@ class PolicyBasedRL(Strategy):
         return {
             "controller_seed": self._controller.seed,
             "heads": list(self._controller.heads),  # in creation order
-            "weights": _tensors_to_json(self._controller.state_dict()),
-            "optimizer": _tensors_to_json(self._optimizer.state_dict()),
+            "weights": tensors_to_json(self._controller.state_dict()),
+            "optimizer": tensors_to_json(self._optimizer.state_dict()),
             "baseline": self._baseline,
             "spread": self._spread,
             **({"old_log_prob": self._old_log_prob, "batch": self._batch}
@@ -409,10 +409,10 @@ class PolicyBasedRL(Strategy):
             label, candidates = json.loads(name)
             self._add_head(label, candidates)
         self._controller.load_state_dict(
-            {k: _tensor_from_json(v) for k, v in state["weights"].items()})
+            {k: tensor_from_json(v) for k, v in state["weights"].items()})
         saved = state["optimizer"]
         self._optimizer.load_state_dict({
-            "state": {int(i): {k: _tensor_from_json(v) for k, v in s.items()}
+            "state": {int(i): {k: tensor_from_json(v) for k, v in s.items()}
                       for i, s in saved["state"].items()},
             "param_groups": saved["param_groups"],
         })
