@@ -225,6 +225,28 @@ def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monk
     assert all(u.get("verdict") for u in units[1:])  # judged on the bound
 
 
+def test_a_grouped_jobs_setup_is_timed_on_the_clock_its_steps_are(tmp_path, monkeypatch):
+    """The setup a merged unit pays (planning, building the group) is set against its steps,
+    which a one-thread CPU worker times in CPU time; it was timed in wall time, so a machine
+    busy with other work tripled it and the first segment of a search whose steps gain 2x
+    read 0.5x, and reverted at once (test_a_bounded_key_profiles_nobody_... run alone on a
+    loaded machine). Here the setup waits 1 s without computing: none of it is charged."""
+    from retiarii.engine.worker_side import group_layouts
+
+    group_units = group_layouts.group_units
+
+    def waiting(*args, **kwargs):
+        time.sleep(1.0)  # the worker's core busy elsewhere: wall time passes, no CPU time
+        return group_units(*args, **kwargs)
+
+    monkeypatch.setattr(group_layouts, "group_units", waiting)  # the worker imports it late
+    tasks = [g._task(t, tmp_path, tag="s-") for t in "ab"]
+    events = g._run(Job("s", tasks, meta={"group": GroupOrder(fuse=False)}))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit.merged and 0.0 < unit.setup_s < 0.5, unit
+
+
 def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, monkeypatch):
     """A fused step pays each model's share of a grouped step (proxies, RNG streams): when
     what the CSE step costs beyond the models' own steps is over the best step (forced

@@ -66,7 +66,7 @@ class UnitChoice:
         forced: the layouts the user forced (``fused`` under ``fuse=True``): never judged
             by time either.
         predicted: one line per fusable set the device model judged.
-        probe_s: seconds the measurement cost.
+        probe_s: seconds the measurement cost (on ``worker_side.compute_clock``'s clock).
         measured_on: ``"first batches"`` when measured on the segment's real batches.
         steps_s: layout -> seconds of one batch of every trial.
         bound_s: apart's lower bound per model (apart not profiled: the speed-ups are bounds).

@@ -374,7 +374,8 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         choice = replace(choice, order=tuple(given.order), speedups=dict(given.speedups))
     elif profile is not None and (len(merged) > 1 or (fuse == "auto" and fusable)):
         candidates = [Layout.SEPARATE, *merged] + ([Layout.FUSED] if fuse == "auto" and fusable else [])
-        start = time.perf_counter()
+        clock = compute_clock(runs[ids[0]].device)  # the clock the worker's setup is on
+        start = clock()
         result = probe(ids, models, runs, trainer, data_key, candidates, fusable,
                        {**known, **measured}, passes)
         speedups, probed = result if result is not None else ({}, {})
@@ -382,7 +383,7 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         ranked = choose_layout(speedups)
         order = list(ranked.order)
         choice = replace(choice, order=tuple(x.value for x in order), probed=True,
-                         probe_s=time.perf_counter() - start,
+                         probe_s=clock() - start,
                          speedups={k.value: v for k, v in ranked.speedups.items()})
     else:
         order = ([Layout.FUSED] if fuse in ("auto", True) else []) + merged

@@ -57,7 +57,6 @@ of ``fused`` for part of the trials applies from the next segment.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import replace
 from collections.abc import Mapping
 from typing import Any
@@ -481,7 +480,8 @@ class MeasuringGroup(TrainingGroup):
         choice and train on in the best. A merged layout not measured yet whose bound ranks
         it first (fused measured first: :attr:`fuse_first`) is measured on the next batches
         instead, unless the epoch has ended (``final``: decided on what was measured)."""
-        start = time.perf_counter()
+        clock = compute_clock(next(iter(self.runs.values())).device)  # as the worker's setup
+        start = clock()
         self._due = False
         speedups = self._speedups(batch)
         if speedups is None:
@@ -491,7 +491,7 @@ class MeasuringGroup(TrainingGroup):
         unmeasured = [x for x in self._plans if x not in self._stepped]
         if ranked.order[0] in unmeasured and not final:
             self._schedule += unmeasured * (1 + TIMED)  # its figure is a bound: measure it
-            self._probe_s += time.perf_counter() - start
+            self._probe_s += clock() - start
             return
         self._decided, self._measured_to = True, len(self._steps)  # measured: not judged
         bounds = {x.value: speedups.pop(x) for x in unmeasured if x in speedups}
@@ -512,7 +512,7 @@ class MeasuringGroup(TrainingGroup):
             )[:300])
         self.choice = replace(
             self.choice, order=tuple(x.value for x in ranked.order), probed=True,
-            measured_on="first batches", probe_s=self._probe_s + time.perf_counter() - start,
+            measured_on="first batches", probe_s=self._probe_s + clock() - start,
             speedups={k.value: v for k, v in ranked.speedups.items()})
 
     def _fuses_all(self) -> bool:

@@ -46,6 +46,7 @@ from ...determinism import DeterminismError, deterministic, spec_wants
 from ...refs import resolve_ref  # the one resolver: the references the driver made (refs.py)
 from ..storage.checkpoint import CheckpointError
 from ..jobs.contract import GroupOrder, group_order
+from .compute_clock import compute_clock
 from ..jobs.reports import UnitReport
 from ..jobs.job import (
     Event, FailureKind, Job, JobFailed, JobFinished, JobProfiled, JobStarted, TrialCheckpointed,
@@ -399,7 +400,11 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             units.append(_Alone(by_id[ids[0]], runs[ids[0]], why))
             continue
         try:
-            start = time.perf_counter()
+            # setup is timed on the clock the steps are (CPU time on a one-thread CPU): wall
+            # time counted the machine's other work, and on a loaded machine a setup of 0.1 s
+            # CPU read 0.3 s, over a short segment's steps, and reverted a faster layout
+            clock = compute_clock(runs[ids[0]].device)
+            start = clock()
             grouped = []
             space = context.space(by_id[ids[0]].spec["space"])
             models = {t: getattr(runs[t], "ir", None) or space.replay(by_id[t].spec["sample"])
@@ -415,7 +420,7 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             # the layouts: that is paid once per group key and device, not once per job.
             choice = merged[0].choice if merged else None
             probe_s = (choice.probe_s or 0.0) if choice is not None else 0.0
-            setup = max(0.0, time.perf_counter() - start - probe_s)
+            setup = max(0.0, clock() - start - probe_s)
             for g in merged:
                 g.setup_s = setup / len(merged)
         except Exception as err:  # noqa: BLE001 (cannot plan or build them together: alone)
