@@ -54,7 +54,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import retiarii as rt
 from retiarii.engine.trainers.trainer import load_dataset
-from retiarii.optim.mixed_parallel import average_used_gradients, spawn
+from retiarii.engine.executors.local_ranks import spawn
+from retiarii.optim.mixed_parallel import average_used_gradients
 from retiarii.optim.supergraph import SuperGraph
 
 WAYS = ["mixed", "mixed_supergraph", "ddp_syncbn", "ddp", "ddp_kbatch"]

@@ -2,7 +2,7 @@
 
 Issue #16 item 3 runs each segment of ``Experiment(..., ranks=K)`` on Ray as K rank actors in
 one placement group (:mod:`retiarii.engine.executors.ray_ranks`) instead of K processes forked
-on the worker's machine (:func:`retiarii.optim.mixed_parallel.run_segment_on_ranks`). Both
+on the worker's machine (:func:`retiarii.engine.executors.local_ranks.run_segment_on_ranks`). Both
 give the same search (``tests/test_ray_ranks.py`` checks it bit for bit); this script measures
 what the actors cost: each segment creates a placement group and K actors that import torch
 and retiarii, where the local ranks fork from a warm forkserver.

@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retiarii as rt  # noqa: E402 (the checkout's, beside benchmarks/)
 from retiarii.engine.trainers.trainer import ClassifierTrainer, load_dataset  # noqa: E402
-from retiarii.optim.mixed_parallel import run_segment_on_ranks  # noqa: E402
+from retiarii.engine.executors.local_ranks import run_segment_on_ranks  # noqa: E402
 from retiarii.strategies import SPOS  # noqa: E402
 from retiarii.strategies.one_shot.base import SegmentContext  # noqa: E402
 

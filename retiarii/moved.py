@@ -26,7 +26,8 @@ import importlib.machinery
 import sys
 from typing import Any
 
-__all__ = ["MOVED", "current_name", "current_ref", "current_refs", "install", "package_getattr"]
+__all__ = ["MOVED", "MOVED_NAMES", "current_name", "current_ref", "current_refs", "install",
+           "package_getattr"]
 
 # old dotted module name -> new dotted module name (``retiarii.`` left out)
 _TABLE = {
@@ -101,6 +102,19 @@ _TABLE = {
 }
 MOVED: dict[str, str] = {f"retiarii.{old}": f"retiarii.{new}" for old, new in _TABLE.items()}
 
+# Names that moved out of a module that stays: old dotted name of the name -> the module that
+# holds it now (``retiarii.`` left out). The launcher of ranks went from optim to the executors;
+# optim cannot import it back (the launcher imports what runs on each rank from optim: a
+# circle), so the module that lost it answers its old name lazily (:func:`package_getattr`).
+_NAMES = {
+    **{f"optim.{name}": "engine.executors.local_ranks"
+       for name in ("RankError", "run_segment_on_ranks", "spawn")},
+    **{f"optim.mixed_parallel.{name}": "engine.executors.local_ranks"
+       for name in ("DEFAULT_TIMEOUT", "RankError", "loopback_interface",
+                    "run_segment_on_ranks", "spawn")},
+}
+MOVED_NAMES: dict[str, str] = {f"retiarii.{old}": f"retiarii.{new}" for old, new in _NAMES.items()}
+
 
 def current_name(module: str) -> str:
     """The module's name today: its new name if it moved, else itself."""
@@ -111,6 +125,9 @@ def current_ref(ref: str) -> str:
     """An import reference (``"module:attr"``) with its module's name of today; anything else
     (a file reference, a reference that never moved) comes back as it was."""
     where, colon, attr = ref.rpartition(":")
+    holder = MOVED_NAMES.get(f"{where}.{attr.partition('.')[0]}") if colon else None
+    if holder is not None:  # a name that left its module: the module that holds it now
+        return f"{holder}:{attr}"
     if colon and where in MOVED:
         return f"{MOVED[where]}:{attr}"
     return ref
@@ -162,9 +179,13 @@ _FINDER = _Finder()
 def package_getattr(package: str):
     """A module ``__getattr__`` (PEP 562) for ``package`` that answers an old submodule name
     with its moved module, so ``rt.engine.experiment.ExperimentError`` keeps working as an
-    attribute, as it did when the package imported that submodule itself. A package calls it
-    once: ``__getattr__ = package_getattr(__name__)``."""
+    attribute, as it did when the package imported that submodule itself, and a name that
+    moved out of it (:data:`MOVED_NAMES`) with that name in its new module, imported on first
+    use. A package (or module) calls it once: ``__getattr__ = package_getattr(__name__)``."""
     def moved_attribute(name: str):
+        holder = MOVED_NAMES.get(f"{package}.{name}")
+        if holder is not None:
+            return getattr(importlib.import_module(holder), name)
         new = MOVED.get(f"{package}.{name}")
         if new is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

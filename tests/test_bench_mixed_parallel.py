@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mixed_parallel as bench  # noqa: E402  (benchmarks/ is not a package)
 
-from retiarii.optim.mixed_parallel import spawn  # noqa: E402
+from retiarii.engine.executors.local_ranks import spawn  # noqa: E402
 
 
 def _example():

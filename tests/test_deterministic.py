@@ -38,7 +38,7 @@ from retiarii.engine.storage.segments_table import SegmentTable
 from retiarii.engine.storage.store import Store
 from retiarii.engine.trainers.trainer import ClassifierTrainer
 from retiarii.engine.worker_side.worker import run_job
-from retiarii.optim.mixed_parallel import spawn
+from retiarii.engine.executors.local_ranks import spawn
 
 HERE = os.path.abspath(__file__)
 SWITCHES = ("deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark", "tf32",

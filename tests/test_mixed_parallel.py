@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from retiarii.optim.mixed_parallel import (RankError, size_buckets, _Share, average_used_gradients,
-                                           run_segment_on_ranks, spawn)
+from retiarii.engine.executors.local_ranks import RankError, run_segment_on_ranks, spawn
+from retiarii.optim.mixed_parallel import _Share, average_used_gradients, size_buckets
 from retiarii.strategies.one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 
 TOL = 1e-5  # relative to each tensor's largest magnitude
@@ -254,7 +254,7 @@ def test_spawn_stops_every_rank_at_its_timeout(tmp_path):
 KILLED_PARENT = """
 import sys
 sys.path[:0] = {path!r}
-from retiarii.optim.mixed_parallel import spawn
+from retiarii.engine.executors.local_ranks import spawn
 from test_mixed_parallel import _sleep_on_rank_0
 spawn(_sleep_on_rank_0, 2, {folder!r})
 """

@@ -9,7 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import retiarii as rt
-from retiarii.optim.mixed_parallel import RankError, average_used_gradients, spawn
+from retiarii.engine.executors.local_ranks import RankError, spawn
+from retiarii.optim.mixed_parallel import average_used_gradients
 from retiarii.optim.supergraph import SuperGraph
 
 TOL = 1e-5  # relative to each tensor's largest magnitude

@@ -1,6 +1,7 @@
 """Modules that moved keep their old import paths (retiarii/moved.py): the very same module
 object answers the old name, references and pickles written with old names still load, and a
 store written before the moves resumes."""
+import ast
 import importlib
 import json
 import pickle
@@ -12,7 +13,7 @@ import pytest
 
 import retiarii
 from exp_driver import experiment
-from retiarii.moved import MOVED, current_ref, current_refs
+from retiarii.moved import MOVED, MOVED_NAMES, current_ref, current_refs
 from retiarii.refs import ref_of, resolve_ref
 from test_layering import _modules, import_graph
 
@@ -105,6 +106,44 @@ def test_old_submodule_names_are_attributes_of_their_packages_in_a_fresh_interpr
             "assert rt.engine.executors.base.Job is rt.engine.jobs.job.Job\n"
             "try:\n    rt.engine.no_such_module\nexcept AttributeError as e:\n"
             "    assert 'no_such_module' in str(e)\nelse:\n    raise SystemExit('no error')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_NAMES))
+def test_every_moved_name_answers_at_its_old_path(old):
+    """The launcher of ranks left optim for the executors: ``from retiarii.optim import spawn``
+    (docs/weight_sharing.md) gives the very object the new module holds."""
+    module, _, name = old.rpartition(".")
+    new = getattr(importlib.import_module(MOVED_NAMES[old]), name)
+    assert getattr(importlib.import_module(module), name) is new
+    assert resolve_ref(f"{module}:{name}") is new
+    assert current_ref(f"{module}:{name}") == f"{MOVED_NAMES[old]}:{name}"
+    assert name not in vars(importlib.import_module(module))  # answered, not re-exported
+
+
+def test_the_moved_names_left_their_old_module_and_exist_in_the_new_one():
+    modules = _modules()
+    for old, new in MOVED_NAMES.items():
+        module, _, name = old.rpartition(".")
+        assert module in modules and new in modules
+        tree = ast.parse(open(modules[module]).read())
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}
+        assert name not in defined, f"{old} is defined again at its old path"
+
+
+def test_old_names_of_the_rank_launcher_work_in_a_fresh_interpreter():
+    code = ("from retiarii.optim import RankError, spawn\n"
+            "from retiarii.optim.mixed_parallel import run_segment_on_ranks\n"
+            "import retiarii.engine.executors.local_ranks as lr\n"
+            "assert spawn is lr.spawn and RankError is lr.RankError\n"
+            "assert run_segment_on_ranks is lr.run_segment_on_ranks\n"
+            "import retiarii.optim as o\n"
+            "try:\n    o.no_such_name\nexcept AttributeError as e:\n"
+            "    assert 'no_such_name' in str(e)\nelse:\n    raise SystemExit('no error')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

@@ -8,7 +8,7 @@ import functools
 import torch
 
 from one_shot_task import LinearTask, make_space
-from retiarii.optim.mixed_parallel import run_segment_on_ranks
+from retiarii.engine.executors.local_ranks import run_segment_on_ranks
 from retiarii.sampler import RandomSampler
 from retiarii.strategies import ENAS, SPOS
 from retiarii.strategies.one_shot.base import SegmentContext

@@ -25,7 +25,7 @@ from retiarii.engine.executors.ray_ranks import (  # noqa: E402
     PlacementError, RankLost, remove_groups, run_segment_on_actors,
 )
 from retiarii.engine.worker_side.one_shot_segment import strategy_spec  # noqa: E402
-from retiarii.optim.mixed_parallel import RankError, run_segment_on_ranks  # noqa: E402
+from retiarii.engine.executors.local_ranks import RankError, run_segment_on_ranks  # noqa: E402
 from test_one_shot_ranks import build_spos  # noqa: E402
 
 RANK_CPUS = 0.25

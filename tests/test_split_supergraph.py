@@ -13,7 +13,7 @@ from torch import nn
 import retiarii as rt
 from one_shot_task import DIM, LinearTask, roundtrip
 from retiarii.optim.keyed_state import keyed_optimizer_state, load_keyed_optimizer_state
-from retiarii.optim.mixed_parallel import run_segment_on_ranks
+from retiarii.engine.executors.local_ranks import run_segment_on_ranks
 from retiarii.optim.packing import PackingError
 from retiarii.optim.split import split_paths
 from retiarii.sampler import RandomSampler

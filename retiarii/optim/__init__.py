@@ -10,9 +10,7 @@ from .cse import cse
 from .fused_optim import FusedOptimizer, unfuse
 from .fusion import (FusedModel, FusionError, fusable_groups, fuse_models, fusion_family,
                      fusion_key, segments_fit)
-from .mixed_parallel import (
-    RankError, average_used_gradients, gather_segment, run_segment_on_ranks, segment_rank, spawn,
-)
+from .mixed_parallel import average_used_gradients, gather_segment, segment_rank
 from .packing import Device, ModelProfile, PackingConfig, PackingError, Placement, pack
 from .split import SuperGraphSplit, Window, parse_bytes, split_paths
 from .plan import LogicalPlan, PassResult, PlanError, PlanModel, Role, build_plan
@@ -20,6 +18,12 @@ from .supergraph import SuperGraph, SuperGraphError
 from .weight_keys import OpKey, weight_keys
 from .relax import Relaxation
 from .relax_space import RelaxError, read_space
+
+from ..moved import package_getattr
+
+# spawn, run_segment_on_ranks and RankError moved to the executors (engine/executors/
+# local_ranks.py); they keep answering here, imported on first use (retiarii/moved.py)
+__getattr__ = package_getattr(__name__)
 
 __all__ = [
            "Device",

@@ -10,12 +10,14 @@ skips it everywhere and the ranks' weights and optimizer states stay identical. 
 running statistics stay per rank: each rank normalizes its own model's batch, so no SyncBN
 (its synchronization in every BN layer is what makes data parallelism slow, paper §7.4).
 
-Three pieces, from the inside out:
+What runs on each rank lives here; the launchers of ranks live with the executors:
+:func:`~retiarii.engine.executors.local_ranks.spawn` (K local processes) and
+:func:`~retiarii.engine.executors.local_ranks.run_segment_on_ranks` (a segment of a one-shot
+strategy on them), :func:`~retiarii.engine.executors.ray_ranks.run_segment_on_actors` (on Ray).
 
 * :func:`average_used_gradients` after each rank's ``backward``, before ``optimizer.step()``;
-* :func:`spawn` runs a function on K local processes that form a ``torch.distributed`` group;
-* :func:`run_segment_on_ranks` runs one segment of a :class:`~retiarii.strategies.one_shot.
-  OneShot` strategy on K ranks: what the engine calls for a mixed-parallel job.
+* :func:`segment_rank` is one rank's part of a segment of a :class:`~retiarii.strategies.
+  one_shot.OneShot` strategy, and :func:`gather_segment` puts the K ranks' parts together.
 
 Example::
 
@@ -31,21 +33,12 @@ Example::
             opt.step()
         return net.state_dict()
 
-    states = spawn(train, 2, 100)                 # [rank 0's, rank 1's]
+    states = local_ranks.spawn(train, 2, 100)     # [rank 0's, rank 1's]
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
-import multiprocessing as mp
-import multiprocessing.connection
-import os
-import pickle
-import socket
-import threading
-import time
-import traceback
 import zlib
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator
@@ -53,23 +46,19 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..determinism import carry
+from ..moved import package_getattr
 
-__all__ = ["RankError", "average_used_gradients", "gather_segment", "loopback_interface",
-           "run_segment_on_ranks", "segment_rank", "spawn"]
+__all__ = ["average_used_gradients", "gather_segment", "limit_memory", "segment_rank",
+           "size_buckets"]
 
 # 25 MiB of float32 per all-reduce, as DDP's default bucket: large enough that the per-call
 # latency does not dominate, small enough that a huge super-graph does not need one more copy
 # of all its gradients at once (one bucket's buffer exists at a time).
 BUCKET_ELEMENTS = 25 * 2 ** 20 // 4
 
-# How long a process group waits in a collective when spawn() is given no timeout: DDP's own
-# default. A rank that fails makes spawn() stop the others at once, so this matters only for
-# ranks that hang without failing.
-DEFAULT_TIMEOUT = 1800.0
-
-# After terminate(), how long a rank gets to exit before it is killed.
-_GRACE = 5.0
+# The launcher (spawn, run_segment_on_ranks, RankError, ...) moved to engine/executors/
+# local_ranks.py; its old names here answer with it, imported on first use (retiarii/moved.py).
+__getattr__ = package_getattr(__name__)
 
 
 # ---- gradients ---------------------------------------------------------------------------
@@ -187,231 +176,6 @@ def _check_same_parameters(params: list, group: Any) -> None:
                          "same order")
 
 
-# ---- processes -----------------------------------------------------------------------------
-
-
-class RankError(RuntimeError):
-    """A rank of :func:`spawn` failed: ``rank`` and the rank's ``traceback`` (text)."""
-
-    def __init__(self, rank: int, world: int, detail: str):
-        super().__init__(f"rank {rank} of {world} failed:\n{detail}")
-        self.rank = rank
-        self.traceback = detail
-
-
-def loopback_interface() -> str:
-    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
-    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    return names[0] if names else "lo"
-
-
-def _exit_with(parent) -> None:
-    """Wait on the parent's end of a pipe; when it closes (the parent exited, even killed),
-    leave at once rather than hang in a collective."""
-    try:
-        parent.recv_bytes()
-    except (EOFError, OSError):
-        pass
-    os._exit(1)
-
-
-def _rank_main(rank: int, world: int, port: int, backend: str, timeout: float, threads: int,
-               conn, parent, work: bytes) -> None:
-    """The body of one spawned rank: join the group, run ``fn``, send back its result."""
-    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
-    # Gloo and NCCL open their own sockets besides the store's: keep them on the loopback too.
-    loopback = loopback_interface()
-    os.environ["GLOO_SOCKET_IFNAME"] = loopback
-    os.environ["NCCL_SOCKET_IFNAME"] = loopback
-    torch.set_num_threads(threads)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        fn, args = pickle.loads(work)
-        limit = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, world, False, limit)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
-        result = fn(rank, world, dist.group.WORLD, *args)
-        payload = pickle.dumps(("ok", result))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 (whatever fails, the parent hears which rank)
-        # When it failed, on the machine-wide monotonic clock: the parent blames the rank that
-        # failed first (the others' errors are echoes: their collectives lost a peer).
-        payload = pickle.dumps(("error", (time.monotonic(), traceback.format_exc())))
-    # Plain pickle, not multiprocessing's: tensors are copied into the message instead of
-    # shared through file descriptors that vanish when this process exits.
-    conn.send_bytes(payload)
-    conn.close()
-
-
-def _context():
-    """multiprocessing's forkserver: a clean process (no CUDA, no threads) started once, which
-    imports torch and retiarii once and then forks each rank in milliseconds. A ``spawn``ed
-    rank would import them again every time (seconds per rank, per segment). ``torch._dynamo``
-    too: the first ``torch.optim`` optimizer of a process imports it (800 modules, 4-8 s)."""
-    if "forkserver" not in mp.get_all_start_methods():  # Windows
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", __name__])
-    return ctx
-
-
-def _listening_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # a free port, on the loopback only
-    sock.listen(128)
-    return sock
-
-
-def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
-          timeout: float | None = None, threads: int | None = None) -> list[Any]:
-    """Run ``fn(rank, world, group, *args)`` on ``world`` local processes forming a
-    ``torch.distributed`` process group; their results in rank order.
-
-    The processes come from multiprocessing's forkserver (safe with CUDA and threads, and
-    fast: it imports torch once), so ``fn`` and ``args`` must be picklable: ``fn`` a
-    module-level function; each rank unpickles its own copy of ``args``. The group meets
-    through a TCP store that this process serves on 127.0.0.1 at a free port, and gloo and NCCL
-    are told to use the loopback interface: nothing listens on any other address. With
-    ``backend="nccl"`` rank r runs on ``cuda:{r % torch.cuda.device_count()}``. Results come
-    back pickled (keep them small or on the CPU). When a rank raises or dies, the others are
-    stopped at once and :class:`RankError` names the first failing rank with its traceback;
-    no process is left behind, whatever happens (ranks exit by themselves when this process
-    dies, even killed).
-
-    Example::
-
-        def hello(rank, world, group):
-            t = torch.tensor([rank])
-            torch.distributed.all_reduce(t, group=group)
-            return int(t)
-
-        spawn(hello, 3)        # [3, 3, 3]
-
-    Args:
-        fn: the body of a rank, a picklable (module-level) function.
-        world: the number of ranks (>= 1).
-        *args: passed to ``fn`` after ``(rank, world, group)``; picklable.
-        backend: ``"gloo"`` (CPU tensors; CUDA tensors work too, through the host) or
-            ``"nccl"`` (one GPU per rank: NCCL refuses two ranks on one GPU).
-        timeout: seconds the whole run may take (then the ranks are stopped and
-            ``TimeoutError`` raised); also the process group's timeout. None: no limit on the
-            run, and a collective waits ``DEFAULT_TIMEOUT`` seconds.
-        threads: torch intra-op threads per rank; None shares the cores among the ranks
-            (ranks that oversubscribe the cores wait on each other in every collective).
-    """
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"spawn needs world >= 1 ranks, got {world!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU, or GPUs through the "
-                         "host) or 'nccl' (one GPU per rank)")
-    if backend == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus < world:
-            raise ValueError(f"backend='nccl' needs a GPU per rank: {world} ranks, {gpus} GPUs "
-                             "visible (NCCL refuses two ranks on one GPU); use backend='gloo' "
-                             "or fewer ranks")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds or None, got {timeout}")
-    if threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = max(1, (cores or 1) // world)
-    ctx = _context()
-    sock = _listening_socket()
-    port = sock.getsockname()[1]
-    group_timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
-    # This process serves the store on the socket bound above, so no other program can take
-    # the port between choosing it and listening on it; the store owns (and closes) it.
-    store = dist.TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=group_timeout),
-                          wait_for_workers=False, master_listen_fd=sock.detach())
-    # Plain pickle again: multiprocessing would move the arguments' tensors to shared memory
-    # that all ranks map, and ranks updating them in place (an optimizer's momentum loaded
-    # from a state) would update each other's. Each rank gets its own copy.
-    # carry: the ranks run in this process's deterministic mode (a job's, in a worker)
-    work = pickle.dumps((carry(fn), args))
-    # The ranks hold the reading end only: it reads EOF when this process is gone. (Not
-    # daemonic processes: a rank may start its own, a DataLoader's workers.)
-    alive_r, alive_w = ctx.Pipe(duplex=False)
-    procs, readers = [], []
-    try:
-        for rank in range(world):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, name=f"retiarii-rank-{rank}",
-                               args=(rank, world, port, backend, group_timeout, threads, writer,
-                                     alive_r, work))
-            proc.start()
-            writer.close()  # the child holds the only writing end: EOF when it dies
-            procs.append(proc)
-            readers.append(reader)
-        return _collect(procs, readers, world, timeout)
-    finally:
-        _stop(procs)
-        for reader in readers:
-            reader.close()
-        alive_r.close()
-        alive_w.close()
-        del store
-
-
-def _collect(procs: list, readers: list, world: int, timeout: float | None) -> list[Any]:
-    """Wait for every rank's message; raise at the deadline or when a rank failed.
-
-    One failure brings others: ranks waiting in a collective with the failed one lose their
-    connection and fail too. So after the first failure the others get ``_GRACE`` seconds to
-    report, and the blame goes to a rank that died without a word (a crash is nobody's echo),
-    else to the error raised first."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    results: dict[int, Any] = {}
-    failures: list[tuple[int, float, int, str]] = []  # (0 died / 1 raised, when, rank, detail)
-    grace_end = None  # the first failure's time + _GRACE
-    waiting = dict(enumerate(readers))
-    while waiting:
-        ends = [t for t in (deadline, grace_end) if t is not None]
-        left = max(0.0, min(ends) - time.monotonic()) if ends else None
-        ready = mp.connection.wait(list(waiting.values()), timeout=left)
-        if not ready:  # only with a time limit: the deadline or the grace period is over
-            break
-        for reader in ready:
-            rank = readers.index(reader)
-            del waiting[rank]
-            try:
-                status, value = pickle.loads(reader.recv_bytes())
-            except EOFError:  # the rank died without a word: killed, os._exit, a crash
-                procs[rank].join(_GRACE)
-                failures.append((0, time.monotonic(), rank,
-                                 f"the process exited with code {procs[rank].exitcode} before "
-                                 "returning a result (killed, out of memory, or os._exit)"))
-                continue
-            if status == "error":
-                failures.append((1, value[0], rank, value[1]))
-            else:
-                results[rank] = value
-        if failures and grace_end is None:
-            grace_end = time.monotonic() + _GRACE
-    failures.sort()
-    if failures:
-        raise RankError(failures[0][2], world, failures[0][3])
-    if waiting:
-        raise TimeoutError(f"spawn: ranks {sorted(waiting)} of {world} did not finish within "
-                           f"{timeout} s; all ranks were stopped")
-    return [results[r] for r in range(world)]
-
-
-def _stop(procs: list) -> None:
-    """Join the ranks that finished; terminate, then kill, the others; reap them all."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.join(0.5 if proc.exitcode is None else 0)
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(_GRACE)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
 # ---- a segment of a one-shot strategy on K ranks -------------------------------------------
 
 
@@ -444,8 +208,9 @@ def _to_cpu(value: Any) -> Any:
 
 
 def segment_rank(rank: int, world: int, group: Any, build: Callable, state: dict | None):
-    """One rank's part of :func:`run_segment_on_ranks` (any launcher of ranks runs it, e.g.
-    :func:`retiarii.engine.executors.ray_ranks.run_segment_on_actors`): rank 0 returns
+    """One rank's part of a segment on ranks (what every launcher of ranks runs:
+    :func:`~retiarii.engine.executors.local_ranks.run_segment_on_ranks`,
+    :func:`~retiarii.engine.executors.ray_ranks.run_segment_on_actors`): rank 0 returns
     ``(result, state on the CPU)``, the others their evaluated models; :func:`gather_segment`
     puts the K outcomes, in rank order, together."""
     strategy, ctx = build()
@@ -469,46 +234,6 @@ def limit_memory(strategy: Any, memory: float) -> None:
         raise ValueError(f"device_memory: {type(strategy).__name__} cannot split its shared "
                          "weights over devices (SPOS, ENAS and WeightSharing can); leave device_memory unset")
     limit(memory)
-
-
-def run_segment_on_ranks(build: Callable[[], tuple[Any, Any]], state: dict | None, world: int,
-                         backend: str = "gloo", timeout: float | None = None) -> tuple[Any, dict]:
-    """Run one segment of a one-shot strategy on ``world`` ranks with mixed parallelism.
-
-    Every rank calls ``build()`` for its ``(strategy, ctx)`` (a
-    :class:`~retiarii.strategies.one_shot.OneShot` after ``setup`` and its
-    :class:`~retiarii.strategies.one_shot.SegmentContext`), loads ``state`` when given, sets
-    ``ctx.rank``, ``ctx.world``, ``ctx.group`` and ``ctx.train`` to its share of the training
-    batches (rank r takes batches r, r + K, ...; the last ``len % K`` are left out so that
-    every rank takes as many steps; the batches must come in the same order on every rank, as
-    the trainers' loaders seeded by the segment do), and runs ``strategy.run_segment(ctx)``. The strategy
-    trains its rank's own sampled model on each batch and calls :func:`average_used_gradients`
-    when ``ctx.world > 1``; it must draw the same samples on every rank (the same RNG state)
-    and take the one of its rank, so the ranks' states stay equal and rank 0's is the state of
-    the whole run. BatchNorm running statistics are the one exception: per rank by design;
-    rank 0's come back and every rank resumes from them.
-
-    Example::
-
-        result, state = run_segment_on_ranks(functools.partial(build, seed=0), None, 2)
-        result, state = run_segment_on_ranks(functools.partial(build, seed=0), state, 2)
-
-    Args:
-        build: a picklable callable (module-level function or ``functools.partial`` of one)
-            returning ``(strategy, ctx)``. With ``backend="nccl"`` each rank's current CUDA
-            device is set first, so ``torch.device("cuda")`` is the rank's own GPU.
-        state: a ``strategy.state_dict()`` to continue from, or None to start afresh.
-        world: the number of ranks K.
-        backend: ``"gloo"`` or ``"nccl"``, as for :func:`spawn`.
-        timeout: seconds the segment may take, as for :func:`spawn`.
-
-    Returns:
-        ``(result, state)``: rank 0's ``SegmentResult`` whose ``models`` are the models every
-        rank evaluated, rank 0's first, then rank 1's, ...; and rank 0's ``state_dict()`` with
-        its tensors on the CPU.
-    """
-    return gather_segment(spawn(segment_rank, world, build, state, backend=backend,
-                                timeout=timeout))
 
 
 def gather_segment(outcomes: list) -> tuple[Any, dict]:

@@ -4,8 +4,9 @@ Each slot is one process, forked from a server preloaded with torch and retiarii
 (:mod:`.warm`: no forked CUDA or thread state, no ``import retiarii`` per start) or spawned,
 with ``CUDA_VISIBLE_DEVICES`` naming its GPU (empty on a CPU-only slot) and its thread pools
 sized to its share of the cores, both set in its environment before it imports torch. A worker
-runs :func:`retiarii.engine.worker_side.worker.run_job` on the jobs it is handed, so it rebuilds every model
-from the trial's spec; models never travel pickled.
+runs :func:`retiarii.engine.worker_side.worker.run_job` on the jobs it is handed
+(:mod:`.local_worker`), so it rebuilds every model from the trial's spec; models never travel
+pickled.
 
 One thread in the driver (the *pump*) blocks in :func:`multiprocessing.connection.wait` on every
 worker's event pipe and process sentinel at once, and turns what it reads into events on a queue
@@ -39,60 +40,15 @@ import threading
 import time
 from typing import Any, Sequence
 
-from ...determinism import prepare_worker
 from ..errors import EnvironmentFailure, main_guard_hint
 from ..jobs.job import Event, Executor, Job, JobFailed, JobFinished, pick_slot
+from .local_worker import worker_main
 from .warm import in_environment, worker_context
 
 __all__ = ["LocalExecutor", "visible_gpus"]
 
 _ENV_LOCK = threading.Lock()  # os.environ is process-wide: children start one at a time
 _BROKEN = object()  # queued when a slot cannot start; next_event raises
-
-
-def _worker_main(name: str, jobs_in, events_out, heartbeat_interval: float, threads: int) -> None:
-    """The body of a worker process (module level, so spawn can find it)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    send_lock, stop = threading.Lock(), threading.Event()
-
-    def send(message: Any) -> None:
-        with send_lock:  # the heartbeat thread and the job loop share the pipe
-            events_out.send(message)
-
-    def beat() -> None:
-        while not stop.wait(heartbeat_interval):
-            try:
-                send(("hb",))
-            except OSError:  # the driver is gone: nobody will ever read our results
-                os._exit(1)
-
-    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
-    prepare_worker()  # before CUDA starts: any job of this worker may be deterministic
-    import torch
-
-    torch.set_num_threads(threads)
-    # The first optimizer imports torch._dynamo (~2 s): pay that before saying we are ready.
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    from ..worker_side.worker import WorkerContext, run_job
-
-    context = WorkerContext()
-    try:
-        send(("ready", os.getpid()))
-        while True:
-            job = jobs_in.recv()
-            if job is None:
-                break
-            if not isinstance(job, Job):
-                continue  # a cancel that arrived after its job ended
-            inbox = _Inbox(jobs_in, job.job_id)
-            run_job(job, lambda event: send(("event", event)), worker=name, context=context,
-                    cancelled=inbox.cancelled)
-            if inbox.closing:
-                break
-    except (EOFError, OSError):
-        pass  # the driver closed our pipes: exit quietly
-    finally:
-        stop.set()
 
 
 def visible_gpus() -> list[str]:
@@ -112,23 +68,6 @@ def visible_gpus() -> list[str]:
         return [str(i) for i in range(count)]
     # CUDA stops reading the list at its first invalid entry: the first `count` are the GPUs.
     return [name.strip() for name in inherited.split(",") if name.strip()][:count]
-
-
-class _Inbox:
-    """What the driver said while a job ran: read between steps, never waited on."""
-
-    def __init__(self, jobs_in, job_id: str):
-        self.jobs_in, self.job_id = jobs_in, job_id
-        self.cancel = self.closing = False
-
-    def cancelled(self) -> bool:
-        while not self.cancel and self.jobs_in.poll():
-            message = self.jobs_in.recv()
-            if message is None:
-                self.cancel = self.closing = True
-            elif message == ("cancel", self.job_id):
-                self.cancel = True
-        return self.cancel
 
 
 def _describe_exit(code: int | None) -> str:
@@ -364,7 +303,7 @@ class LocalExecutor(Executor):
             # A forked child would inherit the server's environment: it is given ours.
             slot.process = self._ctx.Process(
                 target=in_environment, name=f"retiarii-{slot.name}",
-                args=(dict(os.environ), _worker_main, slot.name, jobs_in, events_out,
+                args=(dict(os.environ), worker_main, slot.name, jobs_in, events_out,
                       self.heartbeat_interval, self.threads))
             try:
                 slot.process.start()

@@ -34,13 +34,8 @@ this is the only way to stop the work at once); the job ends with ``JobFailed("c
 no event of it follows.
 
 **Checkpoints.** With ``shared_storage=True`` the actors read and write checkpoint paths directly
-(the run directory is on a filesystem every node mounts at the same path, or everything is on
-one machine). With ``shared_storage=False`` checkpoint bytes travel through Ray's object store:
-the driver reads a task's ``checkpoint_in`` and sends its bytes with the job, the actor trains
-from a private copy and, when a task's segment ends, sends the new checkpoint's bytes back with
-its ``TrialCheckpointed`` event; the driver writes them atomically at ``checkpoint_out`` in its
-own run directory before it reports the event. Either way every checkpoint the store names is
-on the driver's disk before the runner hears of it, so resume works as it does locally.
+(the run directory on a filesystem every node mounts, or one machine). With
+``shared_storage=False`` their bytes travel through Ray's object store (:mod:`.ray_transfer`).
 
 **The Ray instance.** With an ``address`` the executor connects to that cluster (and only
 disconnects on :meth:`close`). Without one it uses the Ray this process is already connected to,
@@ -49,14 +44,10 @@ dashboard, its own temporary directory; :meth:`close` shuts it down and removes 
 Nothing is started before the first ``submit``/``next_event``/``wait_ready`` (so an executor can
 be built cheaply, e.g. by the CLI, and handed to an :class:`~retiarii.Experiment`).
 
-**Mixed-parallel jobs** (a one-shot segment with ``ranks`` K > 1, ``Experiment(...,
-ranks=K)``) run on K rank actors in one placement group that form a torch.distributed group
-(:mod:`.ray_ranks`): the worker actor holding the job creates them, each rank with the
-resources of a slot (``num_cpus``, ``num_gpus``), and removes them when the segment ends. Its
-rank actors die with it (Ray kills the actors an actor created when it dies); their
-placement group does not, so each worker actor names its groups with a prefix of its own and
-the executor removes that prefix's groups whenever it kills or loses the actor (cancel, a
-lost node, close).
+**Mixed-parallel jobs** (a one-shot segment with ``ranks`` K > 1) run on K rank actors in one
+placement group (:mod:`.ray_ranks`), created by the worker actor that holds the job, each with
+a slot's resources; the executor removes a worker actor's groups (by their name prefix)
+whenever it kills or loses that actor (cancel, a lost node, close).
 
 The executor is driven from one thread (the trial runner's), like the engine's loop itself.
 """
@@ -80,6 +71,7 @@ from ..errors import EnvironmentFailure
 from . import ray_health
 from ..jobs.job import Event, Executor, Job, JobFailed, JobFinished, pick_slot
 from .ray_local import split_runtime_env, start_local_ray
+from .ray_transfer import read_inputs, write_atomically
 from .ray_worker import WorkerActor
 
 __all__ = ["RayExecutor", "start_local_ray"]
@@ -119,19 +111,6 @@ def _kill(actor: Any) -> None:
         ray.kill(actor)
     except RayError:
         pass  # already gone
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    """As :func:`retiarii.engine.storage.checkpoint.save` writes: a temporary file, then rename."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class RayExecutor(Executor):
@@ -419,20 +398,8 @@ class RayExecutor(Executor):
             idle.remove(slot)
             self._uses += 1
             slot.job, slot.last_used = job, self._uses
-            blobs = None if self.shared_storage else self._read_inputs(job)
+            blobs = None if self.shared_storage else read_inputs(job)
             slot.run_ref = slot.actor.run.remote(job, blobs)  # its events call is outstanding
-
-    @staticmethod
-    def _read_inputs(job: Job) -> dict[str, bytes | None]:
-        blobs: dict[str, bytes | None] = {}
-        for task in job.tasks:
-            if task.checkpoint_in is not None:
-                try:
-                    with open(task.checkpoint_in, "rb") as f:
-                        blobs[task.trial_id] = f.read()
-                except FileNotFoundError:
-                    blobs[task.trial_id] = None  # the worker reports the missing file
-        return blobs
 
     def _collect(self) -> None:
         """Handle every call that has already returned, without waiting."""
@@ -478,7 +445,7 @@ class RayExecutor(Executor):
             if slot.job is None or event.job_id != slot.job.job_id:
                 continue
             if data is not None:  # transfer mode: the checkpoint lands in the driver's run dir
-                _write_atomically(event.path, data)
+                write_atomically(event.path, data)
             self._events.append(event)
             if isinstance(event, (JobFinished, JobFailed)):
                 slot.job, slot.run_ref = None, None

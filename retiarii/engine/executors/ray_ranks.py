@@ -1,6 +1,6 @@
 """Mixed-parallel segments on Ray: K rank actors in one placement group, one process group.
 
-:func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks` forks K local processes, outside
+:func:`~.local_ranks.run_segment_on_ranks` forks K local processes, outside
 Ray's resource accounting. On Ray a ranked segment (``Experiment(..., executor="ray",
 ranks=K)``) runs through :func:`run_segment_on_actors` instead: the worker actor that holds
 the job creates a placement group of K bundles (PACK: on one node when it fits, so the
@@ -9,7 +9,8 @@ asks rank 0 for its node's IP and a port it listens on (the ``TCPStore`` of the 
 served by rank 0 on a socket bound before anyone is told the port), and has every rank join
 the ``torch.distributed`` group and run
 :func:`~retiarii.optim.mixed_parallel.segment_rank`, the very function the local ranks run.
-The results are gathered in rank order exactly as ``run_segment_on_ranks`` gathers them.
+The results are gathered in rank order exactly as ``run_segment_on_ranks`` gathers them,
+through the same loop (:func:`~.local_ranks.collect_ranks`).
 
 What travels: ``build`` and ``state`` are pickled once into bytes and each rank unpickles its
 own copy (tensors deserialized straight from Ray's shared object store could be shared by
@@ -51,17 +52,15 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ...determinism import carry, prepare_worker
-from ...optim.mixed_parallel import (
-    DEFAULT_TIMEOUT, RankError, gather_segment, loopback_interface, segment_rank,
-)
+from ...optim.mixed_parallel import gather_segment, segment_rank
 
+from .local_ranks import DEFAULT_TIMEOUT, RankError, collect_ranks, loopback_interface
 from .ray_local import split_runtime_env
 
 __all__ = ["PlacementError", "RankGroup", "RankLost", "run_segment_on_actors", "remove_groups"]
 
 # How long the placement group may take to be placed when the caller gives no limit.
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
-_GRACE = 5.0  # after the first failure, how long the other ranks get to report
 _WAIT_SLICE = 30.0  # longest single ray.wait when there is no deadline
 _counter = itertools.count()
 
@@ -259,7 +258,7 @@ def run_segment_on_actors(build: Callable[[], tuple[Any, Any]], state: dict | No
                           placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
                           group_prefix: str = "retiarii-ranks-",
                           runtime_env: dict | None = None) -> tuple[Any, dict]:
-    """:func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks` on ``world`` Ray actors
+    """:func:`~.local_ranks.run_segment_on_ranks` on ``world`` Ray actors
     (a :class:`RankGroup` for this segment alone: nothing is left after it).
 
     Call it where Ray is initialized (a driver, or an actor such as the RayExecutor's worker).
@@ -299,42 +298,25 @@ def _left(deadline: float | None, cap: float) -> float:
 
 
 def _collect(refs: dict, world: int, deadline: float | None, timeout: float | None) -> list:
-    """Every rank's pickled result in rank order; :class:`RankError` for the first failure,
+    """Every rank's pickled result in rank order, through :func:`~.local_ranks.collect_ranks`:
+    :class:`RankError` for the first failure (:class:`RankLost` for a dead actor),
     ``TimeoutError`` at the deadline."""
-    results: dict[int, bytes] = {}
-    failures: list[tuple[int, float, int, str]] = []  # (0 died / 1 raised, when, rank, detail)
-    grace_end = None
-    while refs:
-        ends = [t for t in (deadline, grace_end) if t is not None]
-        if ends and time.monotonic() >= min(ends):
-            break
-        ready, _ = ray.wait(list(refs), num_returns=1,
-                            timeout=_left(min(ends) if ends else None, _WAIT_SLICE))
-        for ref in ready:
-            rank = refs.pop(ref)
-            try:
-                status, value = ray.get(ref, timeout=0)
-            except RayActorError as err:  # killed, out of memory, its node lost
-                failures.append((0, time.time(), rank, f"its actor died before returning a "
-                                 f"result: {str(err).strip().splitlines()[0]}"))
-                continue
-            except RayError as err:
-                failures.append((0, time.time(), rank, f"its call failed: {err}"))
-                continue
-            if status == "error":
-                failures.append((1, value[0], rank, value[1]))
-            else:
-                results[rank] = value
-        if failures and grace_end is None:
-            grace_end = time.monotonic() + _GRACE
-    failures.sort()
-    if failures:
-        died, _, rank, detail = failures[0]
-        raise (RankLost if died == 0 else RankError)(rank, world, detail)
-    if refs:
-        raise TimeoutError(f"ranks {sorted(refs.values())} of {world} did not finish within "
-                           f"{timeout} s; every rank actor was stopped")
-    return [results[r] for r in range(world)]
+    def wait(pending: list, left: float | None) -> list:
+        return ray.wait(pending, num_returns=1, timeout=min(left, _WAIT_SLICE)
+                        if left is not None else _WAIT_SLICE)[0]
+
+    def read(ref, rank: int) -> tuple[str, Any]:
+        try:
+            return ray.get(ref, timeout=0)
+        except RayActorError as err:  # killed, out of memory, its node lost
+            return "died", (time.time(), f"its actor died before returning a result: "
+                                         f"{str(err).strip().splitlines()[0]}")
+        except RayError as err:
+            return "died", (time.time(), f"its call failed: {err}")
+
+    return collect_ranks(refs, wait, read, world, deadline, lost=RankLost,
+                         late=lambda ranks: (f"ranks {ranks} of {world} did not finish within "
+                                             f"{timeout} s; every rank actor was stopped"))
 
 
 def remove_groups(*prefixes: str) -> int:

@@ -19,6 +19,7 @@ import ray
 
 from ...determinism import prepare_worker
 from ..jobs.job import Event, Job, JobFailed, JobFinished, TrialCheckpointed
+from .ray_transfer import localize
 
 __all__ = ["WorkerActor"]
 
@@ -101,7 +102,7 @@ class WorkerActor:
         try:
             if blobs is not None:
                 workdir = tempfile.mkdtemp(dir=self.scratch)
-                job = self._localize(job, blobs, workdir, outputs)
+                job = localize(job, blobs, workdir, outputs)
             run_job(job, emit, worker=self.name, context=self.context)
         except BaseException as err:  # noqa: BLE001 (not a trial's fault: reporting itself failed)
             if not terminal:
@@ -122,25 +123,3 @@ class WorkerActor:
         with self._changed:
             self._items.append(item)
             self._changed.notify_all()
-
-    @staticmethod
-    def _localize(job: Job, blobs: dict[str, bytes | None], workdir: str,
-                  outputs: dict[str, str]) -> Job:
-        """``job`` with its checkpoints moved into ``workdir``: the bytes the driver sent are
-        written there, and each ``checkpoint_out`` becomes a local file (remembered in
-        ``outputs``) whose bytes go back to the driver."""
-        tasks = []
-        for i, task in enumerate(job.tasks):
-            change: dict[str, Any] = {}
-            data = blobs.get(task.trial_id)
-            if task.checkpoint_in is not None and data is not None:
-                change["checkpoint_in"] = os.path.join(workdir, f"in-{i}.pt")
-                with open(change["checkpoint_in"], "wb") as f:
-                    f.write(data)
-            # A checkpoint_in the driver had no file for stays as it is: loading it fails
-            # with the driver's path in the message, which is the one the user can check.
-            if task.checkpoint_out is not None:
-                change["checkpoint_out"] = os.path.join(workdir, f"out-{i}.pt")
-                outputs[change["checkpoint_out"]] = task.checkpoint_out
-            tasks.append(dataclasses.replace(task, **change))
-        return dataclasses.replace(job, tasks=tasks)

@@ -176,7 +176,7 @@ def _rank_build(spec: dict, segment: int, rng: dict | None,
                 new_context: Any) -> tuple[OneShot, SegmentContext]:
     """One rank's strategy and context for a segment on several ranks: built as every segment
     builds it, with the RNG states of the unit (the state itself is loaded by
-    :func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks`)."""
+    :func:`~retiarii.engine.executors.local_ranks.run_segment_on_ranks`)."""
     strategy, trainer, hparams, device = _setup(spec, new_context())
     if rng is not None:
         checkpoint.restore_rng(rng)
@@ -190,7 +190,7 @@ def _on_ranks(task, context, ranks: int) -> tuple[OneShot, SegmentResult, dict]:
     unit keeps (those the ranks started from: each segment's ranks start from its unit)."""
     import functools
 
-    from ...optim.mixed_parallel import run_segment_on_ranks
+    from ..executors.local_ranks import run_segment_on_ranks
 
     # set up, and the unit loaded (checked) if any: on the CPU, the ranks hold the devices
     strategy, *_ = _open(task, context, torch.device("cpu"))

@@ -71,8 +71,8 @@ class WorkerContext:
         # How a one-shot segment's K ranks run (mixed parallelism): ``run_ranks(build, state,
         # world, keep=...) -> (result, state)`` as ``run_segment_on_ranks``; ``keep``: more
         # segments of the search follow (ranks may be kept for them). None: K local processes
-        # (:func:`~retiarii.optim.mixed_parallel.run_segment_on_ranks`); the Ray worker actor
-        # sets rank actors in a placement group (:mod:`.executors.ray_ranks`).
+        # (:func:`~retiarii.engine.executors.local_ranks.run_segment_on_ranks`); the Ray
+        # worker actor sets rank actors in a placement group (:mod:`.executors.ray_ranks`).
         self.run_ranks: Callable[..., tuple[Any, dict]] | None = None
         self._spaces: dict[str, Any] = {}
         self._trainers: dict[str, Any] = {}

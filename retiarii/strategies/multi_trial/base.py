@@ -21,21 +21,19 @@ of steering, and belongs to the schedulers; the engine combines one of each.
 from __future__ import annotations
 
 import abc
-import array
-import base64
-import json
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ...enums import Mode
 from ...objectives import Scored, pareto_indices
-from ...sampler import RandomSampler, ReplaySampler, Sampler, sample_key
+from ...sampler import RandomSampler, ReplaySampler, sample_key
 
 from ..schedulers.base import replay_log
+from .compact_state import TraceTable, rng_from_json, rng_to_json
+from .draws import Draw, check_sample, draw  # (Draw and draw: imported from here too)
 
 
 class SpaceExhausted(Exception):
@@ -54,71 +52,6 @@ class UnknownSample(ValueError):
     the restored strategy has not proposed again yet (it learns the value when it does)."""
 
 
-# ---- helpers on samples ------------------------------------------------------------------
-
-
-def _check_sample(sample: Any, where: str) -> dict:
-    if not isinstance(sample, dict):
-        raise TypeError(f"{where}: a sample is a dict label -> key, got {type(sample).__name__}")
-    try:
-        json.dumps(sample)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{where}: the sample {sample!r} is not JSON-serializable ({e}); keys "
-                        f"of candidates must be JSON scalars") from None
-    return sample
-
-
-class _Recorder:
-    """Wraps a sampler and records ``(label, candidates)`` of every choice, in order."""
-
-    def __init__(self, inner: Sampler):
-        self.inner = inner
-        self.trace: list[tuple[str, list]] = []
-
-    def choose(self, label: str, candidates: list, context: dict) -> int:
-        candidates = list(candidates)
-        self.trace.append((label, candidates))
-        index = self.inner.choose(label, candidates, context)
-        if isinstance(index, bool) or not isinstance(index, int) \
-                or not 0 <= index < len(candidates):
-            raise ValueError(f"sampler {type(self.inner).__name__} returned {index!r} for "
-                             f"{label!r}; it must be an int index into {candidates}")
-        return index
-
-
-@dataclass
-class Draw:
-    """A proposed sample and the candidates of each of its choices (``trace``: a list of
-    ``(label, candidates)``, or ``None`` where not known, e.g. for enumerated models)."""
-
-    sample: dict
-    trace: list[tuple[str, list]] | None
-    # the sample this one was derived from (a mutation), if any
-    parent: dict | None = field(default=None, repr=False)
-
-
-def draw(space: Any, sampler: Sampler) -> Draw:
-    """Builds one model of ``space`` with ``sampler`` and returns its sample and trace.
-
-    Example:
-        >>> class Space:   # any object with sample(sampler) -> object with .sample
-        ...     def sample(self, sampler):
-        ...         i = sampler.choose("op", ["a", "b"], {})
-        ...         return type("Model", (), {"sample": {"op": ["a", "b"][i]}})()
-        >>> draw(Space(), ReplaySampler({"op": "b"}))
-        Draw(sample={'op': 'b'}, trace=[('op', ['a', 'b'])])
-
-    Args:
-        space: anything with ``sample(sampler)`` returning an object with ``.sample``.
-        sampler: decides each choice.
-    """
-    recorder = _Recorder(sampler)
-    model = space.sample(recorder)
-    sample = _check_sample(getattr(model, "sample", None),
-                           f"{type(space).__name__}.sample() returned a model whose .sample")
-    return Draw(dict(sample), recorder.trace)
-
-
 # ---- the base class -------------------------------------------------------------------------
 
 #: Version of :meth:`Strategy.state_dict`'s layout (2: records kept as an append-only log).
@@ -134,24 +67,6 @@ class _Record:
     pending: int = 0  # proposed and not yet told (more than 1 only with dedup=False)
     values: list = field(default_factory=list)  # told values (None = the model failed)
     proposed: bool = True  # False for a foreign sample told without being proposed
-
-
-def _rng_state(rng: random.Random) -> list:
-    """``[version, base64 of the 625 state words (uint32, little-endian), gauss]``: exact, and
-    a tenth of the time and size of the words as a JSON list (it is saved after every model)."""
-    version, internal, gauss = rng.getstate()
-    words = array.array("I", internal)  # Mersenne Twister words and position: all < 2**32
-    if sys.byteorder == "big":
-        words.byteswap()
-    return [version, base64.b64encode(words.tobytes()).decode("ascii"), gauss]
-
-
-def _set_rng_state(rng: random.Random, state: list) -> None:
-    words = array.array("I")
-    words.frombytes(base64.b64decode(state[1]))
-    if sys.byteorder == "big":
-        words.byteswap()
-    rng.setstate((state[0], tuple(words), state[2]))
 
 
 class Strategy(abc.ABC):
@@ -212,10 +127,7 @@ class Strategy(abc.ABC):
         # What happened to the records, in order (see state_dict); only ever appended to.
         self._log: list[list] = []
         self._record_ids: dict[str, int] = {}  # sample key -> its index in creation order
-        self._traces: list[list[list]] = []  # each trace's choices as [label, candidates id]
-        self._trace_ids: dict[str, int] = {}
-        self._candidate_lists: list[list] = []  # interned: many models share candidate lists
-        self._candidate_ids: dict[str, int] = {}
+        self._table = TraceTable()  # the records' traces, interned
         self._num_proposed = 0
         # sample key -> the sample it was derived from, for proposals of this process (the
         # engine records it as the model's parent right after ask; not part of the state)
@@ -299,7 +211,7 @@ class Strategy(abc.ABC):
             violation: by how much the model misses the search's constraints (0: it meets
                 them; :meth:`retiarii.objectives.Objectives.violation`).
         """
-        sample = _check_sample(sample, f"{type(self).__name__}.tell")
+        sample = check_sample(sample, f"{type(self).__name__}.tell")
         if not (isinstance(violation, (int, float)) and violation >= 0):
             raise ValueError(f"{type(self).__name__}.tell: violation must be a number >= 0, "
                              f"got {violation!r}")
@@ -344,7 +256,7 @@ class Strategy(abc.ABC):
     def on_step(self, sample: dict, step: int, metrics: dict) -> None:
         """Per-step feedback of a pending sample (an epoch's metrics). The strategies here
         decide from final results only; a strategy that learns from curves overrides this."""
-        key = sample_key(_check_sample(sample, f"{type(self).__name__}.on_step"))
+        key = sample_key(check_sample(sample, f"{type(self).__name__}.on_step"))
         if key not in self._records:
             raise UnknownSample(f"{type(self).__name__}.on_step: {sample} was never proposed")
 
@@ -419,10 +331,10 @@ class Strategy(abc.ABC):
             "strategy": type(self).__name__,
             "format": STATE_FORMAT,
             "config": self.config(),
-            "rng": _rng_state(self._rng),
+            "rng": rng_to_json(self._rng),
             # (shallow copies: cheap, and the items are never changed once appended)
-            "candidate_lists": list(self._candidate_lists),
-            "traces": list(self._traces),
+            "candidate_lists": list(self._table.candidate_lists),
+            "traces": list(self._table.traces),
             "log": list(self._log),
             "num_proposed": self._num_proposed,
             "elapsed": self._elapsed(),
@@ -444,11 +356,8 @@ class Strategy(abc.ABC):
             raise ValueError(f"{name}.load_state_dict: the state has format "
                              f"{state.get('format', 1)}, this retiarii reads {STATE_FORMAT}; "
                              f"finish that search with the retiarii that started it")
-        _set_rng_state(self._rng, state["rng"])
-        self._candidate_lists = [list(c) for c in state["candidate_lists"]]
-        self._candidate_ids = {json.dumps(c): i for i, c in enumerate(self._candidate_lists)}
-        self._traces = [[[label, c] for label, c in t] for t in state["traces"]]
-        self._trace_ids = {json.dumps(t): i for i, t in enumerate(self._traces)}
+        rng_from_json(self._rng, state["rng"])
+        self._table = TraceTable(state["candidate_lists"], state["traces"])
         self._records, self._record_ids, self._told, self._log = {}, {}, [], []
         records: list[_Record] = []
         keys: list[str] = []
@@ -513,11 +422,11 @@ class Strategy(abc.ABC):
         was not recorded (a foreign or enumerated sample) and a space is given."""
         record = self._records[key]
         if record.trace is None and space is not None:
-            record.trace = self._intern(draw(space, ReplaySampler(record.sample)).trace)
+            record.trace = self._table.intern(draw(space, ReplaySampler(record.sample)).trace)
             self._log.append(["trace", self._record_ids[key], record.trace])
         if record.trace is None:
             return None
-        return [(label, self._candidate_lists[c]) for label, c in self._traces[record.trace]]
+        return self._table.expand(record.trace)
 
     def _observations(self) -> Iterable[tuple[dict, float]]:
         """Told samples with their scores (higher is better), failed ones left out."""
@@ -568,22 +477,6 @@ class Strategy(abc.ABC):
         sample = dict(unseen[self._rng.randrange(len(unseen))])
         return draw(space, ReplaySampler(sample)), sample_key(sample)
 
-    def _intern(self, trace: list[tuple[str, list]] | None) -> int | None:
-        if trace is None:
-            return None
-        compact = []
-        for label, candidates in trace:
-            text = json.dumps(candidates)
-            if text not in self._candidate_ids:
-                self._candidate_ids[text] = len(self._candidate_lists)
-                self._candidate_lists.append(list(candidates))
-            compact.append([label, self._candidate_ids[text]])
-        text = json.dumps(compact)
-        if text not in self._trace_ids:
-            self._trace_ids[text] = len(self._traces)
-            self._traces.append(compact)
-        return self._trace_ids[text]
-
     def _new_record(self, key: str, record: _Record) -> _Record:
         self._records[key] = record
         self._record_ids[key] = len(self._record_ids)
@@ -594,9 +487,9 @@ class Strategy(abc.ABC):
         record = self._records.get(key)
         if record is None:
             record = self._new_record(key, _Record(dict(proposal.sample),
-                                                   self._intern(proposal.trace)))
+                                                   self._table.intern(proposal.trace)))
         elif record.trace is None:
-            record.trace = self._intern(proposal.trace)
+            record.trace = self._table.intern(proposal.trace)
             self._log.append(["trace", self._record_ids[key], record.trace])
         record.pending += 1
         if proposal.parent is not None:
