@@ -10,7 +10,7 @@ import torch
 import test_grouped_jobs as g
 from retiarii.engine.worker_side.dedicated_group import DedicatedGroup, EncoderWorker, dedicated_modules
 from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, JobProfiled
-from retiarii.engine.worker_side.training_group import plan_group
+from retiarii.engine.worker_side.group_candidates import plan_group
 from retiarii.engine.worker_side.worker import WorkerContext, _units
 from retiarii.optim import build_group
 from retiarii.engine.jobs.contract import GroupOrder

@@ -16,6 +16,7 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import cnn_space, lr_trainer, mlp_space
 from retiarii.engine.worker_side import group_layouts as layouts, measuring_group as measuring
+from retiarii.engine.worker_side import measuring_speedups as speedups
 from retiarii.engine.jobs.job import JobFailed, JobFinished, JobProfiled, JobStarted
 from retiarii.engine.storage.plans_table import PlanTable
 from retiarii.engine.jobs.reports import PlanRecord
@@ -353,7 +354,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     monkeypatch.setattr(measuring, "choose_layout", layouts.choose_layout)
     monkeypatch.setattr(layouts, "ABORT", float("inf"))  # every layout timed, however slow
     monkeypatch.setattr(layouts, "ABORT_CPU", float("inf"))
-    monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 0.0)  # fusion measured, even for these
+    monkeypatch.setattr(speedups, "PER_MODEL_BOUND", 0.0)  # fusion measured, even for these
     probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
     meta = {"group": GroupOrder(fuse="measure", passes={"batching": "measure"}, profile=tuple("adeb"))}
     events = g._run(Job("p", probed, meta=meta))

@@ -21,6 +21,7 @@ import test_grouped_jobs as g
 import test_optimize as o
 from exp_space import EXAMPLE, mlp_space
 from retiarii.engine.worker_side import training_group as grouped, measuring_group as measuring
+from retiarii.engine.worker_side import measuring_speedups as speedups
 from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, JobProfiled, TrialTask
 from retiarii.engine.storage.plans_table import PlanTable
 from retiarii.engine.storage.store import Store
@@ -174,8 +175,8 @@ def test_a_decisive_bound_skips_the_alone_profiles_and_fusion(tmp_path, monkeypa
     frozen parts alone would cost more than the CSE step is not measured."""
     calls = []
     monkeypatch.setattr(grouped, "step_seconds", lambda *a, **k: calls.append(a) or 0.1)
-    monkeypatch.setattr(measuring, "BOUND_SAFETY", 0.0)  # any bound decides
-    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion always ruled out
+    monkeypatch.setattr(speedups, "BOUND_SAFETY", 0.0)  # any bound decides
+    monkeypatch.setattr(speedups, "FUSED_CPU_BOUND", 1e9)  # fusion always ruled out
     tasks = [g._task(t, tmp_path, tag="b-") for t in "adb"]  # a and d: one architecture
     events = g._run(Job("b", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
@@ -211,7 +212,7 @@ def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monk
     far more than their heads): later jobs are told to profile nobody alone, and every
     segment is still judged, on the bound (a lower bound of apart: the shared trunk every
     model alone computes)."""
-    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion ruled out: no timing
+    monkeypatch.setattr(speedups, "FUSED_CPU_BOUND", 1e9)  # fusion ruled out: no timing
     ex = o.Recording()
     db = tmp_path / "bound.db"
     exp = rt.Experiment(frozen_space, rt.strategies.Random(seed=0), lr3_trainer, store=str(db),
@@ -253,13 +254,13 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
     here by weighting it), no fused copy is built or stepped."""
     from retiarii.engine.worker_side import group_layouts as layouts
 
-    monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 1e9)
-    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
+    monkeypatch.setattr(speedups, "PER_MODEL_BOUND", 1e9)
+    monkeypatch.setattr(speedups, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
     monkeypatch.setattr(layouts, "step_times", lambda *a, **k: pytest.fail("fused measured"))
     # Per-model work a grouped step pays and a model alone does not (switching its RNG streams
     # in): made heavy, so that it shows above the noise of the steps measured alone.
     from retiarii.engine.worker_side import training_group as grouped
-    use = grouped._Streams.use
+    use = grouped.Streams.use
 
     def heavy_use(self, trial):
         end = time.process_time() + 0.005
@@ -267,7 +268,7 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
             pass
         use(self, trial)
 
-    monkeypatch.setattr(grouped._Streams, "use", heavy_use)
+    monkeypatch.setattr(grouped.Streams, "use", heavy_use)
     tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
     events = g._run(Job("f", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
@@ -452,10 +453,10 @@ def test_fused_and_cse_bound_speedups_by_hand():
     from retiarii.engine.worker_side.measuring_math import fused_rivals
 
     got = fused_rivals({t: 0.01 for t in "abcd"}, {F: 0.02}, list("abcd"), 0.001,
-                       measuring.CSE_FLOOR)
+                       speedups.CSE_FLOOR)
     assert got == {F: pytest.approx(0.044 / 0.021), C: pytest.approx(0.044 / 0.037)}
     # apart unknown: measure CSE
-    assert fused_rivals({"a": 0.01}, {F: 0.02}, list("ab"), 0.0, measuring.CSE_FLOOR) == {
+    assert fused_rivals({"a": 0.01}, {F: 0.02}, list("ab"), 0.0, speedups.CSE_FLOOR) == {
         C: float("inf")}
 
 
@@ -470,7 +471,7 @@ def test_a_fused_first_call_profiles_alone_again_only_when_close(tmp_path, monke
     real = grouped.step_seconds
     monkeypatch.setattr(grouped, "step_seconds", lambda trainer, run, batch: (
         calls.append(run), real(trainer, run, batch))[1])
-    monkeypatch.setattr(measuring, "DECISIVE", decisive)
+    monkeypatch.setattr(speedups, "DECISIVE", decisive)
     tasks = _mlp_tasks(tmp_path, "m-", frozen=False)
     events, unit = _measured_job(tasks)
     assert isinstance(events[-1], JobFinished), events[-1]

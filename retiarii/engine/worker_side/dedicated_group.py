@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from ...determinism import carry
-from .training_group import TrainingGroup, tensors_of
+from .group_forward import tensors_of
+from .training_group import TrainingGroup
 from ..jobs.reports import UnitReport
 
 __all__ = ["DedicatedGroup", "EncoderWorker", "dedicated_modules", "default_device"]

@@ -22,7 +22,7 @@ middle of an epoch if need be. One left is trained by its own optimizer.
 Which trials fuse is the worker's decision (:func:`fusable_sets`): equal
 :func:`~retiarii.optim.fusion_family` (one architecture up to its activations and the places
 where its models hold other operators, each model's own there) within one group
-of :func:`~.grouped.group_tasks` (one space, trainer, data key and position); building the
+of :func:`~.group_candidates.group_tasks` (one space, trainer, data key and position); building the
 group then checks the modules and the optimizers (``FusionError``: those trials train as a
 CSE-grouped :class:`~.grouped.TrainingGroup` instead). A frozen part of identical
 architectures is identical too; it is fused like the rest (computed K times in one kernel,

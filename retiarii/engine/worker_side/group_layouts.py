@@ -1,11 +1,11 @@
 """The worker's half of choosing a layout: how one candidate group of a grouped job trains.
 
-A candidate group (tasks with one space, trainer, data key and start: :func:`~.grouped.
-group_tasks`) can train in one of the :class:`~retiarii.optim.cost.Layout` s: each model alone
-(``separate``), one CSE-planned group (``cse``), the same with the batching pass
-(``batching``), or its same-architecture trials fused and the others in the best of the rest
-(``fused``). :func:`group_units` builds the units of the layout the job's
-:class:`~.job_contract.GroupOrder` (``told``) asks for:
+A candidate group (tasks with one space, trainer, data key and start:
+:func:`~.group_candidates.group_tasks`) can train in one of the
+:class:`~retiarii.optim.cost.Layout` s: each model alone (``separate``), one CSE-planned
+group (``cse``), the same with the batching pass (``batching``), or its same-architecture
+trials fused and the others in the best of the rest (``fused``). :func:`group_units` builds
+the units of the layout the job's :class:`~.job_contract.GroupOrder` (``told``) asks for:
 
 - ``told.layouts[device]``: a decision the runner already holds for this group key on this
   kind of device (from an earlier job, or read back from the plans table on a resume): its
@@ -49,7 +49,8 @@ from .fused_group import FusedGroup, fusable_sets
 from ..jobs.contract import GroupOrder, HeldLayout
 from ..jobs.reports import UnitChoice, UnitReport
 from .auto_layout import resolve
-from .training_group import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
+from .group_candidates import plan_group
+from .training_group import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, step_seconds
 from .measuring_group import MeasuringGroup
 from ...training import to_device as _to_device
 from .compute_clock import compute_clock

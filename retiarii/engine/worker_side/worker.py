@@ -368,12 +368,13 @@ def _trainer_key(spec: Any) -> str:
 
 def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext) -> list:
     """What the job trains, in task order: each task alone, or, when ``job.meta["group"]``
-    asks, the tasks that :func:`~.grouped.group_tasks` and the plan group as one
+    asks, the tasks that :func:`~.group_candidates.group_tasks` and the plan group as one
     :class:`~.grouped.TrainingGroup` (planning that fails falls back to training alone)."""
     order = group_order(job.meta)
     if order is None:
         return [_Alone(task, runs[task.trial_id]) for task in tasks]
-    from .training_group import GroupCandidate, TrainingGroup, group_tasks
+    from .group_candidates import GroupCandidate, group_tasks
+    from .training_group import TrainingGroup
     from .group_layouts import group_units
 
     by_id = {task.trial_id: task for task in tasks}
