@@ -46,7 +46,8 @@ import time
 import torch
 
 import retiarii as rt
-from retiarii.engine.worker_side.training_group import TrainingGroup, plan_group
+from retiarii.engine.worker_side.group_candidates import plan_group
+from retiarii.engine.worker_side.training_group import TrainingGroup
 from retiarii.engine.trainers.trial_training import TrialRun
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 import retiarii as rt
 from model_spaces import adapters
-from retiarii.engine.worker_side.training_group import plan_group
+from retiarii.engine.worker_side.group_candidates import plan_group
 from retiarii.optim.batching import batching
 from retiarii.optim.build import build_group
 from retiarii.optim.group_module import _call

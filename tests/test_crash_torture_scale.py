@@ -180,14 +180,14 @@ class LosingExecutor(InProcessExecutor):
             job, events = self.jobs.pop(0), []
             run_job(job, events.append, context=self.context)
             units = next((e.units for e in events if isinstance(e, JobProfiled)), ())
-            fused = [u for u in units if u.get("fused")]
+            fused = [u for u in units if u.fused]
             unit = fused[self.unit] if len(fused) > self.unit else None
             if unit is not None:
                 self.job_id = job.job_id
                 at = next(i for i, e in enumerate(events) if isinstance(e, TrialCheckpointed)
-                          and e.trial_id in unit["trials"])
+                          and e.trial_id in unit.trials)
                 first = events[at].trial_id
-                self.lost = (first, [t for t in unit["trials"] if t != first])
+                self.lost = (first, [t for t in unit.trials if t != first])
                 events = events[:at + 1] + [JobFailed(job.job_id, None, "worker lost",
                                                       worker_lost=True)]
             self.events.extend(events)

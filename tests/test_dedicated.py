@@ -10,7 +10,7 @@ import torch
 import test_grouped_jobs as g
 from retiarii.engine.worker_side.dedicated_group import DedicatedGroup, EncoderWorker, dedicated_modules
 from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, JobProfiled
-from retiarii.engine.worker_side.training_group import plan_group
+from retiarii.engine.worker_side.group_candidates import plan_group
 from retiarii.engine.worker_side.worker import WorkerContext, _units
 from retiarii.optim import build_group
 from retiarii.engine.jobs.contract import GroupOrder
@@ -74,7 +74,7 @@ def test_a_dedicated_group_trains_exactly_as_the_group_without_it(tmp_path, devi
     for a, b in zip(tasks, plain):
         assert g._same_checkpoint(a.checkpoint_out, b.checkpoint_out), a.trial_id
     report, = [e for e in dedicated if isinstance(e, JobProfiled)][0].units
-    assert report["dedicated"] == ["conv"] and report["dedicated_device"] == device
+    assert report.dedicated == ("conv",) and report.dedicated_device == device
 
 
 def test_a_trial_failing_mid_epoch_rebuilds_the_dedicated_group_and_the_others_are_unchanged(

@@ -4,6 +4,8 @@ rounding: every metric within ``rel=1e-4`` and every checkpoint tensor within ``
 atol=1e-6`` after two epochs of 12 batches (measured: about 1e-6 relative), the RNG streams
 and positions exactly. A trial failing inside a fused unit fails alone; other architectures of
 the job train CSE-grouped as before."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -180,7 +182,7 @@ def test_fused_report_is_measured(tmp_path):
     events = _g._run(_job(tasks, fuse="measure", profile=("a", "d", "e"), layouts=chosen))
     from retiarii.engine.jobs.job import JobProfiled
 
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert unit["fused"] is True and unit["merged"] is True and unit["batches"] == 24
     assert unit["compute_s"] > 0 and set(unit["alone_s"]) == {"a", "d", "e"}
 
@@ -234,11 +236,11 @@ class _SaysFusedSlower:
             return event
         units = []
         for unit in event.units:
-            if unit.get("fused"):
-                n = len(unit["trials"])
-                unit = {**unit, "batches": 1, "load_s": 0.0, "compute_s": 0.1 * n / self.speedup,
-                        "setup_s": 0.0, "alone_s": {t: 0.1 for t in unit["trials"]},
-                        "spread": 0.01, "step_s": None}  # a quiet machine: a segment's verdict is not noise
+            if unit.fused:
+                n = len(unit.trials)
+                unit = replace(unit, batches=1, load_s=0.0, compute_s=0.1 * n / self.speedup,
+                               setup_s=0.0, alone_s={t: 0.1 for t in unit.trials},
+                               spread=0.01, step_s=None)  # a quiet machine: a segment's verdict is not noise
             units.append(unit)
         return JobProfiled(event.job_id, tuple(units))
 

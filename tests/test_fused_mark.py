@@ -6,6 +6,7 @@ import json
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import EXAMPLE, FixedMLP
+from retiarii.engine.jobs.reports import PlanRecord
 from retiarii.engine.runner.trial import Trial
 from retiarii.engine.storage.plans_table import PlanTable
 from retiarii.engine.storage.store import Store
@@ -90,8 +91,9 @@ def _store_with_donor(tmp_path, fused, in_plans=False):
     if fused is None:
         store.db.execute("UPDATE trials SET fused = NULL WHERE id = 'd'")
     if in_plans:
-        PlanTable(store).add({"job_id": "j", "trials": ["d", "e"], "status": "merged",
-                              "units": [{"trials": ["d", "e"], "fused": True}]})
+        PlanTable(store).add(PlanRecord.from_json({
+            "job_id": "j", "trials": ["d", "e"], "status": "merged",
+            "units": [{"trials": ["d", "e"], "fused": True}]}))
     return store
 
 

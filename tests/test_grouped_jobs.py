@@ -13,7 +13,8 @@ from retiarii.engine.jobs.job import (
     Job, JobFailed, JobFinished, TrialCheckpointed, TrialResult, TrialTask,
 )
 from retiarii.engine.executors.local import LocalExecutor
-from retiarii.engine.worker_side.training_group import GroupCandidate, TrainingGroup, group_tasks, plan_group
+from retiarii.engine.worker_side.group_candidates import GroupCandidate, group_tasks, plan_group
+from retiarii.engine.worker_side.training_group import TrainingGroup
 from retiarii.engine.trainers.trainer import ClassifierTrainer
 from retiarii.engine.worker_side.worker import WorkerContext, _units, run_job
 from retiarii.engine.jobs.contract import GroupOrder

@@ -8,14 +8,18 @@ those of training each model alone (fused: within the tolerance of tests/test_fu
 from __future__ import annotations
 
 
+from dataclasses import replace
+
 import pytest
 
 import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import cnn_space, lr_trainer, mlp_space
 from retiarii.engine.worker_side import group_layouts as layouts, measuring_group as measuring
+from retiarii.engine.worker_side import measuring_speedups as speedups
 from retiarii.engine.jobs.job import JobFailed, JobFinished, JobProfiled, JobStarted
 from retiarii.engine.storage.plans_table import PlanTable
+from retiarii.engine.jobs.reports import PlanRecord
 from retiarii.engine.storage.store import Store
 from retiarii.optim.cost import Layout, choose_layout, describe, probe_speedups
 from retiarii.engine.jobs.contract import GroupOrder, HeldLayout
@@ -163,11 +167,11 @@ class Measured(o.Recording):
             self.profiled += 1
             units = []
             for unit in event.units:
-                if unit.get("merged"):
-                    n = len(unit["trials"])
-                    unit = {**unit, "batches": 1, "load_s": 0.0, "setup_s": 0.0,
-                            "compute_s": 0.1 * n / speedup, "spread": self.spread, "step_s": None,
-                            "alone_s": {t: 0.1 for t in unit["trials"]}}
+                if unit.merged:
+                    n = len(unit.trials)
+                    unit = replace(unit, batches=1, load_s=0.0, setup_s=0.0,
+                                   compute_s=0.1 * n / speedup, spread=self.spread, step_s=None,
+                                   alone_s={t: 0.1 for t in unit.trials})
                 units.append(unit)
             return JobProfiled(event.job_id, tuple(units))
         if isinstance(event, (JobFinished, JobFailed)):
@@ -350,7 +354,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     monkeypatch.setattr(measuring, "choose_layout", layouts.choose_layout)
     monkeypatch.setattr(layouts, "ABORT", float("inf"))  # every layout timed, however slow
     monkeypatch.setattr(layouts, "ABORT_CPU", float("inf"))
-    monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 0.0)  # fusion measured, even for these
+    monkeypatch.setattr(speedups, "PER_MODEL_BOUND", 0.0)  # fusion measured, even for these
     probed = [f._task(t, tmp_path, tag="p-") for t in "adeb"]
     meta = {"group": GroupOrder(fuse="measure", passes={"batching": "measure"}, profile=tuple("adeb"))}
     events = g._run(Job("p", probed, meta=meta))
@@ -360,7 +364,7 @@ def test_the_probe_measures_each_layout_and_changes_nothing_trained(tmp_path, mo
     assert g._same(g._results(events), g._results(reference))
     for a, b in zip(probed, plain):
         assert g._same_checkpoint(a.checkpoint_out, b.checkpoint_out), a.trial_id
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert unit["layout"] == "cse" and unit["choice"]["probed"] and unit["choice"]["device"] == "cpu"
     measured = unit["choice"]["speedups"]
     assert set(measured) >= {"separate", "fused"} and all(v > 0 for v in measured.values())
@@ -377,7 +381,7 @@ def test_a_given_choice_is_applied_without_measuring(tmp_path, monkeypatch):
     events = g._run(Job("s", tasks, meta={"group": GroupOrder(fuse="measure", profile=(),
                                                               layouts=chosen)}))
     assert isinstance(events[-1], JobFinished), events[-1]
-    units = next(e for e in events if isinstance(e, JobProfiled)).units
+    units = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert [u["layout"] for u in units] == ["separate"] * 4 and not any(u["merged"] for u in units)
     assert g._same(g._results(events), g._alone([f._task(t, tmp_path, tag="s-") for t in "adeb"]))
 
@@ -412,14 +416,15 @@ def test_one_alone_profile_per_architecture(tmp_path, monkeypatch):
         calls.append(run), real(trainer, run, batch))[1])
     tasks = [f._task(t, tmp_path) for t in "adeb"]
     events = g._run(Job("p", tasks, meta={"group": GroupOrder(profile=tuple("adeb"))}))
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert len(calls) == 2 and set(unit["alone_s"]) == set("adeb")
     assert unit["alone_s"]["a"] == unit["alone_s"]["d"] == unit["alone_s"]["e"]
     assert len(unit["alone_by_arch"]) == 2
     calls.clear()
     again = [f._task(t, tmp_path, tag="2-") for t in "adeb"]
     meta = {"group": GroupOrder(profile=tuple("adeb"), alone_by_arch={"cpu": unit["alone_by_arch"]})}
-    unit, = next(e for e in g._run(Job("q", again, meta=meta)) if isinstance(e, JobProfiled)).units
+    profiled = next(e for e in g._run(Job("q", again, meta=meta)) if isinstance(e, JobProfiled))
+    unit, = [u.to_json() for u in profiled.units]
     assert not calls and set(unit["alone_s"]) == set("adeb")
 
 
@@ -458,7 +463,7 @@ def test_status_gives_one_figure_per_run_with_what_was_shared_and_the_time_saved
              "alone": [], "reason": "", "packing": None,
              "units": [{"merged": True, "trials": ["c", "d"], "shared_nodes": 7}]}]
     table = PlanTable.__new__(PlanTable)
-    table.rows = lambda: rows
+    table.records = lambda: [PlanRecord.from_json(r) for r in rows]  # through the codec
     table.fused_trials = lambda: set()  # no store: no trial marked fused by its checkpoint
     summary = table.summary()
     assert summary["saved_s"] == 3.0 * 1.0 + 2.0 * -0.5  # apart = speed-up x seconds
@@ -478,7 +483,7 @@ def test_a_layout_whose_warm_up_is_far_too_slow_is_not_timed(tmp_path, monkeypat
     tasks = [f._task(t, tmp_path) for t in "adeb"]
     events = g._run(Job("p", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adeb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     # fused is not timed; CSE is, on the real batches (no copy to abort); the rest of the
     # segment trains in whichever of CSE and apart measured faster
     assert set(unit["choice"]["speedups"]) == {"separate", "cse"}

@@ -21,11 +21,13 @@ import test_grouped_jobs as g
 import test_optimize as o
 from exp_space import EXAMPLE, mlp_space
 from retiarii.engine.worker_side import training_group as grouped, measuring_group as measuring
+from retiarii.engine.worker_side import measuring_speedups as speedups
 from retiarii.engine.jobs.job import Job, JobFailed, JobFinished, JobProfiled, TrialTask
 from retiarii.engine.storage.plans_table import PlanTable
 from retiarii.engine.storage.store import Store
 from retiarii.optim.cost import NOISE_FLOOR, Layout, Verdict, judge_segment
 from retiarii.engine.jobs.contract import GroupOrder
+from retiarii.engine.jobs.reports import UnitReport
 from test_layouts import Measured
 
 C, F = Layout.CSE, Layout.FUSED
@@ -158,7 +160,7 @@ def test_the_first_batches_train_every_model_as_alone_bit_for_bit(tmp_path, monk
     events = g._run(Job("m", tasks, meta=meta))
     assert isinstance(events[-1], JobFinished), events[-1]
     assert timed == [{C: 2, Layout.BATCHING: 2}]
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert unit["choice"]["measured_on"] == "first batches"
     assert unit["layout"] == ("batching" if chosen[Layout.BATCHING] > 1 else "separate")
     alone = [_adapter_task(t, tmp_path, "a-") for t in SAMPLES]
@@ -173,12 +175,12 @@ def test_a_decisive_bound_skips_the_alone_profiles_and_fusion(tmp_path, monkeypa
     frozen parts alone would cost more than the CSE step is not measured."""
     calls = []
     monkeypatch.setattr(grouped, "step_seconds", lambda *a, **k: calls.append(a) or 0.1)
-    monkeypatch.setattr(measuring, "BOUND_SAFETY", 0.0)  # any bound decides
-    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion always ruled out
+    monkeypatch.setattr(speedups, "BOUND_SAFETY", 0.0)  # any bound decides
+    monkeypatch.setattr(speedups, "FUSED_CPU_BOUND", 1e9)  # fusion always ruled out
     tasks = [g._task(t, tmp_path, tag="b-") for t in "adb"]  # a and d: one architecture
     events = g._run(Job("b", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     choice = unit["choice"]
     assert not calls and not unit["alone_s"] and choice["bound_s"] >= 0.0
     assert "fused" not in choice["speedups"] and choice["skipped"].startswith("fused not measured")
@@ -210,7 +212,7 @@ def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monk
     far more than their heads): later jobs are told to profile nobody alone, and every
     segment is still judged, on the bound (a lower bound of apart: the shared trunk every
     model alone computes)."""
-    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 1e9)  # fusion ruled out: no timing
+    monkeypatch.setattr(speedups, "FUSED_CPU_BOUND", 1e9)  # fusion ruled out: no timing
     ex = o.Recording()
     db = tmp_path / "bound.db"
     exp = rt.Experiment(frozen_space, rt.strategies.Random(seed=0), lr3_trainer, store=str(db),
@@ -224,19 +226,41 @@ def test_a_bounded_key_profiles_nobody_and_is_judged_on_its_bound(tmp_path, monk
     assert all(u.get("verdict") for u in units[1:])  # judged on the bound
 
 
+def test_a_grouped_jobs_setup_is_timed_on_the_clock_its_steps_are(tmp_path, monkeypatch):
+    """The setup a merged unit pays (planning, building the group) is set against its steps,
+    which a one-thread CPU worker times in CPU time; it was timed in wall time, so a machine
+    busy with other work tripled it and the first segment of a search whose steps gain 2x
+    read 0.5x, and reverted at once (test_a_bounded_key_profiles_nobody_... run alone on a
+    loaded machine). Here the setup waits 1 s without computing: none of it is charged."""
+    from retiarii.engine.worker_side import group_layouts
+
+    group_units = group_layouts.group_units
+
+    def waiting(*args, **kwargs):
+        time.sleep(1.0)  # the worker's core busy elsewhere: wall time passes, no CPU time
+        return group_units(*args, **kwargs)
+
+    monkeypatch.setattr(group_layouts, "group_units", waiting)  # the worker imports it late
+    tasks = [g._task(t, tmp_path, tag="s-") for t in "ab"]
+    events = g._run(Job("s", tasks, meta={"group": GroupOrder(fuse=False)}))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    assert unit.merged and 0.0 < unit.setup_s < 0.5, unit
+
+
 def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, monkeypatch):
     """A fused step pays each model's share of a grouped step (proxies, RNG streams): when
     what the CSE step costs beyond the models' own steps is over the best step (forced
     here by weighting it), no fused copy is built or stepped."""
     from retiarii.engine.worker_side import group_layouts as layouts
 
-    monkeypatch.setattr(measuring, "PER_MODEL_BOUND", 1e9)
-    monkeypatch.setattr(measuring, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
+    monkeypatch.setattr(speedups, "PER_MODEL_BOUND", 1e9)
+    monkeypatch.setattr(speedups, "FUSED_CPU_BOUND", 0.0)  # the frozen-part rule never fires
     monkeypatch.setattr(layouts, "step_times", lambda *a, **k: pytest.fail("fused measured"))
     # Per-model work a grouped step pays and a model alone does not (switching its RNG streams
     # in): made heavy, so that it shows above the noise of the steps measured alone.
     from retiarii.engine.worker_side import training_group as grouped
-    use = grouped._Streams.use
+    use = grouped.Streams.use
 
     def heavy_use(self, trial):
         end = time.process_time() + 0.005
@@ -244,11 +268,11 @@ def test_fusion_is_not_measured_when_its_per_model_work_already_loses(tmp_path, 
             pass
         use(self, trial)
 
-    monkeypatch.setattr(grouped._Streams, "use", heavy_use)
+    monkeypatch.setattr(grouped.Streams, "use", heavy_use)
     tasks = [g._task(t, tmp_path, tag="f-") for t in "adb"]
     events = g._run(Job("f", tasks, meta={"group": GroupOrder(fuse="measure", profile=tuple("adb"))}))
     assert isinstance(events[-1], JobFinished), events[-1]
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     assert unit["choice"]["skipped"].startswith("fused not measured: a grouped step's per-model")
     assert "fused" not in unit["choice"]["speedups"] and set(unit["alone_s"]) == set("adb")
 
@@ -277,7 +301,7 @@ def _measured_job(tasks):
     meta = {"group": GroupOrder(passes={"batching": "measure"}, fuse="measure",
                                 profile=tuple(t.trial_id for t in tasks))}
     events = g._run(Job("m", tasks, meta=meta))
-    unit, = next(e for e in events if isinstance(e, JobProfiled)).units
+    unit, = [u.to_json() for u in next(e for e in events if isinstance(e, JobProfiled)).units]
     return events, unit
 
 
@@ -429,10 +453,10 @@ def test_fused_and_cse_bound_speedups_by_hand():
     from retiarii.engine.worker_side.measuring_math import fused_rivals
 
     got = fused_rivals({t: 0.01 for t in "abcd"}, {F: 0.02}, list("abcd"), 0.001,
-                       measuring.CSE_FLOOR)
+                       speedups.CSE_FLOOR)
     assert got == {F: pytest.approx(0.044 / 0.021), C: pytest.approx(0.044 / 0.037)}
     # apart unknown: measure CSE
-    assert fused_rivals({"a": 0.01}, {F: 0.02}, list("ab"), 0.0, measuring.CSE_FLOOR) == {
+    assert fused_rivals({"a": 0.01}, {F: 0.02}, list("ab"), 0.0, speedups.CSE_FLOOR) == {
         C: float("inf")}
 
 
@@ -447,7 +471,7 @@ def test_a_fused_first_call_profiles_alone_again_only_when_close(tmp_path, monke
     real = grouped.step_seconds
     monkeypatch.setattr(grouped, "step_seconds", lambda trainer, run, batch: (
         calls.append(run), real(trainer, run, batch))[1])
-    monkeypatch.setattr(measuring, "DECISIVE", decisive)
+    monkeypatch.setattr(speedups, "DECISIVE", decisive)
     tasks = _mlp_tasks(tmp_path, "m-", frozen=False)
     events, unit = _measured_job(tasks)
     assert isinstance(events[-1], JobFinished), events[-1]
@@ -507,12 +531,12 @@ def test_a_segment_is_judged_on_its_chosen_layouts_batches_by_hand(monkeypatch):
     # 0.10, 0.10, 0.11, 0.10: judged on those four, median 0.10, spread 0 (MAD 0 / 0.10)
     steps = [2.0, 0.05, 0.06, 1.5, 0.04, 0.10, 0.10, 0.11, 0.10]
     monkeypatch.setattr(grouped.TrainingGroup, "report",
-                        lambda self: {"trials": ["a", "b"], "merged": True, "batches": 9,
-                                      "load_s": 0.0, "compute_s": sum(steps), "setup_s": 0.0,
-                                      "step_s": 0.10, "spread": 0.5})
+                        lambda self: UnitReport(("a", "b"), merged=True, batches=9,
+                                                load_s=0.0, compute_s=sum(steps), setup_s=0.0,
+                                                step_s=0.10, spread=0.5))
     group = _bare_group(_steps=steps, _measured_to=5, _warm_after=0, _layout=F,
                         _times={C: [0.05, 0.06], F: [0.04]})
-    out = measuring.MeasuringGroup.report(group)
+    out = measuring.MeasuringGroup.report(group).to_json()
     assert (out["step_s"], out["spread"], out["judged_batches"]) == (0.10, 0.0, 4)
     # 2 models of 0.03 s alone: apart 9 x 0.06 = 0.54 s, merged 9 x 0.10 = 0.9 s: 0.6x,
     # beyond the noise (floor 5%): reverted at once, in the run's only grouped segment
@@ -522,14 +546,14 @@ def test_a_segment_is_judged_on_its_chosen_layouts_batches_by_hand(monkeypatch):
     assert speedup == pytest.approx(0.6) and judge_segment(speedup, out["spread"]).revert
     # the chosen layout's first batch after the decision is its warm-up when it had none
     group._warm_after = 1
-    assert measuring.MeasuringGroup.report(group)["judged_batches"] == 3
+    assert measuring.MeasuringGroup.report(group).judged_batches == 3
     # decided at the epoch's end: nothing after it, its timed batches are the evidence
     group._measured_to, group._warm_after, group._layout = 9, 0, C
-    out = measuring.MeasuringGroup.report(group)
+    out = measuring.MeasuringGroup.report(group).to_json()
     assert (out["step_s"], out["spread"], out["judged_batches"]) == (0.06, None, 2)
     # undecided: the group's own report stands
     group._measured_to = None
-    assert measuring.MeasuringGroup.report(group)["spread"] == 0.5
+    assert measuring.MeasuringGroup.report(group).spread == 0.5
 
 
 def test_the_alone_profiles_are_taken_again_only_near_the_margin_by_hand():

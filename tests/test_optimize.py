@@ -13,6 +13,7 @@ import retiarii as rt
 from engine_helpers import InProcessExecutor
 from exp_space import failing_space, space
 from retiarii.engine.jobs.job import FailureKind, JobFailed, JobFinished, JobProfiled, JobStarted
+from retiarii.engine.jobs.reports import UnitReport
 from retiarii.engine.executors.simulated import SimulatedExecutor
 from retiarii.engine.storage.plans_table import PlanTable
 from retiarii.engine.storage.store import Store
@@ -288,12 +289,12 @@ class SaysSlower(Recording):
     def next_event(self, timeout=None):
         event = super().next_event(timeout)
         if isinstance(event, JobProfiled):
-            trials = event.units[0]["trials"]
+            trials = event.units[0].trials
             # alone 0.1 s per step each; merged per batch such that apart / merged = speedup
             merged = 0.1 * len(trials) / self.speedup
-            return JobProfiled(event.job_id, ({"trials": trials, "merged": True, "batches": 1,
-                                               "load_s": 0.0, "compute_s": merged,
-                                               "alone_s": {t: 0.1 for t in trials}},))
+            return JobProfiled(event.job_id, (UnitReport(
+                trials, merged=True, batches=1, load_s=0.0, compute_s=merged,
+                alone_s={t: 0.1 for t in trials}),))
         if isinstance(event, (JobFinished, JobFailed)):
             self.done += 1
             if self.stop_after is not None and self.done >= self.stop_after:

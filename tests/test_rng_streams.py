@@ -1,4 +1,4 @@
-"""Which parts of a group switch RNG streams (engine/grouped.py ``_Streams``).
+"""Which parts of a group switch RNG streams (engine/worker_side/group_forward.py ``Streams``).
 
 A group swaps a trial's streams in only around what may draw random numbers: the cells
 ``plan.may_draw_random`` cannot prove draw-free, and the trainer's steps unless the trainer
@@ -22,7 +22,8 @@ import retiarii as rt
 from model_spaces import adapters
 from model_spaces._mobile import mobilenetv2
 from retiarii.engine.worker_side import training_group as grouped
-from retiarii.engine.worker_side.training_group import TrainingGroup, plan_group
+from retiarii.engine.worker_side.group_candidates import plan_group
+from retiarii.engine.worker_side.training_group import TrainingGroup
 from retiarii.engine.trainers.trainer import ClassifierTrainer, Trainer, TrialRun
 from retiarii.optim.plan import _traced_may_draw, may_draw_random
 
@@ -123,7 +124,7 @@ class Augmenting(ClassifierTrainer):
         return weight * super().training_step(model, batch, hparams)
 
 
-class _Counting(grouped._Streams):
+class _Counting(grouped.Streams):
     switches = 0
 
     def use(self, trial):
@@ -155,7 +156,7 @@ def test_a_group_switches_streams_only_for_what_draws_and_equals_each_trial_alon
     assert may_draw_random(space.replay({"block": 1}).graph) is (adapter is NoisyAdapter)
     cells = {c.name: c.random for c in group._group._cells}
     assert any(cells.values()) is (adapter is NoisyAdapter), cells
-    monkeypatch.setattr(grouped, "_Streams", _Counting)
+    monkeypatch.setattr(grouped, "Streams", _Counting)  # as training_group names it
     _Counting.switches = 0
     got = group.train_epoch()
     assert (_Counting.switches > 0) is switch

@@ -601,10 +601,11 @@ def _example_store(path):
         for i in range(3):
             strategy.tell(strategy.ask(space), i / 10)
         s.save_strategy_state(strategy.state_dict())
+        from retiarii.engine.jobs.reports import PlanRecord
         from retiarii.engine.storage.plans_table import PlanTable  # a grouped job of the first two trials
 
-        PlanTable(s).add({"job_id": "e1-trial-0007+1@2#1", "trials": ["e1-trial-0007", "e1-trial-0008"],
-                          "status": "merged", "speedup": 1.7, "seconds": 2.0})
+        PlanTable(s).add(PlanRecord("e1-trial-0007+1@2#1", ("e1-trial-0007", "e1-trial-0008"),
+                                    "merged", speedup=1.7, seconds=2.0))
 
 
 def test_the_docs_examples_run(tmp_path):

@@ -15,7 +15,7 @@ from executor_contract import wait_for
 from retiarii.engine.jobs.job import Job, JobFinished, TrialResult, TrialTask
 from retiarii.engine.executors.local import LocalExecutor
 from retiarii.engine.executors.warm import worker_context
-from retiarii.engine.worker_side.training_group import plan_group
+from retiarii.engine.worker_side.group_candidates import plan_group
 from retiarii.engine.worker_side.worker import run_job
 from retiarii.optim import build_group, emit_cache
 

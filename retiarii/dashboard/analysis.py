@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..engine.jobs.reports import UnitReport
 from .store_view import experiment, loads_json, metric_of, sample_columns, table
 
 __all__ = ["search_space", "importance", "engine", "pareto"]
@@ -156,12 +157,12 @@ def engine(db, exp_id: int) -> dict:
                         f"WHERE experiment_id = ? ORDER BY id", [exp_id]):
         pid, job, trial_ids, passes, status, reason, alone, speedup, seconds, units, when, \
             packing = r
-        units = loads_json(units, []) or []
+        # the units' reports through their codec (older stores' rows read as well)
+        units = [UnitReport.from_json(u) for u in loads_json(units, []) or []]
         packing = loads_json(packing, {}) or {}
-        unit = units[0] if units else {}
-        shared = sum(u.get("shared_nodes") or 0 for u in units)
-        decision = (unit.get("decision") or {}).get("reason")
-        layout = ", ".join(sorted({u.get("layout") for u in units if u.get("layout")}))
+        decision = units[0].decision.reason if units and units[0].decision else None
+        shared = sum(u.shared_nodes or 0 for u in units)
+        layout = ", ".join(sorted({u.layout for u in units if u.layout}))
         jobs.append([pid, job, len(loads_json(trial_ids, []) or []), ", ".join(loads_json(passes, []) or []),
                      status, reason, ", ".join(loads_json(alone, []) or []), speedup, seconds,
                      shared, layout, decision, packing.get("device"),

@@ -50,6 +50,7 @@ from ..runner.packer import Packer
 from ..executors.warm import start_server_for
 from ..storage.plans_table import PlanTable
 from ..storage.result_model import record_selection
+from ..jobs.reports import PlanRecord
 from .proposals import Proposals
 from .run_summary import run_summary
 from ..errors import stopped
@@ -427,10 +428,10 @@ class Experiment:
             store.flush()
         return with_failures(self.store, self.path, self.summary())  # or SearchFailed
 
-    def _on_group(self, record: dict) -> None:
+    def _on_group(self, record: PlanRecord) -> None:
         PlanTable(self.store).add(record)
-        if record["status"] in ("reverted", "failed"):
-            _log.info("group %s %s: %s", record["job_id"], record["status"], record["reason"])
+        if record.status in ("reverted", "failed"):
+            _log.info("group %s %s: %s", record.job_id, record.status, record.reason)
 
     def _packs(self, executor) -> bool:
         """Whether batches are packed by profile: ``packing``, where ``"auto"`` is on when the

@@ -16,6 +16,7 @@ import abc
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+from .reports import UnitReport
 
 
 @dataclass
@@ -108,13 +109,12 @@ class JobFailed:
 
 @dataclass(frozen=True)
 class JobProfiled:
-    """What the worker measured of a grouped job (before its terminal event): one entry per
-    unit it trained, ``{"trials": [...], "merged": bool, "reason": str, "batches": int,
-    "load_s": float, "compute_s": float, "alone_s": {trial: seconds per step}}``, read by
-    :func:`retiarii.optim.cost.merged_speedup`. Executors pass it on like any event."""
+    """What the worker measured of a grouped job (before its terminal event): one
+    :class:`~.reports.UnitReport` per unit it trained (the runner judges them:
+    ``runner/planner.py``). Executors pass it on like any event."""
 
     job_id: str
-    units: tuple[dict, ...]
+    units: tuple[UnitReport, ...]
 
 
 @dataclass(frozen=True)

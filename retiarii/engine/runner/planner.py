@@ -19,13 +19,14 @@ import enum
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Hashable
 
 from ...optim.cost import Layout, choose_layout, describe
 from ...optim.passes import LayoutPasses, get_pass, parse_settings, pass_ref
 from ..jobs.job import FailureKind, JobFailed, TrialTask
 from ..jobs.contract import GroupMemory, GroupOrder, HeldLayout
+from ..jobs.reports import PlanRecord, UnitJudgement, UnitReport
 from .trial import Trial
 
 # A later job of a key whose layout is chosen profiles at most this many of its trials alone,
@@ -55,7 +56,7 @@ class GroupEnd:
             the job's order.
     """
 
-    record: dict
+    record: PlanRecord
     steps: tuple[tuple[str, Step, FailureKind | None, str, bool], ...]
 
 
@@ -145,38 +146,37 @@ class JobPlanner:
             dedicated_device=self.dedicated.get("dedicated_device"), **measured)
         return order
 
-    def _choose(self, key: str, units: list[dict]) -> None:
+    def _choose(self, key: str, units: list[UnitReport]) -> list[UnitReport]:
         """Keep the layout choices of a job's units for group key ``key``: a choice the
         worker measured replaces the one held for its device (the layouts reverted stay
-        reverted), and a layout whose segment's verdict reverts it (``"slower": True``,
+        reverted), and a layout whose segment's verdict reverts it (``slower``,
         :func:`~retiarii.optim.cost.judge_segment`) is reverted; the slower segments in a
-        row per layout (``"strikes"``) are kept with the choice, so a resumed search counts
-        on. Each unit's ``"decision"`` is then the choice now in force. A job that measured
-        nothing, reverted nothing and counted no slower segment leaves the key undecided (a
-        later job, with other trials, may have a choice to measure)."""
+        row per layout (``strikes``) are kept with the choice, so a resumed search counts
+        on. Each unit's ``decision`` is then the choice now in force (the units returned). A
+        job that measured nothing, reverted nothing and counted no slower segment leaves the
+        key undecided (a later job, with other trials, may have a choice to measure)."""
         for unit in units:
-            choice = unit.get("choice")
-            if not choice:
+            choice = unit.choice
+            if choice is None:
                 continue
-            device = choice["device"]
+            device = choice.device
             held = self.memory.layouts.get(key, {}).get(device)
-            counted = unit.get("strikes") or {}
-            if choice.get("probed"):
-                speedups = dict(choice.get("speedups") or {})
+            counted = unit.judgement.strikes if unit.judgement is not None else {}
+            if choice.probed:
+                speedups = dict(choice.speedups)
             elif held is not None:
                 speedups = dict(held.speedups)
-            elif unit.get("slower") or any(counted.values()):
+            elif unit.slower or any(counted.values()):
                 speedups = {}
             else:
                 continue
             reverted = set(held.reverted) if held else set()
-            if unit.get("slower") and unit.get("layout"):
-                reverted.add(unit["layout"])
+            if unit.slower and unit.layout:
+                reverted.add(unit.layout)
             strikes = {**(held.strikes if held else {}), **counted}
-            probed = bool(choice.get("probed"))
-            bound = choice.get("bound_s") if probed else (held.bound_s if held else None)
+            bound = choice.bound_s if choice.probed else (held.bound_s if held else None)
             # layouts not measured because their upper bound lost (measuring.py, fused first)
-            bounds = choice.get("bounds") if probed else (held.bounds if held else None)
+            bounds = choice.bounds if choice.probed else (held.bounds if held else None)
             ranked = choose_layout({Layout(k): v for k, v in speedups.items()}, reverted)
             reason = describe(ranked.layout, ranked.speedups, reverted, bounds)
             strikes = {k: v for k, v in strikes.items() if v}
@@ -185,12 +185,15 @@ class JobPlanner:
                 order=tuple(x.value for x in ranked.order), speedups=speedups,
                 reverted=tuple(sorted(reverted)), reason=reason + (
                     f"; slower segments in a row: {counted_now}" if strikes else ""),
-                strikes=strikes, bound_s=bound, bounds=bounds or None)
+                strikes=strikes, bound_s=bound, bounds=dict(bounds) if bounds else None)
+        out = []
         for unit in units:
-            decided = self.memory.layouts.get(key, {}).get(
-                (unit.get("choice") or {}).get("device"))
+            decided = self.memory.layouts.get(key, {}).get(unit.device)
             if decided is not None:
-                unit["decision"] = {"group_key": key, **decided.to_json()}
+                unit = unit.judged(replace(unit.judgement or UnitJudgement(), group_key=key,
+                                           decision=decided))
+            out.append(unit)
+        return out
 
     def end(self, event: Any, job: Any, flights: list[Any], running: Callable[[str], bool],
             trial: Trial, now: float) -> GroupEnd:
@@ -213,6 +216,7 @@ class JobPlanner:
         record = self._record(event, job, joint or any(
             f.trial_id not in errors for f in unfinished), trial, now)
         steps: list[tuple[str, Step, FailureKind | None, str, bool]] = []
+        alone: list[str] = []
         for flight in live:
             if flight in unfinished:
                 kind, error = errors.get(flight.trial_id, (None, event.error))
@@ -223,37 +227,32 @@ class JobPlanner:
                     steps.append((flight.trial_id, Step.FAIL, kind, error, False))
                 else:
                     self.memory.alone.add(flight.trial_id)
-                    record["alone"].append(flight.trial_id)
+                    alone.append(flight.trial_id)
                     steps.append((flight.trial_id, Step.RETRY_ALONE, None, error, False))
                 continue
             steps.append((flight.trial_id, Step.CONTINUE, None, "", False))
-        if record["status"] == "reverted":
+        if record.status == "reverted":
             # the trials of the units measured slower; a unit whose layout the device model
             # chose (fused, batched: other rounding) is never reverted by a measurement, so
             # its trials stay together and every run of the search trains them alike
-            slower = [t for u in record["units"] if u.get("slower") for t in u.get("trials") or ()]
-            self.memory.alone.update(slower)
-            record["alone"] = slower
-        self.memory.unfused.update(record["unfused"])
-        return GroupEnd(record, tuple(steps))
+            alone = [t for u in record.units if u.slower for t in u.trials]
+            self.memory.alone.update(alone)
+        self.memory.unfused.update(record.unfused)
+        return GroupEnd(replace(record, alone=tuple(alone)), tuple(steps))
 
     def _record(self, event: Any, job: Any, group_failed: bool, trial: Trial,
-                now: float) -> dict:
+                now: float) -> PlanRecord:
         """What the plans table keeps of a grouped job (see :meth:`end`); ``group_failed``:
         the job failed as a group, not by its models' own errors."""
         from ...optim.cost import fused_speedup, judge_segment, merged_speedup
 
         mem = self.memory
         for unit in job.units:
-            mem.alone_s.update(unit.get("alone_s") or {})
-            if unit.get("choice") and unit.get("alone_by_arch"):
-                mem.alone_arch.setdefault(unit["choice"]["device"], {}).update(
-                    unit["alone_by_arch"])
-        units = [dict(u) for u in job.units]
-        merged = [u for u in units if u.get("merged")]
+            mem.alone_s.update(unit.alone_s)
+            if unit.choice is not None and unit.alone_by_arch:
+                mem.alone_arch.setdefault(unit.choice.device, {}).update(unit.alone_by_arch)
+        units: list[UnitReport] = list(job.units)
         key = self.group_key(trial) if self.group_key else None
-        alone = {id(u): self._alone_or_bound(key, u) for u in merged}
-        speedups = [merged_speedup(u, alone[id(u)]) for u in merged]
         held = self._held_strikes(key_id(key) if key is not None else None)
         # A layout is reverted on evidence only (cost.judge_segment): a segment slower than
         # apart beyond its measured noise, or two slower segments in a row; one noisy
@@ -261,36 +260,47 @@ class JobPlanner:
         # its models grouped unfused is not reverted to alone: its trials train unfused from
         # now on, and that grouping is measured in turn.
         unfused: list[str] = []
-        for unit in merged:
-            if unit.get("fused"):
-                unit["fused_speedup"] = fused_speedup(unit, alone[id(unit)])
+        speedups: list[float | None] = []
+        for i, unit in enumerate(units):
+            if not unit.merged:
+                continue
+            alone = self._alone_or_bound(key, unit)
+            speedup = merged_speedup(unit.measurements(), alone)
+            speedups.append(speedup)
+            judgement = UnitJudgement()
+            if unit.fused:
+                judgement = replace(judgement, fused_speedup=fused_speedup(
+                    unit.measurements(), alone))
                 if self.fuse == "measure":  # under "auto" the device model decided it
-                    verdict = judge_segment(unit["fused_speedup"], unit.get("spread"),
+                    verdict = judge_segment(judgement.fused_speedup, unit.spread,
                                             held(unit, "fusion"), margin=1.0)
-                    unit["fusion_verdict"] = verdict.reason
-                    unit.setdefault("strikes", {})["fusion"] = verdict.strikes
+                    judgement = replace(judgement, fusion_verdict=verdict.reason,
+                                        strikes={"fusion": verdict.strikes},
+                                        fusion_reverted=verdict.revert)
                     if verdict.revert:
-                        unit["fusion_reverted"] = True
-                        unfused.extend(unit["trials"])
-        if self.profile or self._measures():
-            for unit, s in zip(merged, speedups):  # the layout measured slower is reverted
+                        unfused.extend(unit.trials)
+            if self.profile or self._measures():  # the layout measured slower is reverted
                 if not _judged(unit):
-                    unit["slower"] = bool(unit.get("fusion_reverted"))
-                    continue
-                verdict = judge_segment(s, unit.get("spread"), held(unit, unit.get("layout")))
-                if self.profile:
-                    unit["verdict"] = verdict.reason
-                    if unit.get("layout"):
-                        unit.setdefault("strikes", {})[unit["layout"]] = verdict.strikes
-                unit["slower"] = bool(unit.get("fusion_reverted")) or bool(
-                    self.profile and verdict.revert)
-        judged = [s for u, s in zip(merged, speedups) if not u.get("fusion_reverted")]
+                    judgement = replace(judgement, slower=judgement.fusion_reverted)
+                else:
+                    verdict = judge_segment(speedup, unit.spread, held(unit, unit.layout))
+                    if self.profile:
+                        judgement = replace(judgement, verdict=verdict.reason, strikes={
+                            **judgement.strikes, **({unit.layout: verdict.strikes}
+                                                    if unit.layout else {})})
+                    judgement = replace(judgement, slower=judgement.fusion_reverted or bool(
+                        self.profile and verdict.revert))
+            if judgement != UnitJudgement():
+                units[i] = unit.judged(judgement)
+        merged = [u for u in units if u.merged]
+        judged = [s for u, s in zip(merged, speedups) if not u.fusion_reverted]
         if key is not None:
-            self._choose(key_id(key), units)
+            units = self._choose(key_id(key), units)
+            merged = [u for u in units if u.merged]
         # a unit that measured its layouts and then trained apart says nothing of a merged
         # speed-up: the row's figure is the merged units' alone
         known = [s for u, s in zip(merged, speedups) if s is not None
-                 and u.get("layout") != Layout.SEPARATE.value]
+                 and u.layout != Layout.SEPARATE.value]
         errors = {t: f"{kind.value} error: {err}" for t, kind, err in
                   getattr(event, "failures", ())}
         status, reason = "merged", ""
@@ -302,68 +312,64 @@ class JobPlanner:
             status, reason = "packed", "packed without merging: each model trained alone"
         elif not merged and job.units:
             status, reason = "not merged", "; ".join(
-                sorted({u.get("reason", "") for u in job.units}))[:500]
-        elif self.profile and any(u.get("slower") for u in merged
-                                  if not u.get("fusion_reverted")):
+                sorted({u.reason or "" for u in job.units}))[:500]
+        elif self.profile and any(u.slower for u in merged if not u.fusion_reverted):
             status = "reverted"
             worst = min(s for s in judged if s is not None)
-            why = next(u["verdict"] for u in merged if u.get("slower")
-                       and not u.get("fusion_reverted"))
+            why = next(u.verdict for u in merged if u.slower and not u.fusion_reverted)
             reason = (f"measured {worst:.2f}x of training its models apart ({why}): they "
                       f"train alone from now on")
-        if status == "not merged" and all(u.get("layout") == Layout.SEPARATE.value
-                                          and u.get("decision") for u in units):
-            reason = f"layout: {units[0]['decision']['reason']}"[:500]
+        if status == "not merged" and all(u.layout == Layout.SEPARATE.value
+                                          and u.decision for u in units):
+            reason = f"layout: {units[0].decision.reason}"[:500]
         if unfused and status == "merged":
-            worst = min(u["fused_speedup"] for u in merged if u.get("fusion_reverted"))
+            worst = min(u.judgement.fused_speedup for u in merged if u.fusion_reverted)
             reason = (f"fusion reverted: measured {worst:.2f}x of training its models grouped "
                       f"unfused: {', '.join(unfused)} train unfused from now on")[:500]
         seconds = None if job.started is None else now - job.started
-        return {"job_id": event.job_id, "trials": list(job.trials), "status": status,
-                "reason": reason, "speedup": min(known) if known else None,
-                "seconds": seconds, "units": units, "errors": errors,
-                "alone": [], "unfused": unfused, "packing": job.extra.get("packing"),
-                "passes": [] if not self.merge else self._passes_of(merged)}
+        return PlanRecord(
+            job_id=event.job_id, trials=tuple(job.trials), status=status, reason=reason,
+            speedup=min(known) if known else None, seconds=seconds, units=tuple(units),
+            errors=errors, unfused=tuple(unfused), packing=job.extra.get("packing"),
+            passes=() if not self.merge else tuple(self._passes_of(merged)))
 
     def _measures(self) -> bool:
         """Whether grouped jobs measure a layout choice (fusion or a pass set ``"auto"``)."""
         return self.fuse in ("auto", "measure") or any(
             v in ("auto", "measure") for v in self.passes.values())
 
-    def _passes_of(self, merged: list[dict]) -> list[str]:
+    def _passes_of(self, merged: list[UnitReport]) -> list[str]:
         """The passes a grouped job's merged units ran, in order (the plans row's
         ``passes``): the required ones; those set True when a unit merged; those set
         ``"auto"`` when a unit trained in their layout (``batching``); ``fusion`` when a unit
         trained fused."""
         lp = LayoutPasses(self.passes)
-        names = list(lp.of(Layout.BATCHING) if any(u.get("layout") == Layout.BATCHING.value
+        names = list(lp.of(Layout.BATCHING) if any(u.layout == Layout.BATCHING.value
                                                     for u in merged)
                      else lp.forced if merged else lp.required)
-        if any(u.get("fused") or u.get("layout") == Layout.FUSED.value for u in merged):
+        if any(u.fused or u.layout == Layout.FUSED.value for u in merged):
             names.append("fusion")
         return names
 
-    def _alone_or_bound(self, key: Any, unit: dict) -> dict[str, float]:
+    def _alone_or_bound(self, key: Any, unit: UnitReport) -> Mapping[str, float]:
         """Each of the unit's trials' step time alone: profiled, else the lower bound its
         layout choice measured (``bound_s``: the shared part every model alone computes;
         measuring.py), so a bounded key's segments are judged on a lower bound of apart."""
-        choice = unit.get("choice") or {}
-        bound = choice.get("bound_s")
+        bound = unit.choice.bound_s if unit.choice is not None else None
         if bound is None and key is not None:
-            held = self.memory.layouts.get(key_id(key), {}).get(choice.get("device"))
+            held = self.memory.layouts.get(key_id(key), {}).get(unit.device)
             bound = held.bound_s if held is not None else None
         alone = self.memory.alone_s if bound is None else {
-            **{t: bound for t in unit.get("trials") or ()}, **self.memory.alone_s}
-        return sampled_alone(unit.get("trials") or (), alone)
+            **{t: bound for t in unit.trials}, **self.memory.alone_s}
+        return sampled_alone(unit.trials, alone)
 
     def _held_strikes(self, key: str | None):
         """``strikes(unit, name)``: the slower segments in a row held for ``name`` (a layout,
         or ``"fusion"``) on the unit's device under group key ``key`` (0 when none)."""
         held = self.memory.layouts.get(key, {}) if key is not None else {}
 
-        def strikes(unit: dict, name: str | None) -> int:
-            device = (unit.get("choice") or {}).get("device")
-            layout = held.get(device)
+        def strikes(unit: UnitReport, name: str | None) -> int:
+            layout = held.get(unit.device)
             return int(layout.strikes.get(name, 0)) if layout is not None else 0
         return strikes
 
@@ -386,18 +392,18 @@ def sampled_alone(trials: Iterable[str], alone_s: Mapping[str, float]) -> Mappin
     return {**alone_s, **{t: mean for t in missing}}
 
 
-def _judged(unit: dict) -> bool:
+def _judged(unit: UnitReport) -> bool:
     """Whether a unit's segment says anything of its layout: not when it trained apart
     (its models' own steps in turn), nor when the device model chose its layout
-    (``"decided"``: fused or batched, whose values differ by rounding: a measurement must
+    (``decided``: fused or batched, whose values differ by rounding: a measurement must
     not change them), nor when the segment measured the layouts on its first batches and
     ended in one that is not the choice (it trained there only until the next segment's
     switch: measuring.py)."""
-    choice = unit.get("choice") or {}
-    if unit.get("layout") == Layout.SEPARATE.value or unit.get("decided"):
+    choice = unit.choice
+    if unit.layout == Layout.SEPARATE.value or unit.decided:
         return False
-    return not (choice.get("measured_on") and choice.get("order")
-                and unit.get("layout") != choice["order"][0])
+    return not (choice is not None and choice.measured_on and choice.order
+                and unit.layout != choice.order[0])
 
 
 def key_id(key: Hashable) -> str:

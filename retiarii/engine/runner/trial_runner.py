@@ -90,8 +90,9 @@ class TrialRunner(TrialEvents):
             docs/optimization.md). None: a job per trial.
         packer: how a batch of trials is split over the free slots (:class:`~.placing.Packer`;
             None: as evenly as they go).
-        on_group: called with a record of every grouped job once it ends (trials, status
-            ``merged``/``reverted``/``failed``, why, measured speed-up): the plans table.
+        on_group: called with the :class:`~..jobs.reports.PlanRecord` of every grouped job
+            once it ends (trials, status ``merged``/``reverted``/``failed``, why, measured
+            speed-up, its units' reports): the plans table.
     """
 
     def __init__(self, executor: Executor, scheduler: Scheduler, journal: Journal | None = None,
@@ -104,7 +105,7 @@ class TrialRunner(TrialEvents):
                  on_trial_end: Callable[[Trial], None] | None = None, id_prefix: str = "",
                  spawn_config: Callable[[Spawn, "Trial | None"], dict] | None = None,
                  planner: JobPlanner | None = None, packer: Packer | None = None,
-                 on_group: Callable[[dict], None] | None = None):
+                 on_group: Callable[[Any], None] | None = None):
         if segment < 1:
             raise ValueError(f"segment must be >= 1 step, got {segment}")
         self.executor, self.scheduler, self.journal = executor, scheduler, journal

@@ -43,7 +43,7 @@ from ...optim.passes import LayoutPasses, PassManager, get_pass
 from ...training import batch_size
 from ..storage import checkpoint as ckpt
 from .fused_fit import fitting_sets
-from .training_group import plan_group
+from .group_candidates import plan_group
 
 __all__ = ["Resolved", "batches_in", "loader_starts", "resolve"]
 

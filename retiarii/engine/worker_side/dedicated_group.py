@@ -30,6 +30,7 @@ their device, the encoder computes batch *i + 1* on its own::
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fnmatch
 import queue
 import threading
@@ -39,7 +40,9 @@ import torch
 from torch import nn
 
 from ...determinism import carry
-from .training_group import TrainingGroup, tensors_of
+from .group_forward import tensors_of
+from .training_group import TrainingGroup
+from ..jobs.reports import UnitReport
 
 __all__ = ["DedicatedGroup", "EncoderWorker", "dedicated_modules", "default_device"]
 
@@ -211,9 +214,9 @@ class DedicatedGroup(TrainingGroup):
             self._worker = EncoderWorker(group.shared, self._device, first.device)
         return group
 
-    def report(self) -> dict:
-        return {**super().report(), "dedicated": list(self.dedicated),
-                "dedicated_device": self._device if self.dedicated else None}
+    def report(self) -> UnitReport:
+        return dataclasses.replace(super().report(), dedicated=tuple(self.dedicated),
+                                   dedicated_device=self._device if self.dedicated else None)
 
     def drop(self, trials) -> None:
         super().drop(trials)

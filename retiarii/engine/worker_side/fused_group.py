@@ -22,7 +22,7 @@ middle of an epoch if need be. One left is trained by its own optimizer.
 Which trials fuse is the worker's decision (:func:`fusable_sets`): equal
 :func:`~retiarii.optim.fusion_family` (one architecture up to its activations and the places
 where its models hold other operators, each model's own there) within one group
-of :func:`~.grouped.group_tasks` (one space, trainer, data key and position); building the
+of :func:`~.group_candidates.group_tasks` (one space, trainer, data key and position); building the
 group then checks the modules and the optimizers (``FusionError``: those trials train as a
 CSE-grouped :class:`~.grouped.TrainingGroup` instead). A frozen part of identical
 architectures is identical too; it is fused like the rest (computed K times in one kernel,
@@ -30,6 +30,7 @@ where CSE computes it once).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch import nn
 
 from ...optim import FusedOptimizer, fuse_models, fusion_family, fusion_key, unfuse
 from .training_group import TrainingGroup
+from ..jobs.reports import UnitReport
 from ..trainers.trial_training import TrialRun
 
 __all__ = ["FusedGroup", "fusable_sets", "fused_backward", "fused_step", "fused_unit"]
@@ -118,9 +120,9 @@ class FusedGroup(TrainingGroup):
         self._fopt: FusedOptimizer | None = None
         super().__init__(None, runs, trainer, profile)
 
-    def report(self) -> dict:
-        """:meth:`TrainingGroup.report` with ``"fused": True``: the times are the fused unit's."""
-        return {**super().report(), "fused": True}
+    def report(self) -> UnitReport:
+        """:meth:`TrainingGroup.report`, ``fused``: the times are the fused unit's."""
+        return dataclasses.replace(super().report(), fused=True)
 
     def drop(self, trials: Iterable[str]) -> None:
         """Leave ``trials`` out from now on: each gets storage of its own (:func:`unfuse`),

@@ -1,11 +1,11 @@
 """The worker's half of choosing a layout: how one candidate group of a grouped job trains.
 
-A candidate group (tasks with one space, trainer, data key and start: :func:`~.grouped.
-group_tasks`) can train in one of the :class:`~retiarii.optim.cost.Layout` s: each model alone
-(``separate``), one CSE-planned group (``cse``), the same with the batching pass
-(``batching``), or its same-architecture trials fused and the others in the best of the rest
-(``fused``). :func:`group_units` builds the units of the layout the job's
-:class:`~.job_contract.GroupOrder` (``told``) asks for:
+A candidate group (tasks with one space, trainer, data key and start:
+:func:`~.group_candidates.group_tasks`) can train in one of the
+:class:`~retiarii.optim.cost.Layout` s: each model alone (``separate``), one CSE-planned
+group (``cse``), the same with the batching pass (``batching``), or its same-architecture
+trials fused and the others in the best of the rest (``fused``). :func:`group_units` builds
+the units of the layout the job's :class:`~.job_contract.GroupOrder` (``told``) asks for:
 
 - ``told.layouts[device]``: a decision the runner already holds for this group key on this
   kind of device (from an earlier job, or read back from the plans table on a resume): its
@@ -19,9 +19,10 @@ group_tasks`) can train in one of the :class:`~retiarii.optim.cost.Layout` s: ea
 - else the forced settings (``fuse=True``, ``batching=True``) or the default (CSE, and fusion
   under ``fuse="auto"``, measured over the segment afterwards).
 
-Every unit's report then says which layout it trained in (``"layout"``) and the choice
-(``"choice"``: device, order, measured speed-ups, whether this job measured them, the alone
-step times it measured), which the runner keeps per (group key, device) in the plans table.
+Every unit's report (a :class:`~..jobs.reports.UnitReport`) then says which layout it trained
+in (``layout``) and the choice (a :class:`~..jobs.reports.UnitChoice`: device, order, measured
+speed-ups, whether this job measured them, the layouts the device model chose), which the
+runner keeps per (group key, device) in the plans table.
 Whatever the layout, each trial's results are what that layout computes (all proven equal to
 training alone: docs/optimization.md); a layout is chosen before the segment's first step.
 """
@@ -32,6 +33,7 @@ import copy
 import functools
 import itertools
 import time
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,8 +47,10 @@ from ...rng import swapped_in
 from ..storage import checkpoint as ckpt
 from .fused_group import FusedGroup, fusable_sets
 from ..jobs.contract import GroupOrder, HeldLayout
+from ..jobs.reports import UnitChoice, UnitReport
 from .auto_layout import resolve
-from .training_group import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, plan_group, step_seconds
+from .group_candidates import plan_group
+from .training_group import MAX_REPEATS, MIN_TIMED_S, TrainingGroup, step_seconds
 from .measuring_group import MeasuringGroup
 from ...training import to_device as _to_device
 from .compute_clock import compute_clock
@@ -317,7 +321,8 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         ids, models, runs: the group's trials, their models (IR) and runs.
         trainer, data_key: what they share.
         profile: trials whose alone step time to measure (None: measure nothing).
-        alone: ``alone(trial, why, extra)`` -> the worker's unit training one trial alone.
+        alone: ``alone(trial, why, report)`` -> the worker's unit training one trial alone
+            (``report``: its :class:`~..jobs.reports.UnitReport`).
         make_group: ``make_group(plan, runs, trainer, profile)`` -> the unit training a merged
             group (a :class:`TrainingGroup`, or the worker's dedicated-device group).
     """
@@ -338,9 +343,16 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
                           {t: runs[t].hparams for t in ids}, passes=passes.of(Layout.CSE))
         if passes.worth_measuring(PassManager(passes.measured).run(base), runs[ids[0]].device):
             merged = [Layout.CSE, Layout.BATCHING]
-    choice: dict[str, Any] = {"device": device, "probed": False}
-    if resolved.predicted:
-        choice["predicted"] = resolved.predicted
+    # the layouts the device model chose: never judged by time (their values round unlike
+    # training alone), however the unit came to train in them (measured or not)
+    chosen = (((Layout.FUSED.value,) if told.fuse == "auto" else ())
+              + ((Layout.BATCHING.value,) if "auto" in told.passes.values() else ())
+              ) if resolved.decided else ()
+    # fuse=True: the user's layout, never reverted by time either (apart would round
+    # otherwise, and reruns of one seeded search would differ with the machine's load)
+    choice = UnitChoice(device=device, predicted=tuple(resolved.predicted),
+                        device_chosen=chosen,
+                        forced=(Layout.FUSED.value,) if told.fuse is True else ())
     # One architecture, one step time alone: a trial whose architecture was measured (in
     # this job or an earlier one on this kind of device) is not measured again.
     arch = {t: fusion_key(models[t]) for t in ids}
@@ -357,25 +369,26 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
                            passes)
     if live is not None:  # measured while training (measuring.py): decided after a few batches
         order = list(live)
-        choice.update(order=[x.value for x in order], speedups={})
+        choice = replace(choice, order=tuple(x.value for x in order))
     elif given is not None:
         order = [Layout(x) for x in given.order]
-        choice.update(order=list(given.order), speedups=dict(given.speedups))
+        choice = replace(choice, order=tuple(given.order), speedups=dict(given.speedups))
     elif profile is not None and (len(merged) > 1 or (fuse == "auto" and fusable)):
         candidates = [Layout.SEPARATE, *merged] + ([Layout.FUSED] if fuse == "auto" and fusable else [])
-        start = time.perf_counter()
+        clock = compute_clock(runs[ids[0]].device)  # the clock the worker's setup is on
+        start = clock()
         result = probe(ids, models, runs, trainer, data_key, candidates, fusable,
                        {**known, **measured}, passes)
         speedups, probed = result if result is not None else ({}, {})
         measured.update(probed)
         ranked = choose_layout(speedups)
         order = list(ranked.order)
-        choice.update(order=[x.value for x in order], probed=True,
-                      probe_s=time.perf_counter() - start,
-                      speedups={k.value: v for k, v in ranked.speedups.items()})
+        choice = replace(choice, order=tuple(x.value for x in order), probed=True,
+                         probe_s=clock() - start,
+                         speedups={k.value: v for k, v in ranked.speedups.items()})
     else:
         order = ([Layout.FUSED] if fuse in ("auto", True) else []) + merged
-        choice.update(order=[x.value for x in order], speedups={})
+        choice = replace(choice, order=tuple(x.value for x in order))
     if fuse is True:  # forced: fused whatever was measured; the rest as ranked
         order = [Layout.FUSED] + [x for x in order if x is not Layout.FUSED]
     twins: dict[str, list[str]] = {}
@@ -396,7 +409,7 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         group._alone_s.update({t: measured[t] for t in group.members if t in measured})
         group.twins, group.arch, group.produce_s = twins, arch, resolved.produce_s
         group.start_s = resolved.start_s
-        group.extra = {"layout": group.layout.value, "choice": choice}
+        group.trained_layout = group.layout.value
         return [group]
     usable = [x for x in order if x is Layout.SEPARATE or x in merged
               or (x is Layout.FUSED and fusable)]
@@ -411,19 +424,13 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
         group.start_s = resolved.start_s
         kind = Layout.FUSED if isinstance(group, FusedGroup) else (
             rest if layout is Layout.FUSED else layout)
-        group.extra = {"layout": kind.value, "choice": choice}
-        if kind is Layout.FUSED and told.fuse is True or resolved.decided and (
-                kind is Layout.FUSED and told.fuse == "auto" or kind is Layout.BATCHING
-                and "auto" in told.passes.values()):
-            # chosen by the device model or forced (fuse=True): never reverted by time, since
-            # apart would round otherwise and reruns of a seeded search would differ
-            group.extra["decided"] = True
+        group.trained_layout, group.choice = kind.value, choice
         units.append(group)
     for trial, why in lone.items():
         mine = {trial: measured[trial]} if trial in measured else {}
-        units.append(alone(trial, why, {"layout": Layout.SEPARATE.value, "choice": choice,
-                                        "alone_s": mine, "alone_by_arch": {
-                                            arch[t]: v for t, v in mine.items()}}))
+        units.append(alone(trial, why, UnitReport(
+            (trial,), merged=False, reason=why, layout=Layout.SEPARATE.value, choice=choice,
+            alone_s=mine, alone_by_arch={arch[t]: v for t, v in mine.items()})))
     return units
 
 

@@ -11,37 +11,19 @@ in them alone has the losses and checkpoints of separate training (``tests/test_
 **Fused first.** A group of one architecture (one fused unit of every trial) whose CSE plan
 shares nothing frozen measures fused first, on its own models (:attr:`MeasuringGroup.
 fuse_first`): CSE could save only the loader there, and a merged step of such models costs
-at least :data:`CSE_FLOOR` of their steps alone, so CSE's speed-up has an upper bound; when
-fused measures above it (and above apart) fused goes on from batch 0 and CSE is never
-built, else the models are unfused and CSE is measured on the next batches. Such a group's
-first batches train fused: its values are separate training's within the fused tolerance
-whatever the choice (what ``fuse="auto"`` admits; ``fuse=False`` keeps them bit for bit).
-Its first fused step is guarded: when every trial fails in it before the fused optimizer
-steps (a forward or backward that cannot run fused: out of memory for K models at once,
-say), it is undone exactly (fusing gave the models new storage and left the old untouched: weights,
-BatchNorm statistics and optimizer state come back from it, RNG streams from their saved
-states) and the batch trains again in CSE; fused is then no candidate.
+at least ``measuring_speedups.CSE_FLOOR`` of their steps alone, so CSE's speed-up has an
+upper bound; when fused measures above it (and above apart) fused goes on from batch 0 and
+CSE is never built, else the models are unfused and CSE is measured on the next batches.
+Such a group's first batches train fused: its values are separate training's within the
+fused tolerance whatever the choice (what ``fuse="auto"`` admits; ``fuse=False`` keeps them
+bit for bit). Its first fused step is guarded: when every trial fails in it before the
+fused optimizer steps, it is undone exactly (:mod:`.fused_undo`) and the batch trains again
+in CSE; fused is then no candidate.
 
-What is not measured on the real models is bounded or measured on copies:
-
-- **apart** (``separate``): each model's step alone. A lower bound comes free: every model
-  alone computes the group's shared frozen part, which the real batches time (the group's
-  ``shared`` cell, computed once per batch), so apart costs at least ``N * (shared + load)``
-  per batch. When that bound already puts the best merged layout over the margin (the frozen
-  trunk: 16 trunks apart against one), no model is profiled alone; otherwise one trial per
-  architecture is profiled on copies (:meth:`~.grouped.TrainingGroup._profile`).
-- **fused** when it does not go first (a shared frozen part, part of the trials): fused
-  kernels round differently, so fusion is measured on copies (:func:`~.layouts.step_times`:
-  a warm-up, then one timed step, stopped at the warm-up when it is far slower than the best
-  merged step), unless the profile rules it out: on a CPU a fused unit of K models computes
-  their frozen part K times (one grouped kernel, K times the arithmetic), so a fused layout
-  whose frozen parts alone would cost over the best merged step (:data:`FUSED_CPU_BOUND`)
-  is not measured. On a GPU, where K trunks in one kernel can cost about one, that bound
-  does not hold. On any device, fusion is not measured either when its per-model work rules
-  it out: every fused step pays each model's share of a grouped step (its
-  ``training_step`` through a proxy, its RNG streams), at least what the CSE step costs
-  beyond the models' steps alone and the shared part, and that alone is over the best step
-  (tiny models, whose grouped steps are mostly that work).
+What the real batches do not measure is bounded or measured on copies
+(:mod:`.measuring_speedups`): apart from a lower bound (every model alone computes the shared
+frozen part the batches time) or one profile per architecture on copies, fused on copies
+(:func:`~.group_layouts.step_times`) unless its bounds rule it out.
 
 Schedule: one warm-up batch per candidate, then :data:`TIMED` timed batches each (the merged
 ones interleaved: a machine whose load drifts moves all of them alike; fused on its own,
@@ -57,7 +39,7 @@ of ``fused`` for part of the trials applies from the next segment.
 from __future__ import annotations
 
 import itertools
-import time
+from dataclasses import replace
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,16 +47,18 @@ import torch
 from torch import nn
 
 from ...optim import build_group, unfuse
-from ...optim.cost import MARGIN, Layout, choose_layout, probe_speedups
+from ...optim.cost import Layout, choose_layout
 from ...optim.plan import LogicalPlan, Role
 from ..storage import checkpoint as ckpt
 from .fused_group import fused_backward, fused_step, fused_unit
+from .fused_undo import FusedUndo
 from .training_group import TrainingGroup, sync_device
 from .compute_clock import compute_clock
-from .measuring_math import close_call, fused_rivals, judged_steps, median as _median
+from ..jobs.reports import UnitChoice, UnitReport
+from .measuring_math import judged_steps, median as _median
+from .measuring_speedups import Profiles, Timed, fused_first_speedups, merged_speedups
 
-__all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "BOUND_SAFETY", "CSE_FLOOR", "DECISIVE", "FUSED_CPU_BOUND",
-           "MeasuringGroup", "PER_MODEL_BOUND", "TIMED"]
+__all__ = ["ABORT_REAL", "ABORT_REAL_FUSED_GPU", "MeasuringGroup", "TIMED"]
 
 # Timed batches per merged candidate, after one warm-up each (the least is kept: a machine's
 # other work only adds).
@@ -84,28 +68,6 @@ TIMED = 2
 ABORT_REAL = 2.0
 # The same for a fused batch on a GPU (as layouts.ABORT allows fused copies there).
 ABORT_REAL_FUSED_GPU = 4.0
-# The lower bound of apart must put the best merged layout this much over the margin to skip
-# the alone profiles (the shared part's time is itself measured, with noise).
-BOUND_SAFETY = 1.1
-# On a CPU a fused unit of K models costs at least this share of K times their frozen part
-# (K times the arithmetic in one grouped kernel; half, for what one thread's caches save).
-FUSED_CPU_BOUND = 0.5
-# A fused step costs at least this share of the per-model work a CSE step measured beyond
-# the models' own steps (proxies, RNG streams; the whole of it: a fused step pays it too).
-PER_MODEL_BOUND = 1.0
-# A merged step of models that share nothing frozen (each model's own part, one loader) costs
-# at least this share of their steps alone: measured 0.98-0.99 for 16 MLPs and 16 small CNNs
-# on a CPU (one backward over the summed losses saves N - 1 autograd calls, the proxies and
-# RNG switches add about as much). So CSE can gain at most the loader and this much on apart,
-# and a fused layout measured above that needs no CSE batch to win. Assumed on a GPU too
-# (unmeasured there), where fused same-shape models usually beat CSE by far more (6-7x for
-# 16 MLPs or small CNNs on an H100: benchmarks/README.md), and a fused segment slower than
-# apart is reverted all the same.
-CSE_FLOOR = 0.9
-# A choice measured fused-first stands on the alone profiles taken before the first batch
-# when it beats its rival (apart by the margin, CSE's bound) by this factor; closer, the
-# models are profiled alone again next to the batches (a shared machine's load moves).
-DECISIVE = 1.25
 
 
 class _Apart(Exception):
@@ -121,7 +83,7 @@ class MeasuringGroup(TrainingGroup):
         group = MeasuringGroup({Layout.CSE: cse_plan, Layout.BATCHING: batched_plan}, runs,
                                trainer, models=models, fusable=[("a", "b")], data_key=key,
                                alone_s={}, want_alone=["a", "c"], choice=choice)
-        group.train_epoch()       # choice["order"], choice["speedups"] are filled in
+        group.train_epoch()       # group.choice.order, .speedups are filled in
 
     Args:
         plans: merged layout -> the group's plan in it (each covering every run), the first
@@ -133,14 +95,15 @@ class MeasuringGroup(TrainingGroup):
         alone_s: trial -> its step time alone, already known (not measured again).
         want_alone: the trials to profile alone when the bound does not decide (one per
             architecture; :attr:`twins` spreads their times).
-        choice: the job's choice record (``layouts.group_units``), filled in when decided.
+        choice: the job's :class:`~..jobs.reports.UnitChoice` (``group_units``); the group
+            holds it (:attr:`choice`), filled in when decided.
         step_times: how fused is timed on copies (``layouts.step_times``, handed in:
             layouts imports this module); None: fusion is never measured.
     """
 
     def __init__(self, plans: Mapping[Layout, LogicalPlan], runs: Mapping, trainer: Any, *,
                  models: Mapping, fusable: list[tuple[str, ...]], data_key: str,
-                 alone_s: Mapping[str, float], want_alone: list[str], choice: dict,
+                 alone_s: Mapping[str, float], want_alone: list[str], choice: UnitChoice,
                  step_times: Any = None):
         self._step_times = step_times
         self._plans = dict(plans)
@@ -157,7 +120,7 @@ class MeasuringGroup(TrainingGroup):
                            and not shares_frozen and len(fusable) == 1
                            and set(fusable[0]) == trials)
         self._fopt: Any = None  # the fused optimizer while the layout is FUSED
-        self._guard: dict | None = None  # what the first fused step may have to undo
+        self._guard: FusedUndo | None = None  # what the first fused step may have to undo
         self._fused_ok = False  # a fused step of these runs succeeded
         self._fused_at: int | None = None  # the batch fused training began at
         self._moved = False  # this step's fused optimizer step ran (nothing left to undo)
@@ -197,13 +160,13 @@ class MeasuringGroup(TrainingGroup):
         """The layout it trains in now."""
         return self._layout
 
-    def report(self) -> dict:
+    def report(self) -> UnitReport:
         """:meth:`TrainingGroup.report`; once decided, judged on the chosen layout's own
         batches (:func:`~.measuring_math.judged_steps`)."""
         out = super().report()
         if self._measured_to is not None:
-            out.update(judged_steps(self._steps, self._measured_to, self._warm_after,
-                                    self._times.get(self._layout) or ()))
+            out = replace(out, **judged_steps(self._steps, self._measured_to, self._warm_after,
+                                              self._times.get(self._layout) or ()))
         return out
 
     # ---- building and switching layouts --------------------------------------------------
@@ -228,15 +191,11 @@ class MeasuringGroup(TrainingGroup):
 
     def _build_fused(self) -> nn.Module | None:
         """The runs fused, or None when they cannot fuse (:meth:`_fusion_failed`). Before
-        the first fused step of these runs, what fusing replaces is kept for
-        :meth:`_undo_fused_step`: fusing gives the models new storage and leaves the old
-        untouched, so keeping the old tensors (and optimizer state entries) costs no copy."""
-        tensors = [(t, t.data) for run in self.runs.values()
-                   for t in itertools.chain(run.model.parameters(), run.model.buffers())]
-        for tensor, _ in tensors:  # a merged step's gradients: each step sets its own
-            tensor.grad = None
-        states = [] if self._fused_ok else [(run.optimizer, dict(run.optimizer.state))
-                                            for run in self.runs.values()]
+        the first fused step of these runs, what fusing replaces is kept (:class:`FusedUndo`)."""
+        for run in self.runs.values():  # a merged step's gradients: each step sets its own
+            for tensor in itertools.chain(run.model.parameters(), run.model.buffers()):
+                tensor.grad = None
+        undo = None if self._fused_ok else FusedUndo(self.runs)
         try:
             module, self._fopt = fused_unit(self.runs)
         except Exception as err:  # noqa: BLE001 (fused_unit gave their storage back)
@@ -244,7 +203,7 @@ class MeasuringGroup(TrainingGroup):
             return None
         self._built = True
         if not self._fused_ok:
-            self._guard = {"tensors": tensors, "states": states}
+            self._guard = undo
         return module
 
     def _use(self, layout: Layout) -> None:
@@ -258,7 +217,7 @@ class MeasuringGroup(TrainingGroup):
             self._fallback = self._layout if self._layout in self._plans else self._plan_first
         self._layout = layout
         if layout is Layout.SEPARATE:
-            self.extra["layout"] = layout.value
+            self.trained_layout = layout.value
             return
         if layout is Layout.FUSED:
             self._group = self._build()  # falls back to a merged layout if it cannot fuse
@@ -272,7 +231,7 @@ class MeasuringGroup(TrainingGroup):
                 self._modules[layout] = self._build()
             self._plan, self._group = self._plans[layout], self._modules[layout]
             self._built = True
-        self.extra["layout"] = self._layout.value
+        self.trained_layout = self._layout.value
 
     def _leave_fused(self) -> None:
         """Every model and optimizer storage of its own again (:func:`unfuse`)."""
@@ -283,7 +242,7 @@ class MeasuringGroup(TrainingGroup):
     def _fusion_failed(self, why: str) -> None:
         """Fusing these runs failed: fused is no candidate any more; the layout goes back to
         the merged one it left, or the first (measured next, when fused was first)."""
-        self.choice["fused_failed"] = why[:300]
+        self.choice = replace(self.choice, fused_failed=why[:300])
         self._fopt, self._guard = None, None
         self._layout, self._built = self._fallback, False
         rest = [x for x in self._schedule[self._position:] if x is not Layout.FUSED]
@@ -291,24 +250,6 @@ class MeasuringGroup(TrainingGroup):
             rest += list(self._plans) * (1 + TIMED)
         self._schedule = self._schedule[:self._position] + rest
         self._due = self._position >= len(self._schedule)
-
-    def _undo_fused_step(self) -> None:
-        """The first fused step failed for every trial (fusion's failure, not theirs: a
-        forward or backward that cannot run fused, out of memory, say): every model,
-        optimizer and RNG stream back to before it (their storage from before fusing:
-        nothing fused ever wrote to it), so the batch runs again in another layout."""
-        guard = self._guard
-        for tensor, data in guard["tensors"]:
-            tensor.data = data
-        for optimizer, state in guard["states"]:
-            optimizer.state.clear()
-            optimizer.state.update(state)
-        for trial, streams in guard["rng"].items():
-            if trial in self.runs:
-                self.runs[trial]._rng = streams
-        for run in self.runs.values():
-            for p in run.model.parameters():
-                p.grad = None
 
     def drop(self, trials) -> None:
         """:meth:`TrainingGroup.drop`; fused, the trials leaving get storage of their own
@@ -384,13 +325,12 @@ class MeasuringGroup(TrainingGroup):
         guard = self._guard if self._layout is Layout.FUSED else None
         if guard is None:
             return TrainingGroup._step(self, batch, sums)
-        guard["rng"] = {t: getattr(r, "_rng", None) for t, r in self.runs.items()}
+        guard.before_step(self.runs)
         self._moved = False
         failed = TrainingGroup._step(self, batch, sums)
         self._guard = None
         if failed and set(failed) >= set(self.runs) and not self._moved:
-            self._guard = guard
-            self._undo_fused_step()
+            guard.undo(self.runs)
             self._fusion_failed(f"fused training failed on its first batch ("
                                 f"{next(iter(failed.values()))})")
             return None
@@ -478,7 +418,8 @@ class MeasuringGroup(TrainingGroup):
         choice and train on in the best. A merged layout not measured yet whose bound ranks
         it first (fused measured first: :attr:`fuse_first`) is measured on the next batches
         instead, unless the epoch has ended (``final``: decided on what was measured)."""
-        start = time.perf_counter()
+        clock = compute_clock(next(iter(self.runs.values())).device)  # as the worker's setup
+        start = clock()
         self._due = False
         speedups = self._speedups(batch)
         if speedups is None:
@@ -488,12 +429,12 @@ class MeasuringGroup(TrainingGroup):
         unmeasured = [x for x in self._plans if x not in self._stepped]
         if ranked.order[0] in unmeasured and not final:
             self._schedule += unmeasured * (1 + TIMED)  # its figure is a bound: measure it
-            self._probe_s += time.perf_counter() - start
+            self._probe_s += clock() - start
             return
         self._decided, self._measured_to = True, len(self._steps)  # measured: not judged
         bounds = {x.value: speedups.pop(x) for x in unmeasured if x in speedups}
         if bounds:  # the most they could reach: not measured, ranked as unknown
-            self.choice["bounds"] = bounds
+            self.choice = replace(self.choice, bounds=bounds)
             ranked = choose_layout(speedups)
         # the rest of the segment: the best layout here (fused for every trial: from the
         # next batch, or on from the fused batches measured; fused for part of them applies
@@ -503,86 +444,52 @@ class MeasuringGroup(TrainingGroup):
         self._warm_after = 0 if best in self._stepped else 1  # its first batch: a warm-up
         self._use(best)
         if best is Layout.FUSED:
-            self.choice["fused_from"] = (
+            self.choice = replace(self.choice, fused_from=(
                 f"batch {self._fused_at} of this segment" if self._layout is Layout.FUSED else
-                f"the next segment: {self.choice.get('fused_failed', 'fusing failed here')}"
-            )[:300]
-        self.choice.update(
-            order=[x.value for x in ranked.order], probed=True, measured_on="first batches",
-            probe_s=self._probe_s + time.perf_counter() - start,
+                f"the next segment: {self.choice.fused_failed or 'fusing failed here'}"
+            )[:300])
+        self.choice = replace(
+            self.choice, order=tuple(x.value for x in ranked.order), probed=True,
+            measured_on="first batches", probe_s=self._probe_s + clock() - start,
             speedups={k.value: v for k, v in ranked.speedups.items()})
 
     def _fuses_all(self) -> bool:
         """Whether fusion takes every trial of the group in one unit (then fused trains
         here; for part of them, from the next segment), and has not failed here."""
         return (len(self._fusable) == 1 and set(self._fusable[0]) >= set(self.runs)
-                and "fused_failed" not in self.choice)
+                and self.choice.fused_failed is None)
 
     def _speedups(self, batch: Any) -> dict[Layout, float] | None:
-        """Each candidate's speed-up over apart per batch: those measured from the batches
-        timed, apart from the alone profiles or its lower bound (then ``choice["bound_s"]``),
-        fused on copies unless it was measured here or is ruled out (then
-        ``choice["skipped"]`` says why); fused measured first and no merged layout yet: its
-        speed-up and, for CSE, the most it could reach (:meth:`_fused_first`). None when no
-        batch was timed (a warm-up is no evidence: the key stays undecided)."""
+        """Each candidate's speed-up over apart per batch (:mod:`.measuring_speedups`), the
+        choice recording its steps, apart's bound (``choice.bound_s``) and why fused was not
+        measured (``choice.skipped``). None when no batch was timed (a warm-up is no
+        evidence: the key stays undecided)."""
         steps = {lay: min(self._times[lay]) for lay in self._times if self._times[lay]}
         if not steps:
             return None
-        ids = list(self.runs)
-        load = _median(self._loads)
-        if not set(steps) & set(self._plans):
-            return self._fused_first(batch, steps, ids, load)
-        shared = min(self._shared) if self._shared else 0.0
-        best = min(steps.values())
-        alone = self._alone_now()
-        # apart costs at least N * (shared + load): every model alone computes the shared part
-        floor = probe_speedups({t: shared for t in ids}, {Layout.CSE: best}, load)
-        bounded = len(alone) < len(ids) and floor.get(Layout.CSE, 0.0) >= MARGIN * BOUND_SAFETY
-        outer = ckpt.native_rng()
-        try:
-            early = dict(self._alone_s)  # profiled before the first step, if it was
-            if (len(alone) < len(ids) and not bounded) or (early and close_call(
-                    alone, ids, {k: v for k, v in steps.items() if k in self._plans}, load,
-                    getattr(self, "produce_s", 0.0), getattr(self, "start_s", 0.0), MARGIN,
-                    DECISIVE)):
-                # profiled now, next to the steps it is compared with (a shared machine's
-                # load moves between the first batch and this one), when the call is close
-                self._reprofile(batch, early)
-                alone = self._alone_now()
-            estimate = {t: alone.get(t, shared) for t in ids}
-            skipped = ""
-            if self._fusable and Layout.FUSED not in steps:
-                device = next(iter(self.runs.values())).device
-                frozen = FUSED_CPU_BOUND * shared * sum(len(u) for u in self._fusable)
-                apart = sum(estimate.values()) + (len(ids) - 1) * load
-                # A fused step pays each model's own share of a grouped step too (its
-                # training_step through a proxy, its RNG streams): at least what the CSE step
-                # costs beyond the models' steps alone and the shared part.
-                per_model = (steps[Layout.CSE] - sum(estimate.values()) - shared
-                             if Layout.CSE in steps and not bounded else 0.0)
-                if "fused_failed" in self.choice:
-                    skipped = f"fused not measured: {self.choice['fused_failed']}"
-                elif device.type == "cpu" and frozen >= best:
-                    skipped = f"fused not measured: its frozen parts alone {frozen:.3f}s"
-                elif PER_MODEL_BOUND * per_model >= min(best, apart):
-                    skipped = (f"fused not measured: a grouped step's per-model work alone "
-                               f"{per_model:.3f}s")
-                elif self._step_times is None:
-                    skipped = "fused not measured: the group was given no way to time copies"
-                else:  # stopped at its warm-up when far slower than the best so far
-                    fused = self._step_times(ids, self._models, self.runs, self.trainer,
-                                             self._data_key, [Layout.FUSED], self._fusable,
-                                             estimate, batch, min(best, apart))
-                    steps.update(fused)
-        finally:
-            ckpt.set_native_rng(outer)
-        self.choice["steps_s"] = {k.value: v for k, v in steps.items()}  # per batch, all N
-        if bounded:  # apart was not profiled: the speed-ups are lower bounds
-            self.choice["bound_s"] = shared
-        if skipped:
-            self.choice["skipped"] = skipped
-        return probe_speedups(estimate, steps, load, getattr(self, "produce_s", 0.0),
-                              getattr(self, "start_s", 0.0))
+        timed = Timed(steps, frozenset(self._plans), tuple(self.runs), _median(self._loads),
+                      min(self._shared) if self._shared else 0.0, getattr(self, "produce_s", 0.0),
+                      getattr(self, "start_s", 0.0), tuple(tuple(u) for u in self._fusable),
+                      next(iter(self.runs.values())).device.type, self.choice.fused_failed)
+        time_fused = None if self._step_times is None else (
+            lambda estimate, limit: self._step_times(
+                list(self.runs), self._models, self.runs, self.trainer, self._data_key,
+                [Layout.FUSED], self._fusable, estimate, batch, limit))
+        profiles = Profiles(self._alone_now, dict(self._alone_s),  # early: before the 1st step
+                            lambda early: self._reprofile(batch, early), time_fused)
+        if not set(steps) & set(self._plans):  # fused first (the profiles restore the streams)
+            got = fused_first_speedups(timed, profiles)
+        else:
+            outer = ckpt.native_rng()
+            try:
+                got = merged_speedups(timed, profiles)
+            finally:
+                ckpt.set_native_rng(outer)
+        self.choice = replace(
+            self.choice, steps_s=got.steps_s,
+            bound_s=got.bound_s if got.bound_s is not None else self.choice.bound_s,
+            skipped=got.skipped or self.choice.skipped)
+        return got.speedups
 
     def _reprofile(self, batch: Any, early: Mapping[str, float]) -> None:
         """The trials to profile alone, profiled now (on copies, RNG streams restored); each
@@ -590,23 +497,3 @@ class MeasuringGroup(TrainingGroup):
         self._to_profile = set(self._want_alone) & set(self.runs)
         self._profile(batch)
         self._alone_s.update({t: min(s, self._alone_s.get(t, s)) for t, s in early.items()})
-
-    def _fused_first(self, batch: Any, steps: Mapping[Layout, float], ids: list[str],
-                     load: float) -> dict[Layout, float]:
-        """Fused measured on the real batches, no merged layout yet: fused's speed-up over
-        apart and, for CSE, the most it could reach (its step at least :data:`CSE_FLOOR`
-        times the models' steps alone: they share nothing frozen), which :meth:`_decide`
-        measures when it ranks first. The alone profiles taken before the first batch are
-        taken again next to these batches only when the call is close (within
-        :data:`DECISIVE` of its rival). (The profiles restore the RNG streams themselves.)"""
-        early = dict(self._alone_s)
-        if len(self._alone_now()) < len(ids):
-            self._reprofile(batch, early)
-            early = {}
-        out = fused_rivals(self._alone_now(), steps, ids, load, CSE_FLOOR)
-        rival = max(MARGIN, out.get(Layout.CSE, 0.0))
-        if early and Layout.FUSED in out and rival / DECISIVE < out[Layout.FUSED] < rival * DECISIVE:
-            self._reprofile(batch, early)
-            out = fused_rivals(self._alone_now(), steps, ids, load, CSE_FLOOR)
-        self.choice["steps_s"] = {k.value: v for k, v in steps.items()}
-        return out

@@ -1,9 +1,9 @@
 """Grouped jobs: the trials of one job that can share a data pipeline train as one module.
 
-:func:`group_tasks` is the decision (pure: plain values in, trial ids out): which tasks of a
-job may train as one group. :class:`TrainingGroup` is the execution: a few
-:class:`~.trial_run.TrialRun` objects, planned (``build_plan``, ``cse``, ``batching``), built into one
-:class:`~retiarii.optim.GroupModule`, trained one epoch at a time through **one** loader::
+Which tasks may group is decided in :mod:`.group_candidates`; :class:`TrainingGroup` is the
+execution: a few :class:`~.trial_run.TrialRun` objects, planned (``build_plan``, ``cse``,
+``batching``), built into one :class:`~retiarii.optim.GroupModule`, trained one epoch at a
+time through **one** loader::
 
     for batch in trainer.train_dataloader(hparams, epoch):       # once for every model
         outs = group(x)                                          # the shared frozen part once,
@@ -15,11 +15,12 @@ Each trial keeps what ``TrialRun.train_epoch`` keeps alone (its optimizer, LR sc
 streams, data position, the epoch's mean loss and NaN check, validation on its own model), so
 its metrics and checkpoint equal those of training it alone, bit for bit on CPU
 (``tests/test_grouped_jobs.py``). ``training_step`` still computes each trial's loss: it gets
-a proxy module whose ``forward`` returns that trial's output of the group's one forward pass
-on this batch. A trial that fails (an exception in its part, its ``training_step`` or its
-optimizer; a NaN epoch loss) fails alone: the group is rebuilt without it, in the middle of
-an epoch if need be, and the others run on. One exception is not attributable: an error in
-the joint ``backward`` fails every trial of the group in that step.
+a proxy module whose ``forward`` returns that trial's output of the group's one forward
+pass on this batch (:mod:`.group_forward`). A trial that fails (an exception in its part,
+its ``training_step`` or its optimizer; a NaN epoch loss) fails alone: the group is rebuilt
+without it, in the middle of an epoch if need be, and the others run on. One exception is
+not attributable: an error in the joint ``backward`` fails every trial of the group in that
+step.
 
 Exactness needs what a data key promises (docs/optimization.md "Data keys"): the batches do
 not depend on the trial, and ``training_step`` draws no random numbers before it calls the
@@ -27,181 +28,26 @@ model (the group's forward runs every part when the first trial calls its proxy)
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Hashable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from ...optim import build_group, build_plan
-from ...optim.passes import PassManager
+from ...optim import build_group
 from ...optim.cost import relative_spread
 from ..storage import checkpoint as ckpt
-from ...optim.plan import LogicalPlan, PlanModel
+from ...optim.plan import LogicalPlan
 from ...training import to_device as _to_device
 from ..trainers.trial_training import TrainingError, TrialRun, batch_size_of, paced, set_training
 from .compute_clock import compute_clock
+from .group_forward import GroupForward, Proxy, Streams
+from ..jobs.reports import UnitChoice, UnitReport
 
-__all__ = ["GroupCandidate", "group_tasks", "plan_group", "step_seconds", "TrainingGroup"]
-
-
-@dataclass(frozen=True)
-class GroupCandidate:
-    """What the decision needs to know of one task (all plain, comparable values)."""
-
-    trial_id: str
-    space: Hashable  # the space reference of the spec
-    trainer: Hashable  # the trainer reference (or its config, as canonical JSON)
-    data_key: str | None  # Trainer.data_key(hparams); None never groups
-    position: tuple[int, int]  # (epoch, batch) the task starts from
-    steps: int  # epochs to train (stop_step - start_step); 0 trains nothing
-
-
-def group_tasks(candidates: Iterable[GroupCandidate]) -> list[tuple[str, ...]]:
-    """The tasks that may train as one group: same space, trainer, data key (not None) and
-    starting position, with something to train; each other task alone. In input order.
-
-    The plan may still split a group (``LogicalPlan.groups()``: a model whose input is not
-    the shared pipeline); that is the worker's second, model-level check.
-
-    Example::
-
-        group_tasks([GroupCandidate("a", "s", "t", "d", (0, 0), 2),
-                     GroupCandidate("b", "s", "t", "d", (0, 0), 1),
-                     GroupCandidate("c", "s", "t", None, (0, 0), 2)])   # [("a", "b"), ("c",)]
-    """
-    out: dict[Hashable, list[str]] = {}
-    for c in candidates:
-        joins = c.data_key is not None and c.steps > 0
-        key = ("group", c.space, c.trainer, c.data_key, c.position) if joins else ("alone", c.trial_id)
-        out.setdefault(key, []).append(c.trial_id)
-    return [tuple(ids) for ids in out.values()]
-
-
-class _Streams:
-    """Whose RNG streams the process holds during one grouped step, switched lazily.
-
-    Alone, a trial draws from its own streams (``TrialRun._rng``, swapped in around its
-    epoch). In a group, each trial's ``training_step`` and each of its model's cells that may
-    draw (``Cell.random``) run in its streams, interleaved with the other trials'. Swapping in
-    and back out around each of them costs four state copies (about 0.35 ms: NumPy's legacy
-    state dominates); switching only when the owner changes costs two, and none while one
-    trial goes on drawing. :meth:`release` saves the last owner's streams and puts back the
-    ones the step started with. A trainer whose steps draw nothing
-    (:meth:`~.trainer.Trainer.steps_draw_random`) has its steps run in whichever streams are
-    held: then only the cells that may draw switch."""
-
-    def __init__(self, runs: Mapping[str, Any], steps_draw: bool = True):
-        self.runs = runs
-        self.steps_draw = steps_draw
-        self.current: str | None = None  # the trial whose streams the process holds (None:
-        # the step's own, saved in ``outer`` while a trial's are held)
-        self.outer: Any = None
-
-    def use(self, trial: str | None) -> None:
-        """Hold ``trial``'s streams; None, or a run without streams of its own (a layout's
-        copy), holds the ones the step started with."""
-        if trial is not None and getattr(self.runs[trial], "_rng", None) is None:
-            trial = None
-        if trial == self.current:
-            return
-        state = ckpt.native_rng()
-        if self.current is None:
-            self.outer = state
-        else:
-            self.runs[self.current]._rng = state
-        ckpt.set_native_rng(self.outer if trial is None else self.runs[trial]._rng)
-        self.current = trial
-
-    @contextlib.contextmanager
-    def held(self, trial: str):
-        """``use(trial)`` for a block; on the way out nothing is switched back (lazily)."""
-        self.use(trial)
-        yield
-
-    def step(self, trial: str | None) -> None:
-        """Before ``trial``'s training or validation step (or back to it after the group's
-        forward): its streams when the trainer's steps may draw; else nothing switches."""
-        if self.steps_draw:
-            self.use(trial)
-
-    def release(self) -> None:
-        """Save the last owner's streams and hold the ones the step started with."""
-        self.use(None)
-
-
-class _Forward:
-    """One batch's group forward, run on the first proxy call and read by every proxy."""
-
-    def __init__(self, group: nn.Module, runs: Mapping[str, TrialRun], batch: Any,
-                 streams: _Streams, ahead: Any = None):
-        self.group, self.runs, self.streams = group, runs, streams
-        self.ahead = ahead  # inputs -> the shared part's outputs computed ahead, or None
-        self.batch_tensors = {id(t) for t in tensors_of(batch)}
-        self.active: str | None = None  # the trial whose training_step runs now
-        self.inputs: tuple | None = None
-        self.outs: dict[str, Any] = {}
-        self.errors: dict[str, Exception] = {}
-        self.calls: dict[str, int] = {}
-
-    def output(self, trial: str, inputs: tuple) -> Any:
-        self.calls[trial] = self.calls.get(trial, 0) + 1
-        if self.calls[trial] > 1:
-            raise TrainingError(f"trial {trial}: training_step called the model twice on one "
-                                "batch; a grouped job runs each model once per batch (run "
-                                "this trainer ungrouped)")
-        if self.inputs is None:
-            if not all(id(a) in self.batch_tensors for a in inputs if isinstance(a, torch.Tensor)):
-                raise TrainingError(f"trial {trial}: training_step called the model with "
-                                    "tensors that are not the batch's; a grouped job shares "
-                                    "one forward per batch (run this trainer ungrouped)")
-            self.inputs = inputs
-            common = self.ahead(inputs) if self.ahead is not None else None
-            extra = {} if common is None else {"common": common}  # computed ahead: dedicated.py
-            try:
-                self.outs = self.group(*inputs, rng={t: (lambda t=t: self.streams.held(t))
-                                                     for t in self.runs},
-                                       errors=self.errors, **extra)
-            finally:  # back to the streams of the trial whose training_step called it
-                self.streams.step(self.active)
-        elif len(inputs) != len(self.inputs) or any(a is not b for a, b in zip(inputs, self.inputs)):
-            raise TrainingError(f"trial {trial}: training_step called the model with other "
-                                "inputs than the group's other trials on the same batch")
-        if trial in self.errors:
-            raise self.errors[trial]
-        return self.outs[trial]
-
-
-class _Proxy(nn.Module):
-    """What ``training_step`` gets for one trial: ``proxy(x)`` is that trial's output of the
-    group's forward on ``x`` (the batch's own tensors); parameters are its model's."""
-
-    def __init__(self, trial: str, model: nn.Module, forward: _Forward):
-        super().__init__()
-        self.__dict__.update(_trial=trial, _model=model, _forward=forward)
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise TrainingError(f"trial {self._trial}: a grouped job passes the model its batch "
-                                f"positionally; training_step gave keywords {sorted(kwargs)}")
-        return self._forward.output(self._trial, inputs)
-
-    def parameters(self, recurse: bool = True):
-        return self._model.parameters(recurse)
-
-    def named_parameters(self, *args: Any, **kwargs: Any):
-        return self._model.named_parameters(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_model"], name)
+__all__ = ["step_seconds", "sync_device", "TrainingGroup"]
 
 
 _END = object()
@@ -211,16 +57,6 @@ def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work, so a timer reads work done rather than queued."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def tensors_of(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, (list, tuple)):
-        return [t for b in batch for t in tensors_of(b)]
-    if isinstance(batch, dict):
-        return [t for b in batch.values() for t in tensors_of(b)]
-    return []
 
 
 class TrainingGroup:
@@ -260,12 +96,13 @@ class TrainingGroup:
         self._steps: list[float] = []  # seconds of each batch's step (their spread: the noise)
         self._alone_s: dict[str, float] = {}
         self.setup_s = 0.0  # planning and building it, as the worker measured
-        self.extra: dict = {}  # added to the report (the layout and its choice: layouts.py)
+        self.trained_layout: str | None = None  # the layout it trains in (group_layouts.py)
+        self.choice: UnitChoice | None = None  # the layout choice it trains under
         self.twins: dict[str, list[str]] = {}  # profiled trial -> others of its architecture
         self.arch: dict[str, str] = {}  # trial -> its architecture (fusion_key), when known
 
-    def report(self) -> dict:
-        """What this group measured while it trained (a :class:`~.executors.base.JobProfiled`
+    def report(self) -> UnitReport:
+        """What this group measured while it trained (a :class:`~..jobs.job.JobProfiled`
         unit): batches, seconds waiting for the loader and computing (the shared part once,
         every model's own part, backward, optimizer steps), and each profiled trial's separate
         step time, and the relative spread of its step times (the first, a warm-up, left
@@ -278,17 +115,19 @@ class TrainingGroup:
         for trial, others in self.twins.items():  # one architecture, one step time alone
             if trial in alone:
                 alone.update({t: alone[trial] for t in others if t not in alone})
-        return {"trials": list(self.members), "merged": True, "fused": False, "batches": self._batches,
-                "load_s": typical * len(loads), "first_load_s": loads[0] if loads else 0.0,
-                "produce_s": getattr(self, "produce_s", 0.0), "compute_s": self._compute_s,
-                "setup_s": self.setup_s, "alone_s": alone, "start_s": getattr(self, "start_s", 0.0),
-                "spread": relative_spread(self._steps[1:]), "step_s": self._typical_step_s(),
-                "alone_by_arch": {self.arch[t]: s for t, s in alone.items() if t in self.arch},
-                # what the plan's passes left it: nodes computed once, evaluations per step
-                # (the group's own plan: frozen BatchNorms keyed by their statistics)
-                **({"shared_nodes": len(self._built_plan().shared),
-                    "executions": self._built_plan().executions()} if self._plan is not None else {}),
-                **self.extra}
+        built = self._built_plan() if self._plan is not None else None
+        return UnitReport(
+            tuple(self.members), merged=True, batches=self._batches,
+            load_s=typical * len(loads), first_load_s=loads[0] if loads else 0.0,
+            produce_s=getattr(self, "produce_s", 0.0), compute_s=self._compute_s,
+            setup_s=self.setup_s, alone_s=alone, start_s=getattr(self, "start_s", 0.0),
+            spread=relative_spread(self._steps[1:]), step_s=self._typical_step_s(),
+            alone_by_arch={self.arch[t]: s for t, s in alone.items() if t in self.arch},
+            # what the plan's passes left it: nodes computed once, evaluations per step
+            # (the group's own plan: frozen BatchNorms keyed by their statistics)
+            shared_nodes=None if built is None else len(built.shared),
+            executions=None if built is None else built.executions(),
+            layout=self.trained_layout, choice=self.choice)
 
     def _built_plan(self) -> LogicalPlan:
         """The plan the group module was built from (``GroupModule.plan``), else the one given."""
@@ -436,10 +275,10 @@ class TrainingGroup:
         for batch in self.trainer.val_dataloader(first.hparams):
             batch = _to_device(batch, first.device)
             n = batch_size_of(batch)
-            forward = _Forward(self._group, self.runs, batch, _Streams(self.runs, self._steps_draw))
+            forward = GroupForward(self._group, self.runs, batch, Streams(self.runs, self._steps_draw))
 
             def validate(trial: str, run: Any) -> None:
-                values = self.trainer.validation_step(_Proxy(trial, run.model, forward), batch)
+                values = self.trainer.validation_step(Proxy(trial, run.model, forward), batch)
                 for name, value in values.items():
                     sums[trial][name] = sums[trial].get(name, 0.0) + float(value) * n
 
@@ -449,10 +288,10 @@ class TrainingGroup:
                 {name: total / max(count, 1) for name, total in sums[t].items()}
                 for t in self.runs}
 
-    def _each_trial(self, forward: _Forward, step: Any,
+    def _each_trial(self, forward: GroupForward, step: Any,
                     skip: Mapping[str, Exception] | None = None) -> dict[str, Exception]:
         """``step(trial, run)`` for every trial not in ``skip``, in its RNG streams (switched
-        lazily: :class:`_Streams`) and as the active trial of ``forward``; the trials whose
+        lazily: :class:`Streams`) and as the active trial of ``forward``; the trials whose
         step raised, with what they raised (it fails that trial only)."""
         failed: dict[str, Exception] = {}
         try:
@@ -473,12 +312,12 @@ class TrainingGroup:
 
     def _step(self, batch: Any, sums: dict[str, list]) -> dict[str, Exception]:
         """One batch for every trial; the trials that failed in it."""
-        forward = _Forward(self._group, self.runs, batch, _Streams(self.runs, self._steps_draw),
+        forward = GroupForward(self._group, self.runs, batch, Streams(self.runs, self._steps_draw),
                            self._ahead(batch))
         losses: dict[str, torch.Tensor] = {}
 
         def train(trial: str, run: Any) -> None:
-            loss = self.trainer.training_step(_Proxy(trial, run.model, forward), batch,
+            loss = self.trainer.training_step(Proxy(trial, run.model, forward), batch,
                                               run.hparams)
             if trial not in forward.calls:
                 raise TrainingError(f"trial {trial}: training_step never called the model")
@@ -564,26 +403,3 @@ def step_seconds(trainer: Any, run: Any, batch: Any, repeats: int = 2) -> float:
         sync_device(run.device)
         times.append(clock() - t0)
     return min(times[1:])
-
-
-def plan_group(models: Mapping[str, Any], data_key: str,
-               hparams: Mapping[str, dict], batch_ops: bool = False,
-               passes: Sequence[str] | None = None) -> LogicalPlan:
-    """The plan of one candidate group after the passes (by default ``cse``, then, with
-    ``batch_ops``, ``batching``: a frozen per-example layer the models feed with other values
-    runs once on their concatenated inputs); its ``groups()`` say which models really share
-    the pipeline.
-
-    Args:
-        models: trial id -> its :class:`~retiarii.space.Model` (``space.replay(sample)``).
-        data_key: the trainer's data key, the same for every trial.
-        hparams: trial id -> its hparams.
-        batch_ops: run the batching pass too (opt-in: on a CPU it saves per-call overhead
-            only, and costs concatenations: benchmarks/README.md).
-        passes: the registered passes to run (:mod:`retiarii.optim.passes`; they run in the
-            registry's order); given, it replaces ``batch_ops``.
-    """
-    if passes is None:
-        passes = ["cse", "batching"] if batch_ops else ["cse"]
-    plan = build_plan([PlanModel(t, m, data_key, dict(hparams[t])) for t, m in models.items()])
-    return PassManager(passes).run(plan).plan

@@ -46,6 +46,8 @@ from ...determinism import DeterminismError, deterministic, spec_wants
 from ...refs import resolve_ref  # the one resolver: the references the driver made (refs.py)
 from ..storage.checkpoint import CheckpointError
 from ..jobs.contract import GroupOrder, group_order
+from .compute_clock import compute_clock
+from ..jobs.reports import UnitReport
 from ..jobs.job import (
     Event, FailureKind, Job, JobFailed, JobFinished, JobProfiled, JobStarted, TrialCheckpointed,
     TrialResult, TrialTask, combined_kind,
@@ -292,12 +294,11 @@ def _run_job(job: Job, emit: Callable[[Event], None], worker: str, context: Work
 
 
 def _trained_fused(unit) -> bool:
-    """Whether ``unit`` trains its models fused (a unit report's ``"fused"``, or a measuring
+    """Whether ``unit`` trains its models fused (a unit report's ``fused``, or a measuring
     group whose layout is fused): values then round unlike training alone."""
     from .fused_group import FusedGroup
 
-    return isinstance(unit, FusedGroup) or (getattr(unit, "extra", None) or {}).get(
-        "layout") == "fused"
+    return isinstance(unit, FusedGroup) or getattr(unit, "trained_layout", None) == "fused"
 
 
 def _run_one_shot(job: Job, emit: Callable[[Event], None], worker: str, context: WorkerContext,
@@ -340,12 +341,13 @@ class _Alone:
     :class:`~.grouped.TrainingGroup` (``trials``, ``train_epoch``, ``drop``; ``report`` when
     a grouped job trains it alone, saying why)."""
 
-    def __init__(self, task: TrialTask, run: Any, why: str | None = None, extra: dict | None = None):
+    def __init__(self, task: TrialTask, run: Any, why: str | None = None,
+                 report: UnitReport | None = None):
         self.task, self.run = task, run
         self.trials: tuple[str, ...] = (task.trial_id,)
-        if why is not None:  # extra: the layout and its choice (layouts.py)
-            self.report = lambda: {"trials": [task.trial_id], "merged": False, "reason": why,
-                                   **(extra or {})}
+        if why is not None:  # report: with the layout and its choice (group_layouts.py)
+            said = report or UnitReport((task.trial_id,), merged=False, reason=why)
+            self.report = lambda: said
 
     def train_epoch(self) -> dict[str, Any]:
         if self.run.step >= self.task.stop_step:  # nothing to train: only the checkpoint
@@ -366,12 +368,13 @@ def _trainer_key(spec: Any) -> str:
 
 def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext) -> list:
     """What the job trains, in task order: each task alone, or, when ``job.meta["group"]``
-    asks, the tasks that :func:`~.grouped.group_tasks` and the plan group as one
+    asks, the tasks that :func:`~.group_candidates.group_tasks` and the plan group as one
     :class:`~.grouped.TrainingGroup` (planning that fails falls back to training alone)."""
     order = group_order(job.meta)
     if order is None:
         return [_Alone(task, runs[task.trial_id]) for task in tasks]
-    from .training_group import GroupCandidate, TrainingGroup, group_tasks
+    from .group_candidates import GroupCandidate, group_tasks
+    from .training_group import TrainingGroup
     from .group_layouts import group_units
 
     by_id = {task.trial_id: task for task in tasks}
@@ -398,22 +401,27 @@ def _units(job: Job, tasks: list[TrialTask], runs: dict, context: WorkerContext)
             units.append(_Alone(by_id[ids[0]], runs[ids[0]], why))
             continue
         try:
-            start = time.perf_counter()
+            # setup is timed on the clock the steps are (CPU time on a one-thread CPU): wall
+            # time counted the machine's other work, and on a loaded machine a setup of 0.1 s
+            # CPU read 0.3 s, over a short segment's steps, and reverted a faster layout
+            clock = compute_clock(runs[ids[0]].device)
+            start = clock()
             grouped = []
             space = context.space(by_id[ids[0]].spec["space"])
             models = {t: getattr(runs[t], "ir", None) or space.replay(by_id[t].spec["sample"])
                       for t in ids}
             grouped = group_units(
                 order, list(ids), models, runs, runs[ids[0]].trainer, keys[ids[0]], profile,
-                lambda t, why, extra: _Alone(by_id[t], runs[t], why, extra),
+                lambda t, why, report: _Alone(by_id[t], runs[t], why, report),
                 make_group=lambda plan, rs, trainer, prof: _training_group(
                     order, plan, rs, trainer, prof))
             merged = [g for g in grouped if isinstance(g, TrainingGroup)]
             # what merging cost before the first batch (planning, building the group module):
             # paid on top of building each model, which training alone pays too. Not measuring
             # the layouts: that is paid once per group key and device, not once per job.
-            probe_s = merged[0].extra["choice"].get("probe_s", 0.0) if merged else 0.0
-            setup = max(0.0, time.perf_counter() - start - probe_s)
+            choice = merged[0].choice if merged else None
+            probe_s = (choice.probe_s or 0.0) if choice is not None else 0.0
+            setup = max(0.0, clock() - start - probe_s)
             for g in merged:
                 g.setup_s = setup / len(merged)
         except Exception as err:  # noqa: BLE001 (cannot plan or build them together: alone)
