@@ -54,7 +54,7 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
     assert set(ONE_SHOT_ROWS) | {r.name for r in nas.ROWS if r.stand_in} == weight_sharing
     assert not any(r.stand_in for r in nas.ROWS)
     expected = {"enas_cnn": "ENAS", "enas_rnn": "ENAS", "spos": "SPOS", "fairnas": "FairNAS",
-                "scarlet_nas": "FairNAS", "oneshot": "SPOS", "once_for_all": "OnceForAll",
+                "scarlet_nas": "FairNAS", "oneshot": "PathDropout", "once_for_all": "OnceForAll",
                 "darts": "DARTS", "darts_rnn": "DARTS", "fbnet": "GumbelDARTS",
                 "proxylessnas": "ProxylessNAS", "single_path_nas": "SinglePathNAS"}
     assert {name: nas.get(name).runs_with for name in ONE_SHOT_ROWS} == expected
@@ -71,7 +71,7 @@ def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
     # the rows' own settings reach the strategy
     assert nas.strategy("fairnas").fair and nas.strategy("scarlet_nas").fair  # FairNAS's
     assert not nas.strategy("spos").fair
-    assert nas.strategy("oneshot").search_generations == 1  # random candidates, ranked
+    assert nas.strategy("oneshot").final_rate == 0.5  # the row's path dropout reaches r = 0.5
     assert nas.strategy("spos", options={"search_population": 3}).search_population == 3
 
 

@@ -23,6 +23,7 @@ from .multi_trial.predictor import Predictor
 from .multi_trial.chamnet import ChamNet
 from .multi_trial.progressive import Progressive
 from .multi_trial.compound_scaling import CompoundScaling
+from .multi_trial.path_level_rl import PathLevelRL
 from .multi_trial.neural_predictor import NeuralPredictor
 from .one_shot.base import EvaluatedModel, OneShot, SegmentContext, SegmentResult
 from .one_shot.darts import DARTS

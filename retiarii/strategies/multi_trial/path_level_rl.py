@@ -103,13 +103,13 @@ class PathLevelRL(PolicyBasedRL):
 
     inherit_weights = True
 
-    def __init__(self, *, max_depth: int = 2, **options: Any):
+    def __init__(self, *, max_depth: int = 2, seed: int | None = None, **options: Any):
         if options.get("algorithm", "reinforce") != "reinforce" or "reward" in options:
             raise ValueError("PathLevelRL learns by REINFORCE on one metric (the paper's); "
                              "leave algorithm and reward out")
         if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
             raise ValueError(f"PathLevelRL: max_depth must be an int >= 0, got {max_depth!r}")
-        super().__init__(**options)
+        super().__init__(seed=seed, **options)  # seed named: the registry passes what it sees
         self.max_depth = max_depth
         self._channels: int | None = None  # the cell's output channels (split needs 2+)
         self._build(self._rng.getrandbits(62))
