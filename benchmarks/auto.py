@@ -122,7 +122,7 @@ def search(configs: list[dict], way: str, merged: dict, epochs: int,
             settings["passes"] = {"batching": settings.pop("batching")}
         kwargs = dict(planner=JobPlanner(batch_models=per_job,
                                          group_key=lambda trial: "one data set", **settings),
-                      on_group=records.append)
+                      on_group=lambda record: records.append(record.to_json()))
     with tempfile.TemporaryDirectory() as folder:
         runner = TrialRunner(InlineExecutor(), Scheduler(), max_steps=epochs,
                              checkpoint_dir=folder, **kwargs)
