@@ -1,6 +1,7 @@
 """Shared test set-up."""
 import os
 
+import pytest
 import torch
 
 # Tests run two processes at a time on two cores (pytest -n 2); torch's own thread pool on top
@@ -24,3 +25,21 @@ def pytest_configure(config):
         from retiarii.determinism import prepare_worker
 
         prepare_worker()
+
+
+@pytest.fixture
+def few_digits(monkeypatch):
+    """The digits cut to their first 60 images (the NAS rows' end-to-end tests)."""
+    from retiarii.engine.trainers import trainer as trainer_module
+
+    x, y = trainer_module.load_dataset("digits")
+    monkeypatch.setitem(trainer_module._DATASETS, "digits", (x[:60], y[:60]))
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Searches with local workers (``retiarii nas run``'s) train in this process."""
+    from engine_helpers import InProcessExecutor
+
+    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor.for_search",
+                        lambda *args, **kwargs: InProcessExecutor())

@@ -19,19 +19,6 @@ from retiarii.engine.storage.store import Store
 from retiarii.optim.derivation import DerivationError, EdgeDerivation
 
 
-@pytest.fixture
-def few_digits(monkeypatch):
-    """The digits cut to their first 60 images."""
-    x, y = trainer_module.load_dataset("digits")
-    monkeypatch.setitem(trainer_module._DATASETS, "digits", (x[:60], y[:60]))
-
-
-@pytest.fixture
-def in_process(monkeypatch):
-    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor.for_search",
-                        lambda *args, **kwargs: InProcessExecutor())
-
-
 # ---- the derivation -------------------------------------------------------------------------
 def test_edge_derivation_keeps_the_strongest_non_none_edges_hand_computed():
     keys = {label: ["none", "conv", "pool"] for label in ("a", "b", "c", "d")}

@@ -8,27 +8,12 @@ import json
 
 import pytest
 
-from engine_helpers import InProcessExecutor
 from retiarii import nas, nas_retrain
 from retiarii.cli import main
 from retiarii.engine.storage.result_model import record_selection
 from retiarii.engine.storage.store import Store
-from retiarii.engine.trainers import trainer as trainer_module
 
 SCALING = ("scaling/depth", "scaling/width", "scaling/resolution")
-
-
-@pytest.fixture
-def few_digits(monkeypatch):
-    """The digits cut to their first 60 images."""
-    x, y = trainer_module.load_dataset("digits")
-    monkeypatch.setitem(trainer_module._DATASETS, "digits", (x[:60], y[:60]))
-
-
-@pytest.fixture
-def in_process(monkeypatch):
-    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor.for_search",
-                        lambda *args, **kwargs: InProcessExecutor())
 
 
 def _experiments(db):

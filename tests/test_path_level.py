@@ -10,6 +10,7 @@ import torch
 from model_spaces import path_level as pl
 from model_spaces import path_tree as pt
 from retiarii import nas
+from retiarii.strategies.multi_trial.path_level_rl import to_sample
 
 
 def _randomize_batchnorm(net: torch.nn.Module, seed: int) -> None:
@@ -29,24 +30,14 @@ STEPS = [("r", "split", None), ("r.1", "replicate", None), ("r.0", "deepen", Non
          ("r.1.0", "split", None), ("r.0.1", "change_op", "sep_conv_3x3")]
 
 
-def _sample(steps) -> dict:
-    sample = {}
-    for i, (path, kind, op) in enumerate(steps):
-        sample.update({f"path/grow{i}": True, f"path/node{i}": path, f"path/kind{i}": kind})
-        if op is not None:
-            sample[f"path/op{i}"] = op
-    sample[f"path/grow{len(steps)}"] = False
-    return sample
-
-
 def test_every_transformation_of_a_chain_preserves_the_networks_function():
     space = nas.build_space("path_level", "small")
     torch.manual_seed(0)
-    old = space.build(_sample([]))
+    old = space.build(to_sample([]))
     _randomize_batchnorm(old, 0)
     x = torch.randn(4, 1, 8, 8)
     for n, (path, kind, op) in enumerate(STEPS, start=1):
-        new = space.build(_sample(STEPS[:n]))  # the emitted network of the transformed space
+        new = space.build(to_sample(STEPS[:n]))  # the emitted network of the transformed space
         pl.transfer_network(old, new, path, kind)
         old.eval(), new.eval()
         with torch.no_grad():
@@ -120,7 +111,7 @@ def test_every_layer_shares_the_cell_and_the_row_runs_rl_over_the_transformation
     from retiarii.strategies import PolicyBasedRL
 
     space = nas.build_space("path_level", "small")
-    model = space.instantiate(_sample(STEPS[:2]))
+    model = space.instantiate(to_sample(STEPS[:2]))
     cells = [n.op.spec["args"] for n in model.graph.nodes
              if n.kind == "module" and n.op.spec and n.op.spec["cls"].endswith(":Cell")]
     assert len(cells) == 4 and all(c[0] == cells[0][0] for c in cells)  # one structure

@@ -5,16 +5,8 @@ what runs on each rank): :func:`spawn` runs a function on K local ranks, and
 :func:`run_segment_on_ranks` runs one segment of a one-shot strategy on them, what the engine
 calls for a ranked job. :func:`collect_ranks` is the one loop that gathers the ranks'
 outcomes and blames the rank that failed first; the Ray launcher
-(:mod:`.ray_ranks`) gathers its rank actors' outcomes through it too.
-
-Example::
-
-    def hello(rank, world, group):
-        t = torch.tensor([rank])
-        torch.distributed.all_reduce(t, group=group)
-        return int(t)
-
-    spawn(hello, 3)        # [3, 3, 3]
+(:mod:`.ray_ranks`) gathers its rank actors' outcomes through it too (an example: spawn's
+docstring).
 """
 from __future__ import annotations
 
