@@ -33,8 +33,9 @@ share of the run-all hypervolume kept, with the same models (random order, 20 se
     python benchmarks/multi_objective.py latency [--models 200]
 
 **latency** compares the latency predicted from the per-operator table (the sum over a
-model's operator calls, each distinct call timed once) with the measured one, model by
-model on the same machine in the same minute: the median error of the prediction.
+model's operator calls, each distinct call timed once, corrected by the table's calibration
+fitted on 40 other models) with the measured one, model by model on the same machine in the
+same minute: the median error of the prediction, and of the plain sum.
 """
 from __future__ import annotations
 
