@@ -37,6 +37,7 @@ import torch
 from torch import fx
 
 from ...threads import one_thread
+from ..jobs.measure_lock import machine_lock
 from ..storage.pareto import FrontTable
 
 __all__ = ["CALIBRATION", "CostConfig", "OpLatencyTable", "choice_latencies", "describe",
@@ -232,7 +233,8 @@ class OpLatencyTable:
             sums.append(total)
             calls.append(n)
         measured = [math.inf] * len(modules)
-        with one_thread(), torch.inference_mode():
+        # this machine's workers pause, as for the engine's own latencies (engine/costs.py)
+        with one_thread(), torch.inference_mode(), machine_lock().measuring():
             for _ in range(rounds):
                 for i, module in enumerate(modules):
                     median = time_call(lambda: module(x), self.device, self.config)[0]
