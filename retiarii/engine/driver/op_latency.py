@@ -27,7 +27,6 @@ Example::
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -220,9 +219,10 @@ class OpLatencyTable:
         passes of ``modules`` on ``example`` (batch 1), timed as engine/costs.py times a
         model, against their uncalibrated sums. Calibrate on models other than those the
         prediction is judged on; a handful of several sizes is enough. Each model's latency
-        is the smallest of ``rounds`` medians taken in rounds over all the models: a burst
+        is the median of ``rounds`` medians taken in rounds over all the models: a burst
         of load while one model is timed would otherwise stay in the device's calibration
-        for good (the operators, microseconds each, are rarely hit)."""
+        for good, and their smallest would sit below the one median the engine reports
+        (on this 2-core machine by ~25%: whole passes vary that much from round to round)."""
         if rounds < 1:
             raise ValueError(f"rounds must be at least 1 (got {rounds})")
         x = example.to(self.device)
@@ -232,13 +232,13 @@ class OpLatencyTable:
             total, n = self._sum(module, x, self.device_name)
             sums.append(total)
             calls.append(n)
-        measured = [math.inf] * len(modules)
+        timed: list[list[float]] = [[] for _ in modules]
         # this machine's workers pause, as for the engine's own latencies (engine/costs.py)
         with one_thread(), torch.inference_mode(), machine_lock().measuring():
             for _ in range(rounds):
                 for i, module in enumerate(modules):
-                    median = time_call(lambda: module(x), self.device, self.config)[0]
-                    measured[i] = min(measured[i], median)
+                    timed[i].append(time_call(lambda: module(x), self.device, self.config)[0])
+        measured = [statistics.median(t) for t in timed]
         scale, per_call = fit_calibration(sums, calls, measured)
         self._calibration[self.device_name] = (scale, per_call)
         if self.store is not None:
