@@ -33,13 +33,15 @@ share of the run-all hypervolume kept, with the same models (random order, 20 se
     python benchmarks/multi_objective.py latency [--models 200]
 
 **latency** compares the latency predicted from the per-operator table (the sum over a
-model's operator calls, each distinct call timed once) with the measured one, model by
-model on the same machine in the same minute: the median error of the prediction.
+model's operator calls, each distinct call timed once, corrected by the table's calibration
+fitted on 40 other models) with the measured one, model by model on the same machine in the
+same minute: the median error of the prediction, and of the plain sum.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import random
 import os
@@ -58,6 +60,7 @@ from retiarii.engine.driver.costs import CostConfig, CostMeter  # noqa: E402
 from retiarii.engine.driver.op_latency import OpLatencyTable  # noqa: E402
 from retiarii.objectives import hypervolume, pareto_indices  # noqa: E402
 from retiarii.scalarization import MnasNetReward  # noqa: E402
+from retiarii.threads import one_thread  # noqa: E402
 from retiarii.strategies import (  # noqa: E402
     MOASHA, TPE, Decision, PolicyBasedRL, Predictor, Random, RegularizedEvolution,
 )
@@ -258,16 +261,25 @@ def _timed(module, x) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def latency(n_models: int = 200, seed: int = 0) -> dict:
+def latency(n_models: int = 200, seed: int = 0, calibration_models: int = 40) -> dict:
     """Predicted latency (the per-operator table, engine/op_latency.py) against the measured
     one (engine/costs.py) of ``n_models`` random models, measured one after the other on
-    this machine (one thread), so that both see the same load."""
-    samples = random.Random(seed).sample([m.sample for m in ChoiceSpace().enumerate()],
-                                         n_models)
+    this machine (one thread), so that both see the same load. The table is first calibrated
+    (``OpLatencyTable.calibrate``) on ``calibration_models`` other models, drawn with another
+    seed and none of them judged; the plain sum's errors are reported beside."""
+    space = [m.sample for m in ChoiceSpace().enumerate()]
+    samples = random.Random(seed).sample(space, n_models)
+    judged = {json.dumps(s, sort_keys=True, default=str) for s in samples}
+    others = [s for s in space if json.dumps(s, sort_keys=True, default=str) not in judged]
+    calibration = random.Random(seed + 1000).sample(others, calibration_models)
     meter = CostMeter(None, SPACE.example_input, 1, ["latency_ms"])
     table = OpLatencyTable(None)
     one = SPACE.example_input[:1]
-    errors, fastest, seconds = [], [], {"measure": 0.0, "predict": 0.0}
+    start = time.perf_counter()
+    scale, per_call = table.calibrate(
+        [SPACE.instantiate(s).to_module() for s in calibration], one)
+    seconds = {"calibrate": time.perf_counter() - start, "measure": 0.0, "predict": 0.0}
+    errors, raw, fastest = [], [], []
     for sample in samples:
         module = SPACE.instantiate(sample).to_module().eval()
         start = time.perf_counter()
@@ -276,10 +288,12 @@ def latency(n_models: int = 200, seed: int = 0) -> dict:
         start = time.perf_counter()
         predicted = table.predict(module, one)
         seconds["predict"] += time.perf_counter() - start
+        plain = table.predict(module, one, calibrated=False)
         errors.append((predicted - measured) / measured)
+        raw.append((plain - measured) / measured)
         # the fastest of 45 passes: what a pass costs when nothing else takes the core (a
         # busy machine inflates the median of whole passes more than that of tiny operators)
-        with torch.inference_mode():
+        with torch.inference_mode(), one_thread():
             low = min(_timed(module, one) for _ in range(45))
         fastest.append((predicted - low) / low)
 
@@ -288,8 +302,12 @@ def latency(n_models: int = 200, seed: int = 0) -> dict:
                 f"{name}_median_signed": round(statistics.median(errs), 4)}
 
     row = {"models": n_models, "operators_in_table": len(table._memory),
-           **summary(errors, "vs_median"), **summary(fastest, "vs_fastest"),
+           "calibration_models": calibration_models, "scale": round(scale, 4),
+           "per_call_us": round(per_call * 1e3, 3),
+           **summary(errors, "vs_median"), **summary(raw, "uncalibrated_vs_median"),
+           **summary(fastest, "vs_fastest"),
            "load_average": round(os.getloadavg()[0], 1),
+           "seconds_calibrating": round(seconds["calibrate"], 1),
            "seconds_measuring": round(seconds["measure"], 1),
            "seconds_predicting": round(seconds["predict"], 1)}
     _print([row])

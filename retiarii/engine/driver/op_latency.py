@@ -11,11 +11,19 @@ The calls are found by an analysis that is an interpreter (:class:`_Calls`, a
 Rows live in the store's ``costs`` table under the hash ``op:KEY`` and the name
 ``latency_ms``, beside the per-architecture costs, for the device that measured them.
 
+The sum of operators timed alone misses what a whole pass adds on every call (the
+generated forward's Python between calls, caches the other operators have evicted), so a
+device's table carries a linear calibration ``measured = scale * sum + per_call_ms * calls``
+fitted once by :meth:`OpLatencyTable.calibrate` on whole passes of a few models (kept under
+the hash ``op-calibration``, names ``scale`` and ``per_call_ms``); :meth:`~OpLatencyTable.predict`
+applies the calibration of the device it predicts for, where there is one.
+
 Example::
 
     table = OpLatencyTable(store)                          # this machine's CPU, one thread
     table.predict(module, torch.zeros(1, 1, 8, 8))         # ms; measures the missing calls
     table.predict(module, x, device="cuda:NVIDIA H100 80GB HBM3")  # a table measured there
+    table.calibrate([space.instantiate(s).to_module() for s in samples], x)  # once a device
 """
 from __future__ import annotations
 
@@ -28,10 +36,13 @@ import torch
 from torch import fx
 
 from ...threads import one_thread
+from ..jobs.measure_lock import machine_lock
 from ..storage.pareto import FrontTable
 
-__all__ = ["CostConfig", "OpLatencyTable", "choice_latencies", "describe", "operator_calls",
-           "time_call"]
+__all__ = ["CALIBRATION", "CostConfig", "OpLatencyTable", "choice_latencies", "describe",
+           "fit_calibration", "operator_calls", "time_call"]
+
+CALIBRATION = "op-calibration"  # the costs rows' hash of a device's calibration
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,45 @@ def time_call(repeat: Callable[[], Any], device: torch.device,
             times.append((time.perf_counter() - t0) * 1e3)
     q = statistics.quantiles(times, n=4)
     return statistics.median(times), q[2] - q[0]
+
+
+def fit_calibration(sums: list[float], calls: list[int],
+                    measured: list[float]) -> tuple[float, float]:
+    """``(scale, per_call_ms)``, both >= 0, minimising ``sum_i ((m_i - scale * s_i - per_call
+    * c_i) / m_i) ** 2``: least squares on relative errors (the error reported is relative,
+    and a large model must not outweigh the small ones), solved by its 2x2 normal equations.
+    Where that optimum has a negative term (the sums and call counts of one space's models
+    grow together, so noise can trade one for the other) or cannot tell the two apart (sums
+    proportional to calls), the term is dropped and the other fitted alone.
+
+    Raises:
+        ValueError: no model, lists of different lengths, or a latency that is not positive.
+    """
+    if not (len(sums) == len(calls) == len(measured)) or not sums:
+        raise ValueError(f"calibrating needs at least one model with a sum, a call count "
+                         f"and a measured latency each (got {len(sums)}, {len(calls)}, "
+                         f"{len(measured)})")
+    if any(m <= 0 for m in measured) or any(s < 0 for s in sums):
+        raise ValueError(f"measured latencies must be positive and sums not negative (got "
+                         f"{min(measured)} and {min(sums)})")
+    # relative residuals: divide each row by its measured latency, target 1
+    xs = [(s / m, c / m) for s, c, m in zip(sums, calls, measured)]
+    ss = sum(x * x for x, _ in xs)
+    sc = sum(x * y for x, y in xs)
+    cc = sum(y * y for _, y in xs)
+    s1, c1 = sum(x for x, _ in xs), sum(y for _, y in xs)
+    det = ss * cc - sc * sc
+    if det > 1e-9 * ss * cc:
+        scale, per_call = (s1 * cc - c1 * sc) / det, (c1 * ss - s1 * sc) / det
+        if scale >= 0 and per_call >= 0:
+            return scale, per_call
+    # one term alone: the scale unless the models have no operator time at all
+    if ss > 0:
+        return s1 / ss, 0.0
+    if cc > 0:
+        return 0.0, c1 / cc
+    raise ValueError("the calibration models have neither operator time nor calls: "
+                     "calibrate on models that run operators")
 
 
 def describe(value: Any) -> str:
@@ -135,6 +185,7 @@ class OpLatencyTable:
     def __init__(self, store=None, device: str = "cpu", config: CostConfig = CostConfig()):
         self.store, self.device, self.config = store, torch.device(device), config
         self._memory: dict[tuple[str, str], float] = {}  # (device name, key) -> ms
+        self._calibration: dict[str, tuple[float, float] | None] = {}  # device -> (a, b)
 
     @property
     def device_name(self) -> str:
@@ -150,21 +201,76 @@ class OpLatencyTable:
                 self._memory[(device, key)] = row[0]
         return self._memory.get((device, key))
 
+    def calibration(self, device: str | None = None) -> tuple[float, float] | None:
+        """``(scale, per_call_ms)`` of ``device`` (default: this machine's) as stored, or
+        None where it was never calibrated."""
+        device = device or self.device_name
+        if device not in self._calibration:
+            rows = ({} if self.store is None
+                    else FrontTable(self.store).costs(CALIBRATION, device))
+            self._calibration[device] = ((rows["scale"][0], rows["per_call_ms"][0])
+                                         if "scale" in rows and "per_call_ms" in rows
+                                         else None)
+        return self._calibration[device]
+
+    def calibrate(self, modules: list[torch.nn.Module], example: torch.Tensor,
+                  rounds: int = 5) -> tuple[float, float]:
+        """Fit and keep this machine's calibration (:func:`fit_calibration`) from whole
+        passes of ``modules`` on ``example`` (batch 1), timed as engine/costs.py times a
+        model, against their uncalibrated sums. Calibrate on models other than those the
+        prediction is judged on; a handful of several sizes is enough. Each model's latency
+        is the median of ``rounds`` medians taken in rounds over all the models: a burst
+        of load while one model is timed would otherwise stay in the device's calibration
+        for good, and their smallest would sit below the one median the engine reports
+        (on this 2-core machine by ~25%: whole passes vary that much from round to round)."""
+        if rounds < 1:
+            raise ValueError(f"rounds must be at least 1 (got {rounds})")
+        x = example.to(self.device)
+        modules = [m.to(self.device).eval() for m in modules]
+        sums, calls = [], []
+        for module in modules:
+            total, n = self._sum(module, x, self.device_name)
+            sums.append(total)
+            calls.append(n)
+        timed: list[list[float]] = [[] for _ in modules]
+        # this machine's workers pause, as for the engine's own latencies (engine/costs.py)
+        with one_thread(), torch.inference_mode(), machine_lock().measuring():
+            for _ in range(rounds):
+                for i, module in enumerate(modules):
+                    timed[i].append(time_call(lambda: module(x), self.device, self.config)[0])
+        measured = [statistics.median(t) for t in timed]
+        scale, per_call = fit_calibration(sums, calls, measured)
+        self._calibration[self.device_name] = (scale, per_call)
+        if self.store is not None:
+            FrontTable(self.store).add_costs(CALIBRATION, self.device_name,
+                                             {"scale": (scale, None),
+                                              "per_call_ms": (per_call, None),
+                                              "models": (float(len(modules)), None)})
+        return scale, per_call
+
     def predict(self, module: torch.nn.Module, example: torch.Tensor,
-                device: str | None = None) -> float:
+                device: str | None = None, calibrated: bool = True) -> float:
         """The predicted latency (ms) of one forward pass of ``module`` on ``example`` (batch
         1): the sum over its operator calls of the table's latency on ``device`` (default:
-        this machine's, measuring the calls it lacks and keeping them). For another device
-        the table must hold every call already.
+        this machine's, measuring the calls it lacks and keeping them), corrected by that
+        device's calibration where it has one (``calibrated=False``: the plain sum). For
+        another device the table must hold every call already.
 
         Raises:
             KeyError: ``device`` is not this machine's and its table lacks calls (named).
         """
         device = device or self.device_name
-        module = module.to(self.device).eval()
-        total, missing, fresh = 0.0, [], {}
+        total, calls = self._sum(module.to(self.device).eval(), example.to(self.device), device)
+        fit = self.calibration(device) if calibrated else None
+        return total if fit is None else fit[0] * total + fit[1] * calls
+
+    def _sum(self, module: torch.nn.Module, example: torch.Tensor,
+             device: str) -> tuple[float, int]:
+        """(the sum of the operator latencies on ``device``, the number of calls)."""
+        total, missing, fresh, calls = 0.0, [], {}, 0
         with one_thread(), torch.inference_mode():
-            for key, repeat in operator_calls(module, example.to(self.device)):
+            for key, repeat in operator_calls(module, example):
+                calls += 1
                 value = self._lookup(device, key)
                 if value is None and key in fresh:
                     value = fresh[key][0]
@@ -185,7 +291,7 @@ class OpLatencyTable:
             if self.store is not None:
                 FrontTable(self.store).add_costs(f"op:{key}", device,
                                                  {"latency_ms": (value, spread)})
-        return total
+        return total, calls
 
 
 class _First:
