@@ -30,12 +30,13 @@ share of the run-all hypervolume kept, with the same models (random order, 20 se
     python benchmarks/multi_objective.py costs            # ~2 min; one thread
     python benchmarks/multi_objective.py compare [--seeds 20] [--target-quantile 0.25]
     python benchmarks/multi_objective.py moasha [--seeds 20] [--models 100]
-    python benchmarks/multi_objective.py latency [--models 200]
+    python benchmarks/multi_objective.py latency [--models 200] [--rounds 5]
 
 **latency** compares the latency predicted from the per-operator table (the sum over a
 model's operator calls, each distinct call timed once, corrected by the table's calibration
-fitted on 40 other models) with the measured one, model by model on the same machine in the
-same minute: the median error of the prediction, and of the plain sum.
+fitted on 40 other models) with the measured one (the median of ``--rounds`` of the engine's
+measurements, taken in rounds over the models), on the same machine in the same minutes: the
+median error of the prediction, against one round too, and of the plain sum.
 """
 from __future__ import annotations
 
@@ -60,7 +61,6 @@ from retiarii.engine.driver.costs import CostConfig, CostMeter  # noqa: E402
 from retiarii.engine.driver.op_latency import OpLatencyTable  # noqa: E402
 from retiarii.objectives import hypervolume, pareto_indices  # noqa: E402
 from retiarii.scalarization import MnasNetReward  # noqa: E402
-from retiarii.threads import one_thread  # noqa: E402
 from retiarii.strategies import (  # noqa: E402
     MOASHA, TPE, Decision, PolicyBasedRL, Predictor, Random, RegularizedEvolution,
 )
@@ -255,57 +255,76 @@ def compare(seeds: int = 20, budget: int = 100, only: list[str] | None = None,
 # ---- predicted latency against measured -----------------------------------------------------
 
 
-def _timed(module, x) -> float:
-    start = time.perf_counter()
-    module(x)
-    return (time.perf_counter() - start) * 1e3
-
-
-def latency(n_models: int = 200, seed: int = 0, calibration_models: int = 40) -> dict:
+def latency(n_models: int = 200, seed: int = 0, calibration_models: int = 40,
+            rounds: int = 5) -> dict:
     """Predicted latency (the per-operator table, engine/op_latency.py) against the measured
-    one (engine/costs.py) of ``n_models`` random models, measured one after the other on
-    this machine (one thread), so that both see the same load. The table is first calibrated
-    (``OpLatencyTable.calibrate``) on ``calibration_models`` other models, drawn with another
-    seed and none of them judged; the plain sum's errors are reported beside."""
+    one (engine/costs.py) of ``n_models`` random models on this machine (one thread). The
+    table is calibrated (``OpLatencyTable.calibrate``) on ``calibration_models`` other
+    models, drawn with another seed and none of them judged.
+
+    A model's measured latency is the median of ``rounds`` of the engine's measurements,
+    taken in rounds over the calibration and judged models together, in a new random order
+    each round: on a shared machine one measurement (the median of 15 passes in a few
+    milliseconds) can move by 20-40% from one minute to the next while its passes agree
+    among themselves, so one measurement is a noisy reference, and a calibration timed in
+    another minute than the models it is judged on carries that minute's load. The
+    calibration fitted from the same rounds (``calibrate(..., measured=...)``) is the one
+    judged; beside it are the error against one round alone, the error of a calibration
+    timed on its own before the rounds (``calibrate``'s own timing, as a user calibrating
+    once does), the plain sum's, and how far two of the engine's measurements of one model
+    a round apart differ."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1 (got {rounds})")
     space = [m.sample for m in ChoiceSpace().enumerate()]
     samples = random.Random(seed).sample(space, n_models)
     judged = {json.dumps(s, sort_keys=True, default=str) for s in samples}
     others = [s for s in space if json.dumps(s, sort_keys=True, default=str) not in judged]
     calibration = random.Random(seed + 1000).sample(others, calibration_models)
     meter = CostMeter(None, SPACE.example_input, 1, ["latency_ms"])
-    table = OpLatencyTable(None)
     one = SPACE.example_input[:1]
+    separate = OpLatencyTable(None)
     start = time.perf_counter()
-    scale, per_call = table.calibrate(
-        [SPACE.instantiate(s).to_module() for s in calibration], one)
-    seconds = {"calibrate": time.perf_counter() - start, "measure": 0.0, "predict": 0.0}
-    errors, raw, fastest = [], [], []
-    for sample in samples:
-        module = SPACE.instantiate(sample).to_module().eval()
-        start = time.perf_counter()
-        measured = meter.measure_module(module, ["latency_ms"])["latency_ms"][0]
-        seconds["measure"] += time.perf_counter() - start
-        start = time.perf_counter()
-        predicted = table.predict(module, one)
-        seconds["predict"] += time.perf_counter() - start
-        plain = table.predict(module, one, calibrated=False)
-        errors.append((predicted - measured) / measured)
-        raw.append((plain - measured) / measured)
-        # the fastest of 45 passes: what a pass costs when nothing else takes the core (a
-        # busy machine inflates the median of whole passes more than that of tiny operators)
-        with torch.inference_mode(), one_thread():
-            low = min(_timed(module, one) for _ in range(45))
-        fastest.append((predicted - low) / low)
+    separate.calibrate([SPACE.instantiate(s).to_module() for s in calibration], one)
+    seconds = {"calibrate": time.perf_counter() - start}
+    modules = [SPACE.instantiate(sample).to_module().eval() for sample in calibration + samples]
+    timed: list[list[float]] = [[] for _ in modules]
+    order, shuffle = list(range(len(modules))), random.Random(seed + 2000)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        shuffle.shuffle(order)
+        for i in order:
+            timed[i].append(meter.measure_module(modules[i], ["latency_ms"])["latency_ms"][0])
+    seconds["measure"] = time.perf_counter() - start
+    measured = [statistics.median(t) for t in timed]
+    table = OpLatencyTable(None)
+    scale, per_call = table.calibrate(modules[:calibration_models], one,
+                                      measured=measured[:calibration_models])
+    errors, single, apart, raw, repeat = [], [], [], [], []
+    start = time.perf_counter()
+    predicted = [table.predict(module, one) for module in modules[calibration_models:]]
+    seconds["predict"] = time.perf_counter() - start
+    for module, times, truth, guess in zip(modules[calibration_models:],
+                                           timed[calibration_models:],
+                                           measured[calibration_models:], predicted):
+        errors.append((guess - truth) / truth)
+        single.append((guess - times[0]) / times[0])
+        apart.append((separate.predict(module, one) - truth) / truth)
+        raw.append((table.predict(module, one, calibrated=False) - truth) / truth)
+        if rounds > 1:
+            repeat.append(abs(times[1] - times[0]) / times[0])
 
     def summary(errs: list[float], name: str) -> dict:
         return {f"{name}_median_abs": round(statistics.median(abs(e) for e in errs), 4),
                 f"{name}_median_signed": round(statistics.median(errs), 4)}
 
-    row = {"models": n_models, "operators_in_table": len(table._memory),
+    row = {"models": n_models, "rounds": rounds, "operators_in_table": len(table._memory),
            "calibration_models": calibration_models, "scale": round(scale, 4),
            "per_call_us": round(per_call * 1e3, 3),
-           **summary(errors, "vs_median"), **summary(raw, "uncalibrated_vs_median"),
-           **summary(fastest, "vs_fastest"),
+           **summary(errors, "vs_measured"), **summary(single, "vs_one_round"),
+           **summary(apart, "calibrated_apart_vs_measured"),
+           **summary(raw, "uncalibrated_vs_measured"),
+           "measurement_repeat_median_abs": (round(statistics.median(repeat), 4)
+                                             if repeat else None),
            "load_average": round(os.getloadavg()[0], 1),
            "seconds_calibrating": round(seconds["calibrate"], 1),
            "seconds_measuring": round(seconds["measure"], 1),
@@ -395,6 +414,9 @@ def main() -> None:
                    help="RL's latency target: this quantile of the table's latencies")
     p = sub.add_parser("latency", help="predicted latency (operator table) against measured")
     p.add_argument("--models", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="each judged model's measured latency: the median of this many "
+                        "of the engine's measurements, in rounds over the models")
     p = sub.add_parser("moasha", help="MOASHA against running every model to the end")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--models", type=int, default=100)
@@ -405,7 +427,7 @@ def main() -> None:
     elif args.command == "compare":
         compare(args.seeds, args.budget, args.only, args.first_seed, args.target_quantile)
     elif args.command == "latency":
-        latency(args.models)
+        latency(args.models, rounds=args.rounds)
     else:
         moasha(args.seeds, args.models)
 

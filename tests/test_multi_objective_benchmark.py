@@ -106,3 +106,38 @@ def test_mnasnet_soft_reward_prefers_the_fastest_model_of_the_table(table):
     # the scale: 0.9 at 1 ms, target 2 or 4: 0.9 * 2**0.07 and 0.9 * 4**0.07
     a, b = (mo.MnasNetReward("acc", "lat", target=t)({"acc": 0.9, "lat": 1.0}) for t in (2, 4))
     assert a == pytest.approx(0.9 * 1.049717) and b / a == pytest.approx(2 ** 0.07)
+
+
+def test_latency_is_judged_against_the_median_of_rounds(monkeypatch):
+    # the reference of each model is the median of its rounds, taken in rounds over the
+    # calibration and judged models: all four measure 1, then 3, then 2 ms, so the reference
+    # is 2 ms, the first round alone 1 ms, and two rounds differ by 2 ms of 1
+    answers = iter([1.0] * 4 + [3.0] * 4 + [2.0] * 4)
+    fitted = []
+
+    class Meter:
+        def __init__(self, *args):
+            pass
+
+        def measure_module(self, module, names):
+            return {"latency_ms": (next(answers), 0.0)}
+
+    monkeypatch.setattr(mo, "CostMeter", Meter)
+    def calibrate(self, modules, x, measured=None):
+        fitted.append(measured)
+        return 1.0, 0.0
+
+    monkeypatch.setattr(mo.OpLatencyTable, "calibrate", calibrate)
+    monkeypatch.setattr(mo.OpLatencyTable, "predict",
+                        lambda self, module, x, device=None, calibrated=True: 2.0)
+    import _out
+
+    monkeypatch.setattr(_out, "write_csv", lambda rows, name: "-")
+    row = mo.latency(n_models=2, calibration_models=2, rounds=3)
+    assert row["vs_measured_median_abs"] == 0.0
+    assert row["vs_one_round_median_abs"] == 1.0
+    assert row["measurement_repeat_median_abs"] == 2.0
+    # once timed on its own, once from the calibration models' medians of the same rounds
+    assert fitted == [None, [2.0, 2.0]]
+    with pytest.raises(ValueError, match="rounds"):
+        mo.latency(n_models=2, rounds=0)

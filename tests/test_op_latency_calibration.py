@@ -110,3 +110,20 @@ def test_each_device_is_corrected_by_its_own_calibration(tmp_path, monkeypatch):
         # a device never calibrated: the plain sum
         assert table.calibration("cuda:Uncalibrated GPU") is None
         assert table.predict(Net(), X, device="cuda:Uncalibrated GPU") == pytest.approx(0.12)
+
+
+def test_calibration_from_latencies_measured_elsewhere_times_no_pass(tmp_path, monkeypatch):
+    # the engine's own latency_ms of models a search measured: nothing is timed again
+    def fake(repeat, device, config=None):
+        raise AssertionError("a pass was timed although its latency was given")
+
+    monkeypatch.setattr(op_latency, "time_call", fake)
+    relu = keys(small())[1]
+    with Store(tmp_path / "s.db") as store:
+        fill(store, "cpu:1-thread", lambda key: 0.3 if key == relu else 0.1)
+        table = OpLatencyTable(store)
+        # the sums and calls of the test above: the same fit from the same latencies
+        assert table.calibrate([Net(), small()], X, measured=[1.2, 0.7]) == (
+            pytest.approx(1.5), pytest.approx(0.05))
+        with pytest.raises(ValueError, match="one latency per module"):
+            table.calibrate([Net(), small()], X, measured=[1.2])

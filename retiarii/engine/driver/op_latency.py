@@ -214,7 +214,7 @@ class OpLatencyTable:
         return self._calibration[device]
 
     def calibrate(self, modules: list[torch.nn.Module], example: torch.Tensor,
-                  rounds: int = 5) -> tuple[float, float]:
+                  rounds: int = 5, measured: list[float] | None = None) -> tuple[float, float]:
         """Fit and keep this machine's calibration (:func:`fit_calibration`) from whole
         passes of ``modules`` on ``example`` (batch 1), timed as engine/costs.py times a
         model, against their uncalibrated sums. Calibrate on models other than those the
@@ -222,9 +222,20 @@ class OpLatencyTable:
         is the median of ``rounds`` medians taken in rounds over all the models: a burst
         of load while one model is timed would otherwise stay in the device's calibration
         for good, and their smallest would sit below the one median the engine reports
-        (on this 2-core machine by ~25%: whole passes vary that much from round to round)."""
+        (on this 2-core machine by ~25%: whole passes vary that much from round to round).
+
+        ``measured`` gives the models' latencies (ms, batch 1, this device) instead: the
+        engine's own ``latency_ms`` of models a search already measured, say, which then
+        need no timing here.
+
+        Raises:
+            ValueError: ``rounds`` below 1, or ``measured`` not one positive latency per module.
+        """
         if rounds < 1:
             raise ValueError(f"rounds must be at least 1 (got {rounds})")
+        if measured is not None and len(measured) != len(modules):
+            raise ValueError(f"measured needs one latency per module ({len(measured)} "
+                             f"latencies for {len(modules)} modules)")
         x = example.to(self.device)
         modules = [m.to(self.device).eval() for m in modules]
         sums, calls = [], []
@@ -232,13 +243,15 @@ class OpLatencyTable:
             total, n = self._sum(module, x, self.device_name)
             sums.append(total)
             calls.append(n)
-        timed: list[list[float]] = [[] for _ in modules]
-        # this machine's workers pause, as for the engine's own latencies (engine/costs.py)
-        with one_thread(), torch.inference_mode(), machine_lock().measuring():
-            for _ in range(rounds):
-                for i, module in enumerate(modules):
-                    timed[i].append(time_call(lambda: module(x), self.device, self.config)[0])
-        measured = [statistics.median(t) for t in timed]
+        if measured is None:
+            timed: list[list[float]] = [[] for _ in modules]
+            # this machine's workers pause, as for the engine's own latencies (costs.py)
+            with one_thread(), torch.inference_mode(), machine_lock().measuring():
+                for _ in range(rounds):
+                    for i, module in enumerate(modules):
+                        timed[i].append(time_call(lambda: module(x), self.device,
+                                                  self.config)[0])
+            measured = [statistics.median(t) for t in timed]
         scale, per_call = fit_calibration(sums, calls, measured)
         self._calibration[self.device_name] = (scale, per_call)
         if self.store is not None:
