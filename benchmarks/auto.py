@@ -149,6 +149,21 @@ def _largest_difference(a: dict, b: dict) -> float:
     return worst
 
 
+def _chosen(records: list[dict]) -> str:
+    """What auto ran, from the plans records: the last measured decision's reason, else the
+    device model's (its predicted lines; a unit it decided is never measured), else CSE."""
+    units = [u for r in records for u in r["units"]]
+    decisions = [u["decision"] for u in units if u.get("decision")]
+    if decisions:
+        return decisions[-1]["reason"]
+    for unit in reversed(units):
+        choice = unit.get("choice") or {}
+        if choice.get("device_chosen") or choice.get("predicted"):
+            chosen = "+".join(choice.get("device_chosen") or ["cse"])
+            return f"device model: {chosen} ({'; '.join(choice.get('predicted') or [])})"
+    return "not measured (cse)"
+
+
 def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str) -> list[dict]:
     rows = []
     warm = _configs("mlp", 1, 1)[0]
@@ -158,8 +173,7 @@ def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str)
         sep_s, sep, _ = search(configs, "separate", merged, epochs, n)
         mer_s, mer, _ = search(configs, "merged", merged, epochs, n)
         auto_s, auto, records = search(configs, "auto", merged, epochs, n)
-        decisions = [u["decision"] for r in records for u in r["units"] if u.get("decision")]
-        chosen = decisions[-1]["reason"] if decisions else "not measured (cse)"
+        chosen = _chosen(records)
         # what measuring cost on copies, and what was reverted (the plans table's reasons)
         probed = {id(u["choice"]): u["choice"].get("probe_s") or 0.0 for r in records
                   for u in r["units"] if (u.get("choice") or {}).get("probed")}

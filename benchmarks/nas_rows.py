@@ -64,6 +64,8 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=["darts", "darts_rnn", "nasbench201"])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds FIRST .. FIRST + SEEDS - 1 (a long run split over calls)")
     parser.add_argument("--search-epochs", type=int, default=4,
                         help="a one-shot row's segments, a multi-trial row's epochs per model")
     parser.add_argument("--max-models", type=int, default=8, help="multi-trial rows")
@@ -74,7 +76,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name in args.rows:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 rows.append(run_row(name, seed, args, folder))
                 if args.out:  # written as it goes: a long run keeps what it measured
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

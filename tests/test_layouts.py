@@ -400,6 +400,27 @@ def test_the_auto_benchmark_runs_quick():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "auto / best" in out.stdout and "metrics vs separate" in out.stdout
+    # the MLPs of one architecture fuse by the device model's prediction, and the line says so
+    assert "device model: fused" in out.stdout, out.stdout
+
+
+def test_the_auto_benchmark_names_the_device_models_choice():
+    """A unit the device model decided is never measured: the benchmark's line names the
+    model's choice and prediction, not "not measured (cse)" (session 4 read a fused run as
+    CSE from that label)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks"))
+    import auto
+
+    device = {"units": [{"choice": {"device_chosen": ["fused"], "predicted": [
+        "8 models: predicted 1.92x fused, fused"]}}]}
+    measured = {"units": [{"choice": {}, "decision": {"reason": "fused 1.66x (cse 1.14x)"}}]}
+    assert auto._chosen([device]) == "device model: fused (8 models: predicted 1.92x fused, fused)"
+    assert auto._chosen([device, measured]) == "fused 1.66x (cse 1.14x)"
+    assert auto._chosen([{"units": [{"choice": {}}]}]) == "not measured (cse)"
 
 
 def test_one_alone_profile_per_architecture(tmp_path, monkeypatch):
