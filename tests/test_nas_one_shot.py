@@ -38,14 +38,6 @@ def few_digits(monkeypatch):
     monkeypatch.setitem(trainer_module._DATASETS, "digits", (x[:40], y[:40]))
 
 
-@pytest.fixture
-def in_process(monkeypatch):
-    """`retiarii nas run` trains in this process."""
-    # the registry's "local" executor, as Experiment makes it
-    monkeypatch.setattr("retiarii.engine.executors.local.LocalExecutor.for_search",
-                        lambda *args, **kwargs: InProcessExecutor())
-
-
 def test_every_weight_sharing_row_runs_a_one_shot_strategy_or_says_why_not():
     # the rows whose paper shares weights (issue #15's list)
     weight_sharing = {"enas_cnn", "spos", "enas_rnn", "oneshot", "darts", "darts_rnn", "fbnet",
