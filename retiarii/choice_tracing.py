@@ -137,6 +137,11 @@ def _holds_choices(module: nn.Module) -> bool:
 def _candidate(module: nn.Module, prefix: str) -> tuple:
     if is_torch_builtin(module) or is_marked_leaf(module):
         return ("op", Operation("module", spec=module_spec(module)), [])
+    if type(module) in LEAF_HANDLERS:
+        # a candidate that is itself an inline choice (a Repeat, a LayerChoice): traced as
+        # the root, its forward would run eagerly and its own choice be lost; as a called
+        # submodule its handler compiles it (its path gains the wrapper's "0")
+        module = nn.Sequential(module)
     try:
         graph, nested = trace_space(module, prefix=prefix)
     except TraceError as e:

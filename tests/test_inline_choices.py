@@ -233,3 +233,32 @@ def test_all_inline_choice_kinds_count_with_itertools():
     assert space.size() == len(distinct_models(space)) == by_hand
     model = space.instantiate({"skip": "0,1", "w": 4, "act": "Tanh"})
     assert model.graph["fc1"].op.spec["args"] == [4, 8]
+
+
+def test_a_layer_choice_candidate_that_is_a_repeat_keeps_its_depth_choice():
+    # traced as a candidate's root, a Repeat ran its eager forward (its first depth) and its
+    # choice was silently lost: every sample built one layer
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = rt.LayerChoice({
+                "deep": rt.Repeat(lambda i: nn.Linear(4, 4), depth=[1, 2, 3], label="d"),
+                "flat": nn.Identity()}, label="kind")
+
+        def forward(self, x):
+            return self.body(x)
+
+    space = rt.ModelSpace(Net(), example_input=torch.randn(2, 4))
+    samples = [m.sample for m in space.enumerate()]
+    assert {s.get("d") for s in samples if s["kind"] == "deep"} == {1, 2, 3}
+    x = torch.randn(2, 4)
+    for depth in (1, 2, 3):
+        model = space.instantiate({"kind": "deep", "d": depth}).to_module()
+        params = dict(model.named_parameters())  # the emitter inlines the linears' calls
+        weights = sorted(k for k in params if k.endswith("weight"))
+        assert len(weights) == depth and len(params) == 2 * depth
+        reference = x
+        for name in weights:
+            reference = nn.functional.linear(reference, params[name],
+                                             params[name[:-len("weight")] + "bias"])
+        assert torch.equal(model(x), reference)
