@@ -77,6 +77,8 @@ class MBConv(nn.Module):
         expansion: the hidden width is ``expansion * c_in``.
         se: add squeeze-and-excitation (to ``c_in // 4`` channels); a string: a LayerChoice
             so labelled between ``"none"`` and ``"se"`` (MnasNet searches it).
+        se_first: with a searched ``se``, ``"se"`` is the first (default) candidate
+            (EfficientNet, whose default model is B0, with SE in every block).
         act: the activation class (ReLU6 in MobileNetV2, swish in EfficientNet).
         groups: groups of the two 1x1 convs; above 1 a channel shuffle follows the first
             (FBNet's ``g2`` blocks, after ShuffleNet).
@@ -85,7 +87,8 @@ class MBConv(nn.Module):
     """
 
     def __init__(self, c_in, c_out, stride: int = 1, kernel=3, expansion=6, se: bool | str = False,
-                 act=nn.ReLU6, groups: int = 1, expand: bool | None = None):
+                 act=nn.ReLU6, groups: int = 1, expand: bool | None = None,
+                 se_first: bool = False):
         super().__init__()
         if expand is None:
             expand = not (isinstance(expansion, int) and expansion == 1)
@@ -99,8 +102,10 @@ class MBConv(nn.Module):
         if se:
             squeeze = max(1, c_in // 4) if isinstance(c_in, int) else c_in // 4
             excite = SqueezeExcite(mid, squeeze, act)
-            layers.append(excite if se is True else rt.LayerChoice(
-                {"none": nn.Identity(), "se": excite}, label=se))
+            options = {"none": nn.Identity(), "se": excite}
+            if se_first:
+                options = {"se": excite, "none": options["none"]}
+            layers.append(excite if se is True else rt.LayerChoice(options, label=se))
         layers.append(ConvBNAct(mid, c_out, 1, groups=groups, act=None))
         self.body = nn.Sequential(*layers)
         self.residual = keeps_shape(c_in, c_out, stride)
@@ -108,6 +113,59 @@ class MBConv(nn.Module):
     def forward(self, x):
         out = self.body(x)
         return out + x if self.residual else out
+
+
+def layer_counts(n: int, base_first: bool = False) -> list[int]:
+    """MnasNet's searched number of layers of a block of ``n`` base layers: n - 1 (at least 1),
+    n, n + 1, ascending, or the base ``n`` first (the space's default model keeps it)."""
+    counts = sorted({max(1, n - 1), n, n + 1})
+    return sorted(counts, key=lambda m: m != n) if base_first else counts
+
+
+def searched_layers(layer, n: int, label: str, base_first: bool = False,
+                    depth: tuple[str, tuple] | None = None) -> list[nn.Module]:
+    """A block of ``layer(i)`` repeated a searched number of times ``m`` (MnasNet's per-block
+    layers, :func:`layer_counts`, the choice ``label``), as modules to append to a body.
+
+    ``layer(0)`` is the block's first layer (it may change the shape), ``layer(i > 0)`` one that
+    keeps it. With ``depth = (depth_label, percents)``, a depth coefficient ``d`` (in percent,
+    100 to 200) makes the block ``ceil(m * d / 100)`` layers: EfficientNet's compound depth
+    scaling of the *searched* count. The extra layers follow the Repeat as a LayerChoice over
+    ``d`` (``"100"``: none) of Repeats tied to ``label``, whose first ``k`` entries hold
+    ``ceil(k * d / 100) - k`` layers (entries without one are the identity)::
+
+        Repeat(label: m) ─▶ LayerChoice(depth_label: d) ─▶ Repeat(label: m) of extra layers
+
+    Example::
+
+        >>> blocks = searched_layers(lambda i: nn.Linear(4, 4), 2, "b1/layers")
+        >>> blocks[0].depths                      # one Repeat: 1, 2 or 3 layers
+        [1, 2, 3]
+    """
+    counts = layer_counts(n, base_first)
+    blocks: list[nn.Module] = [rt.Repeat(layer, depth=counts, label=label)]
+    if depth is None:
+        return blocks
+    depth_label, percents = depth
+    if any(not 100 <= d <= 200 for d in percents):
+        raise ValueError(f"searched_layers: depth coefficients {percents!r} must be in "
+                         f"[100, 200] percent (at most one extra layer per searched one)")
+
+    def extra(k: int, d: int) -> int:  # ceil(k * d / 100) - k
+        return -(-k * d // 100) - k
+
+    options: dict[str, nn.Module] = {}
+    for d in percents:
+        if not any(extra(m, d) for m in counts):
+            options[str(d)] = nn.Identity()
+            continue
+        # entry k adds one layer where ceil(k * d) - k grows (by 0 or 1 as d <= 200)
+        entries = [layer(max(counts) + k) if extra(k, d) > extra(k - 1, d) else nn.Identity()
+                   for k in range(1, max(counts) + 1)]
+        # in a Sequential: a LayerChoice candidate that is itself a Repeat is traced through
+        # its eager forward (its first depth), its choice lost; as a submodule it is compiled
+        options[str(d)] = nn.Sequential(rt.Repeat(entries, depth=counts, label=label))
+    return blocks + [rt.LayerChoice(options, label=depth_label)]
 
 
 @rt.leaf

@@ -1,5 +1,6 @@
 """The EfficientNet space (Tan & Le, ICML 2019): EfficientNet-B0's MBConv stages with
-searched kernels and expansions, and compound scaling of depth, width and resolution.
+searched kernels, expansions, SE and layer counts, and compound scaling of depth, width and
+resolution.
 
 EfficientNet-B0 (the paper's Table 1) is a 3x3 stem of 32 channels, 7 stages of MBConv
 blocks with squeeze-and-excitation (ratio 0.25) and swish, a 1x1 conv to 1280 channels,
@@ -10,27 +11,34 @@ pooling and the classifier::
     layers  1    2    2    3    3    4    1
     kernel  3    3    5    3    5    5    3        stage 1 is MBConv1, the others MBConv6
 
-B0 came from a MnasNet-like search (RL over kernels, expansions... per stage); the paper then
-scales it with compound coefficients: depth d = alpha^phi, width w = beta^phi, resolution
-r = gamma^phi, found by a grid search at phi = 1 (alpha = 1.2, beta = 1.1, gamma = 1.15).
-This space holds both as choices:
+The paper searched B0 "in the same search space as MnasNet" (its factorized hierarchical
+space: per block the conv op, kernel, SE ratio, skip op, filter size and number of layers)
+with MnasNet's RL, then scaled it with compound coefficients: depth d = alpha^phi, width
+w = beta^phi, resolution r = gamma^phi, found by a grid search at phi = 1 (alpha = 1.2,
+beta = 1.1, gamma = 1.15). This space holds both as choices:
 
-- per stage 2-7, the depthwise kernel (3 or 5, B0's first) and the expansion (6 or 3):
-  labels ``stage{s}/kernel``, ``stage{s}/expansion``;
-- ``scaling/depth`` in {100, 120, 140} percent: stage s has ceil(d * layers_s) layers (the
-  extra layers are LayerChoices sharing that label: a block where the depth reaches it, the
-  identity elsewhere);
+- per stage, as MnasNet's space: the depthwise kernel (``stage{s}/kernel``: 3 or 5, B0's
+  first), the expansion of stages 2-7 (``stage{s}/expansion``: 6 or 3; stage 1 stays B0's
+  MBConv1), squeeze-and-excitation (``stage{s}/se``: ``"se"``, ratio
+  0.25, or ``"none"``) and the number of layers (``stage{s}/layers``: B0's n, n - 1 (at least
+  1), n + 1; the family's ``searched_layers``);
+- ``scaling/depth`` in {100, 120, 140} percent: a stage of m searched layers has
+  ceil(d * m) (extra layers after the searched ones, a LayerChoice over d per stage);
 - ``scaling/width`` in {100, 110, 120} percent: every width times w, rounded to a multiple
   of 8 (4 in the small preset);
 - ``scaling/resolution``: the input resized to {1.0, 1.15, 1.3} times the image size (inside
   the model, so the data pipeline is the same for every model).
 
-The all-defaults model is EfficientNet-B0. The paper's grid search keeps
+The all-defaults model is EfficientNet-B0 (B0's layers, SE everywhere). Not searched, as in
+MnasNet's row: the conv op (always MBConv; MBConv1 in stage 1, as B0), the skip op (the
+residual whenever shapes allow) and the filter sizes (B0's). The paper's grid search keeps
 alpha * beta^2 * gamma^2 ~ 2 (twice B0's FLOPS); this space holds the whole 3 x 3 x 3 grid,
-and a search that wants the constraint filters or penalises by FLOPS. Widths round to the
-nearest multiple (EfficientNet also never rounds down by more than 10%).
+and a search that wants the constraint filters or penalises by FLOPS (``CompoundScaling``).
+Widths round to the nearest multiple (EfficientNet also never rounds down by more than 10%).
 
-Size: (2 * 2) ** 6 stages * 3 * 3 * 3 = 110,592 models in both presets.
+Size: per stage kernel x expansion (4, stage 1: 2) x SE (2) x layers (3, or 2 for B0's
+one-layer stages 1 and 7), times the 27 scaling points: 8 * 24 ** 5 * 16 * 27 =
+27,518,828,544 models in both presets.
 
 Presets: :func:`paper` is B0's skeleton for 224x224 ImageNet (the scaled models up to
 d=1.4, w=1.2, r=291); :func:`small` divides widths by 4 (4 ... 80, head 64) with stride 2 in
@@ -39,7 +47,7 @@ stages 2 and 4 for the 8x8 digits (resolutions 8, 9, 10).
 Example::
 
     >>> small().size()
-    110592
+    27518828544
 """
 from __future__ import annotations
 
@@ -47,7 +55,8 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from model_spaces._mobile import MBConv, MobileNet, scale_width
+from model_spaces._mobile import (MBConv, MobileNet, layer_counts, scale_width,
+                                  searched_layers)
 
 # EfficientNet-B0, Table 1: (expansion, kernel, out channels, layers, first stride)
 B0_STAGES = ((1, 3, 16, 1, 1), (6, 3, 24, 2, 2), (6, 5, 40, 2, 2), (6, 3, 80, 3, 2),
@@ -58,21 +67,26 @@ RESOLUTIONS = (1.0, 1.15, 1.3)  # resolution coefficients (gamma's grid)
 
 
 def layers_at(n: int, depth: int) -> int:
-    """ceil(n * depth / 100): a stage's layers at depth coefficient ``depth`` percent."""
+    """ceil(n * depth / 100): a stage of ``n`` (searched) layers at depth coefficient ``depth``
+    percent."""
     return -(-n * depth // 100)
 
 
 def size(stages=B0_STAGES) -> int:
-    """The number of models: kernel x expansion per searched stage times the scaling grid."""
-    searched = sum(1 for e, *_ in stages if e != 1)
-    return 4 ** searched * len(DEPTHS) * len(WIDTHS) * len(RESOLUTIONS)
+    """The number of models: per stage kernel x expansion (where searched), SE and layer
+    counts, times the scaling grid."""
+    total = len(DEPTHS) * len(WIDTHS) * len(RESOLUTIONS)
+    for e, _, _, n, _ in stages:
+        total *= (4 if e != 1 else 2) * 2 * len(layer_counts(n))
+    return total
 
 
 class EfficientNet(MobileNet):
-    """B0's stages with kernel/expansion choices and compound-scaling choices.
+    """B0's stages with kernel/expansion/SE/layer choices and compound-scaling choices.
 
     Args:
-        stages: (expansion, kernel, out channels, layers, first stride) per stage.
+        stages: (expansion, kernel, out channels, layers, first stride) per stage: B0's, the
+            searched layer counts around them.
         stem, head: widths before scaling.
         divisor: scaled widths are multiples of it.
         resolutions: the candidate input sizes.
@@ -86,21 +100,17 @@ class EfficientNet(MobileNet):
         stem_c = c_in
         for s, (e, k, c, n, stride) in enumerate(stages, 1):
             c_out = scale_width(c, width, divisor)  # one expression per stage: residuals
-            if e != 1:
-                k = rt.ValueChoice(sorted({k, 3, 5}, key=lambda v: v != k),
-                                   label=f"stage{s}/kernel")
+            k = rt.ValueChoice(sorted({k, 3, 5}, key=lambda v: v != k), label=f"stage{s}/kernel")
+            if e != 1:  # stage 1 stays B0's MBConv1 (no expansion conv)
                 e = rt.ValueChoice([6, 3], label=f"stage{s}/expansion")
 
-            def block(i, c_in=c_in, c_out=c_out, stride=stride, k=k, e=e):
+            def block(i, c_in=c_in, c_out=c_out, stride=stride, k=k, e=e, s=s):
                 return MBConv(c_in if i == 0 else c_out, c_out, stride if i == 0 else 1, k, e,
-                              se=True, act=nn.SiLU)
+                              se=f"stage{s}/se", se_first=True, act=nn.SiLU)
 
-            layers += [block(i) for i in range(n)]
-            for i in range(n, layers_at(n, max(DEPTHS))):
-                # the extra layer i exists in the models whose depth coefficient reaches it
-                layers.append(rt.LayerChoice(
-                    {str(d): block(i) if layers_at(n, d) > i else nn.Identity()
-                     for d in DEPTHS}, label="scaling/depth"))
+            # MnasNet's searched layer count m, then ceil(d * m) at depth coefficient d
+            layers += searched_layers(block, n, f"stage{s}/layers", base_first=True,
+                                      depth=("scaling/depth", DEPTHS))
             c_in = c_out
         super().__init__(layers, stem_c, c_in, scale_width(head, width, divisor),
                          stem_stride, in_channels, num_classes, act=nn.SiLU,

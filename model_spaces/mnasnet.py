@@ -9,7 +9,8 @@ the number of layers (the MobileNetV2 count -1, +0, +1, at least 1)::
             └ layers x (1x1 expand ─▶ k x k depthwise ─▶ [SE] ─▶ 1x1 project [+ x])
 
 The block is the family's shared MBConv (``model_spaces/_mobile.py``, ReLU here); its SE
-squeezes to a quarter of the block's input channels.
+squeezes to a quarter of the block's input channels. The layer count is ``searched_layers``
+there, which EfficientNet's baseline search shares.
 
 Size convention: 2 * 2 * 2 = 8 per block times its depths (3, or 2 for a block of one base
 layer, which cannot go below 1): the small preset (two base layers per block) has
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 import retiarii as rt
-from model_spaces._mobile import MBConv
+from model_spaces._mobile import MBConv, searched_layers
 
 # MnasNet-A1's blocks: (out channels, MobileNetV2 layers, first stride)
 PAPER_BLOCKS = ((16, 1, 1), (24, 2, 2), (40, 3, 2), (80, 4, 2), (112, 2, 1), (160, 3, 2),
@@ -61,14 +62,13 @@ class MnasNet(nn.Module):
         for b, (c_out, n, stride) in enumerate(blocks, 1):
             kernel = rt.ValueChoice([3, 5], label=f"b{b}/kernel")
             expansion = rt.ValueChoice([3, 6], label=f"b{b}/expansion")
-            depths = sorted({max(1, n - 1), n, n + 1})
 
             def layer(i, c_in=c_in, c_out=c_out, stride=stride, kernel=kernel,
                       expansion=expansion, b=b):
                 return MBConv(c_in if i == 0 else c_out, c_out, stride if i == 0 else 1,
                               kernel, expansion, se=f"b{b}/se", act=nn.ReLU)
 
-            layers.append(rt.Repeat(layer, depth=depths, label=f"b{b}/layers"))
+            layers += searched_layers(layer, n, f"b{b}/layers")
             c_in = c_out
         self.blocks = nn.Sequential(*layers)
         self.head = nn.Sequential(nn.Conv2d(c_in, head, 1, bias=False), nn.BatchNorm2d(head),

@@ -268,7 +268,9 @@ class Repeat(nn.Module):
     Args:
         blocks: a module (deep-copied for each position), a list of modules, or a function
             ``index -> module``.
-        depth: an int, a ``(min, max)`` range, a list of depths, or a ValueChoice of depths.
+        depth: an int, a ``(min, max)`` range, a list of depths, or a ValueChoice of depths;
+            the first listed is the default (the eager run and the base model), as every
+            choice's first candidate.
         label: the choice's name (default: the module path + ".depth").
     """
 
@@ -295,7 +297,7 @@ class Repeat(nn.Module):
             mods = list(blocks)
             if len(mods) < n:
                 raise ValueError(f"Repeat got {len(mods)} blocks for a depth up to {n}")
-        self.depths, self.label = sorted(depths), label
+        self.depths, self.label = list(depths), label  # in the given order: [0] the default
         self.blocks = nn.ModuleList(mods[:n])
 
     def forward(self, x):

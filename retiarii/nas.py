@@ -182,13 +182,13 @@ ROWS: tuple[Row, ...] = (
          "mutations are left out (an identity would repeat its parent, which the engine "
          "does not retrain)",
          options={"initial": "base", "inherit": True, "kill": "worse", "sample_size": 2}),
-    _row(9, "efficientnet", "EfficientNet", "MobileNetV2 blocks with compound scaling", "RL",
+    _row(9, "efficientnet", "EfficientNet", "MnasNet's space, then compound scaling", "RL",
          "Tan & Le, ICML 2019", "model_spaces.efficientnet", "CompoundScaling",
-         "MnasNet's RL (reward ACC x (FLOPS / T) ** -0.07) searches B0's per-stage kernel and "
-         "expansion; B0 fixed, the (alpha, beta, gamma) with alpha * beta^2 * gamma^2 within "
-         "10% of 2 train; the best scaled model (phi = 1 only) retrains. Scale: 2 B0 models, "
-         "8 grid points (10 models), widths / 4 (docs/spaces.md)", options={"b0_models": 2},
-         variant="B0's search holds SE and layers per stage at B0's"),
+         "MnasNet's RL (ACC x (FLOPS / T) ** -0.07, T: B0's) finds B0 in MnasNet's space (per "
+         "stage kernel, expansion, SE, layers B0's -1/0/+1; conv op, skip op, filters fixed as "
+         "mnasnet's); B0 fixed, the (alpha, beta, gamma) with alpha*beta^2*gamma^2 within 10% of"
+         " 2 train (depth: ceil(d x B0's layers)); the best retrains. Scale: 2 B0 models, phi ="
+         " 1, 8 grid points, widths / 4 (docs/spaces.md)", options={"b0_models": 2}),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
          "surrogate-guided progressive search", "Liu et al., ECCV 2018", "model_spaces.pnas",
          "Progressive", "the beam of the K best cells of b blocks expanded by one block, the "

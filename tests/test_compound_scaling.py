@@ -1,8 +1,12 @@
 """EfficientNet's two phases (the efficientnet row): the baseline's RL search first, then the
 grid of compound coefficients under alpha * beta^2 * gamma^2 ~= 2 with that baseline fixed."""
 import itertools
+import math
+
+from torch import nn
 
 from model_spaces import efficientnet
+from model_spaces._mobile import scale_width
 from retiarii.scalarization import MnasNetReward
 from retiarii.strategies.multi_trial.base import SpaceExhausted
 from retiarii.strategies.multi_trial.compound_scaling import CompoundScaling, constrained_grid
@@ -67,3 +71,53 @@ def test_phases_run_in_order_the_baseline_fixed_before_the_scaling_grid():
     again.use_objectives(["max", "min"], ["val_acc", "flops"])
     again.load_state_dict(s.state_dict())
     assert again.phase() == 2 and again.best() == s.best()
+
+
+def _stages(net):
+    """(layers, SE modules, output width) per stage of a built EfficientNet (see
+    tests/test_model_spaces_mobile.py: per_stage)."""
+    layers, se, width = [0] * 7, [0] * 7, [0] * 7
+    for name, m in net.named_modules():
+        if name.startswith("layers."):
+            s = int(name.split(".")[1]) // 2
+            layers[s] += isinstance(m, nn.Conv2d) and m.groups > 1
+            se[s] += name.endswith(".se.reduce")
+            if isinstance(m, nn.Conv2d) and m.groups == 1 and ".se." not in name:
+                width[s] = m.out_channels  # the last is a layer's 1x1 projection
+    return layers, se, width
+
+
+def test_phase1_searches_se_and_layers_and_phase2_scales_the_found_counts_and_filters():
+    space = efficientnet.small()
+    reward = MnasNetReward("val_acc", "flops", target=1e6)
+    s = CompoundScaling(b0_models=12, reward=reward, seed=1)
+    s.use_objectives(["max", "min"], ["val_acc", "flops"])
+    phase1 = [s.ask(space) for _ in range(12)]
+    for stage, (_, _, _, n, _) in enumerate(efficientnet.B0_STAGES, 1):
+        # the baseline's search varies SE and the layers of every stage (MnasNet's space)
+        assert {p[f"stage{stage}/se"] for p in phase1} == {"se", "none"}
+        assert len({p[f"stage{stage}/layers"] for p in phase1}) > 1
+        assert {p[f"stage{stage}/layers"] for p in phase1} <= {max(1, n - 1), n, n + 1}
+    for i, sample in enumerate(phase1):  # the 6th is B0: the best reward
+        s.tell(sample, [0.9 if i == 5 else 0.5, 1e6])
+    b0 = phase1[5]
+    found = [b0[f"stage{k}/layers"] for k in range(1, 8)]
+    assert found != [c[3] for c in efficientnet.B0_STAGES]  # not the published B0's counts
+    _, se_b0, _ = _stages(space.build(b0))
+    filters = [max(4, c // 4) for _, _, c, _, _ in efficientnet.B0_STAGES]  # the small preset's
+    phase2 = []
+    while True:
+        try:
+            phase2.append(s.ask(space))
+        except SpaceExhausted:
+            break
+    assert len(phase2) == 8
+    for sample in phase2:
+        d, w = int(sample["scaling/depth"]), int(sample["scaling/width"])
+        layers, se, width = _stages(space.build(sample))
+        # depth: ceil(d * the found count) per stage, as the paper rounds up
+        assert layers == [math.ceil(m * d / 100) for m in found]
+        assert se == [n if has else 0 for n, has in zip(layers, se_b0)]
+        # width: B0's filters (not searched: MnasNet-A1's in MnasNet's row) times w, to
+        # multiples of 4 (the small preset)
+        assert width == [scale_width(c, w, 4) for c in filters]

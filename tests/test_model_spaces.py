@@ -34,7 +34,7 @@ SIZES = {  # the sizes the module docstrings state (None: counted by a formula t
     "mnasnet": 24 ** 7,
     # the mobile-network family (tests/test_model_spaces_mobile.py checks the formulas)
     "spos": 4 ** 20,
-    "efficientnet": 4 ** 6 * 27,
+    "efficientnet": 8 * 24 ** 5 * 16 * 27,
     "fbnet": 9 ** 22,
     "proxylessnas": 6 ** 6 * 7 ** 15,
     "fairnas": 6 ** 19,

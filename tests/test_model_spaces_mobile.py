@@ -10,6 +10,7 @@ samples on a small input and its all-defaults network on a (1, 3, 224, 224) inpu
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from model_spaces import chamnet, efficientnet, fbnet, once_for_all, proxylessnas, spos
-from model_spaces._mobile import MBConv, scale_width
+from model_spaces._mobile import MBConv, scale_width, searched_layers
 from retiarii import nas
 
 MOBILE = ("spos", "efficientnet", "fbnet", "proxylessnas", "fairnas", "scarlet_nas",
@@ -98,7 +99,9 @@ def test_published_sizes_and_the_formulas():
     assert proxylessnas.size("single_path_nas") == 4 ** 6 * 5 ** 15
     assert once_for_all.size(5) == 7371 ** 5 and 1.5e19 < 7371 ** 5 < 2.5e19  # "~2x10^19"
     assert once_for_all.size(2) == 7371 ** 2
-    assert efficientnet.size() == 4 ** 6 * 3 ** 3 == 110_592
+    # kernel x expansion x SE x layers per stage (stage 1: kernel x SE x layers 1-2; stage
+    # 7: 1-2 layers), times the 27 scaling points
+    assert efficientnet.size() == 8 * 24 ** 5 * 16 * 3 ** 3 == 27_518_828_544
     assert chamnet.size() == 6 * 27 ** 5 * 18 * 3 == 4_649_045_868
 
 
@@ -174,6 +177,55 @@ def test_efficientnet_default_is_b0_and_the_scaling_choices():
     assert len(depthwise(net)) == 26
     assert net.get_submodule("stem.0").out_channels == 40  # 32 x 1.2 = 38.4, to 8s
     assert choices(space)["scaling/resolution"] == [32, 37, 42]
+
+
+def per_stage(net: nn.Module) -> tuple[list[int], list[int]]:
+    """(layers, SE modules) per stage of a built EfficientNet: a stage is the searched Repeat
+    ``layers.{2s}`` and its depth-scaling extras ``layers.{2s+1}``, a layer one depthwise
+    conv."""
+    layers, se = [0] * 7, [0] * 7
+    for name, m in net.named_modules():
+        if name.startswith("layers."):
+            s = int(name.split(".")[1]) // 2
+            layers[s] += isinstance(m, nn.Conv2d) and m.groups > 1
+            se[s] += name.endswith(".se.reduce")
+    return layers, se
+
+
+def test_efficientnet_searches_se_and_layers_per_stage_as_mnasnet():
+    space = nas.build_space("efficientnet", "small")
+    found = choices(space)
+    for s, (e, k, _, n, _) in enumerate(efficientnet.B0_STAGES, 1):
+        # MnasNet's per-block choices: kernel 3/5, expansion 6/3 (stage 1 stays B0's MBConv1),
+        # SE or not, B0's layers -1/0/+1 (at least 1), B0's values first
+        assert found[f"stage{s}/kernel"] == [k, 8 - k]
+        assert found.get(f"stage{s}/expansion") == ([6, 3] if e != 1 else None)
+        assert found[f"stage{s}/se"] == ["se", "none"]
+        assert found[f"stage{s}/layers"] == ([n, n - 1, n + 1] if n > 1 else [1, 2])
+    b0 = space.default_sample()
+    assert per_stage(space.build(b0)) == ([1, 2, 2, 3, 3, 4, 1], [1, 2, 2, 3, 3, 4, 1])
+    # by hand: stage 2 three layers without SE, stage 4 two with, stage 6 five without,
+    # stage 7 two with
+    sample = dict(b0, **{"stage2/layers": 3, "stage2/se": "none", "stage4/layers": 2,
+                         "stage6/layers": 5, "stage6/se": "none", "stage7/layers": 2})
+    net = space.build(sample)
+    assert per_stage(net) == ([1, 3, 2, 2, 3, 5, 2], [1, 0, 2, 2, 3, 0, 2])
+    assert net(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    # depth 1.2 scales the searched counts: ceil(1.2 m) = 2, 4, 3, 3, 4, 6, 3, the extra
+    # layers with their stage's SE choice
+    deep = space.build(dict(sample, **{"scaling/depth": "120"}))
+    assert per_stage(deep) == ([2, 4, 3, 3, 4, 6, 3], [2, 0, 3, 3, 4, 0, 3])
+    for s, (_, _, _, n, _) in enumerate(efficientnet.B0_STAGES, 1):  # every count, every d
+        for m in ([n, n - 1, n + 1] if n > 1 else [1, 2]):
+            for d in efficientnet.DEPTHS:
+                net = space.build(dict(b0, **{f"stage{s}/layers": m, "scaling/depth": str(d)}))
+                assert per_stage(net)[0][s - 1] == efficientnet.layers_at(m, d) \
+                    == math.ceil(m * d / 100)
+
+
+def test_searched_layers_refuses_depth_coefficients_it_cannot_build():
+    with pytest.raises(ValueError, match=r"\[100, 200\] percent"):
+        searched_layers(lambda i: nn.Identity(), 2, "b/layers", depth=("d", (100, 250)))
 
 
 def test_efficientnet_resolution_resizes_inside_the_model():

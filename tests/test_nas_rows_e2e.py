@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from retiarii import nas, nas_retrain
 from retiarii.cli import main
@@ -64,6 +65,41 @@ def test_oneshot_row_trains_with_path_dropout_up_to_r_then_retrains_its_selectio
     assert segments[-1]["candidates"] == 24  # then 24 random architectures ranked
     assert r_origin["nas_retrain"]["model"] == result
     assert [m["sample"] for m in _models(db, retrain)] == [selected]
+
+
+def test_efficientnet_row_searches_b0_in_mnasnets_space_then_scales_it_in_order(
+        tmp_path, few_digits, in_process, capsys):
+    # a tiny budget: the 2 baseline models, then 2 of the 8 grid points
+    db = str(tmp_path / "efficientnet.db")
+    assert main(["nas", "run", "efficientnet", "--epochs", "1", "--retrain-epochs", "1",
+                 "--max-models", "4", "--store", db, "--workers", "1"]) == 0
+    assert "efficientnet: search" in capsys.readouterr().out
+    (search, status, result, _), (retrain, r_status, _, r_origin) = _experiments(db)
+    assert status == r_status == "done"
+    models = _models(db, search)
+    assert len(models) == 4
+    phase1, phase2 = models[:2], models[2:]
+    for m in phase1:  # MnasNet's per-stage choices, the scaling at 1
+        assert {f"stage{s}/{c}" for s in range(1, 8) for c in ("kernel", "se", "layers")} \
+            <= set(m["sample"])
+        assert [str(m["sample"][k]) for k in SCALING] == ["100", "100", "8"]
+    b0 = {k: v for k, v in phase2[0]["sample"].items() if k not in SCALING}
+    assert b0 in [{k: v for k, v in m["sample"].items() if k not in SCALING} for m in phase1]
+    space = nas.build_space("efficientnet", "small")
+    for m in phase2:  # the found B0's SE and layers kept, its layer counts scaled by depth
+        assert {k: v for k, v in m["sample"].items() if k not in SCALING} == b0
+        d, w = (int(m["sample"][k]) for k in SCALING[:2])
+        r = float(m["sample"]["scaling/resolution"]) / 8
+        assert abs(d * w * w / 1e6 * r * r - 2) <= 0.2  # a grid point, not B0 itself
+        net = space.build(m["sample"])
+        for s in range(1, 8):  # stage s: layers.{2s-2} searched, layers.{2s-1} the extras
+            depthwise = sum(1 for name, mod in net.named_modules()
+                            if name.split(".")[:2] in (["layers", str(2 * s - 2)],
+                                                       ["layers", str(2 * s - 1)])
+                            and isinstance(mod, torch.nn.Conv2d) and mod.groups > 1)
+            assert depthwise == -(-b0[f"stage{s}/layers"] * d // 100)
+    # the retrained model is a scaled one, never a phase-1 model
+    assert result in {m["id"] for m in phase2} and r_origin["nas_retrain"]["model"] == result
 
 
 @pytest.mark.slow
