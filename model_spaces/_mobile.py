@@ -162,9 +162,7 @@ def searched_layers(layer, n: int, label: str, base_first: bool = False,
         # entry k adds one layer where ceil(k * d) - k grows (by 0 or 1 as d <= 200)
         entries = [layer(max(counts) + k) if extra(k, d) > extra(k - 1, d) else nn.Identity()
                    for k in range(1, max(counts) + 1)]
-        # in a Sequential: a LayerChoice candidate that is itself a Repeat is traced through
-        # its eager forward (its first depth), its choice lost; as a submodule it is compiled
-        options[str(d)] = nn.Sequential(rt.Repeat(entries, depth=counts, label=label))
+        options[str(d)] = rt.Repeat(entries, depth=counts, label=label)
     return blocks + [rt.LayerChoice(options, label=depth_label)]
 
 
