@@ -27,11 +27,16 @@ def test_the_grid_proposes_only_triples_that_meet_the_constraint():
     assert constrained_grid([0.9, 1.0], [1.0], [1.5], 2.0, 0.2) == [(1.0, 1.0, 1.5)]  # < 1 out
 
 
-def test_phases_run_in_order_the_baseline_fixed_before_the_scaling_grid():
-    space = efficientnet.small()
-    reward = MnasNetReward("val_acc", "flops", target=1e6)
-    s = CompoundScaling(b0_models=3, reward=reward, seed=0)
+def _scaling(b0_models: int, seed: int) -> CompoundScaling:
+    """The row's strategy, told accuracy (max) and FLOPs (min), FLOPs target 1e6."""
+    s = CompoundScaling(b0_models=b0_models,
+                        reward=MnasNetReward("val_acc", "flops", target=1e6), seed=seed)
     s.use_objectives(["max", "min"], ["val_acc", "flops"])
+    return s
+
+
+def test_phases_run_in_order_the_baseline_fixed_before_the_scaling_grid():
+    space, s = efficientnet.small(), _scaling(b0_models=3, seed=0)
     phase1 = [s.ask(space) for _ in range(3)]
     for sample in phase1:  # the baseline's search holds the scaling at 1
         assert [sample[k] for k in SCALING] == [100, 100, 8] or \
@@ -67,8 +72,7 @@ def test_phases_run_in_order_the_baseline_fixed_before_the_scaling_grid():
         s.tell(sample, [0.8 + i / 100, 2e6])
     assert s.best()[0] == phase2[-1]
     # a resumed strategy is in the same place
-    again = CompoundScaling(b0_models=3, reward=reward, seed=0)
-    again.use_objectives(["max", "min"], ["val_acc", "flops"])
+    again = _scaling(b0_models=3, seed=0)
     again.load_state_dict(s.state_dict())
     assert again.phase() == 2 and again.best() == s.best()
 
@@ -88,10 +92,7 @@ def _stages(net):
 
 
 def test_phase1_searches_se_and_layers_and_phase2_scales_the_found_counts_and_filters():
-    space = efficientnet.small()
-    reward = MnasNetReward("val_acc", "flops", target=1e6)
-    s = CompoundScaling(b0_models=12, reward=reward, seed=1)
-    s.use_objectives(["max", "min"], ["val_acc", "flops"])
+    space, s = efficientnet.small(), _scaling(b0_models=12, seed=1)
     phase1 = [s.ask(space) for _ in range(12)]
     for stage, (_, _, _, n, _) in enumerate(efficientnet.B0_STAGES, 1):
         # the baseline's search varies SE and the layers of every stage (MnasNet's space)
