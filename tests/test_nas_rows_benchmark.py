@@ -1,0 +1,34 @@
+"""benchmarks/nas_rows.py's floor verdict (issue #31 item 3) on hand-made rows."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+import nas_rows  # noqa: E402
+
+
+def row(name, seed, selected, random_acc):
+    return {"row": name, "seed": seed, "selected_val_acc": selected, "random_val_acc": random_acc}
+
+
+def test_the_floor_needs_every_selection_over_0_9_and_a_mean_above_random():
+    rows = [row("a", 0, 0.95, 0.90), row("a", 1, 0.93, 0.96),   # mean 0.94 > 0.93: met
+            row("tie", 0, 0.99, 0.99),                            # a tie does not beat
+            row("low", 0, 0.99, 0.50), row("low", 1, 0.89, 0.50),  # one selection under 0.9
+            row("csv", 0, "0.97", "0.96"), row("none", 0, None, 0.9)]  # read back / no result
+    got = {r["row"]: r for r in nas_rows.summarize(rows)}
+    assert set(got) == {"a", "tie", "low", "csv"}
+    assert got["a"]["floor"] and abs(got["a"]["selected"] - 0.94) < 1e-12
+    assert abs(got["a"]["random"] - 0.93) < 1e-12 and got["a"]["min_selected"] == 0.93
+    assert not got["tie"]["floor"] and not got["low"]["floor"] and got["csv"]["floor"]
+
+
+def test_the_image_rows_leave_out_the_sequence_rows_only():
+    from retiarii import nas
+
+    names = {r.name for r in nas.ROWS}
+    assert set(nas_rows.SEQUENCE_ROWS) <= names
+    assert len(names) - len(nas_rows.SEQUENCE_ROWS) == 24
