@@ -262,3 +262,25 @@ def test_a_layer_choice_candidate_that_is_a_repeat_keeps_its_depth_choice():
             reference = nn.functional.linear(reference, params[name],
                                              params[name[:-len("weight")] + "bias"])
         assert torch.equal(model(x), reference)
+
+
+def test_a_repeats_first_listed_depth_is_its_default_as_every_choices_first_candidate():
+    # the eager module and the space's base model run the first depth listed (EfficientNet's
+    # space lists B0's count first so that its default model is B0)
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.r = rt.Repeat(lambda i: nn.Linear(4, 4), depth=[3, 1, 2], label="d")
+
+        def forward(self, x):
+            return self.r(x)
+
+    net = Net()
+    space = rt.ModelSpace(net, example_input=torch.randn(2, 4))
+    assert [m.sample for m in space.enumerate()] == [{"d": 3}, {"d": 1}, {"d": 2}]
+    assert space.base_model().sample == {"d": 3}
+    x = torch.randn(2, 4)
+    reference = x
+    for block in net.r.blocks:
+        reference = block(reference)
+    assert torch.equal(net(x), reference)  # all three blocks
