@@ -230,6 +230,7 @@ def mobilenetv2(width: int = 100, num_classes: int = 1000, in_channels: int = 3,
 
     Example::
 
+        >>> import torch
         >>> net = mobilenetv2(width=25, num_classes=10, stem_stride=1)
         >>> net(torch.zeros(2, 3, 32, 32)).shape
         torch.Size([2, 10])

@@ -282,3 +282,12 @@ def test_paper_preset_at_224(name):
     net = space.build(space.default_sample()).eval()
     with torch.no_grad():
         assert net(torch.zeros(1, 3, 224, 224)).shape == (1, 1000)
+
+
+def test_the_mobile_blocks_examples_run():
+    import doctest
+
+    from model_spaces import _mobile
+
+    result = doctest.testmod(_mobile)
+    assert result.attempted >= 8 and result.failed == 0
