@@ -15,8 +15,10 @@ node whose edges are all none takes the node before it (so every genotype builds
 Labels: ``"motif{m}/{i}-{j}"`` (m = 1..6; a primitive or ``"none"``) and ``"cell/{i}-{j}"``
 (``"motif1"`` .. ``"motif6"`` or ``"none"``); the first candidates (identity, motif1) form
 the paper's trivial genotype, where its evolution starts (the row runs
-``RegularizedEvolution(initial="base")``). The cell is one ``@rt.leaf`` module built from
-the genotype (:class:`HierarchicalCell`), in every cell position of the network.
+``HierarchicalEvolution(initial="base")``: each member of the initial population is the
+trivial genotype diversified by 1000 random mutations, as the paper's). The cell is one
+``@rt.leaf`` module built from the genotype (:class:`HierarchicalCell`), in every cell
+position of the network.
 
 Size: 7 ** (6 * 6) level-2 genotypes times 7 ** 10 cells = 7 ** 46 (about 7.6e38; the paper
 states no count).

@@ -297,9 +297,9 @@ ROWS: tuple[Row, ...] = (
     _row(24, "hierarchical", "Hierarchical Representation", "motifs of motifs", "evolution",
          "Liu et al., ICLR 2018", "model_spaces.hierarchical", "HierarchicalEvolution",
          "6 level-2 motifs of 4 nodes over 6 primitives and none, a level-3 cell of 5 nodes; "
-         "a node concatenates its inputs depthwise, then a 1x1 conv; aging evolution from "
-         "the trivial genotype, the paper's mutation (level, motif, successor, predecessor, "
-         "new op); scale: C=4, P=8, S=3 (the paper: C=16, P=200, tournaments of 5%)",
+         "a node concatenates its inputs, then a 1x1 conv; aging evolution from trivial genotypes "
+         "each diversified by 1000 random mutations, the paper's mutation (level, motif, successor,"
+         " predecessor, new op); scale: C=4, P=8, S=3 (the paper: C=16, P=200, tournaments of 5%)",
          options={"initial": "base"}),
     _row(25, "textnas", "TextNAS", "text cell over embeddings", "RL", "Wang et al., AAAI 2020",
          "model_spaces.textnas", "PolicyBasedRL",

@@ -291,10 +291,42 @@ def test_hierarchical_mutation_picks_a_level_then_a_motif_edge_and_changes_its_o
     assert all(abs(picks[f"motif{m}"] / 3000 - 0.5 / 6) < 0.03 for m in range(1, 7))
     strategy = nas.strategy("hierarchical", seed=0)
     assert isinstance(strategy, HierarchicalEvolution) and strategy.initial == "base"
+    assert strategy.diversify == 1000 and strategy.population_size == 8
+    trivial = space.default_sample()
     for n in range(12):
         sample = strategy.ask(space)
-        if n:
+        if n < 8:  # the paper's initial population: trivial genotypes, 1000 mutations each
+            assert strategy.parent_of(sample) is None
+            changed = [k for k in sample if sample[k] != trivial[k]]
+            # 1000 mutations over 46 edges leave few at their first candidate (each edge
+            # is hit ~20 times; 1/7 of them end at identity or motif1 again)
+            assert len(changed) > 30, changed
+        else:  # then children: one edge of the parent changed
             parent = strategy.parent_of(sample)
             changed = [k for k in sample if sample[k] != parent[k]]
             assert len(changed) == 1
         strategy.tell(sample, float(n))
+
+
+def test_hierarchical_diversification_is_the_papers_mutation_repeated():
+    # with 1 mutation a member is the trivial genotype with one edge changed; with 0 the
+    # population grows as RegularizedEvolution's from the base (the base itself first)
+    from retiarii.strategies import HierarchicalEvolution
+
+    space = nas.build_space("hierarchical", "small")
+    trivial = space.default_sample()
+    levels = {**{f"motif{m}": 2 for m in range(1, 7)}, "cell": 3}
+    one = HierarchicalEvolution(4, 2, levels=levels, initial="base", diversify=1, seed=3)
+    for _ in range(4):
+        sample = one.ask(space)
+        assert len([k for k in sample if sample[k] != trivial[k]]) == 1
+    none = HierarchicalEvolution(4, 2, levels=levels, initial="base", diversify=0, seed=3)
+    assert none.ask(space) == trivial
+    with pytest.raises(ValueError, match="diversify"):
+        HierarchicalEvolution(4, 2, levels=levels, diversify=-1)
+    # resumed: the same draws after a state round trip
+    a = HierarchicalEvolution(4, 2, levels=levels, initial="base", seed=5)
+    first = a.ask(space)
+    b = HierarchicalEvolution(4, 2, levels=levels, initial="base", seed=5)
+    b.load_state_dict(a.state_dict())
+    assert first != trivial and a.ask(space) == b.ask(space)

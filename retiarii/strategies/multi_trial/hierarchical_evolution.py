@@ -41,20 +41,45 @@ class HierarchicalEvolution(RegularizedEvolution):
     a different operation (or ``none``), the level, motif, successor and predecessor drawn
     uniformly in that order (:func:`pick_edge`), not one label among all.
 
+    The initial population is the paper's: with ``initial="base"`` each member is the trivial
+    genotype (every choice at its first candidate) diversified by ``diversify`` random
+    mutations of that kind (the paper: 200 genotypes, 1000 mutations each); children then
+    change one edge of their parent. ``diversify=0`` grows the population as
+    :class:`RegularizedEvolution` does from the base (the base, then one-edge children of it).
+
     Args:
         levels: the level of each motif, by the prefix of its labels (``{"motif1": 2, ...,
             "cell": 3}`` for model_spaces/hierarchical.py).
+        diversify: random mutations applied to the trivial genotype for each member of the
+            initial population (``initial="base"`` only).
         population_size, sample_size, initial, seed, ...: see :class:`RegularizedEvolution`.
     """
 
     def __init__(self, population_size: int = 20, sample_size: int = 5, *,
-                 levels: dict[str, int], initial: str = "random", seed: int | None = None,
-                 **common: Any):
+                 levels: dict[str, int], initial: str = "random", diversify: int = 1000,
+                 seed: int | None = None, **common: Any):
         super().__init__(population_size, sample_size, initial=initial, seed=seed, **common)
         if not levels or not all(isinstance(v, int) for v in levels.values()):
             raise ValueError(f"HierarchicalEvolution: levels maps each motif's label prefix "
                              f"to its level (an int), got {levels!r}")
-        self.levels = dict(levels)
+        if not isinstance(diversify, int) or diversify < 0:
+            raise ValueError(f"HierarchicalEvolution: diversify is a count of mutations "
+                             f"(0 or more; the paper: 1000), got {diversify!r}")
+        self.levels, self.diversify = dict(levels), diversify
+
+    def _from_base(self, space: Any) -> Draw:
+        if not self.diversify:
+            return super()._from_base(space)
+        candidates = _Candidates()
+        genotype = draw(space, candidates).sample  # the trivial genotype
+        for _ in range(self.diversify):
+            label = pick_edge(list(genotype), self.levels, self._rng)
+            options = candidates.of[label]
+            others = [c for c in options if c != genotype[label]]
+            genotype[label] = others[self._rng.randrange(len(others))]
+        # replayed: a choice the genotype lacks is drawn, one it holds but the model does
+        # not reach leaves the sample (the space's own rules)
+        return draw(space, ReplaySampler(genotype, fallback=RandomSampler(self._rng)))
 
     def _mutate(self, space: Any, parent_key: str) -> Draw:
         parent = self._records[parent_key].sample
@@ -71,4 +96,18 @@ class HierarchicalEvolution(RegularizedEvolution):
         return child
 
     def config(self) -> dict:
-        return {**super().config(), "levels": self.levels}
+        config = {**super().config(), "levels": self.levels}
+        if self.initial == "base" and self.diversify:  # (states saved before it still load)
+            config["diversify"] = self.diversify
+        return config
+
+
+class _Candidates:
+    """Every choice at its first candidate, recording each label's candidates."""
+
+    def __init__(self):
+        self.of: dict[str, list] = {}
+
+    def choose(self, label: str, candidates: list, context: dict) -> int:
+        self.of[label] = list(candidates)
+        return 0
