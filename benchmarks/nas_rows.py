@@ -73,7 +73,8 @@ def main(argv=None) -> list[dict]:
                         help="seeds FIRST .. FIRST + SEEDS - 1 (a long run split over calls)")
     parser.add_argument("--search-epochs", type=int, default=4,
                         help="a one-shot row's segments, a multi-trial row's epochs per model")
-    parser.add_argument("--max-models", type=int, default=8, help="multi-trial rows")
+    parser.add_argument("--max-models", type=int, default=None,
+                        help="multi-trial rows (default: the row's, nas.MODELS or 8)")
     parser.add_argument("--retrain-epochs", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=None, help="CSV file (default: stdout only)")

@@ -191,10 +191,10 @@ ROWS: tuple[Row, ...] = (
          " 1, 8 grid points, widths / 4 (docs/spaces.md)", options={"b0_models": 2}),
     _row(10, "pnas", "Progressive NAS", "NASNet-like cell grown block by block",
          "surrogate-guided progressive search", "Liu et al., ECCV 2018", "model_spaces.pnas",
-         "Progressive", "the beam of the K best cells of b blocks expanded by one block, the "
-         "expansions ranked by the paper's surrogate: an ensemble of 5 MLPs over the blocks' "
-         "token embeddings (each on 4/5 of the told cells, the mean used), refitted at each "
-         "level; scale: K=4 of 64 expansions (the paper: K=256), 8 filters, 1 cell a stack",
+         "Progressive", "the beam of the K best cells of b blocks expanded by one block, ranked by "
+         "the paper's surrogate: an ensemble of 5 MLPs over the blocks' token embeddings (each "
+         "on 4/5 of the told cells, the mean used), refitted at each level; scale: K=4 of 64 "
+         "expansions, 5 levels in 20 models (the paper: K=256), 8 filters, 1 cell a stack",
          options={"depth_label": "blocks", "beam": 4, "n_candidates": 64,
                   "surrogate": "ensemble"}),
     _row(11, "enas_rnn", "ENAS-RNN", "recurrent cell", "RL, weight sharing",
@@ -395,7 +395,7 @@ _LAUNCHER = {
     "WANN": {"population_size": 8, "sample_size": 3},
 }
 
-MODELS = {"efficientnet": 10}  # multi-trial rows needing more than 8 models (2 + 8 grid points)
+MODELS = {"efficientnet": 10, "pnas": 20}  # > 8 models: 2 B0s + 8 grid points; 5 levels of K=4 blocks
 # Rows whose paper steps the architecture on a split of the training data (the validation
 # split stays the reported result): their search trains with retiarii.arch_split's trainer
 ARCH_SPLIT = {"darts", "darts_rnn"}
