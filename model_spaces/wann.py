@@ -83,26 +83,42 @@ class Activation(nn.Module):
 @rt.leaf
 class Connection(nn.Module):
     """``w * (x @ M)``, M a fixed 0/1 mask of density 1/2 drawn from ``seed``: (B, N_in), () ->
-    (B, N_out). The mask is a non-persistent buffer: rebuilt from the seed, never trained."""
+    (B, N_out). The mask is a non-persistent buffer: rebuilt from the seed, never trained.
 
-    def __init__(self, in_features: int, out_features: int, seed: int):
+    ``trained``: the paper's "trained weights" setting, each connection its own weight
+    (``own``, of the mask's shape), ``w * (x @ (M * own))``; ``own`` starts at 1, so the
+    network starts as the weight-agnostic one with shared value ``w``, and an absent
+    connection (a zero of M) stays absent: its gradient is M's zero."""
+
+    def __init__(self, in_features: int, out_features: int, seed: int, trained: bool = False):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
         mask = (torch.rand(in_features, out_features, generator=generator) < 0.5).float()
         self.register_buffer("mask", mask / in_features ** 0.5, persistent=False)
+        self.trained = trained
+        if trained:
+            self.own = nn.Parameter(torch.ones(in_features, out_features))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.trained:
+            return (x @ (self.mask * self.own)) * weight
         return (x @ self.mask) * weight
 
 
-class MinimalNet(nn.Module):
-    """Inputs straight to outputs through one connection; ``weight`` is the shared value."""
+def _trained(trained: bool) -> dict:
+    # passed only when on, so the search's connection specs (and model hashes) stay as they were
+    return {"trained": True} if trained else {}
 
-    def __init__(self, in_features: int, num_classes: int):
+
+class MinimalNet(nn.Module):
+    """Inputs straight to outputs through one connection; ``weight`` is the shared value
+    (``trained``: each connection its own weights too, see :class:`Connection`)."""
+
+    def __init__(self, in_features: int, num_classes: int, trained: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.tensor(1.0))
         self.flatten = nn.Flatten()
-        self.conn_out = Connection(in_features, num_classes, 0)
+        self.conn_out = Connection(in_features, num_classes, 0, **_trained(trained))
         self.out = ops.Sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,13 +126,15 @@ class MinimalNet(nn.Module):
 
 
 class WANNMutator(rt.Mutator):
-    """WANN's three mutations, one per step, while ``"wann/grow{i}"`` says True."""
+    """WANN's three mutations, one per step, while ``"wann/grow{i}"`` says True
+    (``trained``: the connections it creates hold their own weights, see :class:`Connection`)."""
 
     open_ended = True
 
-    def __init__(self, in_features: int, hidden: int, num_classes: int):
+    def __init__(self, in_features: int, hidden: int, num_classes: int, trained: bool = False):
         super().__init__("wann")
         self.in_features, self.hidden, self.num_classes = in_features, hidden, num_classes
+        self.trained = trained
 
     # -- what the graph holds -------------------------------------------------------------
 
@@ -148,7 +166,8 @@ class WANNMutator(rt.Mutator):
 
     def _connect_layers(self, i: int, src, dst, suffix: str) -> None:
         conn = self.create_node(f"wann_{i}_{suffix}", Connection(
-            self._width(src), self._width(dst), 3 * i + {"in": 1, "out": 2, "add": 3}[suffix]))
+            self._width(src), self._width(dst), 3 * i + {"in": 1, "out": 2, "add": 3}[suffix],
+            **_trained(self.trained)))
         self.connect(src, conn)
         self.connect("weight", conn)
         self.connect(conn, dst)
@@ -188,20 +207,25 @@ class WANNMutator(rt.Mutator):
             i += 1
 
 
-def wann_space(in_features: int, hidden: int, num_classes: int, example: torch.Tensor):
-    """The WANN space from the minimal network; see the module docstring."""
-    return rt.ModelSpace(MinimalNet(in_features, num_classes),
-                         [WANNMutator(in_features, hidden, num_classes)],
+def wann_space(in_features: int, hidden: int, num_classes: int, example: torch.Tensor,
+               trained: bool = False):
+    """The WANN space from the minimal network; see the module docstring. ``trained``: the
+    same architectures (a sample replays to the same topology and masks) with each
+    connection's own trainable weights, as ``nas run wann`` retrains its selection."""
+    return rt.ModelSpace(MinimalNet(in_features, num_classes, trained),
+                         [WANNMutator(in_features, hidden, num_classes, trained)],
                          example_input=example)
 
 
-def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8) -> rt.ModelSpace:
+def small(in_channels: int = 1, num_classes: int = 10, image_size: int = 8,
+          trained: bool = False) -> rt.ModelSpace:
     """64 input pixels, nodes of 16 units."""
     return wann_space(in_channels * image_size ** 2, 16, num_classes,
-                      torch.zeros(1, in_channels, image_size, image_size))
+                      torch.zeros(1, in_channels, image_size, image_size), trained)
 
 
-def paper(in_channels: int = 3, num_classes: int = 10, image_size: int = 32) -> rt.ModelSpace:
+def paper(in_channels: int = 3, num_classes: int = 10, image_size: int = 32,
+          trained: bool = False) -> rt.ModelSpace:
     """The same minimal network on larger images, nodes of 32 units."""
     return wann_space(in_channels * image_size ** 2, 32, num_classes,
-                      torch.zeros(1, in_channels, image_size, image_size))
+                      torch.zeros(1, in_channels, image_size, image_size), trained)

@@ -7,7 +7,9 @@ one-shot search's result, the choice a multi-trial strategy names, as EfficientN
 model, or else a multi-trial search's best model), and retrains it from scratch
 as a second experiment of the same store whose ``origin["nas_retrain"]`` names the search
 experiment and model it retrains; ``retiarii resume`` continues either phase. The recipe is
-the row's paper's, scaled to the digits (:data:`RECIPES`; ``retrain_epochs`` epochs).
+the row's paper's, scaled to the digits (:data:`RECIPES`; ``retrain_epochs`` epochs); a
+recipe may build the same architecture otherwise (:attr:`Recipe.space`: WANN retrains its
+selected topology with each connection's own weights, the paper's "trained weights").
 
 Example::
 
@@ -23,8 +25,8 @@ from typing import Any
 
 from . import nas
 
-__all__ = ["NasResult", "RECIPES", "Recipe", "recipe", "retrain_experiment",
-           "search_and_retrain", "selected_model"]
+__all__ = ["NasResult", "RECIPES", "RETRAIN_SPACES", "Recipe", "recipe", "retrain_experiment",
+           "search_and_retrain", "selected_model", "space_ref"]
 
 DEFAULT_RETRAIN_EPOCHS = 20  # digits: ~23 steps an epoch; 20 epochs reach the floor (0.9)
 
@@ -38,6 +40,10 @@ class Recipe:
     weight_decay: float
     lr_schedule: str | None  # "cosine" as most of these papers
     paper: str  # the paper's own recipe, in a few words
+    # keyword arguments of the row's space builder for the retraining, as (key, value) pairs:
+    # () retrains the searched space's model; WANN's (("trained", True),) gives the same
+    # architecture each connection's own weights (the paper's trained-weights setting)
+    space: tuple = ()
 
     def trainer_settings(self, epochs: int) -> dict:
         return {"optimizer": self.optimizer, "lr": self.lr, "weight_decay": self.weight_decay,
@@ -56,12 +62,50 @@ RECIPES: dict[str, Recipe] = {
                         "SGD lr 20 then ASGD, 8,000 epochs on Penn Treebank (not transferable)"),
     "enas_rnn": Recipe("adam", 3e-3, 0.0, "cosine", "SGD lr 20, Penn Treebank"),
     "textnas": Recipe("adam", 3e-3, 0.0, "cosine", "Adam, text classification"),
-    "wann": Recipe("adam", 3e-3, 0.0, "cosine", "no retraining in the paper (weight sweep)"),
+    # WANN's one parameter is the shared weight: retraining that alone is not the paper's.
+    # Gaier & Ha also report their networks with "trained weights": the same topology, each
+    # connection its own weight, trained by gradient descent (model_spaces/wann.py Connection)
+    "wann": Recipe("adam", 3e-3, 0.0, "cosine",
+                   "the selected topology with trained weights: each connection its own "
+                   "weight, starting at the shared value, trained by gradient descent "
+                   "(the paper's 'trained weights' column)", space=(("trained", True),)),
     # path-level NAS trains its DenseNets as DenseNet-BC does (model_spaces/path_level.py)
     "path_level": Recipe("nesterov", 0.1, 1e-4, "cosine",
                          "SGD, Nesterov momentum 0.9, cosine from 0.1, weight decay 1e-4, "
                          "batch 64 (DenseNet-BC's)"),
 }
+
+
+class _RetrainSpaces:
+    """``RETRAIN_SPACES.<name>.<preset>``: a row's space as its recipe retrains it (its
+    :attr:`Recipe.space` arguments), an import reference workers resolve; built once."""
+
+    def __init__(self, name: str | None = None):
+        self._name, self._built = name, {}
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        if self._name is None:
+            nas.get(attr)  # a clear KeyError for an unknown row
+            return self._built.setdefault(attr, _RetrainSpaces(attr))
+        if attr not in self._built:
+            if attr not in nas.PRESETS:
+                raise AttributeError(f"{self._name} has presets {nas.PRESETS}, not {attr!r}")
+            self._built[attr] = nas.build_space(self._name, attr,
+                                                **dict(recipe(self._name).space))
+        return self._built[attr]
+
+
+RETRAIN_SPACES = _RetrainSpaces()
+
+
+def space_ref(name: str, preset: str) -> str:
+    """The import reference of the space row ``name`` retrains in (its search's unless its
+    recipe builds it otherwise)."""
+    if recipe(name).space:
+        return f"retiarii.nas_retrain:RETRAIN_SPACES.{name}.{preset}"
+    return f"retiarii.nas:SPACES.{name}.{preset}"
 
 
 def recipe(name: str) -> Recipe:
@@ -139,7 +183,7 @@ def retrain_experiment(settings: dict, **kwargs: Any):
                                 **recipe(name).trainer_settings(settings["retrain_epochs"]))
     if settings.get("deterministic"):  # as its search ran (--deterministic)
         kwargs.setdefault("deterministic", True)
-    return Experiment(f"retiarii.nas:SPACES.{name}.{settings['preset']}",
+    return Experiment(space_ref(name, settings["preset"]),
                       FixedArchitecture(settings["sample"], seed=settings["seed"]), trainer,
                       store=settings["store"], workers=settings["workers"],
                       seed=settings["seed"], origin={"nas_retrain": dict(settings)}, **kwargs)
