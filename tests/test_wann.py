@@ -115,3 +115,65 @@ def test_the_wann_row_runs_without_training(tmp_path, monkeypatch):
     for m in models:
         values = json.loads(m["values"])
         assert 0 <= values["val_acc"] <= values["val_acc_max"] <= 1 and values["connections"] > 0
+
+
+# ---- the retraining: the selected topology with trained weights ------------------------------
+GROWN = {"wann/grow0": True, "wann/kind0": "insert_node", "wann/connection0": "conn_out",
+         "wann/act0": "tanh", "wann/grow1": True, "wann/kind1": "add_connection",
+         "wann/pair1": "flatten->out", "wann/grow2": False}
+
+
+def test_trained_connections_start_as_the_weight_agnostic_network_at_every_shared_value():
+    from retiarii import nas_retrain
+
+    agnostic = nas.build_space("wann", "small").build(GROWN)
+    trained = nas_retrain.RETRAIN_SPACES.wann.small.build(GROWN)
+    owns = {n: p for n, p in trained.named_parameters() if n.endswith(".own")}
+    assert set(owns) == {"wann_0_in.own", "wann_0_out.own", "wann_1_add.own"}  # one a connection
+    assert [n for n, _ in agnostic.named_parameters()] == ["weight"]  # the search's: shared only
+    x, _ = _digits(16)
+    for value in SWEEP:
+        with torch.no_grad():
+            agnostic.weight.fill_(value)
+            trained.weight.fill_(value)
+        assert torch.equal(agnostic(x), trained(x))
+
+
+def test_a_step_trains_each_connection_and_absent_connections_stay_absent():
+    from retiarii import nas_retrain
+
+    net = nas_retrain.RETRAIN_SPACES.wann.small.build(GROWN)
+    x, y = _digits(32)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)  # (Adam's first step is lr * sign)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    optimizer.step()
+    conns = [m for m in net.modules() if getattr(m, "trained", False)]
+    assert len(conns) == 3
+    for conn in conns:
+        present = conn.mask > 0
+        assert 0 < present.float().mean() < 1
+        assert torch.all(conn.own.grad[~present] == 0)  # the mask's zeros pass no gradient
+        assert torch.all(conn.own[~present] == 1)  # untouched: absent stays absent
+        assert torch.all((conn.mask * conn.own)[~present] == 0)
+        # the present ones train, each its own way (not one shared value moving)
+        assert (conn.own[present] != 1).float().mean() > 0.5
+        assert conn.own[present].unique().numel() > 10
+
+
+def test_nas_run_wann_retrains_the_selection_with_trained_weights(tmp_path, few_digits,
+                                                                  in_process):
+    from retiarii import nas_retrain
+
+    db = str(tmp_path / "w.db")
+    result = nas_retrain.search_and_retrain(
+        "wann", max_models=3, epochs=1, retrain_epochs=1, store=db, workers=1,
+        options={"population_size": 3, "sample_size": 2})
+    assert 0 <= result.retrained["val_acc"] <= 1
+    with Store(db) as store:
+        store.use_experiment(result.retrain_experiment)
+        config = store.get_experiment()["config"]
+        models = store.models()
+    assert [m["sample"] for m in models] == [result.selected]
+    assert "RETRAIN_SPACES.wann.small" in json.dumps(config)  # the trained-weights space
+    assert nas_retrain.space_ref("nasbench201", "small") == "retiarii.nas:SPACES.nasbench201.small"
+    assert nas_retrain.recipe("wann").space == (("trained", True),)
