@@ -150,10 +150,10 @@ ROWS: tuple[Row, ...] = (
     _row(6, "wann", "Weight Agnostic Networks",
          "evolving: insert node, add connection, change activation", "evolution",
          "Gaier & Ha, NeurIPS 2019", "model_spaces.wann", "WANN",
-         "nodes are layers of 16 units (the paper: single units); no training: each network "
-         "is scored over the shared weights [-2, -1, -0.5, 0.5, 1, 2] (WANNTrainer) and "
-         "ranked by non-dominated fronts over (mean accuracy, connections) in 80% of the "
-         "tournaments, (mean, max accuracy) in 20%, crowding distance within a front"),
+         "nodes: layers of 16 units (the paper: single units); untrained, scored over shared "
+         "weights [-2, -1, -0.5, 0.5, 1, 2] (WANNTrainer), ranked by non-dominated fronts over "
+         "(mean acc, connections) in 80% of the tournaments, (mean, max acc) in 20%, crowding "
+         "distance in a front; retrained as the paper's trained weights: one a connection"),
     _row(7, "path_level", "Path-level NAS",
          "DenseNet-BC tree cells grown by replication and split", "RL",
          "Cai et al., ICML 2018", "model_spaces.path_level", "PathLevelRL",
