@@ -358,22 +358,22 @@ def build_space(name: str, preset: str = "small", **shape: Any):
 
 
 class _Presets:
-    """``SPACES.<name>.<preset>``: the spaces as import references workers can resolve
-    (``"retiarii.nas:SPACES.nasbench201.small"``), each built on first use and cached."""
+    """``SPACES.<name>.<preset>``: spaces as import references workers resolve (``"retiarii.nas:
+    SPACES.nasbench201.small"``), built once; ``options(name)``: a row's extra builder arguments."""
 
-    def __init__(self, name: str | None = None):
-        self._name, self._built = name, {}
+    def __init__(self, name: str | None = None, options: Callable = lambda name: ()):
+        self._name, self._built, self._options = name, {}, options
 
     def __getattr__(self, attr: str):
         if attr.startswith("_"):
             raise AttributeError(attr)
         if self._name is None:
             get(attr)  # a clear KeyError for an unknown row
-            return self._built.setdefault(attr, _Presets(attr))
+            return self._built.setdefault(attr, _Presets(attr, self._options))
         if attr not in self._built:
             if attr not in PRESETS:
                 raise AttributeError(f"{self._name} has presets {PRESETS}, not {attr!r}")
-            self._built[attr] = build_space(self._name, attr)
+            self._built[attr] = build_space(self._name, attr, **dict(self._options(self._name)))
         return self._built[attr]
 
 

@@ -79,28 +79,9 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-class _RetrainSpaces:
-    """``RETRAIN_SPACES.<name>.<preset>``: a row's space as its recipe retrains it (its
-    :attr:`Recipe.space` arguments), an import reference workers resolve; built once."""
-
-    def __init__(self, name: str | None = None):
-        self._name, self._built = name, {}
-
-    def __getattr__(self, attr: str):
-        if attr.startswith("_"):
-            raise AttributeError(attr)
-        if self._name is None:
-            nas.get(attr)  # a clear KeyError for an unknown row
-            return self._built.setdefault(attr, _RetrainSpaces(attr))
-        if attr not in self._built:
-            if attr not in nas.PRESETS:
-                raise AttributeError(f"{self._name} has presets {nas.PRESETS}, not {attr!r}")
-            self._built[attr] = nas.build_space(self._name, attr,
-                                                **dict(recipe(self._name).space))
-        return self._built[attr]
-
-
-RETRAIN_SPACES = _RetrainSpaces()
+# ``RETRAIN_SPACES.<name>.<preset>``: a row's space as its recipe retrains it (its
+# :attr:`Recipe.space` arguments), an import reference workers resolve, as nas.SPACES
+RETRAIN_SPACES = type(nas.SPACES)(options=lambda name: recipe(name).space)
 
 
 def space_ref(name: str, preset: str) -> str:
