@@ -36,7 +36,10 @@ def cmd_nas_show(args) -> int:
         fields.append(("strategy", f"{type(built).__name__}({json.dumps(built.config())})"))
         fields.append(("engine", "one-shot: segments of one super-network (--epochs of them)"
                        if row.one_shot else "multi-trial: each model trained alone"))
-    fields += [("note", row.note), ("stand-in because", row.stand_in),
+        if not row.one_shot:
+            fields.append(("default budget", f"{nas.default_models(row.name)} models with 2 "
+                           f"workers, {nas.default_models(row.name, 1)} with 1 (--max-models)"))
+    fields += [("note", row.note),
                ("presets", ", ".join(p for p, _, _ in row.presets)), ("status", row.status)]
     for name, value in fields:
         if value:
@@ -65,7 +68,7 @@ def cmd_nas_run(args) -> int:
             settings["deterministic"] = True
         exp = nas.experiment(**settings, store=args.store,
                              origin={"nas": {**settings, "retrain_epochs": args.retrain_epochs}},
-                             progress=Progress(args.max_models or nas.MODELS.get(args.name, 8)))
+                             progress=Progress(_models(args.name, args.max_models, args.workers)))
     except (KeyError, nas.RowNotImplemented) as err:
         raise CliError(str(err).strip('"')) from None
     summary = exp.run()
@@ -75,6 +78,15 @@ def cmd_nas_run(args) -> int:
         _retrain(exp.path, exp.store.experiment_id, settings, args.retrain_epochs)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
+
+
+def _models(name: str, max_models: int | None, workers: int) -> int | None:
+    """The models a ``nas run`` search trains (None: a one-shot row's, set by its segments)."""
+    from . import nas
+
+    if max_models or nas.get(name).one_shot:
+        return max_models
+    return nas.default_models(name, workers)
 
 
 def _retrain(store: str, search: int, settings: dict, epochs: int) -> None:
@@ -125,8 +137,9 @@ def resume_nas(recorded: dict, args) -> int:
     try:
         exp = nas.experiment(**recorded, store=args.db,
                              origin={"nas": {**recorded, "retrain_epochs": retrain_epochs}},
-                             progress=Progress(recorded.get("max_models")
-                                               or nas.MODELS.get(recorded["name"], 8)))
+                             progress=Progress(_models(recorded["name"],
+                                                       recorded.get("max_models"),
+                                                       recorded.get("workers") or 2)))
     except (KeyError, nas.RowNotImplemented, ValueError) as err:
         raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
     summary = exp.resume(experiment=getattr(args, "experiment", None))

@@ -5,14 +5,10 @@ mutators plus a strategy. This module is their registry: ``retiarii nas list`` p
 ``retiarii nas run NAME`` searches a row's space on the digits data set through
 :class:`~retiarii.Experiment`. A row whose space is written lives in ``model_spaces/`` (one
 file per space, with a ``small`` preset that trains on 8x8 digits in seconds and a ``paper``
-preset with the published sizes); a row not written yet says so (its status), and running it
-fails with :class:`RowNotImplemented`, never with a half-built space.
-
-Rows whose published strategy shares weights run the one-shot strategy of their paper (or the
-closest one of ``retiarii.strategies`` that takes their space: ``runs_with`` names it, the note
-says what differs) through the engine's one-shot host (docs/weight_sharing.md): one job per
-segment, the models it evaluates and the architecture it selects in the store. A row whose
-space no one-shot strategy takes keeps a multi-trial stand-in; its ``stand_in`` says why.
+preset with the published sizes). Rows whose published strategy shares weights run their
+paper's one-shot strategy (``runs_with``) through the engine's one-shot host
+(docs/weight_sharing.md): one job per segment, the models it evaluates and the architecture it
+selects in the store.
 
 Example::
 
@@ -65,8 +61,6 @@ class Row:
     # keyword arguments of the `runs_with` strategy as (key, value) pairs (evolving spaces
     # start from their base model: ("initial", "base"))
     options: tuple = ()
-    # a weight-sharing paper run by a multi-trial stand-in: why no one-shot strategy runs it
-    stand_in: str = ""
     # what differs from the paper's method or space in a few words; "" when the row runs the
     # paper's method on the paper's space (at the reduced scale its presets state)
     variant: str = ""
@@ -85,11 +79,9 @@ class Row:
 
 
 def _row(number, name, title, space, strategy, paper, module=None, runs_with=None, note="",
-         presets: dict | None = None, options: dict | None = None, stand_in: str = "",
-         variant: str = "") -> Row:
+         presets: dict | None = None, options: dict | None = None, variant: str = "") -> Row:
     row = Row(number, name, title, space, strategy, paper, module, runs_with, note,
-              options=tuple(sorted((options or {}).items())), stand_in=stand_in,
-              variant=variant)
+              options=tuple(sorted((options or {}).items())), variant=variant)
     if presets:
         row = dataclasses.replace(row, presets=tuple(
             (preset, fn, tuple(sorted(kwargs.items()))) for preset, (fn, kwargs) in
@@ -389,13 +381,26 @@ _LAUNCHER = {
     "SPOS": {"search_population": 8, "search_generations": 3, "eval_batches": 2},
     "FairNAS": {"search_population": 8, "search_generations": 3, "eval_batches": 2},
     "ENAS": {"controller_steps": 20},
-    # a population that an 8-model default budget leaves
+    # populations that the default budgets (default_models) leave room to evolve
     "RegularizedEvolution": {"population_size": 8, "sample_size": 3},
     "HierarchicalEvolution": {"population_size": 8, "sample_size": 3},
-    "WANN": {"population_size": 8, "sample_size": 3},
+    "WANN": {"population_size": 16, "sample_size": 4},
 }
 
-MODELS = {"efficientnet": 10, "pnas": 20}  # > 8 models: 2 B0s + 8 grid points; 5 levels of K=4 blocks
+# Budgets set by the method: 2 B0s + 8 grid points; 5 levels of K=4; 8 WANN generations
+MODELS = {"efficientnet": 10, "pnas": 20, "wann": 128}
+
+
+def default_models(name: str, workers: int = 2, batch_models: int = 8) -> int:
+    """A multi-trial row's default ``max_models``: :data:`MODELS`, else twice (at least 8) what
+    its strategy draws before it learns (experiment_checks.startup_need): half of the models
+    are its method's choices, not a random search's."""
+    from .engine.driver.experiment_checks import startup_need
+
+    need = startup_need(strategy(name), workers, batch_models) or 4
+    return MODELS.get(name, max(8, 2 * need))
+
+
 # Rows whose paper steps the architecture on a split of the training data (the validation
 # split stays the reported result): their search trains with retiarii.arch_split's trainer
 ARCH_SPLIT = {"darts", "darts_rnn"}
@@ -404,8 +409,7 @@ ARCH_SPLIT = {"darts", "darts_rnn"}
 WEIGHT_AGNOSTIC = {"WANN": (("val_acc", "connections", "val_acc_max"), ("max", "min", "max"))}
 
 
-# Row.runs_with of the rows that run a one-shot strategy (through the engine's one-shot host):
-# the class names of the registry's one-shot strategies
+# the registry's one-shot strategies (Row.runs_with of the rows the one-shot host runs)
 ONE_SHOT = tuple(e.class_name for e in registry.ONE_SHOT.values())
 
 
@@ -441,8 +445,8 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
     Args:
         name: a row name (``retiarii nas list``).
         preset: ``"small"`` (trains in seconds) or ``"paper"`` (the published sizes: slow).
-        max_models: multi-trial rows: models to train (default 8, :data:`MODELS`). A one-shot row's segments
-            decide how many models it evaluates: giving it is an error.
+        max_models: multi-trial rows: models to train (default :func:`default_models`). A
+            one-shot row's segments decide how many models it evaluates: giving it is an error.
         epochs: epochs per model (multi-trial), or segments of the search (one-shot).
         workers, seed: worker processes; seed of the strategy and the trials.
         store: the SQLite file (default ``runs/nas-{name}-{preset}.db``).
@@ -462,7 +466,9 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
                          f"whose segments (epochs={epochs}) decide how many models it "
                          f"evaluates; leave max_models out")
     if not row.one_shot:
-        kwargs["max_models"] = MODELS.get(name, 8) if max_models is None else max_models
+        in_job = kwargs.get("batch_models", 8) if kwargs.get("optimize", 1) else 1
+        kwargs["max_models"] = default_models(name, workers, in_job) if max_models is None \
+            else max_models
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
     # the paper's optimizer family where the space module states it (path_level: Nesterov SGD)
     recipe = getattr(importlib.import_module(row.module), "TRAINER", {})
@@ -486,11 +492,9 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
 
 def runs(row: Row) -> str:
     """What the strategy column says runs: ``"RL (PolicyBasedRL)"``, ``"differentiable (DARTS,
-    one-shot)"``, or for a stand-in ``"... -> RegularizedEvolution (multi-trial stand-in)"``."""
+    one-shot)"``."""
     if not row.runs_with:
         return row.strategy
-    if row.stand_in:
-        return f"{row.strategy} -> {row.runs_with} (multi-trial stand-in)"
     return f"{row.strategy} ({row.runs_with}{', one-shot' if row.one_shot else ''})"
 
 

@@ -187,3 +187,35 @@ def test_the_start_up_of_each_learning_strategy_is_named():
     assert budget_warning(rt.strategies.TPE(n_startup=10), 11, 1, 1) is None
     assert budget_warning(rt.strategies.Random(seed=0), 1, 4, 8) is None  # never learns
     assert budget_warning(rt.strategies.TPE(n_startup=10), None, 1, 1) is None  # no budget
+
+
+def test_every_multi_trial_nas_row_runs_its_method_at_its_default_budget(tmp_path, capsys):
+    """The launcher's default budget passes each row's start-up (issue #31: at a flat 8 models,
+    13 of the 15 multi-trial rows drew every model before learning from one, a random
+    search), with half of the models left to the method."""
+    from retiarii import nas
+    from retiarii.engine.driver.experiment_checks import budget_warning, startup_need
+
+    # hand-computed: amoebanet's population of 8 and 2 workers x 8 models a job -> 16 drawn
+    # before the first result, 32 by default; 1 worker -> 8 and 16; optimize=False, one
+    # model a job: its population alone -> 16
+    assert nas.default_models("amoebanet") == 32 and nas.default_models("amoebanet", 1) == 16
+    assert nas.default_models("amoebanet", 1, 1) == 16
+    # chamnet's 4 random models: 8 at least
+    assert nas.default_models("chamnet", 1, 1) == 8 and nas.default_models("chamnet", 2) == 32
+    assert nas.default_models("pnas") == 20  # set by its method: 5 levels of K=4
+    for row in nas.ROWS:
+        if row.one_shot:
+            continue
+        for workers, in_job in ((1, 1), (1, 8), (2, 8), (4, 8)):
+            budget = nas.default_models(row.name, workers, in_job)
+            strategy = nas.strategy(row.name)
+            assert budget_warning(strategy, budget, workers, in_job) is None, row.name
+            need = startup_need(strategy, workers, in_job)
+            assert need is None or budget - need >= need or row.name in nas.MODELS, row.name
+    # nas.experiment takes it, and `nas show` states it
+    exp = nas.experiment("amoebanet", workers=1, store=str(tmp_path / "a.db"),
+                         executor=InProcessExecutor())
+    assert exp.max_models == 16
+    assert cli.main(["nas", "show", "amoebanet"]) == 0
+    assert "default budget:      32 models with 2 workers, 16 with 1" in capsys.readouterr().out

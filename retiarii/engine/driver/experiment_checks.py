@@ -156,18 +156,24 @@ class BudgetWarning(UserWarning):
     """A budget the search spends before its strategy learns anything: a random search."""
 
 
+def startup_need(strategy, workers: int, in_job: int) -> int | None:
+    """How many models ``strategy`` draws before it learns from a result: the larger of its
+    random start-up (its population, its random trials) and the ``workers`` x ``in_job``
+    models proposed before any result comes back; None for a strategy without a start-up
+    (grid, random, one-shot)."""
+    startup = getattr(strategy, "random_startup", lambda: None)()
+    return None if startup is None else max(startup[0], workers * in_job)
+
+
 def budget_warning(strategy, max_models: int | None, workers: int, in_job: int) -> str | None:
     """What to warn when ``max_models`` does not pass ``strategy``'s random start-up (its
     population, its random start-up trials) or the first batch of models proposed before any
     result comes back (``workers`` x ``in_job`` models a job trains), else None."""
-    startup = getattr(strategy, "random_startup", lambda: None)()
-    if startup is None or max_models is None:
+    need = startup_need(strategy, workers, in_job)
+    if need is None or max_models is None or max_models > need:
         return None
-    own, why = startup
+    own, why = strategy.random_startup()
     first = workers * in_job
-    need = max(own, first)
-    if max_models > need:
-        return None
     parts = [f"{why} random models" if own else None,
              f"{first} models proposed before the first result ({workers} workers x {in_job} "
              f"per job)" if first >= own else None]
