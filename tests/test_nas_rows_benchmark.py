@@ -32,3 +32,16 @@ def test_the_image_rows_leave_out_the_sequence_rows_only():
     names = {r.name for r in nas.ROWS}
     assert set(nas_rows.SEQUENCE_ROWS) <= names
     assert len(names) - len(nas_rows.SEQUENCE_ROWS) == 24
+
+
+def test_the_pooled_sign_test_counts_pairs_and_gives_the_exact_binomial_p():
+    rows = [row("a", 0, 0.95, 0.90), row("a", 1, 0.93, 0.96), row("b", 0, 0.99, 0.99),
+            row("c", 0, "0.97", "0.96"), row("d", 0, None, 0.9)]
+    got = nas_rows.sign_test(rows)
+    # 2 wins, 1 loss, 1 tie: P(X <= 1) for X ~ B(3, 1/2) is 4/8, doubled: 1
+    assert got == {"pairs": 4, "wins": 2, "ties": 1, "losses": 1, "p": 1.0}
+    # 9 wins of 10: 2 * (1 + 10) / 1024
+    ten = [row("r", i, 0.99, 0.98) for i in range(9)] + [row("r", 9, 0.97, 0.98)]
+    assert abs(nas_rows.sign_test(ten)["p"] - 22 / 1024) < 1e-15
+    assert nas_rows.sign_test([row("t", 0, 0.9, 0.9)]) == {"pairs": 1, "wins": 0, "ties": 1,
+                                                            "losses": 0, "p": 1.0}
