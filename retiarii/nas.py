@@ -145,7 +145,7 @@ ROWS: tuple[Row, ...] = (
          "nodes: layers of 16 units (the paper: single units); untrained, scored over shared "
          "weights [-2, -1, -0.5, 0.5, 1, 2] (WANNTrainer), ranked by non-dominated fronts over "
          "(mean acc, connections) in 80% of the tournaments, (mean, max acc) in 20%, crowding "
-         "distance in a front; retrained as the paper's trained weights: one a connection"),
+         "distance in a front; retrained as trained weights, one a connection; population 16"),
     _row(7, "path_level", "Path-level NAS",
          "DenseNet-BC tree cells grown by replication and split", "RL",
          "Cai et al., ICML 2018", "model_spaces.path_level", "PathLevelRL",
@@ -169,7 +169,7 @@ ROWS: tuple[Row, ...] = (
          "shape, changed layers fresh (RegularizedEvolution(inherit=True), "
          "engine/trainers/inheritance.py); the paper's selection: two members drawn, the "
          "worse killed, the better's child joins (RegularizedEvolution(kill=\"worse\", "
-         "sample_size=2)). Scale: a population of 8, the launcher's budget (the paper: "
+         "sample_size=2)). Scale: a population of 8 and as many children (the paper: "
          "1000, 250 workers, 25,600 steps per child); the identity and reset-weights "
          "mutations are left out (an identity would repeat its parent, which the engine "
          "does not retrain)",
@@ -393,19 +393,16 @@ MODELS = {"efficientnet": 10, "pnas": 20, "wann": 128}
 
 def default_models(name: str, workers: int = 2, batch_models: int = 8) -> int:
     """A multi-trial row's default ``max_models``: :data:`MODELS`, else twice (at least 8) what
-    its strategy draws before it learns (experiment_checks.startup_need): half of the models
-    are its method's choices, not a random search's."""
+    its strategy draws before it learns (``startup_need``): half of them the method's choices."""
     from .engine.driver.experiment_checks import startup_need
 
     need = startup_need(strategy(name), workers, batch_models) or 4
     return MODELS.get(name, max(8, 2 * need))
 
 
-# Rows whose paper steps the architecture on a split of the training data (the validation
-# split stays the reported result): their search trains with retiarii.arch_split's trainer
+# Rows whose architecture steps on a split of the training data (retiarii.arch_split)
 ARCH_SPLIT = {"darts", "darts_rnn"}
-# Strategies whose models are scored without training (WANN: over a sweep of shared weight
-# values, retiarii/weight_agnostic.py), with the objectives they rank by: (metrics, modes)
+# Strategies scoring untrained models (retiarii/weight_agnostic.py): (metrics, modes) they rank by
 WEIGHT_AGNOSTIC = {"WANN": (("val_acc", "connections", "val_acc_max"), ("max", "min", "max"))}
 
 
@@ -491,14 +488,12 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
 
 
 def runs(row: Row) -> str:
-    """What the strategy column says runs: ``"RL (PolicyBasedRL)"``, ``"differentiable (DARTS,
-    one-shot)"``."""
+    """What the strategy column says runs: ``"RL (PolicyBasedRL)"``, ``"... (DARTS, one-shot)"``."""
     if not row.runs_with:
         return row.strategy
     return f"{row.strategy} ({row.runs_with}{', one-shot' if row.one_shot else ''})"
 
 
 def table() -> list[list[str]]:
-    """The rows as ``[number, name, space, strategy, paper, status]`` strings; the strategy
-    column says what runs here (see :func:`runs`)."""
+    """The rows as ``[number, name, space, strategy (what runs: runs()), paper, status]``."""
     return [[str(r.number), r.name, r.space, runs(r), r.paper, r.status] for r in ROWS]
