@@ -66,9 +66,11 @@ def cmd_nas_run(args) -> int:
                     "epochs": args.epochs, "workers": args.workers, "seed": args.seed}
         if args.deterministic:  # recorded only when on: resume rebuilds from these settings
             settings["deterministic"] = True
+        progress = Progress(None)
         exp = nas.experiment(**settings, store=args.store,
                              origin={"nas": {**settings, "retrain_epochs": args.retrain_epochs}},
-                             progress=Progress(_models(args.name, args.max_models, args.workers)))
+                             progress=progress)
+        progress.total = exp.max_models  # the row's default budget unless --max-models
     except (KeyError, nas.RowNotImplemented) as err:
         raise CliError(str(err).strip('"')) from None
     summary = exp.run()
@@ -78,15 +80,6 @@ def cmd_nas_run(args) -> int:
         _retrain(exp.path, exp.store.experiment_id, settings, args.retrain_epochs)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
-
-
-def _models(name: str, max_models: int | None, workers: int) -> int | None:
-    """The models a ``nas run`` search trains (None: a one-shot row's, set by its segments)."""
-    from . import nas
-
-    if max_models or nas.get(name).one_shot:
-        return max_models
-    return nas.default_models(name, workers)
 
 
 def _retrain(store: str, search: int, settings: dict, epochs: int) -> None:
@@ -135,11 +128,11 @@ def resume_nas(recorded: dict, args) -> int:
         raise CliError("--executor ray: `retiarii nas run` searches on local workers; leave it "
                        "out")
     try:
+        progress = Progress(None)
         exp = nas.experiment(**recorded, store=args.db,
                              origin={"nas": {**recorded, "retrain_epochs": retrain_epochs}},
-                             progress=Progress(_models(recorded["name"],
-                                                       recorded.get("max_models"),
-                                                       recorded.get("workers") or 2)))
+                             progress=progress)
+        progress.total = exp.max_models
     except (KeyError, nas.RowNotImplemented, ValueError) as err:
         raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
     summary = exp.resume(experiment=getattr(args, "experiment", None))

@@ -396,8 +396,9 @@ def default_models(name: str, workers: int = 2, batch_models: int = 8) -> int:
     its strategy draws before it learns (``startup_need``): half of them the method's choices."""
     from .engine.driver.experiment_checks import startup_need
 
-    need = startup_need(strategy(name), workers, batch_models) or 4
-    return MODELS.get(name, max(8, 2 * need))
+    if name in MODELS:
+        return MODELS[name]
+    return max(8, 2 * (startup_need(strategy(name), workers, batch_models) or 0))
 
 
 # Rows whose architecture steps on a split of the training data (retiarii.arch_split)
@@ -462,10 +463,7 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
         raise ValueError(f"max_models={max_models}: {name} runs the one-shot {row.runs_with}, "
                          f"whose segments (epochs={epochs}) decide how many models it "
                          f"evaluates; leave max_models out")
-    if not row.one_shot:
-        in_job = kwargs.get("batch_models", 8) if kwargs.get("optimize", 1) else 1
-        kwargs["max_models"] = default_models(name, workers, in_job) if max_models is None \
-            else max_models
+    kwargs["max_models"] = max_models  # None for a one-shot row (refused above otherwise)
     ref = f"retiarii.nas:SPACES.{name}.{preset}"
     # the paper's optimizer family where the space module states it (path_level: Nesterov SGD)
     recipe = getattr(importlib.import_module(row.module), "TRAINER", {})
@@ -483,8 +481,11 @@ def experiment(name: str, preset: str = "small", max_models: int | None = None,
         from .arch_split import ArchSplitTrainer
 
         trainer = ArchSplitTrainer(dataset="digits", epochs=epochs)
-    return Experiment(ref, strategy(name, seed, epochs, options), trainer,
-                      store=store, workers=workers, seed=seed, **kwargs)
+    exp = Experiment(ref, strategy(name, seed, epochs, options), trainer,
+                     store=store, workers=workers, seed=seed, **kwargs)
+    if not row.one_shot and max_models is None:  # as many models a job as the engine trains
+        exp.max_models = default_models(name, workers, exp.batch_models if exp.optimize else 1)
+    return exp
 
 
 def runs(row: Row) -> str:
