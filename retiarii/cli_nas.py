@@ -51,7 +51,7 @@ def cmd_nas_run(args) -> int:
     from . import nas
 
     for value, flag in ((args.max_models, "--max-models"), (args.epochs, "--epochs"),
-                        (args.workers, "--workers")):
+                        (args.workers, "--workers"), (args.retrain_seeds, "--retrain-seeds")):
         positive_flag(value, flag)
     if args.retrain_epochs < 0:
         raise CliError(f"--retrain-epochs {args.retrain_epochs}: give the epochs of the "
@@ -67,9 +67,11 @@ def cmd_nas_run(args) -> int:
         if args.deterministic:  # recorded only when on: resume rebuilds from these settings
             settings["deterministic"] = True
         progress = Progress(None)
+        retrain = {"retrain_epochs": args.retrain_epochs}
+        if args.retrain_seeds > 1:  # recorded only when asked, as the retraining records it
+            retrain["retrain_seeds"] = args.retrain_seeds
         exp = nas.experiment(**settings, store=args.store,
-                             origin={"nas": {**settings, "retrain_epochs": args.retrain_epochs}},
-                             progress=progress)
+                             origin={"nas": {**settings, **retrain}}, progress=progress)
         progress.total = exp.max_models  # the row's default budget unless --max-models
     except (KeyError, nas.RowNotImplemented) as err:
         raise CliError(str(err).strip('"')) from None
@@ -77,22 +79,26 @@ def cmd_nas_run(args) -> int:
     print(file=sys.stderr)
     print_best(summary)
     if args.retrain_epochs:
-        _retrain(exp.path, exp.store.experiment_id, settings, args.retrain_epochs)
+        _retrain(exp.path, exp.store.experiment_id, settings, args.retrain_epochs,
+                 args.retrain_seeds)
     print(f"\nstore: {exp.path}   (retiarii status {exp.path})")
     return 0
 
 
-def _retrain(store: str, search: int, settings: dict, epochs: int) -> None:
-    """The second phase of ``nas run``: the selected architecture retrained from scratch."""
+def _retrain(store: str, search: int, settings: dict, epochs: int, runs: int = 1) -> None:
+    """The second phase of ``nas run``: the selected architecture retrained from scratch
+    (``runs`` times: --retrain-seeds)."""
     from . import nas_retrain
 
-    print(f"\nretraining the selected architecture from scratch for {epochs} epochs "
+    times = f", {runs} runs" if runs > 1 else ""
+    print(f"\nretraining the selected architecture from scratch for {epochs} epochs{times} "
           f"({nas_retrain.recipe(settings['name']).optimizer}, the row's recipe)", file=sys.stderr)
     try:
         result = nas_retrain.retrain_selected(
             store, search, settings["name"], settings["preset"], epochs,
             settings.get("workers") or 2, settings.get("seed", 0),
-            deterministic=bool(settings.get("deterministic")), progress=Progress(None))
+            deterministic=bool(settings.get("deterministic")), retrain_seeds=runs,
+            progress=Progress(None))
     except ValueError as err:
         raise CliError(str(err)) from None
     print(file=sys.stderr)
@@ -118,6 +124,8 @@ def resume_nas(recorded: dict, args) -> int:
     from . import nas
 
     retrain_epochs = recorded.pop("retrain_epochs", 0)
+    runs = recorded.pop("retrain_seeds", 1)
+    retrain = {"retrain_epochs": retrain_epochs, **({"retrain_seeds": runs} if runs > 1 else {})}
     if args.workers:
         recorded["workers"] = args.workers
     if args.max_models:
@@ -130,8 +138,7 @@ def resume_nas(recorded: dict, args) -> int:
     try:
         progress = Progress(None)
         exp = nas.experiment(**recorded, store=args.db,
-                             origin={"nas": {**recorded, "retrain_epochs": retrain_epochs}},
-                             progress=progress)
+                             origin={"nas": {**recorded, **retrain}}, progress=progress)
         progress.total = exp.max_models
     except (KeyError, nas.RowNotImplemented, ValueError) as err:
         raise CliError(f"{args.db}: {str(err).strip(chr(34))}") from None
@@ -139,7 +146,7 @@ def resume_nas(recorded: dict, args) -> int:
     print(file=sys.stderr)
     print_best(summary)
     if retrain_epochs:  # the search is done now: its retraining follows, as in `nas run`
-        _retrain(exp.path, exp.store.experiment_id, recorded, retrain_epochs)
+        _retrain(exp.path, exp.store.experiment_id, recorded, retrain_epochs, runs)
     return 0
 
 
@@ -159,7 +166,8 @@ def add_nas_parser(sub) -> None:
     nas_run.add_argument("--preset", choices=("small", "paper"), default="small",
                          help="small (trains in seconds, default) or paper (published sizes)")
     nas_run.add_argument("--max-models", type=int, default=None,
-                         help="models to train (default 8, efficientnet 10; not for one-shot rows)")
+                         help="models to train (default: the row's, twice what its strategy "
+                              "draws before it learns: `nas show NAME`; not for one-shot rows)")
     nas_run.add_argument("--epochs", type=int, default=2,
                          help="epochs per model, or a one-shot row's segments (default 2)")
     nas_run.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -170,6 +178,9 @@ def add_nas_parser(sub) -> None:
                          help="then retrain the selected architecture from scratch for this "
                               "many epochs with the row's recipe, as a second experiment of "
                               "the store (default 20; 0: search only)")
+    nas_run.add_argument("--retrain-seeds", type=int, default=1,
+                         help="independent runs of the retraining (seeds SEED, SEED+1, ...), "
+                              "reported as mean ± sd (default 1)")
     nas_run.add_argument("--deterministic", action="store_true",
                          help="deterministic kernels in every worker, as for `run`")
     nas_run.set_defaults(fn=cmd_nas_run)

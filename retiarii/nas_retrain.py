@@ -26,7 +26,7 @@ from typing import Any
 from . import nas
 
 __all__ = ["NasResult", "RECIPES", "RETRAIN_SPACES", "Recipe", "recipe", "retrain_experiment",
-           "search_and_retrain", "selected_model", "space_ref"]
+           "run_metrics", "search_and_retrain", "selected_model", "space_ref"]
 
 DEFAULT_RETRAIN_EPOCHS = 20  # digits: ~23 steps an epoch; 20 epochs reach the floor (0.9)
 
@@ -110,13 +110,24 @@ class NasResult:
     search_models: int  # models it trained or evaluated
     selected: dict  # the sample it selected
     search_value: float | None  # the selected model's metric in the search
-    retrained: dict  # the retrained model's last metrics (val_acc, val_loss...)
+    retrained: dict  # the retrained model's last metrics (val_acc, val_loss...); runs: mean
     retrain_epochs: int
     metric: str = "val_acc"
+    runs: list = dataclasses.field(default_factory=list)  # each retraining run's last metrics
+
+    def spread(self, metric: str | None = None) -> float | None:
+        """The sample standard deviation of ``metric`` (default :attr:`metric`) over the
+        retraining runs; None with fewer than 2."""
+        import statistics
+
+        values = [r[metric or self.metric] for r in self.runs if (metric or self.metric) in r]
+        return statistics.stdev(values) if len(values) > 1 else None
 
     def line(self) -> str:
         value = self.retrained.get(self.metric)
         shown = f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+        if self.spread() is not None:
+            shown += f" ± {self.spread():.4f} (mean ± sd of {len(self.runs)} runs)"
         return (f"{self.name}: search {self.search_seconds:.0f} s, {self.search_models} models "
                 f"(experiment {self.search_experiment}); retrained from scratch "
                 f"{self.retrain_epochs} epochs (experiment {self.retrain_experiment}): "
@@ -156,7 +167,8 @@ def selected_model(store: str, experiment: int) -> tuple[int, dict, float | None
 
 def retrain_experiment(settings: dict, **kwargs: Any):
     """The experiment retraining the selected model of ``settings`` (its keys: name, preset,
-    store, search_experiment, model, sample, retrain_epochs, workers, seed; kept as
+    store, search_experiment, model, sample, retrain_epochs, workers, seed, and optionally
+    retrain_seeds: independent runs, seeds seed, seed + 1, ...; kept as
     ``origin["nas_retrain"]``) from scratch with the row's recipe."""
     from .engine.driver.experiment import Experiment
     from .engine.trainers.trainer import ClassifierTrainer
@@ -167,8 +179,12 @@ def retrain_experiment(settings: dict, **kwargs: Any):
                                 **recipe(name).trainer_settings(settings["retrain_epochs"]))
     if settings.get("deterministic"):  # as its search ran (--deterministic)
         kwargs.setdefault("deterministic", True)
+    runs = int(settings.get("retrain_seeds", 1))
+    if runs > 1:  # the same architecture trained `runs` times: each run a model of its own
+        kwargs.setdefault("dedup", False)
     return Experiment(space_ref(name, settings["preset"]),
-                      FixedArchitecture(settings["sample"], seed=settings["seed"]), trainer,
+                      FixedArchitecture(settings["sample"], repeats=runs,
+                                        seed=settings["seed"]), trainer,
                       store=settings["store"], workers=settings["workers"],
                       seed=settings["seed"], origin={"nas_retrain": dict(settings)}, **kwargs)
 
@@ -183,6 +199,27 @@ def _search_cost(store: str, experiment: int) -> tuple[float, int]:
     return float(exp["updated"] - exp["created"]), int(count)
 
 
+def run_metrics(store: str, experiment: int) -> list[dict]:
+    """Each finished run of retrain ``experiment`` of ``store`` (one per ``retrain_seeds``),
+    its last epoch's val_acc, val_loss and train_loss; a run that failed is no result."""
+    from .engine.storage.store import Store
+    from .enums import TrialState
+
+    runs = []
+    with Store(store) as db:
+        db.use_experiment(experiment)
+        for trial in db.trials(states=[TrialState.TERMINATED]):
+            metrics = {}
+            for metric in ("val_acc", "val_loss", "train_loss"):
+                curve = [v for _, v in db.learning_curve(trial["id"], metric)
+                         if isinstance(v, (int, float))]
+                if curve:
+                    metrics[metric] = curve[-1]
+            if metrics:
+                runs.append(metrics)
+    return runs
+
+
 def finish(settings: dict, retrain_summary: dict | None = None) -> NasResult:
     """The :class:`NasResult` of a retrain phase whose experiment has run (``settings``: its
     ``origin["nas_retrain"]``)."""
@@ -194,30 +231,29 @@ def finish(settings: dict, retrain_summary: dict | None = None) -> NasResult:
                if (e["config"].get("origin") or {}).get("nas_retrain", {}).get(
                    "search_experiment") == settings["search_experiment"]]
         retrain_id = ids[-1]
-        db.use_experiment(retrain_id)
-        trials = db.trials()
-        metrics = {}
-        for metric in ("val_acc", "val_loss", "train_loss"):  # the last epoch's
-            curve = [v for _, v in db.learning_curve(trials[-1]["id"], metric)
-                     if v is not None] if trials else []
-            if curve:
-                metrics[metric] = curve[-1]
+    runs = run_metrics(settings["store"], retrain_id)
+    mean = {k: sum(r[k] for r in runs) / len(runs) for k in (runs[0] if runs else {})
+            if all(k in r for r in runs)}
     return NasResult(settings["name"], settings["store"], settings["search_experiment"],
                      retrain_id, seconds, models, settings["sample"], settings.get("value"),
-                     {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-                     settings["retrain_epochs"])
+                     mean, settings["retrain_epochs"], runs=runs)
 
 
 def retrain_selected(store: str, search_experiment: int, name: str, preset: str = "small",
                      retrain_epochs: int = DEFAULT_RETRAIN_EPOCHS, workers: int = 2,
-                     seed: int = 0, deterministic: bool = False, **kwargs: Any) -> NasResult:
+                     seed: int = 0, deterministic: bool = False, retrain_seeds: int = 1,
+                     **kwargs: Any) -> NasResult:
     """Retrain what search ``search_experiment`` of ``store`` selected, then report both
-    (``deterministic``: in deterministic mode, as the search ran)."""
+    (``deterministic``: in deterministic mode, as the search ran; ``retrain_seeds``:
+    independent runs of the retraining, reported as their mean and spread)."""
+    _check_runs(retrain_seeds)
     model_id, sample, value = selected_model(store, search_experiment)
     settings = {"name": name, "preset": preset, "store": store,
                 "search_experiment": search_experiment, "model": model_id, "sample": sample,
                 "value": value, "retrain_epochs": retrain_epochs, "workers": workers,
                 "seed": seed}
+    if retrain_seeds > 1:  # recorded only when asked: older stores resume as they ran
+        settings["retrain_seeds"] = retrain_seeds
     if deterministic:  # recorded only when on: a resume rebuilds from these settings
         settings["deterministic"] = True
     exp = retrain_experiment(settings, **kwargs)
@@ -225,11 +261,17 @@ def retrain_selected(store: str, search_experiment: int, name: str, preset: str 
     return finish(settings, summary)
 
 
+def _check_runs(retrain_seeds: Any) -> None:
+    if isinstance(retrain_seeds, bool) or not isinstance(retrain_seeds, int) or retrain_seeds < 1:
+        raise ValueError(f"retrain_seeds={retrain_seeds!r}: give the number of independent "
+                         f"retraining runs (1 or more)")
+
+
 def search_and_retrain(name: str, preset: str = "small", max_models: int | None = None,
                        epochs: int = 2, retrain_epochs: int = DEFAULT_RETRAIN_EPOCHS,
                        store: str | None = None, workers: int = 2, seed: int = 0,
                        options: dict | None = None, retrain_kwargs: dict | None = None,
-                       **kwargs: Any) -> NasResult:
+                       retrain_seeds: int = 1, **kwargs: Any) -> NasResult:
     """Search row ``name`` (as :func:`retiarii.nas.experiment`), then retrain its selection from
     scratch for ``retrain_epochs`` with the row's :func:`recipe`, in the same store.
 
@@ -237,19 +279,25 @@ def search_and_retrain(name: str, preset: str = "small", max_models: int | None 
         name, preset, max_models, epochs, workers, seed, options: the search's, as for
             :func:`retiarii.nas.experiment`.
         retrain_epochs: epochs of the retraining (default 20).
+        retrain_seeds: independent runs of the retraining (seeds ``seed``, ``seed + 1``...),
+            reported as their mean (:attr:`NasResult.retrained`) and spread
+            (:meth:`NasResult.spread`), as the papers report a retrained cell; on the digits
+            one run's val_acc moves by about 2 images of 359 from seed to seed.
         store: the SQLite file holding both phases (default ``runs/nas-{name}-{preset}.db``).
         retrain_kwargs: passed to the retrain's :class:`~retiarii.Experiment` (``executor``...).
         kwargs: passed to the search's :class:`~retiarii.Experiment`.
 
     Raises:
-        ValueError: ``retrain_epochs`` below 1; what :func:`retiarii.nas.experiment` raises.
+        ValueError: ``retrain_epochs`` or ``retrain_seeds`` below 1; what
+            :func:`retiarii.nas.experiment` raises.
     """
     if retrain_epochs < 1:
         raise ValueError(f"retrain_epochs must be at least 1, got {retrain_epochs}")
+    _check_runs(retrain_seeds)
     store = store or f"runs/nas-{name}-{preset}.db"
     exp = nas.experiment(name, preset, max_models, epochs, store, workers, seed, options,
                          **kwargs)
     exp.run()
     return retrain_selected(exp.path, exp.store.experiment_id, name, preset, retrain_epochs,
                             workers, seed, deterministic=bool(kwargs.get("deterministic")),
-                            **(retrain_kwargs or {}))
+                            retrain_seeds=retrain_seeds, **(retrain_kwargs or {}))

@@ -239,3 +239,52 @@ def test_the_retrained_selection_meets_the_floor_on_digits(name, search, tmp_pat
     result = nas_retrain.search_and_retrain(name, store=str(tmp_path / f"{name}.db"),
                                             retrain_epochs=20, workers=2, **search)
     assert result.retrained["val_acc"] >= 0.9, result.line()
+
+
+# ---- independent runs of the retraining (--retrain-seeds) ----------------------------------
+
+def test_a_retraining_of_several_runs_is_the_mean_of_runs_that_a_single_run_gives(
+        tmp_path, few_digits, in_process, capsys):
+    """Run k of ``retrain_seeds=R`` is bit for bit the one-run retraining at seed + k, and the
+    reported figure is the runs' mean; the CLI prints mean ± sd and a resume keeps R."""
+    db = str(tmp_path / "nb.db")
+    nas.experiment("nasbench201", max_models=2, epochs=1, store=db, workers=1).run()
+    three = nas_retrain.retrain_selected(db, 1, "nasbench201", retrain_epochs=2, workers=1,
+                                         seed=5, retrain_seeds=3)
+    singles = [nas_retrain.retrain_selected(db, 1, "nasbench201", retrain_epochs=2, workers=1,
+                                            seed=5 + k).retrained for k in range(3)]
+    for run, single in zip(three.runs, singles):  # each run as its own one-run retraining
+        assert (run["val_acc"], run["val_loss"]) == (single["val_acc"], single["val_loss"])
+        # (the runs train in one grouped job, whose summed float32 training loss may round
+        # its last bits otherwise than a job of one model in a one-thread process)
+        assert run["train_loss"] == pytest.approx(single["train_loss"], rel=1e-6)
+    assert len({r["val_loss"] for r in three.runs}) == 3  # seeds that differ, runs that do
+    for metric in ("val_acc", "val_loss", "train_loss"):
+        assert three.retrained[metric] == pytest.approx(sum(r[metric] for r in singles) / 3)
+    values = [r["val_loss"] for r in singles]
+    mean = sum(values) / 3
+    assert three.spread("val_loss") == pytest.approx(
+        (sum((v - mean) ** 2 for v in values) / 2) ** 0.5)
+    assert "(mean ± sd of 3 runs)" in three.line()
+    assert nas_retrain.NasResult("x", db, 1, 2, 0.0, 1, {}, None, {"val_acc": 1.0}, 2,
+                                 runs=[{"val_acc": 1.0}]).spread() is None
+    with Store(db) as store:  # the three runs: one model each, of the same architecture
+        store.use_experiment(2)
+        assert len({json.dumps(m["sample"], sort_keys=True) for m in store.models()}) == 1
+        assert len(store.models()) == 3
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="retrain_seeds"):
+            nas_retrain.retrain_selected(db, 1, "nasbench201", retrain_seeds=bad)
+    # the CLI: --retrain-seeds recorded in both phases' origins, kept by a resume
+    cli_db = str(tmp_path / "cli.db")
+    capsys.readouterr()
+    assert main(["nas", "run", "nasbench201", "--max-models", "2", "--epochs", "1",
+                 "--retrain-epochs", "2", "--retrain-seeds", "2", "--store", cli_db,
+                 "--workers", "1"]) == 0
+    assert "(mean ± sd of 2 runs)" in capsys.readouterr().out
+    (_, _, s_origin), (_, _, r_origin) = _phases(cli_db)
+    assert s_origin["nas"]["retrain_seeds"] == 2 and r_origin["nas_retrain"]["retrain_seeds"] == 2
+    assert main(["resume", cli_db]) == 0
+    assert "(mean ± sd of 2 runs)" in capsys.readouterr().out
+    assert main(["nas", "run", "nasbench201", "--retrain-seeds", "0", "--store", cli_db]) == 2
+    assert "--retrain-seeds" in capsys.readouterr().err

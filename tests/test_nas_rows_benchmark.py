@@ -26,6 +26,19 @@ def test_the_floor_needs_every_selection_over_0_9_and_a_mean_above_random():
     assert not got["tie"]["floor"] and not got["low"]["floor"] and got["csv"]["floor"]
 
 
+def test_random_only_rows_join_the_random_mean_and_the_gap_has_its_standard_error():
+    rows = [row("a", 0, 0.95, 0.90), row("a", 1, 0.93, 0.96),
+            row("a", 2, None, 0.98), row("a", 3, "", "0.92")]  # --random-only runs
+    (got,) = nas_rows.summarize(rows)
+    assert (got["seeds"], got["random_samples"]) == (2, 4)
+    assert abs(got["random"] - 0.94) < 1e-12 and abs(got["gap"] - 0.0) < 1e-12
+    assert not got["floor"]  # 0.94 does not beat 0.94
+    # var(sel) = 2 * 0.01^2 / 1 = 0.0002; var(rnd) = (2 * 0.04^2 + 2 * 0.02^2) / 3 = 0.004 / 3
+    assert abs(got["gap_se"] - (0.0002 / 2 + 0.004 / 3 / 4) ** 0.5) < 1e-12
+    assert nas_rows.summarize([row("b", 0, 0.95, 0.90)])[0]["gap_se"] is None
+    assert nas_rows.sign_test(rows)["pairs"] == 2  # random-only rows pair with nothing
+
+
 def test_the_image_rows_leave_out_the_sequence_rows_only():
     from retiarii import nas
 

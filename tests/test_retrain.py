@@ -59,6 +59,41 @@ def test_fixed_arch_is_a_plain_module_of_the_sample():
     assert rt.fixed_arch(space, {"width": 8, "lr": 0.1}, trainer=trainer)(x).shape == (3, 8)
 
 
+def test_fixed_architecture_repeats_each_combination_and_resumes_between_them():
+    """repeats=R: each open combination R times in a row (independent runs), then exhausted;
+    a strategy restored from its state mid-way proposes what the uninterrupted one would."""
+    space = rt.ModelSpace(Net(), example_input=torch.zeros(2, 1, 8, 8)).with_hparams(
+        {"lr": rt.ValueChoice([0.1, 0.2], label="lr")})
+    whole = rt.strategies.FixedArchitecture({"width": 8}, repeats=3)
+    proposed = [whole.ask(space) for _ in range(6)]
+    assert proposed == [{"width": 8, "lr": 0.1}] * 3 + [{"width": 8, "lr": 0.2}] * 3
+    with pytest.raises(rt.strategies.SpaceExhausted):
+        whole.ask(space)
+    assert whole.config()["repeats"] == 3 and whole.dedup is False
+    assert "repeats" not in rt.strategies.FixedArchitecture({"width": 8}).config()
+    first = rt.strategies.FixedArchitecture({"width": 8}, repeats=3)
+    head = [first.ask(space) for _ in range(4)]
+    for sample in head:
+        first.tell(sample, 0.5)
+    again = rt.strategies.FixedArchitecture({"width": 8}, repeats=3)
+    again.load_state_dict(first.state_dict())
+    assert head + [again.ask(space), again.ask(space)] == proposed
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(ValueError, match="repeats"):
+            rt.strategies.FixedArchitecture({"width": 8}, repeats=bad)
+    with pytest.raises(ValueError, match="leave dedup out"):
+        rt.strategies.FixedArchitecture({"width": 8}, repeats=2, dedup=True)
+
+
+def test_an_experiment_of_repeated_runs_needs_dedup_off_and_says_so(tmp_path):
+    space = rt.ModelSpace(Net(), example_input=torch.zeros(2, 1, 8, 8))
+    db = tmp_path / "x.db"
+    with pytest.raises(rt.ExperimentError, match=r"repeats=2.*pass dedup=False"):
+        rt.Experiment(space, rt.strategies.FixedArchitecture({"width": 8}, repeats=2),
+                      rt.Trainer(epochs=1), store=str(db))
+    assert not db.exists()  # refused before anything is written
+
+
 def _run(tmp_path, *flags):
     (tmp_path / "space.py").write_text(SPACE_FILE)
     db = str(tmp_path / "r.db")

@@ -180,6 +180,10 @@ class Experiment:
                         max_failures=max_failures, model_retries=model_retries, dedup=dedup,
                         executor=executor, progress=progress, origin=origin)
         strategy = resolve_strategy(strategy, seed)
+        if dedup and getattr(strategy, "repeats", 1) > 1:  # FixedArchitecture's runs
+            raise ExperimentError(f"{type(strategy).__name__}(repeats={strategy.repeats}) "
+                                  f"trains one structure several times, which dedup=True "
+                                  f"would skip: pass dedup=False")
         scheduler = resolve_scheduler(scheduler, self.objectives, getattr(trainer, "epochs", None))
         self.optimization = optimize_config(optimize, batch_models=batch_models, fuse=fuse,
                                              batching=batching, passes=passes, packing=packing,

@@ -1,5 +1,6 @@
 """Retraining a selected architecture: its choices fixed, every combination of the choices it
-leaves open (the trainer's hyper-parameters) proposed once, in enumeration order."""
+leaves open (the trainer's hyper-parameters) proposed once (or ``repeats`` times: independent
+runs), in enumeration order."""
 from __future__ import annotations
 
 from typing import Any, Iterator
@@ -19,8 +20,10 @@ class _FixedView:
         model = self.space.sample(ReplaySampler(self.fixed, fallback=free))
         return model, free.arity
 
-    def enumerate(self) -> Iterator[Any]:
-        return walk_choices(self._run)
+    def enumerate(self, repeats: int = 1) -> Iterator[Any]:
+        for model in walk_choices(self._run):
+            for _ in range(repeats):
+                yield model
 
 
 class FixedArchitecture(Strategy):
@@ -43,21 +46,42 @@ class FixedArchitecture(Strategy):
         >>> s.ask(space), s.ask(space)
         ({'width': 16, 'lr': 0.01}, {'width': 16, 'lr': 0.1})
 
+    ``repeats=R`` proposes each combination R times in a row: R independent runs of the
+    same training, told apart by their trial seeds (the experiment's seed, then + 1, ...:
+    the initial weights and the model's own random draws, as dropout; the data order is the
+    trainer's, its ``seed``), as papers report a retrained
+    architecture's mean and spread over runs. Each run is a model of its own, so the
+    experiment must not skip repeated structures: ``Experiment(..., dedup=False)``.
+
     Args:
         sample: label -> chosen key of the architecture (a stored model's ``sample``, or the
             ``.json`` that ``retiarii export`` writes, its ``"sample"``). Labels the space
             never asks for are refused on the first ``ask``.
+        repeats: runs of each combination (default 1).
         seed, mode, max_models, max_time, clock: see :class:`~retiarii.strategies.Strategy`.
+
+    Raises:
+        TypeError: ``sample`` is not a dict of labels.
+        ValueError: ``repeats`` is not a positive int.
     """
 
-    max_duplicate_tries = None  # an enumeration never repeats itself
+    max_duplicate_tries = None  # an enumeration never repeats itself (but by ``repeats``)
 
-    def __init__(self, sample: dict, *, seed: int | None = None, **common: Any):
+    def __init__(self, sample: dict, *, repeats: int = 1, seed: int | None = None,
+                 **common: Any):
         if not isinstance(sample, dict) or not all(isinstance(k, str) for k in sample):
             raise TypeError(f"FixedArchitecture needs a sample (a dict of label -> chosen key), "
                             f"got {sample!r}")
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"FixedArchitecture: repeats is the number of runs of each "
+                             f"training (1 or more), got {repeats!r}")
+        if repeats > 1:  # the repeats are the point: the strategy proposes them all
+            if common.get("dedup"):
+                raise ValueError(f"FixedArchitecture(repeats={repeats}) proposes one sample "
+                                 f"{repeats} times, which dedup=True refuses: leave dedup out")
+            common["dedup"] = False
         super().__init__(seed=seed, **common)
-        self.sample = dict(sample)
+        self.sample, self.repeats = dict(sample), repeats
         self._cursor = 0
         self._models: Iterator[Any] | None = None
         self._models_of: int | None = None
@@ -74,7 +98,7 @@ class FixedArchitecture(Strategy):
     def _propose(self, space: Any) -> Draw:
         if self._models is None or self._models_of != id(space):
             view = _FixedView(space, self.sample)
-            self._models = view.enumerate()
+            self._models = view.enumerate(self.repeats)
             for _ in range(self._cursor):  # a restored strategy skips what it proposed
                 next(self._models, None)
             self._models_of = id(space)
@@ -86,7 +110,8 @@ class FixedArchitecture(Strategy):
         return Draw(dict(model.sample), None)
 
     def config(self) -> dict:
-        return {**super().config(), "sample": self.sample}
+        return {**super().config(), "sample": self.sample,
+                **({"repeats": self.repeats} if self.repeats > 1 else {})}
 
     def _state(self) -> dict:
         return {"cursor": self._cursor}
