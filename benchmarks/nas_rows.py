@@ -143,7 +143,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         # the gap's standard error (None until each side has 2 values)
         line["gap_se"] = ((statistics.variance(sel) / len(sel) + statistics.variance(rnd)
                            / len(rnd)) ** 0.5) if len(sel) > 1 and len(rnd) > 1 else None
-        line["floor"] = line["min_selected"] >= 0.9 and line["selected"] > line["random"]
+        # above by more than rounding: the metrics are float32 values of k / 359, so means of
+        # the same images over 3 and over 6 values can differ by 1e-8
+        line["floor"] = line["min_selected"] >= 0.9 and line["gap"] > 1e-6
         out.append(line)
         se = f" ± {line['gap_se']:.4f} s.e." if line["gap_se"] is not None else ""
         print(f"{name}: selected {line['selected']:.4f} over {len(sel)} seeds vs random "
