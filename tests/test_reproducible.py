@@ -11,6 +11,7 @@ table says what the device model predicted.
 from __future__ import annotations
 
 import random
+import re
 import time
 import types
 
@@ -138,3 +139,54 @@ def test_compute_is_timed_in_cpu_time_on_a_one_thread_cpu_worker(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert clock.compute_clock("cpu") is time.perf_counter
     assert clock.compute_clock(torch.device("cuda", 0)) is time.perf_counter
+
+
+def test_the_cse_bound_by_hand(monkeypatch):
+    """device_model.cse_bound: the frozen part once and one loader, nothing paid to group."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu = dm.DEVICES["cpu"]
+    own = dm.StepCosts(ops=("linear", "relu"), flops=1e6, frozen_flops=0.0)
+    assert dm.cse_bound([own] * 8, 0.0, "cpu") == 1.0  # nothing to share: nothing to gain
+    assert dm.cse_bound([own], 5.0, "cpu") == 1.0  # one model: no group
+    # a frozen trunk of 9 GFLOP forward under each head (workload a), a 2 ms loader
+    head = dm.StepCosts(ops=("linear",), flops=1e6, frozen_flops=9e9)
+    alone = cpu.op_s + cpu.model_s + (3e6 + 9e9) / cpu.rate
+    want = (4 * alone + 4 * 0.002) / (4 * alone - 3 * 9e9 / cpu.rate + 0.002)
+    assert dm.cse_bound([head] * 4, 0.002, "cpu") == pytest.approx(want, rel=1e-12)
+    assert want > 3.5 > dm.CSE_MARGIN
+    # nothing frozen, but a loader (JPEG decoding) as slow as a model's step: CSE may win
+    step = 2 * cpu.op_s + cpu.model_s + 3e6 / cpu.rate
+    assert dm.cse_bound([own] * 8, step, "cpu") == pytest.approx(16 * step / (9 * step))
+    # the smallest model's frozen part is all that every model can share
+    other = dm.StepCosts(ops=("linear",), flops=1e6, frozen_flops=1e9)
+    small = dm.cse_bound([head, other], 0.0, "cpu")
+    both = 2 * alone - 8e9 / cpu.rate  # the second model's trunk: 1 GFLOP, not 9
+    assert small == pytest.approx(both / (both - 1e9 / cpu.rate), rel=1e-12)
+
+
+def test_a_group_cse_cannot_pay_for_trains_apart_unmeasured_bit_for_bit(tmp_path, monkeypatch):
+    """The default's group of models sharing nothing frozen, reading digits from memory: the
+    device model's bound (1.00x) is under CSE_MARGIN, so the job trains them apart without
+    timing a batch (the demo's first job had measured CSE at 0.86x for nothing), says so in
+    the plans table, and every model trains bit for bit as unoptimized."""
+    monkeypatch.setattr(dm, "FUSE_MARGIN", 1e9)  # nothing fuses: CSE or apart is the choice
+    measured = []
+    for name in ("_live_plans", "probe"):
+        real = getattr(layouts, name)
+        monkeypatch.setattr(layouts, name, lambda *a, _real=real, _name=name, **k: (
+            measured.append(_name), _real(*a, **k))[1])
+    auto_db = _search(tmp_path, "auto")
+    assert measured == []
+    units = [u for r in o._plans(auto_db) for u in r["units"]]
+    assert units and all(u["layout"] == "separate" and not u.get("merged") for u in units)
+    line = [p for u in units for p in u["choice"]["predicted"] if "cse at most" in p]
+    # 1.0x and the loader's timed pace (a few hundredths: bit-identical either way)
+    assert line and re.fullmatch(r"4 models: cse at most 1\.0\dx \(under 1\.1x: nothing frozen "
+                                 r"to share, the loader's pace\): apart, not measured", line[0])
+    assert o._curves(auto_db) == o._curves(_search(tmp_path, "off", optimize=False))
+    # the bound is what spared the measurement: under a margin it passes, the group measures
+    monkeypatch.setattr(dm, "CSE_MARGIN", 0.5)
+    import retiarii.engine.worker_side.group_layouts as gl
+    monkeypatch.setattr(gl, "CSE_MARGIN", 0.5)
+    _search(tmp_path, "measured")
+    assert measured

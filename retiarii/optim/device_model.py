@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BATCH_CPU_CALL_FLOPS", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts", "fuses_places",
+__all__ = ["BATCH_CPU_CALL_FLOPS", "CSE_MARGIN", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts",
+           "cse_bound", "fuses_places",
            "batching_wins", "predicted_fused_speedup", "step_costs"]
 
 
@@ -78,6 +79,11 @@ DEVICES = {
                         fused_op_s=40e-6, fused_model_s=0.1e-3, fused_rate=30e12),
 }
 FUSE_MARGIN = 1.2
+# A group whose CSE could gain at most this over training its models apart (cse_bound) trains
+# apart without measuring: a grouped step's own cost (the group's forward, the merged
+# backward) is about this much of a small model's step on a CPU (the demo's first job
+# measured CSE at 0.86-0.87x of apart: benchmarks/README.md)
+CSE_MARGIN = 1.1
 # Operator batching on a CPU computes the same FLOPs as CSE alone (a convolution over K x B
 # examples costs K of B); it saves each batched call's fixed work (K - 1 dispatches, forward
 # and backward, and small kernels' poor use of the cores) and pays the concatenations. So it
@@ -228,6 +234,29 @@ def predicted_fused_speedup(costs: Sequence[StepCosts], device: Any = "cpu") -> 
     if places and not dev.fuses_places:
         return min(apart / fused, 1.0)
     return apart / fused
+
+
+def cse_bound(costs: Sequence[StepCosts], loader_s: float = 0.0, device: Any = "cpu") -> float:
+    """The most a CSE group of the models of ``costs`` can gain over training them apart on
+    ``device``: the frozen layers they all hold computed once instead of once per model (at
+    most the smallest model's frozen FLOPs, forward only) and one loader for all
+    (``loader_s``: seconds the loader takes per batch, each model apart paying it), with
+    nothing paid for grouping. An upper bound: under :data:`CSE_MARGIN` a group cannot win,
+    whatever a measurement would say. Deterministic, as :func:`predicted_fused_speedup`.
+
+    Example::
+
+        cse_bound([step_costs(m, [x]) for m in models], loader_s=0.0)   # nothing frozen: 1.0
+    """
+    dev, threads = _device(device)
+    if len(costs) < 2:
+        return 1.0
+    rate = dev.rate * threads
+    alone = sum(len(c.ops) * dev.op_s + dev.model_s + (3 * c.flops + c.frozen_flops) / rate
+                for c in costs)
+    shared = min(c.frozen_flops for c in costs) / rate
+    loader_s = max(float(loader_s), 0.0)
+    return (alone + len(costs) * loader_s) / (alone - (len(costs) - 1) * shared + loader_s)
 
 
 def _places(own: Sequence[bool], flops: Sequence[float]) -> int:

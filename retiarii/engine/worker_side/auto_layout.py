@@ -156,13 +156,16 @@ class Resolved:
         predicted: one line per set the model judged, for the plans row.
         produce_s: the loader's time to make a batch on its own (the estimate of apart).
         start_s: a job's loader starts per epoch, per batch (the estimate of apart).
+        cse_bound: the most CSE could gain over apart (``device_model.cse_bound``: the
+            frozen layers once, one loader); None when the shapes could not be read.
     """
 
     def __init__(self, fuse: Any, fusable: list, passes: LayoutPasses, decided: bool,
-                 predicted: list[str], produce_s: float = 0.0, start_s: float = 0.0):
+                 predicted: list[str], produce_s: float = 0.0, start_s: float = 0.0,
+                 cse_bound: float | None = None):
         self.fuse, self.fusable, self.passes = fuse, fusable, passes
         self.decided, self.predicted, self.produce_s = decided, predicted, produce_s
-        self.start_s = start_s
+        self.start_s, self.cse_bound = start_s, cse_bound
 
 
 def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids: list[str],
@@ -197,6 +200,13 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
             settings[name] = "auto"  # the measuring code's word for it
         elif value == "auto":
             settings[name] = _pass_wins(name, found, ids, models, runs, data_key, settings, device)
+    bound = None
+    if fuse == "auto" and found is not None:  # the default's: may spare the measurement
+        try:
+            bound = device_model.cse_bound([_costs(t, models, runs, found[0]) for t in ids],
+                                           found[2] + found[3], device)
+        except Exception:  # noqa: BLE001 (a model the meta forward cannot run: measured)
+            bound = None
     decided = fuse == "auto"
     if fuse == "measure":
         out_fuse = "auto"
@@ -208,7 +218,8 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
     return Resolved(out_fuse, fusable if out_fuse else [],
                     LayoutPasses({k: v for k, v in settings.items() if v}),
                     decided or any(v == "auto" for v in passes.settings.values()), predicted,
-                    found[2] if found is not None else 0.0, found[3] if found is not None else 0.0)
+                    found[2] if found is not None else 0.0, found[3] if found is not None else 0.0,
+                    bound)
 
 
 def _pass_wins(name: str, found: tuple | None, ids: list[str], models: Mapping, runs: Mapping,

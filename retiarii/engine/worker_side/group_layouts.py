@@ -41,7 +41,7 @@ import torch
 
 from ...optim import fusion_key
 from ...optim.cost import Layout, choose_layout, probe_speedups
-from ...optim.device_model import fuses_places
+from ...optim.device_model import CSE_MARGIN, fuses_places
 from ...optim.passes import LayoutPasses, PassManager, get_pass
 from ...rng import swapped_in
 from ..storage import checkpoint as ckpt
@@ -360,14 +360,26 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     known = dict(told.alone_s)
     by_arch.update({arch[t]: known[t] for t in ids if t in known})
     measured = {t: by_arch[arch[t]] for t in ids if known.get(t) is None and arch[t] in by_arch}
+    # The default's groups that CSE cannot pay for (nothing frozen to compute once, a loader
+    # too quick to matter: the device model's bound under CSE_MARGIN) train apart, nothing
+    # measured: their first job measured CSE slower than apart for nothing (the demo)
+    apart = (told.fuse == "auto" and not fuse and merged == [Layout.CSE] and given is None
+             and not told.dedicated and resolved.cse_bound is not None
+             and resolved.cse_bound < CSE_MARGIN)
     live = None  # merged layout -> plan, when measured on the real first batches
-    if given is None and profile is not None and fuse is not True and (len(merged) > 1 or (
+    if given is None and not apart and profile is not None and fuse is not True and (len(merged) > 1 or (
             fuse == "auto" and fusable) or fuse == "auto" or passes.measured
             or told.fuse == "auto"):
         # under "auto" a group with one merged layout still chooses between it and apart
         live = _live_plans(merged, ids, models, runs, data_key, bool(told.dedicated),
                            passes)
-    if live is not None:  # measured while training (measuring.py): decided after a few batches
+    if apart:
+        order = [Layout.SEPARATE]
+        choice = replace(choice, order=(Layout.SEPARATE.value, Layout.CSE.value), predicted=(
+            *choice.predicted, f"{len(ids)} models: cse at most {resolved.cse_bound:.2f}x "
+            f"(under {CSE_MARGIN}x: nothing frozen to share, the loader's pace): apart, "
+            f"not measured"))
+    elif live is not None:  # measured while training (measuring.py): decided after a few batches
         order = list(live)
         choice = replace(choice, order=tuple(x.value for x in order))
     elif given is not None:
