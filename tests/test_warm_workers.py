@@ -147,8 +147,10 @@ def test_ctrl_c_while_the_worker_server_starts_prints_no_traceback(tmp_path):
     import sys
     import time
 
+    # a budget the search cannot finish before the signal lands, however late a loaded
+    # machine schedules this test's polling (2 models once ended first under xdist)
     proc = subprocess.Popen([sys.executable, "-m", "retiarii.cli", "run", "demo", "--store",
-                             str(tmp_path / "d.db"), "--max-models", "2", "--workers", "1"],
+                             str(tmp_path / "d.db"), "--max-models", "40", "--workers", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 120
