@@ -62,9 +62,8 @@ def run_row(name: str, seed: int, args, folder: str) -> dict:
                 "seed": seed, "retrain_seeds": args.retrain_seeds}
     exp = nas_retrain.retrain_experiment(settings)
     exp.run()
-    accs = [r["val_acc"] for r in nas_retrain.run_metrics(exp.path, exp.store.experiment_id)
-            if "val_acc" in r]
-    best = sum(accs) / len(accs) if accs else None  # the runs' mean
+    best = nas_retrain.runs_mean(nas_retrain.run_metrics(
+        exp.path, exp.store.experiment_id)).get("val_acc")  # the runs' mean
     print(result.line() if result else f"{name} seed {seed}", f"| random retrained: {best}",
           flush=True)
     line = {"row": name, "seed": seed, "search_s": None, "search_models": None,

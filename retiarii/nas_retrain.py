@@ -26,7 +26,7 @@ from typing import Any
 from . import nas
 
 __all__ = ["NasResult", "RECIPES", "RETRAIN_SPACES", "Recipe", "recipe", "retrain_experiment",
-           "run_metrics", "search_and_retrain", "selected_model", "space_ref"]
+           "run_metrics", "runs_mean", "search_and_retrain", "selected_model", "space_ref"]
 
 DEFAULT_RETRAIN_EPOCHS = 20  # digits: ~23 steps an epoch; 20 epochs reach the floor (0.9)
 
@@ -220,6 +220,12 @@ def run_metrics(store: str, experiment: int) -> list[dict]:
     return runs
 
 
+def runs_mean(runs: list[dict]) -> dict:
+    """The mean of each metric every run of ``runs`` (:func:`run_metrics`) reports."""
+    return {k: sum(r[k] for r in runs) / len(runs) for k in (runs[0] if runs else {})
+            if all(k in r for r in runs)}
+
+
 def finish(settings: dict, retrain_summary: dict | None = None) -> NasResult:
     """The :class:`NasResult` of a retrain phase whose experiment has run (``settings``: its
     ``origin["nas_retrain"]``)."""
@@ -232,8 +238,7 @@ def finish(settings: dict, retrain_summary: dict | None = None) -> NasResult:
                    "search_experiment") == settings["search_experiment"]]
         retrain_id = ids[-1]
     runs = run_metrics(settings["store"], retrain_id)
-    mean = {k: sum(r[k] for r in runs) / len(runs) for k in (runs[0] if runs else {})
-            if all(k in r for r in runs)}
+    mean = runs_mean(runs)
     return NasResult(settings["name"], settings["store"], settings["search_experiment"],
                      retrain_id, seconds, models, settings["sample"], settings.get("value"),
                      mean, settings["retrain_epochs"], runs=runs)
