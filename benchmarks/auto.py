@@ -164,7 +164,10 @@ def _chosen(records: list[dict]) -> str:
     return "not measured (cse)"
 
 
-def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str) -> list[dict]:
+def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str,
+            failed: list[str]) -> list[dict]:
+    """One row per workload; a workload whose metrics are off goes on ``failed`` (the run
+    goes on to the next: a GPU loan must not lose the rest)."""
     rows = []
     warm = _configs("mlp", 1, 1)[0]
     search(warm, "separate", {}, 1, 1)  # imports, the first optimizer, allocator caches
@@ -180,11 +183,16 @@ def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str)
         reverts = [r["reason"] for r in records if r["status"] == "reverted"
                    or r["reason"].startswith("fusion reverted")]
         ratio = min(sep_s, mer_s) / auto_s  # >= 0.95: auto within 5% of the best
-        tol = 1e-4 if "fused" in chosen.split(" ")[0] or merged.get("fuse") else 0.0
+        # exact for CSE and batching on a CPU; fused rounds otherwise, and so does a GPU's
+        # every layout (its default kernels are not deterministic: training alone twice
+        # differs too; the H200 gave the adapters' CSE+batching 2.2e-7)
+        tol = 1e-4 if ("fused" in chosen.split(" ")[0] or merged.get("fuse")
+                       or device != "cpu") else 0.0
         diff = _largest_difference(auto, sep)
         if diff > max(tol, 1e-12):
-            raise SystemExit(f"{workload}: auto's metrics differ from separate training by "
-                             f"{diff:.1e} (tolerance {tol:.0e})")
+            failed.append(f"{workload}: auto's metrics differ from separate training by "
+                          f"{diff:.1e} (tolerance {tol:.0e})")
+            print(failed[-1], flush=True)
         rows.append({"workload": workload, "models": n * groups, "per_job": n, "epochs": epochs,
                      "device": device,
                      "separate_s": round(sep_s, 3), "merged_s": round(mer_s, 3),
@@ -192,7 +200,8 @@ def measure(workloads: list[str], n: int, groups: int, epochs: int, device: str)
                      "auto_over_best": round(ratio, 3), "auto_chose": chosen,
                      "measured_on_copies_s": round(sum(probed.values()), 3),
                      "reverts": len(reverts),
-                     "max_rel_diff": f"{diff:.1e}", "load": round(os.getloadavg()[0], 2)})
+                     "max_rel_diff": f"{diff:.1e}", "metrics_ok": diff <= max(tol, 1e-12),
+                     "load": round(os.getloadavg()[0], 2)})
         print(f"{workload:9s} {groups}x{n} models {device}: separate {sep_s:.2f}s, merged {mer_s:.2f}s "
               f"({sep_s / mer_s:.2f}x), auto {auto_s:.2f}s [{chosen}; on copies "
               f"{sum(probed.values()):.2f}s, {len(reverts)} reverted]: auto / best "
@@ -246,7 +255,11 @@ def main() -> None:
         # frozen_prefix.py, imported again by reference) read these when they import
         os.environ["AUTO_EXAMPLES"] = os.environ["FROZEN_PREFIX_EXAMPLES"] = "256"
     workloads = ["mlp", "cnn", "adapters", "frozen"] if args.workload == "all" else [args.workload]
-    write(measure(workloads, args.models, args.groups, args.epochs, args.device), args.device)
+    failed: list[str] = []
+    write(measure(workloads, args.models, args.groups, args.epochs, args.device, failed),
+          args.device)
+    if failed:
+        raise SystemExit("metrics off: " + "; ".join(failed))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ actors, a dedicated module's process) gets the setting of the process that start
 - no TF32 in matrix products or cuDNN convolutions and RNNs (full float32);
 - ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which cuBLAS needs for reproducible results and
   which PyTorch reads once, when a process first uses cuBLAS: :func:`prepare_worker` sets it
-  first thing in every worker process, so any worker can switch to this mode later.
+  first thing in every worker process, so any worker can switch to this mode later;
+- adaptive average pooling's backward on a GPU, which PyTorch has no deterministic kernel
+  for (it raises there; first seen on an H200 with ``AdaptiveAvgPool2d(2)``, as VGG's 7x7 and
+  AlexNet's 6x6 pools), runs a deterministic one of ours (:func:`_adaptive_pool_backward`:
+  two or three matrix products, no atomic adds) while the block runs. Pooling to 1x1 needs
+  none: PyTorch computes it as a mean.
 
 Outside the block the previous settings are back: a worker that trains a deterministic job
 and then another job trains the second with the defaults.
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import warnings
 from typing import Any, Callable, Iterator
 
 __all__ = ["CUBLAS_WORKSPACE", "DeterminismError", "carry", "check", "deterministic", "enabled",
@@ -130,6 +137,79 @@ def _ensure_workspace(torch) -> None:
         f"it to {CUBLAS_WORKSPACE} in the environment, or train in a fresh worker")
 
 
+def _window_matrix(n_in: int, n_out: int, like: Any) -> tuple[Any, Any]:
+    """Adaptive pooling's windows along one dimension: a 0/1 matrix ``(n_out, n_in)`` whose
+    row i covers PyTorch's window ``[floor(i n_in / n_out), ceil((i + 1) n_in / n_out))``,
+    and each window's length."""
+    torch = _torch()
+    i = torch.arange(n_out, device=like.device)
+    start, end = (i * n_in) // n_out, ((i + 1) * n_in + n_out - 1) // n_out
+    j = torch.arange(n_in, device=like.device)
+    member = (j[None, :] >= start[:, None]) & (j[None, :] < end[:, None])
+    return member.to(like.dtype), (end - start).to(like.dtype)
+
+
+def _adaptive_pool_backward(grad: Any, inp: Any, dims: int) -> Any:
+    """The gradient of ``dims``-d adaptive average pooling with respect to its input,
+    ``grad`` that of its output: each output's gradient divided by its window's size and
+    spread over the window, as matrix products (deterministic where the native kernel adds
+    atomically)."""
+    torch = _torch()
+    mats, sizes = zip(*(_window_matrix(inp.shape[-dims + d], grad.shape[-dims + d], grad)
+                        for d in range(dims)))
+    if dims == 2:
+        scaled = grad / (sizes[0][:, None] * sizes[1][None, :])
+        out = torch.einsum("...ab,ai,bj->...ij", scaled, *mats)
+    else:
+        scaled = grad / (sizes[0][:, None, None] * sizes[1][None, :, None]
+                         * sizes[2][None, None, :])
+        out = torch.einsum("...abc,ai,bj,ck->...ijk", scaled, *mats)
+    last = torch.channels_last if dims == 2 else torch.channels_last_3d
+    if inp.dim() == dims + 2 and not inp.is_contiguous() and inp.is_contiguous(
+            memory_format=last):
+        return out.contiguous(memory_format=last)
+    return out.contiguous()
+
+
+def _pool2d_backward(grad: Any, inp: Any) -> Any:
+    return _adaptive_pool_backward(grad, inp, 2)
+
+
+def _pool3d_backward(grad: Any, inp: Any) -> Any:
+    return _adaptive_pool_backward(grad, inp, 3)
+
+
+_KERNELS = {"_adaptive_avg_pool2d_backward": _pool2d_backward,
+            "_adaptive_avg_pool3d_backward": _pool3d_backward}
+_override_lock = threading.Lock()
+_overrides: dict[str, list] = {}  # dispatch key -> [its library, blocks inside]
+
+
+@contextlib.contextmanager
+def _deterministic_kernels(key: str = "CUDA") -> Iterator[None]:
+    """Our deterministic kernels (:data:`_KERNELS`) replace PyTorch's for ``key`` while the
+    block runs (nested blocks share one registration); PyTorch's are back after it."""
+    torch = _torch()
+    with _override_lock:
+        entry = _overrides.get(key)
+        if entry is None:
+            lib = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():  # "Overriding a previously registered kernel"
+                warnings.simplefilter("ignore")
+                for name, kernel in _KERNELS.items():
+                    lib.impl(name, kernel, key)
+            entry = _overrides[key] = [lib, 0]
+        entry[1] += 1
+    try:
+        yield
+    finally:
+        with _override_lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _overrides[key]
+                entry[0]._destroy()
+
+
 @contextlib.contextmanager
 def deterministic(on: bool = True) -> Iterator[None]:
     """Run the block in deterministic mode when ``on`` (see the module docstring), then put
@@ -146,7 +226,11 @@ def deterministic(on: bool = True) -> Iterator[None]:
                  "precision": ["ieee" if attr == "fp32_precision" else False
                                for _, attr in _precision_flags(torch)]})
     try:
-        yield
+        if torch.cuda.is_available():
+            with _deterministic_kernels("CUDA"):
+                yield
+        else:
+            yield
     finally:
         _set(torch, before)
 

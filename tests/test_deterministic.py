@@ -146,6 +146,47 @@ def test_the_block_sets_every_switch_and_puts_the_previous_ones_back():
         torch.backends.cudnn.benchmark = False
 
 
+@pytest.mark.parametrize("shape,out,channels_last", [
+    ((2, 3, 10, 7), (4, 3), False), ((3, 9, 9), (2, 5), False), ((2, 4, 7, 7), (2, 2), True),
+    ((2, 3, 8, 8), (4, 4), False), ((1, 2, 5, 6, 7), (2, 3, 4), False)])
+def test_our_adaptive_pooling_backward_is_pytorchs(shape, out, channels_last):
+    """The deterministic kernel that replaces adaptive average pooling's backward on a GPU
+    in the mode (PyTorch's raises there) gives PyTorch's gradient: windows that overlap and
+    windows of unequal sizes (10 -> 4), an input without a batch, a channels-last one, 3-d."""
+    pool = torch.nn.functional.adaptive_avg_pool3d if len(out) == 3 else \
+        torch.nn.functional.adaptive_avg_pool2d
+    x = torch.randn(shape, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    g = torch.randn(pool(x, out).shape, dtype=torch.float64)
+    want, = torch.autograd.grad(pool(x, out), x, g)
+    got = determinism._adaptive_pool_backward(g, x.detach(), len(out))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    assert got.is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+def test_the_mode_routes_adaptive_pooling_through_our_kernel_and_gives_it_back(monkeypatch):
+    """Registered for the block (here for the CPU's key, as the mode does for CUDA's), nested
+    blocks sharing it, and PyTorch's own kernel back after the last."""
+    calls = []
+    real = determinism._adaptive_pool_backward
+    monkeypatch.setattr(determinism, "_adaptive_pool_backward",
+                        lambda g, x, dims: (calls.append(dims), real(g, x, dims))[1])
+    x = torch.randn(2, 3, 10, 7, requires_grad=True)
+
+    def grad():
+        return torch.autograd.grad(torch.nn.functional.adaptive_avg_pool2d(x, (4, 3)).sum(), x)[0]
+
+    native = grad()
+    with determinism._deterministic_kernels("CPU"):
+        with determinism._deterministic_kernels("CPU"):
+            torch.testing.assert_close(grad(), native)
+        torch.testing.assert_close(grad(), native)
+    assert calls == [2, 2] and not determinism._overrides
+    assert torch.equal(grad(), native) and calls == [2, 2]  # PyTorch's again
+
+
 def test_carry_takes_the_mode_of_the_process_that_made_it():
     probe = determinism.carry(determinism.settings)
     with determinism.deterministic(True):

@@ -493,6 +493,26 @@ def test_a_fused_first_call_profiles_alone_again_only_when_close(tmp_path, monke
     _close_to_alone(events, tasks, _mlp_tasks(tmp_path, "a-", frozen=False))
 
 
+def test_one_fused_unit_measures_fused_first_where_batching_would_be_measured(tmp_path,
+                                                                             monkeypatch):
+    """A GPU measures batching whenever the pass changes the plan (batching.worth_measuring),
+    so four MLPs of one architecture had CSE and batching measured and fused never (first
+    seen on an H200). Here the GPU's rule on a CPU: the group is one fused unit sharing
+    nothing frozen, so it measures fused first all the same, and batching is no candidate."""
+    from dataclasses import replace as dc_replace
+
+    from retiarii.optim import passes
+
+    batching = passes.get_pass("batching")
+    monkeypatch.setitem(passes._REGISTRY, "batching", dc_replace(
+        batching, worth_measuring=lambda result, device: result.modified))
+    tasks = _mlp_tasks(tmp_path, "m-", frozen=False)
+    events, unit = _measured_job(tasks)
+    assert isinstance(events[-1], JobFinished), events[-1]
+    choice = unit["choice"]
+    assert "fused" in choice["steps_s"] and "batching" not in choice["steps_s"]
+
+
 @pytest.mark.parametrize("abort_real", [0.0, float("inf")])
 def test_a_fused_batch_far_slower_than_apart_ends_its_timed_batches_on_a_cpu(tmp_path,
                                                                            monkeypatch,

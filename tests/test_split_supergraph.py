@@ -169,8 +169,10 @@ def _assert_same(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for key in want:
         for name in want[key]:
-            torch.testing.assert_close(got[key][name], want[key][name], rtol=1e-5, atol=1e-6,
-                                       msg=f"{key}.{name}")
+            # values, wherever they live: a split super-graph's state is gathered on the CPU
+            # (on an H200 the device alone failed this, and the message hid it)
+            torch.testing.assert_close(got[key][name].cpu(), want[key][name].cpu(), rtol=1e-5,
+                                       atol=1e-6, msg=lambda m, k=f"{key}.{name}": f"{k}: {m}")
 
 
 def test_split_on_two_ranks_equals_one_process_averaging_over_users():

@@ -28,7 +28,11 @@ A CPU's batched matmul computes at a lower rate than its single matmul on large 
 wide layers lose when fused (16 MLPs of width 512 predicted 0.95x) and narrow ones win (width
 64: 2.5x measured); a GPU's per-kernel cost dominates small models and fusion wins there.
 Fusion is taken at or over :data:`FUSE_MARGIN`. Frozen layers count K times when fused and
-once apart (CSE computes a frozen part once for the group).
+once apart (CSE computes a frozen part once for the group), and so do the operations before a
+model's first trainable layer: apart, a CSE group runs a frozen trunk's ``s`` operations once
+(``s * OP_S``), where fused runs them as K-model kernels. Counting them K times apart had
+predicted 8 heads on a frozen ResNet-18 trunk to gain several-fold fused on an H200, where they
+measured 0.29x of CSE (benchmarks/README.md, "GPU figures (wave 3)").
 
 Example::
 
@@ -108,6 +112,11 @@ class StepCosts:
     frozen_flops: float
     op_flops: tuple[float, ...] = ()
     frozen_calls: int = 0  # calls of frozen layers with weights in one forward
+    # the leading operations (in execution order) before the first one with weights that
+    # train, up to the last frozen layer with weights among them: each depends on the batch
+    # and frozen values only, so CSE runs it once for a group whose models hold it alike (a
+    # frozen trunk's every layer, norm and activation)
+    shared_ops: int = 0
 
     @property
     def frozen_flops_per_call(self) -> float:
@@ -186,9 +195,16 @@ def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
         for h in handles:
             h.remove()
     ops = _ops(model)
+    shared = 0
+    for i, (_, path) in enumerate(ops):
+        params = list(model.get_submodule(path).parameters()) if path else []
+        if any(p.requires_grad for p in params):
+            break
+        if params:  # up to the last frozen layer with weights: a prefix of glue alone (a
+            shared = i + 1  # flatten of the input) saves nothing worth a group
     return StepCosts(tuple(o for o, _ in ops), trainable[0], frozen[0],
                      tuple(by_path.get(path, 0.0) if path else 0.0 for _, path in ops),
-                     frozen_calls[0])
+                     frozen_calls[0], shared)
 
 
 def _device(device: Any) -> tuple[DeviceModel, float]:
@@ -208,8 +224,12 @@ def predicted_fused_speedup(costs: Sequence[StepCosts], device: Any = "cpu") -> 
     if k < 2:
         return 1.0
     rate, fused_rate = dev.rate * threads, dev.fused_rate * threads
-    apart = sum(len(c.ops) * dev.op_s + dev.model_s + 3 * c.flops / rate for c in costs)
-    apart += costs[0].frozen_flops / rate  # the frozen part once, forward only
+    shared = _shared_prefix(costs)
+    apart = sum((len(c.ops) - shared) * dev.op_s + dev.model_s + 3 * c.flops / rate
+                for c in costs)
+    # the frozen part once, forward only, and the operations every model holds before its
+    # first trainable one once (CSE's group runs them for all)
+    apart += costs[0].frozen_flops / rate + shared * dev.op_s
     # The operations every model holds fuse (one call each); a weightless one that differs
     # (an activation) runs once per distinct one; a layer with weights that differs (another
     # operator at one place) runs per model as alone, plus its place's gather and scatter.
@@ -254,9 +274,21 @@ def cse_bound(costs: Sequence[StepCosts], loader_s: float = 0.0, device: Any = "
     rate = dev.rate * threads
     alone = sum(len(c.ops) * dev.op_s + dev.model_s + (3 * c.flops + c.frozen_flops) / rate
                 for c in costs)
-    shared = min(c.frozen_flops for c in costs) / rate
+    shared = min(c.frozen_flops for c in costs) / rate + _shared_prefix(costs) * dev.op_s
     loader_s = max(float(loader_s), 0.0)
     return (alone + len(costs) * loader_s) / (alone - (len(costs) - 1) * shared + loader_s)
+
+
+def _shared_prefix(costs: Sequence[StepCosts]) -> int:
+    """How many leading operations every model of ``costs`` holds alike before its first
+    trainable one (:attr:`StepCosts.shared_ops`): what a CSE group runs once."""
+    limit = min(c.shared_ops for c in costs)
+    count = 0
+    for ops in zip(*(c.ops[:limit] for c in costs)):
+        if any(op != ops[0] for op in ops[1:]):
+            break
+        count += 1
+    return count
 
 
 def _places(own: Sequence[bool], flops: Sequence[float]) -> int:

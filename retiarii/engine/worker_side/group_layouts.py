@@ -43,6 +43,7 @@ from ...optim import fusion_key
 from ...optim.cost import Layout, choose_layout, probe_speedups
 from ...optim.device_model import CSE_MARGIN, fuses_places
 from ...optim.passes import LayoutPasses, PassManager, get_pass
+from ...optim.plan import Role
 from ...rng import swapped_in
 from ..storage import checkpoint as ckpt
 from .fused_group import FusedGroup, fusable_sets
@@ -341,7 +342,13 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     if passes.measured and _measured_matters(given):
         base = plan_group({t: models[t] for t in ids}, data_key,
                           {t: runs[t].hparams for t in ids}, passes=passes.of(Layout.CSE))
-        if passes.worth_measuring(PassManager(passes.measured).run(base), runs[ids[0]].device):
+        # one fused unit of every trial sharing nothing frozen measures fused first (its
+        # K-model kernels batch every operation, weighted ones too): batching only their
+        # weightless operations (what a GPU's rule admits) is not measured beside it
+        one_unit = (fuse == "auto" and len(fusable) == 1 and set(fusable[0]) == set(ids)
+                    and not any(base.nodes[k].role is Role.FROZEN for k in base.shared))
+        if not one_unit and passes.worth_measuring(PassManager(passes.measured).run(base),
+                                                   runs[ids[0]].device):
             merged = [Layout.CSE, Layout.BATCHING]
     # the layouts the device model chose: never judged by time (their values round unlike
     # training alone), however the unit came to train in them (measured or not)
