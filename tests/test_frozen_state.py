@@ -6,6 +6,7 @@ still equal; dropout in the trunk is never shared; a whole search with ``optimiz
 ``optimize=False`` and its plans rows show the trunk shared (docs/optimization.md, "Frozen
 parameters")."""
 import os
+import re
 
 import pytest
 import torch
@@ -248,6 +249,39 @@ def test_a_search_of_heads_on_the_trunk_equals_optimize_false(tmp_path):
         len(r["trials"]) == 4 for r in merged)
     # the trunk (input, 2 convs, 2 BatchNorms, 2 ReLUs, pool, flatten) computed once
     assert all(u["shared_nodes"] == 9 for r in merged for u in r["units"])
+
+
+def test_a_trunk_worth_sharing_takes_cse_unmeasured_bit_for_bit(tmp_path, monkeypatch):
+    """The default's group of heads on a frozen trunk whose CSE gains at least CSE_TAKE
+    (device_model.cse_floor: the trunk once, against what a group costs) trains in CSE
+    without timing a batch or profiling a model alone (measuring it had cost workloads (b)
+    and (d) a tenth of their search), says so in the plans table, and trains bit for bit as
+    unoptimized; with the floor's threshold out of reach it measures as before."""
+    from retiarii.engine.worker_side import group_layouts as layouts
+    from retiarii.engine.worker_side.training_group import TrainingGroup
+
+    off, _ = _search(tmp_path, "off", False)
+    measured = []
+    for name in ("_live_plans", "probe"):
+        real = getattr(layouts, name)
+        monkeypatch.setattr(layouts, name, lambda *a, _real=real, _name=name, **k: (
+            measured.append(_name), _real(*a, **k))[1])
+    profiled = []
+    real_profile = TrainingGroup._profile
+    monkeypatch.setattr(TrainingGroup, "_profile", lambda self, *a, **k: (
+        profiled.append(1), real_profile(self, *a, **k))[1])
+    monkeypatch.setattr(layouts, "CSE_TAKE", 0.5)  # this small trunk's floor: about 0.76
+    auto, rows = _search(tmp_path, "auto", "auto")
+    assert auto == off and measured == [] and profiled == []
+    units = [u for r in rows if r["status"] == "merged" for u in r["units"]]
+    assert units and all(u["layout"] == "cse" for u in units)
+    line = [p for u in units for p in u["choice"]["predicted"] if "cse at least" in p]
+    assert line and re.fullmatch(r"4 models: cse at least \d+\.\d\dx \(at or over 0\.5x: "
+                                 r"frozen layers computed once, one loader\): cse, not measured",
+                                 line[0]), line
+    monkeypatch.setattr(layouts, "CSE_TAKE", 1e9)
+    again, _ = _search(tmp_path, "measured", "auto")
+    assert again == off and measured
 
 
 class Tied(nn.Module):

@@ -110,7 +110,44 @@ def test_the_device_model_fuses_narrow_layers_and_not_wide_ones_on_a_cpu(monkeyp
     assert dm.predicted_fused_speedup([narrow], "cpu") == 1.0
 
 
+class _WholeBatch(nn.Module):
+    """Needs the whole batch of 8 (a hard-coded view): the probe on 2 examples fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.view(8, 4))
+
+
+def test_the_probe_forward_counts_what_the_meta_forward_counts(monkeypatch):
+    """step_costs runs the real model on 2 examples (zeros where the worker recorded meta
+    tensors), its FLOPs scaled to the batch, about 100 times sooner than a forward on meta
+    tensors; it counts the same, and a model the probe cannot run is counted on meta."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+    trunk.requires_grad_(False)
+    models = [fx.symbolic_trace(nn.Sequential(trunk, nn.Dropout(0.3), nn.Linear(144, 2))),
+              fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))),
+              _WholeBatch()]
+    inputs = [torch.randn(16, 3, 8, 8), torch.randn(16, 8), torch.randn(8, 4)]
+    probe = dm._probe_forward
+    for model, x in zip(models, inputs):
+        fast, on_meta = dm.step_costs(model, [x]), dm.step_costs(model, [x.to("meta")])
+        monkeypatch.setattr(dm, "_probe_forward", lambda *a: None)
+        want = dm.step_costs(model, [x])
+        monkeypatch.setattr(dm, "_probe_forward", probe)
+        assert fast == on_meta == want
+    assert models[0].get_submodule("0.1").running_mean.abs().sum() == 0  # never moved
+    with pytest.raises(RuntimeError):  # the fallback above was taken, not a probe result
+        probe(models[2], [inputs[2]])
+    assert probe(models[1], [torch.zeros(()), inputs[1]]) is None  # not one batch size
+
+
 def test_step_costs_run_on_meta_tensors_and_move_nothing():
+    """Neither the probe forward (train-mode BatchNorm, Dropout) nor the meta one moves a
+    running statistic or draws from a random stream the trial goes on with."""
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
     seq[0].requires_grad_(False)
@@ -207,6 +244,38 @@ def test_the_cse_bound_by_hand(monkeypatch):
     small = dm.cse_bound([head, other], 0.0, "cpu")
     both = 2 * alone - 8e9 / cpu.rate  # the second model's trunk: 1 GFLOP, not 9
     assert small == pytest.approx(both / (both - 1e9 / cpu.rate), rel=1e-12)
+
+
+def test_the_cse_floor_and_the_prefix_trie_by_hand(monkeypatch):
+    """device_model.cse_floor: cse_bound's savings against CSE_GROUP_COST x MODEL_S per
+    model; the savings of adapters after different blocks of one frozen backbone, each block
+    computed once however many models pass it (a trie of their prefixes)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu = dm.DEVICES["cpu"]
+    blocks = tuple(f"b{i}:Conv2d" for i in range(4))
+
+    def adapter_after(i):  # frozen blocks 0..i, the adapter, the other blocks, a head
+        ops = blocks[:i + 1] + (f"ad{i}:Linear",) + blocks[i + 1:] + ("head:Linear",)
+        frozen = tuple(0.0 if o.startswith(("ad", "head")) else 1e8 for o in ops)
+        flops = tuple(1e6 if o.startswith(("ad", "head")) else 0.0 for o in ops)
+        return dm.StepCosts(ops, 2e6, 4e8, flops, 4, i + 1, frozen)
+
+    models = [adapter_after(i) for i in range(4)]
+    block_s = cpu.op_s + 1e8 / cpu.rate
+    # prefixes of 1, 2, 3 and 4 blocks (10 computed apart), the trie holds 4: 6 saved
+    assert dm._cse_saving(models, cpu, cpu.rate) == pytest.approx(6 * block_s, rel=1e-12)
+    alone = 4 * (6 * cpu.op_s + cpu.model_s + (3 * 2e6 + 4e8) / cpu.rate)
+    assert dm.cse_bound(models, 0.0, "cpu") == pytest.approx(alone / (alone - 6 * block_s))
+    floor = dm.cse_floor(models, 0.001, "cpu")
+    want = (alone + 4 * 0.001) / (alone + 4 * dm.CSE_GROUP_COST * cpu.model_s - 6 * block_s
+                                  + 0.001)
+    assert floor == pytest.approx(want, rel=1e-12) and floor < dm.cse_bound(models, 0.001, "cpu")
+    # nothing shared: the floor is under 1 (a group only costs), one model: 1
+    own = dm.StepCosts(("linear", "relu"), 1e6, 0.0, (1e6, 0.0), 0, 0, (0.0, 0.0))
+    assert dm.cse_floor([own] * 8, 0.0, "cpu") < 1.0 == dm.cse_floor([own], 0.0, "cpu")
+    # the demo's measured CSE (0.86-0.87x of apart) is what CSE_GROUP_COST was fitted to:
+    # a small model's floor with nothing shared stays under CSE_TAKE by far
+    assert dm.cse_floor([own] * 8, 0.0, "cpu") < dm.CSE_TAKE
 
 
 def test_a_group_cse_cannot_pay_for_trains_apart_unmeasured_bit_for_bit(tmp_path, monkeypatch):

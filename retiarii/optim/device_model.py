@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["BATCH_CPU_CALL_FLOPS", "CSE_MARGIN", "DEVICES", "DeviceModel", "FUSE_MARGIN", "StepCosts",
-           "cse_bound", "fuses_places",
+__all__ = ["BATCH_CPU_CALL_FLOPS", "CSE_GROUP_COST", "PROBE_EXAMPLES", "CSE_MARGIN", "CSE_TAKE", "DEVICES",
+           "DeviceModel", "FUSE_MARGIN", "StepCosts", "cse_bound", "cse_floor", "fuses_places",
            "batching_wins", "predicted_fused_speedup", "step_costs"]
 
 
@@ -88,6 +88,15 @@ FUSE_MARGIN = 1.2
 # backward) is about this much of a small model's step on a CPU (the demo's first job
 # measured CSE at 0.86-0.87x of apart: benchmarks/README.md)
 CSE_MARGIN = 1.1
+# What grouping adds to a CSE group's step, per model, in units of a model's fixed cost per
+# step (MODEL_S): its streams switched, its loss in the merged backward, its part of the
+# group's forward. A cost per model, not per operation: fitted so that the demo's 8 small
+# models sharing nothing get the 0.87x of apart that their CSE measured (benchmarks/README.md:
+# about 1.2 ms a model on a CPU), where workload (b)'s adapters (about 170 operations a model)
+# gained within a few percent of their bound.
+CSE_GROUP_COST = 2.6
+# A default group whose CSE gains at least this (cse_floor) takes CSE without measuring.
+CSE_TAKE = 1.25
 # Operator batching on a CPU computes the same FLOPs as CSE alone (a convolution over K x B
 # examples costs K of B); it saves each batched call's fixed work (K - 1 dispatches, forward
 # and backward, and small kernels' poor use of the cores) and pays the concatenations. So it
@@ -117,6 +126,9 @@ class StepCosts:
     # and frozen values only, so CSE runs it once for a group whose models hold it alike (a
     # frozen trunk's every layer, norm and activation)
     shared_ops: int = 0
+    # each operation's frozen FLOPs (forward, one batch; parallel to ``ops``): what a CSE
+    # group computes once where models hold the operation alike in their shared prefixes
+    op_frozen: tuple[float, ...] = ()
 
     @property
     def frozen_flops_per_call(self) -> float:
@@ -161,39 +173,94 @@ def _layer_flops(module: nn.Module, out: Any) -> float:
     return 5.0 * out.numel()  # a norm, an embedding: a few element-wise operations
 
 
-def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
-    """The :class:`StepCosts` of ``model`` on a batch shaped like ``inputs``, from one
-    forward on **meta** tensors (a copy whose parameters are shapes only: nothing computed,
-    no running statistic moved, no random number drawn)."""
-    memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        memo[id(t)] = (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
-                       if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
-    shadow = copy.deepcopy(model, memo)
+# Examples a probe forward runs (a train-mode BatchNorm needs two); its FLOPs are scaled to
+# the batch.
+PROBE_EXAMPLES = 2
+
+
+def _hooked_forward(module: nn.Module, inputs: Sequence[Any], scale: float) -> tuple:
+    """One forward of ``module`` on ``inputs`` under ``no_grad``, each layer with weights
+    counted (its FLOPs times ``scale``): (trainable FLOPs, frozen FLOPs, frozen calls,
+    trainable FLOPs by module path, frozen FLOPs by module path)."""
     trainable, frozen, frozen_calls = [0.0], [0.0], [0]
     by_path: dict[str, float] = {}
+    frozen_by_path: dict[str, float] = {}
 
-    def hook(module, _args, out, path=""):
-        params = list(module.parameters(recurse=False))
+    def hook(layer, _args, out, path=""):
+        params = list(layer.parameters(recurse=False))
         if params:
-            flops = _layer_flops(module, out)
+            flops = _layer_flops(layer, out) * scale
             if any(p.requires_grad for p in params):
                 trainable[0] += flops
                 by_path[path] = by_path.get(path, 0.0) + flops
             else:
                 frozen[0] += flops
                 frozen_calls[0] += 1
+                frozen_by_path[path] = frozen_by_path.get(path, 0.0) + flops
     handles = [m.register_forward_hook(lambda mod, a, o, path=name: hook(mod, a, o, path))
-               for name, m in shadow.named_modules()
+               for name, m in module.named_modules()
                if any(True for _ in m.parameters(recurse=False))]
-    meta = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
-            for x in inputs]
     try:
         with torch.no_grad():
-            shadow(*meta)
+            module(*inputs)
     finally:
         for h in handles:
             h.remove()
+    return trainable[0], frozen[0], frozen_calls[0], by_path, frozen_by_path
+
+
+def _probe_forward(model: nn.Module, inputs: Sequence[Any]) -> tuple | None:
+    """:func:`_hooked_forward` of the real model on the first :data:`PROBE_EXAMPLES`
+    examples (zeros of their shape where ``inputs`` are meta tensors), scaled to the batch,
+    putting back every buffer and random stream it moved; None when the inputs' first
+    dimensions are not one batch size, or the model is on the meta device."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if not tensors or any(x.dim() == 0 or x.shape[0] != tensors[0].shape[0] for x in tensors):
+        return None
+    batch = tensors[0].shape[0]
+    small = min(batch, PROBE_EXAMPLES)
+    if small < 1 or any(p.device.type == "meta" for p in model.parameters()):
+        return None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # a meta input (what the worker records of a batch: its shapes) becomes zeros on the
+    # model's device: FLOPs depend on shapes alone, and zeros index any embedding
+    cut = [(torch.zeros((small, *x.shape[1:]), dtype=x.dtype, device=device)
+            if x.device.type == "meta" else x[:small]) if isinstance(x, torch.Tensor) else x
+           for x in inputs]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    gpus = sorted({t.device.index or 0 for t in [*tensors, *model.parameters()]
+                   if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=gpus):
+            return _hooked_forward(model, cut, batch / small)
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
+    """The :class:`StepCosts` of ``model`` on a batch shaped like ``inputs``, from one
+    forward under ``no_grad`` on :data:`PROBE_EXAMPLES` examples of the batch, its FLOPs
+    scaled to the batch, the model's buffers (running statistics) and the random streams
+    restored after it: nothing moves. Where that forward cannot run (inputs whose first
+    dimension is not the batch, a model that needs the whole batch), on **meta** tensors: a
+    copy whose parameters are shapes only, nothing computed (about 100 times slower: 0.4 s
+    for a MobileNetV2 on this CPU, against 4 ms)."""
+    try:
+        found = _probe_forward(model, inputs)
+    except Exception:  # noqa: BLE001 (whatever a small batch breaks: the meta forward)
+        found = None
+    if found is None:
+        memo: dict[int, Any] = {}
+        for t in list(model.parameters()) + list(model.buffers()):
+            memo[id(t)] = (nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
+                           if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+        shadow = copy.deepcopy(model, memo)
+        meta = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+                for x in inputs]
+        found = _hooked_forward(shadow, meta, 1.0)
+    trainable, frozen, frozen_calls, by_path, frozen_by_path = found
     ops = _ops(model)
     shared = 0
     for i, (_, path) in enumerate(ops):
@@ -202,9 +269,10 @@ def step_costs(model: nn.Module, inputs: Sequence[Any]) -> StepCosts:
             break
         if params:  # up to the last frozen layer with weights: a prefix of glue alone (a
             shared = i + 1  # flatten of the input) saves nothing worth a group
-    return StepCosts(tuple(o for o, _ in ops), trainable[0], frozen[0],
+    return StepCosts(tuple(o for o, _ in ops), trainable, frozen,
                      tuple(by_path.get(path, 0.0) if path else 0.0 for _, path in ops),
-                     frozen_calls[0], shared)
+                     frozen_calls, shared,
+                     tuple(frozen_by_path.get(path, 0.0) if path else 0.0 for _, path in ops))
 
 
 def _device(device: Any) -> tuple[DeviceModel, float]:
@@ -274,9 +342,59 @@ def cse_bound(costs: Sequence[StepCosts], loader_s: float = 0.0, device: Any = "
     rate = dev.rate * threads
     alone = sum(len(c.ops) * dev.op_s + dev.model_s + (3 * c.flops + c.frozen_flops) / rate
                 for c in costs)
-    shared = min(c.frozen_flops for c in costs) / rate + _shared_prefix(costs) * dev.op_s
     loader_s = max(float(loader_s), 0.0)
-    return (alone + len(costs) * loader_s) / (alone - (len(costs) - 1) * shared + loader_s)
+    return (alone + len(costs) * loader_s) / (alone - _cse_saving(costs, dev, rate) + loader_s)
+
+
+def cse_floor(costs: Sequence[StepCosts], loader_s: float = 0.0, device: Any = "cpu") -> float:
+    """The least a CSE group of the models of ``costs`` gains over training them apart on
+    ``device``: :func:`cse_bound`'s savings (the frozen layers and operations the models
+    hold alike in their prefixes, once; one loader) against a grouped step that costs
+    :data:`CSE_GROUP_COST` of a model's fixed step cost more per model than the models'
+    steps alone. At or over :data:`CSE_TAKE`
+    a default group takes CSE without measuring: CSE and apart give the same values bit for
+    bit, so only the time is at stake, and segments are still judged (a slower one reverts).
+    Deterministic for the same ``loader_s``.
+
+    Example::
+
+        cse_floor([step_costs(m, [x]) for m in heads_on_a_frozen_trunk])   # e.g. 3.1
+    """
+    dev, threads = _device(device)
+    if len(costs) < 2:
+        return 1.0
+    rate = dev.rate * threads
+    alone = sum(len(c.ops) * dev.op_s + dev.model_s + (3 * c.flops + c.frozen_flops) / rate
+                for c in costs)
+    loader_s = max(float(loader_s), 0.0)
+    grouped = (alone + len(costs) * CSE_GROUP_COST * dev.model_s
+               - _cse_saving(costs, dev, rate) + loader_s)
+    return (alone + len(costs) * loader_s) / max(grouped, 1e-12)
+
+
+def _cse_saving(costs: Sequence[StepCosts], dev: DeviceModel, rate: float) -> float:
+    """Seconds a CSE group's step saves over its models apart: each model's shared prefix
+    (:attr:`StepCosts.shared_ops`) as a path in a trie of operations, every node of the trie
+    computed once (its call and its frozen FLOPs, forward) where apart each model computes
+    its own path. Models whose prefixes hold the same trunk save it K - 1 times; adapters
+    after different blocks of one backbone save each block as often as models pass it, less
+    once. Models without :attr:`StepCosts.op_frozen` (made by hand) count
+    ``frozen_flops`` on the common prefix of all."""
+    if any(len(c.op_frozen) != len(c.ops) for c in costs):
+        return (len(costs) - 1) * (min(c.frozen_flops for c in costs) / rate
+                                   + _shared_prefix(costs) * dev.op_s)
+    root: dict = {}
+    alone_s = trie_s = 0.0
+    for c in costs:
+        node = root
+        for op, flops in zip(c.ops[:c.shared_ops], c.op_frozen[:c.shared_ops]):
+            cost = dev.op_s + flops / rate
+            alone_s += cost
+            if op not in node:
+                node[op] = {}
+                trie_s += cost
+            node = node[op]
+    return alone_s - trie_s
 
 
 def _shared_prefix(costs: Sequence[StepCosts]) -> int:

@@ -158,14 +158,16 @@ class Resolved:
         start_s: a job's loader starts per epoch, per batch (the estimate of apart).
         cse_bound: the most CSE could gain over apart (``device_model.cse_bound``: the
             frozen layers once, one loader); None when the shapes could not be read.
+        cse_floor: the least CSE gains over apart (``device_model.cse_floor``: the same
+            savings against a grouped step's cost); None as ``cse_bound``.
     """
 
     def __init__(self, fuse: Any, fusable: list, passes: LayoutPasses, decided: bool,
                  predicted: list[str], produce_s: float = 0.0, start_s: float = 0.0,
-                 cse_bound: float | None = None):
+                 cse_bound: float | None = None, cse_floor: float | None = None):
         self.fuse, self.fusable, self.passes = fuse, fusable, passes
         self.decided, self.predicted, self.produce_s = decided, predicted, produce_s
-        self.start_s, self.cse_bound = start_s, cse_bound
+        self.start_s, self.cse_bound, self.cse_floor = start_s, cse_bound, cse_floor
 
 
 def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids: list[str],
@@ -200,13 +202,14 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
             settings[name] = "auto"  # the measuring code's word for it
         elif value == "auto":
             settings[name] = _pass_wins(name, found, ids, models, runs, data_key, settings, device)
-    bound = None
+    bound = floor = None
     if fuse == "auto" and found is not None:  # the default's: may spare the measurement
         try:
-            bound = device_model.cse_bound([_costs(t, models, runs, found[0]) for t in ids],
-                                           found[2] + found[3], device)
+            costs = [_costs(t, models, runs, found[0]) for t in ids]
+            bound = device_model.cse_bound(costs, found[2] + found[3], device)
+            floor = device_model.cse_floor(costs, found[2] + found[3], device)
         except Exception:  # noqa: BLE001 (a model the meta forward cannot run: measured)
-            bound = None
+            bound = floor = None
     decided = fuse == "auto"
     if fuse == "measure":
         out_fuse = "auto"
@@ -219,7 +222,7 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
                     LayoutPasses({k: v for k, v in settings.items() if v}),
                     decided or any(v == "auto" for v in passes.settings.values()), predicted,
                     found[2] if found is not None else 0.0, found[3] if found is not None else 0.0,
-                    bound)
+                    bound, floor)
 
 
 def _pass_wins(name: str, found: tuple | None, ids: list[str], models: Mapping, runs: Mapping,

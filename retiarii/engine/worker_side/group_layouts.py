@@ -41,7 +41,7 @@ import torch
 
 from ...optim import fusion_key
 from ...optim.cost import Layout, choose_layout, probe_speedups
-from ...optim.device_model import CSE_MARGIN, fuses_places
+from ...optim.device_model import CSE_MARGIN, CSE_TAKE, fuses_places
 from ...optim.passes import LayoutPasses, PassManager, get_pass
 from ...optim.plan import Role
 from ...rng import swapped_in
@@ -373,9 +373,18 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     apart = (told.fuse == "auto" and not fuse and merged == [Layout.CSE] and given is None
              and not told.dedicated and resolved.cse_bound is not None
              and resolved.cse_bound < CSE_MARGIN)
+    # ... and those whose CSE gains at least CSE_TAKE whatever a measurement would say (the
+    # frozen layers their prefixes hold alike computed once, one loader, against what a group
+    # costs: device_model.cse_floor) take their merged layout unmeasured, as optimize=True
+    # does: measuring it against apart cost workloads (b) and (d) a tenth of their search
+    take = (told.fuse == "auto" and not fuse and len(merged) == 1 and given is None
+            and not told.dedicated and not apart and resolved.cse_floor is not None
+            and resolved.cse_floor >= CSE_TAKE)
+    if take:
+        profile = None  # nothing to judge a segment against: the floor decided
     live = None  # merged layout -> plan, when measured on the real first batches
-    if given is None and not apart and profile is not None and fuse is not True and (len(merged) > 1 or (
-            fuse == "auto" and fusable) or fuse == "auto" or passes.measured
+    if given is None and not (apart or take) and profile is not None and fuse is not True and (
+            len(merged) > 1 or (fuse == "auto" and fusable) or fuse == "auto" or passes.measured
             or told.fuse == "auto"):
         # under "auto" a group with one merged layout still chooses between it and apart
         live = _live_plans(merged, ids, models, runs, data_key, bool(told.dedicated),
@@ -386,6 +395,12 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
             *choice.predicted, f"{len(ids)} models: cse at most {resolved.cse_bound:.2f}x "
             f"(under {CSE_MARGIN}x: nothing frozen to share, the loader's pace): apart, "
             f"not measured"))
+    elif take:
+        order = [*merged, Layout.SEPARATE]
+        choice = replace(choice, order=tuple(x.value for x in order), predicted=(
+            *choice.predicted, f"{len(ids)} models: cse at least {resolved.cse_floor:.2f}x "
+            f"(at or over {CSE_TAKE}x: frozen layers computed once, one loader): "
+            f"{merged[0].value}, not measured"))
     elif live is not None:  # measured while training (measuring.py): decided after a few batches
         order = list(live)
         choice = replace(choice, order=tuple(x.value for x in order))
