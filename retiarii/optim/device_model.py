@@ -36,7 +36,7 @@ measured 0.29x of CSE (benchmarks/README.md, "GPU figures (wave 3)").
 
 Example::
 
-    costs = step_costs(model, batch_inputs)        # on meta tensors: no compute, no state
+    costs = step_costs(model, batch_inputs)        # 2 examples, no grad: nothing moves
     predicted_fused_speedup([costs] * 16, "cpu")   # e.g. 2.4
 """
 from __future__ import annotations
