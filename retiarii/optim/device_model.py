@@ -326,40 +326,37 @@ def predicted_fused_speedup(costs: Sequence[StepCosts], device: Any = "cpu") -> 
 
 def cse_bound(costs: Sequence[StepCosts], loader_s: float = 0.0, device: Any = "cpu") -> float:
     """The most a CSE group of the models of ``costs`` can gain over training them apart on
-    ``device``: the frozen layers they all hold computed once instead of once per model (at
-    most the smallest model's frozen FLOPs, forward only) and one loader for all
-    (``loader_s``: seconds the loader takes per batch, each model apart paying it), with
-    nothing paid for grouping. An upper bound: under :data:`CSE_MARGIN` a group cannot win,
-    whatever a measurement would say. Deterministic, as :func:`predicted_fused_speedup`.
+    ``device``: the frozen layers and operations their prefixes hold alike computed once
+    (:func:`_cse_saving`) and one loader for all (``loader_s``: seconds the loader takes per
+    batch, each model apart paying it), with nothing paid for grouping. Under
+    :data:`CSE_MARGIN` a group cannot win, whatever a measurement would say. Deterministic,
+    as :func:`predicted_fused_speedup`.
 
     Example::
 
         cse_bound([step_costs(m, [x]) for m in models], loader_s=0.0)   # nothing frozen: 1.0
     """
-    dev, threads = _device(device)
-    if len(costs) < 2:
-        return 1.0
-    rate = dev.rate * threads
-    alone = sum(len(c.ops) * dev.op_s + dev.model_s + (3 * c.flops + c.frozen_flops) / rate
-                for c in costs)
-    loader_s = max(float(loader_s), 0.0)
-    return (alone + len(costs) * loader_s) / (alone - _cse_saving(costs, dev, rate) + loader_s)
+    return _cse_ratio(costs, loader_s, device, 0.0)
 
 
 def cse_floor(costs: Sequence[StepCosts], loader_s: float = 0.0, device: Any = "cpu") -> float:
     """The least a CSE group of the models of ``costs`` gains over training them apart on
-    ``device``: :func:`cse_bound`'s savings (the frozen layers and operations the models
-    hold alike in their prefixes, once; one loader) against a grouped step that costs
-    :data:`CSE_GROUP_COST` of a model's fixed step cost more per model than the models'
-    steps alone. At or over :data:`CSE_TAKE`
-    a default group takes CSE without measuring: CSE and apart give the same values bit for
-    bit, so only the time is at stake, and segments are still judged (a slower one reverts).
-    Deterministic for the same ``loader_s``.
+    ``device``: :func:`cse_bound`'s savings against a grouped step that costs
+    :data:`CSE_GROUP_COST` times a model's fixed step cost (``MODEL_S``) more per model. At
+    or over :data:`CSE_TAKE` a default group takes its merged layout without measuring: CSE
+    and apart give the same values bit for bit, so only time is at stake. Deterministic for
+    the same ``loader_s``.
 
     Example::
 
-        cse_floor([step_costs(m, [x]) for m in heads_on_a_frozen_trunk])   # e.g. 3.1
+        cse_floor([step_costs(m, [x]) for m in heads_on_a_frozen_trunk])   # e.g. 3.8
     """
+    return _cse_ratio(costs, loader_s, device, CSE_GROUP_COST)
+
+
+def _cse_ratio(costs: Sequence[StepCosts], loader_s: float, device: Any,
+               group_cost: float) -> float:
+    """Apart's step over a CSE group's, the group paying ``group_cost`` x MODEL_S a model."""
     dev, threads = _device(device)
     if len(costs) < 2:
         return 1.0
@@ -367,7 +364,7 @@ def cse_floor(costs: Sequence[StepCosts], loader_s: float = 0.0, device: Any = "
     alone = sum(len(c.ops) * dev.op_s + dev.model_s + (3 * c.flops + c.frozen_flops) / rate
                 for c in costs)
     loader_s = max(float(loader_s), 0.0)
-    grouped = (alone + len(costs) * CSE_GROUP_COST * dev.model_s
+    grouped = (alone + len(costs) * group_cost * dev.model_s
                - _cse_saving(costs, dev, rate) + loader_s)
     return (alone + len(costs) * loader_s) / max(grouped, 1e-12)
 
