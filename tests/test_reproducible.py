@@ -123,7 +123,7 @@ class _WholeBatch(nn.Module):
 
 def test_the_probe_forward_counts_what_the_meta_forward_counts(monkeypatch):
     """step_costs runs the real model on 2 examples (zeros where the worker recorded meta
-    tensors), its FLOPs scaled to the batch, about 100 times sooner than a forward on meta
+    tensors), its FLOPs scaled to the batch, several times sooner than a forward on meta
     tensors; it counts the same, and a model the probe cannot run is counted on meta."""
     torch.manual_seed(0)
     trunk = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
@@ -140,6 +140,19 @@ def test_the_probe_forward_counts_what_the_meta_forward_counts(monkeypatch):
         monkeypatch.setattr(dm, "_probe_forward", probe)
         assert fast == on_meta == want
     assert models[0].get_submodule("0.1").running_mean.abs().sum() == 0  # never moved
+
+    class Counting(nn.Module):  # a forward with a side effect: it lands on the probe's copy
+        def __init__(self):
+            super().__init__()
+            self.fc, self.calls = nn.Linear(4, 2), 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.fc(x)
+
+    counting = Counting()
+    assert dm.step_costs(counting, [torch.randn(8, 4)]).flops == 2 * 8 * 4 * 2
+    assert counting.calls == 0
     with pytest.raises(RuntimeError):  # the fallback above was taken, not a probe result
         probe(models[2], [inputs[2]])
     assert probe(models[1], [torch.zeros(()), inputs[1]]) is None  # not one batch size
