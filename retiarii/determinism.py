@@ -157,13 +157,12 @@ def _adaptive_pool_backward(grad: Any, inp: Any, dims: int) -> Any:
     torch = _torch()
     mats, sizes = zip(*(_window_matrix(inp.shape[-dims + d], grad.shape[-dims + d], grad)
                         for d in range(dims)))
-    if dims == 2:
-        scaled = grad / (sizes[0][:, None] * sizes[1][None, :])
-        out = torch.einsum("...ab,ai,bj->...ij", scaled, *mats)
-    else:
-        scaled = grad / (sizes[0][:, None, None] * sizes[1][None, :, None]
-                         * sizes[2][None, None, :])
-        out = torch.einsum("...abc,ai,bj,ck->...ijk", scaled, *mats)
+    area = sizes[0]
+    for size in sizes[1:]:  # each output's window size, (out_1, ..., out_dims)
+        area = area[..., None] * size
+    outs, ins = "abc"[:dims], "ijk"[:dims]  # "...ab,ai,bj->...ij" in 2-d
+    spec = f"...{outs}," + ",".join(o + i for o, i in zip(outs, ins)) + f"->...{ins}"
+    out = torch.einsum(spec, grad / area, *mats)
     last = torch.channels_last if dims == 2 else torch.channels_last_3d
     if inp.dim() == dims + 2 and not inp.is_contiguous() and inp.is_contiguous(
             memory_format=last):

@@ -213,8 +213,8 @@ def _probe_forward(model: nn.Module, inputs: Sequence[Any]) -> tuple | None:
     """:func:`_hooked_forward` of the real model on the first :data:`PROBE_EXAMPLES`
     examples (zeros of their shape where ``inputs`` are meta tensors), scaled to the batch,
     on a copy of the model's modules (its parameters shared), the random streams put back;
-    None when the inputs' first
-    dimensions are not one batch size, or the model is on the meta device."""
+    None when the inputs' first dimensions are not one batch size, or the model is on the
+    meta device."""
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     if not tensors or any(x.dim() == 0 or x.shape[0] != tensors[0].shape[0] for x in tensors):
         return None

@@ -208,7 +208,7 @@ def resolve(fuse: Any, fusable: list[tuple[str, ...]], passes: LayoutPasses, ids
             costs = [_costs(t, models, runs, found[0]) for t in ids]
             bound = device_model.cse_bound(costs, found[2] + found[3], device)
             floor = device_model.cse_floor(costs, found[2] + found[3], device)
-        except Exception:  # noqa: BLE001 (a model the meta forward cannot run: measured)
+        except Exception:  # noqa: BLE001 (a model no forward could count: measured)
             bound = floor = None
     decided = fuse == "auto"
     if fuse == "measure":

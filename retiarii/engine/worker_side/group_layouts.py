@@ -370,16 +370,14 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
     # The default's groups that CSE cannot pay for (nothing frozen to compute once, a loader
     # too quick to matter: the device model's bound under CSE_MARGIN) train apart, nothing
     # measured: their first job measured CSE slower than apart for nothing (the demo)
-    apart = (told.fuse == "auto" and not fuse and merged == [Layout.CSE] and given is None
-             and not told.dedicated and resolved.cse_bound is not None
-             and resolved.cse_bound < CSE_MARGIN)
+    bounded = (told.fuse == "auto" and not fuse and len(merged) == 1 and given is None
+               and not told.dedicated and resolved.cse_bound is not None)
+    apart = bounded and merged == [Layout.CSE] and resolved.cse_bound < CSE_MARGIN
     # ... and those whose CSE gains at least CSE_TAKE whatever a measurement would say (the
     # frozen layers their prefixes hold alike computed once, one loader, against what a group
     # costs: device_model.cse_floor) take their merged layout unmeasured, as optimize=True
     # does: measuring it against apart cost workloads (b) and (d) a tenth of their search
-    take = (told.fuse == "auto" and not fuse and len(merged) == 1 and given is None
-            and not told.dedicated and not apart and resolved.cse_floor is not None
-            and resolved.cse_floor >= CSE_TAKE)
+    take = bounded and not apart and resolved.cse_floor >= CSE_TAKE
     if take:
         profile = None  # nothing to judge a segment against: the floor decided
     live = None  # merged layout -> plan, when measured on the real first batches
