@@ -159,7 +159,8 @@ def _chosen(records: list[dict]) -> str:
     for unit in reversed(units):
         choice = unit.get("choice") or {}
         if choice.get("device_chosen") or choice.get("predicted"):  # what the unit trained in
-            return (f"device model: {unit.get('layout') or 'cse'} "
+            trained = unit.get("layout") or "+".join(choice.get("device_chosen") or ["cse"])
+            return (f"device model: {trained} "
                     f"({'; '.join(choice.get('predicted') or [])})")
     return "not measured (cse)"
 
