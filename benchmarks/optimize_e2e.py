@@ -133,6 +133,20 @@ def run_search(case: str, mode: str, setup: dict, args, folder: str) -> dict:
     return {"wall": wall, "curves": curves, "plans": plans, "load": load}
 
 
+def warm_server() -> float:
+    """Start the local workers' server (one per process: it imports torch and retiarii, then
+    forks every worker of every search) and wait until it forked a process; its seconds.
+    Untimed, so the first search measured does not carry what every later one is spared (the
+    first ``off`` run of a process took 2-3 s more; ``e2e_overhead.py`` measures that cost)."""
+    from retiarii.engine.executors.warm import worker_context
+
+    start = time.perf_counter()
+    child = worker_context().Process(target=os.getpid)
+    child.start()
+    child.join()
+    return time.perf_counter() - start
+
+
 def max_rel_diff(a: dict, b: dict) -> float:
     """The largest relative difference of a model's final metric between two runs; inf when
     the models or their epochs differ."""
@@ -315,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = tempfile.mkdtemp(prefix="optimize_e2e-")
     rows: list[dict] = []
     try:
+        print(f"  workers' server started (untimed): {warm_server():.2f} s", flush=True)
         if args.device == "cuda":  # untimed: the workers' CUDA and cuDNN start (an H200 took
             # 16.5 s for a8's first search, 3.7 s for the next: the median of 3 carried it)
             warm = run_search(cases[0], "off", setup_case(cases[0], args, folder), args, folder)
