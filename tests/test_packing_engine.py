@@ -141,14 +141,15 @@ def test_bad_packing_options_are_refused(tmp_path, kwargs, match):
                       **kwargs)
 
 
-def test_auto_packs_by_profile_only_when_workers_use_gpus(tmp_path):
+def test_auto_packs_by_profile_on_gpus_and_on_two_cpu_slots_or_more(tmp_path):
     class Slots:
-        def __init__(self, devices):
-            self.devices = devices
+        def __init__(self, devices, num_slots=1):
+            self.devices, self.num_slots = devices, num_slots
 
     exp = rt.Experiment(space, rt.strategies.Random(seed=0), TRAINER, store=str(tmp_path / "a.db"))
     assert exp._packs(Slots([])) is False and exp._packs(Slots(["0"])) is True
-    assert exp._packs(TwoSlots()) is False  # no devices: not GPUs
+    assert exp._packs(Slots([], 2)) is True  # two CPU workers: their packs balanced
+    assert exp._packs(TwoSlots()) is True
     forced = rt.Experiment(space, rt.strategies.Random(seed=0), TRAINER,
                            store=str(tmp_path / "b.db"), packing=True)
     assert forced._packs(Slots([])) is True

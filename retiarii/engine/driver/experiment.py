@@ -439,11 +439,13 @@ class Experiment:
 
     def _packs(self, executor) -> bool:
         """Whether batches are packed by profile: ``packing``, where ``"auto"`` is on when the
-        workers train on GPUs (where memory decides what fits; on a CPU-only machine
-        benchmarks/packing_e2e.py measured an even split as fast)."""
+        workers train on GPUs (where memory decides what fits) or on two CPU slots or more
+        (where each slot's pack should take as long as the others': split evenly by count, a
+        space whose models differ in size left one worker idle for a third of a search,
+        benchmarks/held_out.py), and off for one CPU worker (one slot: nothing to balance)."""
         if self.packing != "auto":
             return bool(self.packing)
-        return bool(getattr(executor, "devices", None))
+        return bool(getattr(executor, "devices", None)) or getattr(executor, "num_slots", 1) > 1
 
     def _executor(self):
         executor = self.executor
