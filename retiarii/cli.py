@@ -357,7 +357,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--packing", choices=tuple(_OPTIMIZE), default="auto",
                      help="with --optimize: split each batch of models over the workers by "
                           "their profiles (similar ones together, workers equally busy, within "
-                          "memory): on, off (as evenly as they go), auto (on when workers use GPUs)")
+                          "memory): on, off (as evenly as they go), auto (on when workers use GPUs "
+                          "or when two CPU workers or more share the batch)")
     run.add_argument("--batch-models", type=int, default=8,
                      help="the most models one job trains when optimizing (default 8)")
     run.add_argument("--fuse", choices=tuple(_LAYOUT), default=None,

@@ -334,7 +334,12 @@ def test_a_group_cse_cannot_pay_for_trains_apart_unmeasured_bit_for_bit(tmp_path
         real = getattr(layouts, name)
         monkeypatch.setattr(layouts, name, lambda *a, _real=real, _name=name, **k: (
             measured.append(_name), _real(*a, **k))[1])
+    sizes = []
+    submit = InProcessExecutor.submit
+    monkeypatch.setattr(InProcessExecutor, "submit",
+                        lambda self, job: (sizes.append(len(job.tasks)), submit(self, job))[1])
     auto_db = _search(tmp_path, "auto")
+    auto_jobs = list(sizes)  # this search's jobs (the lambda appends the later ones)
     assert measured == []
     units = [u for r in o._plans(auto_db) for u in r["units"]]
     assert units and all(u["layout"] == "separate" and not u.get("merged") for u in units)
@@ -343,6 +348,14 @@ def test_a_group_cse_cannot_pay_for_trains_apart_unmeasured_bit_for_bit(tmp_path
     assert line and re.fullmatch(r"4 models: cse at most 1\.0\dx \(under 1\.1x: nothing frozen "
                                  r"to share, the loader's pace\): apart, not measured", line[0])
     assert o._curves(auto_db) == o._curves(_search(tmp_path, "off", optimize=False))
+    # a decision of the device model on these models, not a measurement: their later segments
+    # train alone (each to the first free worker), recorded so a resumed search does too
+    rows = o._plans(auto_db)
+    assert len(rows) == 1 and rows[0]["status"] == "not merged"
+    with Store(auto_db) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        assert len(PlanTable(store).memory().alone) == 4
+    assert auto_jobs == [4, 1, 1, 1, 1]  # the first epoch grouped, the second in jobs of one
     # the bound is what spared the measurement: under a margin it passes, the group measures
     monkeypatch.setattr(dm, "CSE_MARGIN", 0.5)
     import retiarii.engine.worker_side.group_layouts as gl

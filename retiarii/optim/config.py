@@ -62,7 +62,8 @@ class OptimizeConfig:
             "Packing onto devices"): by profiles (True: models of similar iteration time
             together, every worker about equally busy, none over its memory; profiles are
             estimated from the IR, then scaled by what workers measure), as evenly as they go
-            (False), or ``"auto"``: by profiles on GPUs only.
+            (False), or ``"auto"``: by profiles on GPUs and on two CPU workers or more
+            (one CPU worker: in proposal order).
         dedicated: modules that get a device of their own in a grouped job (``fnmatch``
             patterns of module names, or class names): a shared frozen part holding one is
             computed there one batch ahead of the models (docs/optimization.md, "Dedicated
@@ -84,8 +85,9 @@ class OptimizeConfig:
     fuse: Any = None
     # Optional pass -> setting; what is left out follows the mode (see the field's doc).
     passes: Mapping[str, Any] = field(default_factory=dict)
-    # "auto": profiles matter where memory decides what fits (GPUs); an even split measured
-    # as fast on a CPU (benchmarks/README.md, "packing_e2e").
+    # "auto": profiles matter where memory decides what fits (GPUs) and where two CPU workers
+    # or more should be equally busy (an even split by count idled one of two for half of a
+    # search whose models differ in size: benchmarks/held_out.py, "depth").
     packing: Any = "auto"
     # Nothing dedicated unless asked: a device of its own pays only for a large shared part.
     dedicated: tuple[str, ...] = ()

@@ -74,6 +74,9 @@ class UnitChoice:
         skipped: why fusion was not measured.
         fused_from: where fused training began (or begins).
         fused_failed: why fusing failed here (fused is then no candidate).
+        apart: the device model sent the group apart, nothing measured (fusing nothing, and
+            CSE bounded under ``device_model.CSE_MARGIN``): a decision, not a measurement,
+            so the runner trains these trials alone from now on.
     """
 
     device: str
@@ -91,6 +94,7 @@ class UnitChoice:
     skipped: str | None = None
     fused_from: str | None = None
     fused_failed: str | None = None
+    apart: bool = False
 
     def to_json(self) -> dict:
         return _present(self, always=("device", "probed", "order", "speedups"))
@@ -105,7 +109,7 @@ class UnitChoice:
                    measured_on=data.get("measured_on"), steps_s=data.get("steps_s"),
                    bound_s=data.get("bound_s"), bounds=data.get("bounds"),
                    skipped=data.get("skipped"), fused_from=data.get("fused_from"),
-                   fused_failed=data.get("fused_failed"))
+                   fused_failed=data.get("fused_failed"), apart=bool(data.get("apart")))
 
 
 @dataclass(frozen=True)

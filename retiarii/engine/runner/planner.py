@@ -237,6 +237,16 @@ class JobPlanner:
             # its trials stay together and every run of the search trains them alike
             alone = [t for u in record.units if u.slower for t in u.trials]
             self.memory.alone.update(alone)
+        elif record.status == "not merged" and record.units and all(
+                u.choice is not None and u.choice.apart for u in record.units):
+            # the device model sent the group apart (fusing nothing, CSE bounded under its
+            # margin): a decision on these models, not a measurement, and the same models
+            # grouped again get it again. Grouped, they would still train one after another
+            # on one worker while another idles (held-out spaces at workers=2: 0.84x of
+            # optimize=False); alone, each segment goes to the first free worker.
+            going = {f.trial_id for f in live}
+            alone += [t for u in record.units for t in u.trials if t in going and t not in alone]
+            self.memory.alone.update(alone)
         self.memory.unfused.update(record.unfused)
         return GroupEnd(replace(record, alone=tuple(alone)), tuple(steps))
 

@@ -389,7 +389,8 @@ def group_units(told: GroupOrder, ids: list[str], models: Mapping, runs: Mapping
                            passes)
     if apart:
         order = [Layout.SEPARATE]
-        choice = replace(choice, order=(Layout.SEPARATE.value, Layout.CSE.value), predicted=(
+        choice = replace(choice, order=(Layout.SEPARATE.value, Layout.CSE.value), apart=True,
+                         predicted=(
             *choice.predicted, f"{len(ids)} models: cse at most {resolved.cse_bound:.2f}x "
             f"(under {CSE_MARGIN}x: nothing frozen to share, the loader's pace): apart, "
             f"not measured"))
