@@ -341,6 +341,7 @@ def test_a_group_cse_cannot_pay_for_trains_apart_unmeasured_bit_for_bit(tmp_path
     auto_db = _search(tmp_path, "auto")
     auto_jobs = list(sizes)  # this search's jobs (the lambda appends the later ones)
     assert measured == []
+    assert auto_jobs == [4, 4]  # one worker: the group stays one job (nothing to balance)
     units = [u for r in o._plans(auto_db) for u in r["units"]]
     assert units and all(u["layout"] == "separate" and not u.get("merged") for u in units)
     line = [p for u in units for p in u["choice"]["predicted"] if "cse at most" in p]
@@ -348,14 +349,23 @@ def test_a_group_cse_cannot_pay_for_trains_apart_unmeasured_bit_for_bit(tmp_path
     assert line and re.fullmatch(r"4 models: cse at most 1\.0\dx \(under 1\.1x: nothing frozen "
                                  r"to share, the loader's pace\): apart, not measured", line[0])
     assert o._curves(auto_db) == o._curves(_search(tmp_path, "off", optimize=False))
-    # a decision of the device model on these models, not a measurement: their later segments
-    # train alone (each to the first free worker), recorded so a resumed search does too
-    rows = o._plans(auto_db)
-    assert len(rows) == 1 and rows[0]["status"] == "not merged"
-    with Store(auto_db) as store:
+    # with two workers, a decision of the device model on these models (not a measurement):
+    # their later segments train alone, each to the first free worker, recorded so a resumed
+    # search does too, and still bit for bit as unoptimized
+    class TwoSlots(InProcessExecutor):
+        num_slots = 2
+
+    sizes.clear()
+    two_db = tmp_path / "two.db"
+    rt.Experiment(mlp_space, rt.strategies.GridSearch(), lr_trainer, store=str(two_db),
+                  executor=TwoSlots(), seed=0, max_models=4).run()
+    assert sizes == [2, 2, 1, 1, 1, 1]  # the first epoch in two groups, the second alone
+    rows = o._plans(two_db)
+    assert [r["status"] for r in rows] == ["not merged"] * 2
+    with Store(two_db) as store:
         store.use_experiment(store.experiments()[-1]["id"])
         assert len(PlanTable(store).memory().alone) == 4
-    assert auto_jobs == [4, 1, 1, 1, 1]  # the first epoch grouped, the second in jobs of one
+    assert o._curves(two_db) == o._curves(auto_db)
     # the bound is what spared the measurement: under a margin it passes, the group measures
     monkeypatch.setattr(dm, "CSE_MARGIN", 0.5)
     import retiarii.engine.worker_side.group_layouts as gl

@@ -387,7 +387,8 @@ class Experiment:
             kwargs.update(planner=JobPlanner(
                 batch_models=self.batch_models, group_key=proposals.group_key,
                 profile=self.optimize == "auto", fuse=self.fuse, passes=self.passes,
-                merge=self.optimize != "pack", dedicated=self.dedicated),
+                merge=self.optimize != "pack", dedicated=self.dedicated,
+                slots=getattr(executor, "num_slots", 1)),
                 packer=Packer(self._packs(executor), getattr(
                     executor, "slot_memory", lambda: float("inf"))(), self.batch_models,
                     self.optimization.memory_budget),
