@@ -153,26 +153,29 @@ def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _build(name: str):
+    quick = name.endswith("_QUICK")  # the smoke test's size: a few hundred examples, 1 epoch
+    name = name.removesuffix("_QUICK")
+    n, epochs = (256, 1) if quick else (None, None)
     if name == "SPACE_LR8":
         return rt.ModelSpace(SmallCNN(), example_input=torch.zeros(2, 1, 8, 8))
     if name == "TRAINER_LR8":
-        return rt.Trainer(dataset="digits", epochs=10, lr=rt.ValueChoice(
+        return rt.Trainer(dataset="digits", epochs=epochs or 10, lr=rt.ValueChoice(
             [3e-4, 1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2, 3e-2], label="lr"))
     if name == "SPACE_RNN":
         return rt.ModelSpace(SeqNet(), example_input=torch.zeros(2, 24, 16)).with_hparams(
             {"lr": rt.ValueChoice([1e-3, 3e-3], label="lr")})
     if name == "TRAINER_RNN":
-        return rt.Trainer(dataset=_sequences(4096, 1), epochs=3, batch_size=64)
+        return rt.Trainer(dataset=_sequences(n or 4096, 1), epochs=epochs or 3, batch_size=64)
     if name == "SPACE_TFM":
         return rt.ModelSpace(TinyTransformer(),
                              example_input=torch.zeros(2, 20, dtype=torch.long)).with_hparams(
             {"lr": rt.ValueChoice([1e-3, 3e-3], label="lr")})
     if name == "TRAINER_TFM":
-        return rt.Trainer(dataset=_tokens(4096, 2), epochs=3, batch_size=64)
+        return rt.Trainer(dataset=_tokens(n or 4096, 2), epochs=epochs or 3, batch_size=64)
     if name == "SPACE_DEPTH":
         return rt.ModelSpace(DepthNet(), example_input=torch.zeros(2, 3, 32, 32))
     if name == "TRAINER_DEPTH":
-        return rt.Trainer(dataset=_images(2048, 3), epochs=2, batch_size=64)
+        return rt.Trainer(dataset=_images(n or 2048, 3), epochs=epochs or 2, batch_size=64)
     raise AttributeError(f"module 'held_out' has no attribute {name!r}")
 
 
@@ -188,12 +191,13 @@ WORKLOADS = ("lr8", "rnn", "tfm", "depth")
 # ---- the benchmark ---------------------------------------------------------------------------
 
 
-def setup(name: str) -> dict:
+def setup(name: str, quick: bool = False) -> dict:
     from retiarii.refs import resolve_ref
 
     # by reference, as workers rebuild them: this file's module-level names
+    tail = "_QUICK" if quick else ""
     space = f"{os.path.abspath(__file__)}:SPACE_{name.upper()}"
-    trainer = resolve_ref(f"{os.path.abspath(__file__)}:TRAINER_{name.upper()}")
+    trainer = resolve_ref(f"{os.path.abspath(__file__)}:TRAINER_{name.upper()}{tail}")
     size = resolve_ref(space).with_hparams(trainer.value_choices()).size()
     return {"space": space, "strategy": rt.strategies.GridSearch, "trainer": trainer,
             "models": size}
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=3, help="interleaved runs per mode (median)")
     p.add_argument("--workers", type=int, choices=[1, 2], default=2)
     p.add_argument("--out", help="folder of the CSV (default benchmarks/out)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few hundred examples and one epoch per search (a smoke test)")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1")
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  workers' server started (untimed): {e2e.warm_server():.2f} s", flush=True)
     rows, verdicts = [], {}
     for name in args.workload:
-        case = setup(name)
+        case = setup(name, args.quick)
         print(f"\n== {name}: {case['models']} models", flush=True)
         results: dict[str, list[dict]] = {m: [] for m in e2e.MODES}
         for rnd in range(args.runs):

@@ -17,10 +17,10 @@ def test_the_workloads_have_the_sizes_the_docstring_gives():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import held_out
 
-    sizes = {name: held_out.setup(name)["models"] for name in held_out.WORKLOADS}
+    sizes = {name: held_out.setup(name, quick=True)["models"] for name in held_out.WORKLOADS}
     assert sizes == {"lr8": 8, "rnn": 8, "tfm": 8, "depth": 6}
     for name in held_out.WORKLOADS:  # every sample builds and runs on its example input
-        case = held_out.setup(name)
+        case = held_out.setup(name, quick=True)
         space = held_out._build(f"SPACE_{name.upper()}")
         sample = space.random_sample(0).sample
         net = space.build(sample)
@@ -30,7 +30,7 @@ def test_the_workloads_have_the_sizes_the_docstring_gives():
 
 def test_one_run_of_each_mode_is_exact_where_nothing_fuses(tmp_path):
     done = subprocess.run([sys.executable, SCRIPT, "--workload", "depth", "--runs", "1",
-                           "--workers", "1", "--out", str(tmp_path)],
+                           "--workers", "1", "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
