@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = e2e.run_search(name, mode, case, run_args, folder)
                 results[mode].append(r)
                 print(f"  {name} run {rnd + 1}/{args.runs} {mode:4} {r['wall']:7.2f} s "
-                      f"(load {r['load']:.1f})  {e2e._plans_text(r['plans'])}", flush=True)
+                      f"(load {r['load']:.1f})  {e2e.plans_text(r['plans'])}", flush=True)
         med = {m: statistics.median(r["wall"] for r in runs) for m, runs in results.items()}
         ref = results["off"][0]["curves"]
         best = min(med["off"], med["on"])
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                              "wall_s": round(r["wall"], 3), "ratio_to_off": None,
                              "of_best": None, "same_as_off": r["curves"] == ref,
                              "reruns_identical": None, "load": round(r["load"], 2),
-                             "plans": e2e._plans_text(r["plans"])})
+                             "plans": e2e.plans_text(r["plans"])})
             rows.append({"workload": name, "mode": mode, "run": "median",
                          "wall_s": round(med[mode], 3), "ratio_to_off":
                          round(med["off"] / med[mode], 3), "of_best": round(best / med[mode], 3),

@@ -163,7 +163,7 @@ def max_rel_diff(a: dict, b: dict) -> float:
     return worst
 
 
-def _plans_text(plans: dict) -> str:
+def plans_text(plans: dict) -> str:
     jobs = ", ".join(f"{n} {s}" for s, n in sorted(plans["jobs"].items())) or "no grouped job"
     if plans.get("fused_trials"):
         jobs += f", {plans['fused_trials']} trials fused"
@@ -192,7 +192,7 @@ def measure_case(case: str, args, folder: str) -> list[dict]:
             r = run_search(case, mode, setup, args, folder)
             results[mode].append(r)
             print(f"  {case} run {rnd + 1}/{args.runs} {mode:4} {r['wall']:7.2f} s "
-                  f"(load {r['load']:.1f})  {_plans_text(r['plans'])}", flush=True)
+                  f"(load {r['load']:.1f})  {plans_text(r['plans'])}", flush=True)
         med = {m: statistics.median(x["wall"] for x in results[m]) for m in args.modes}
         base = med.get("off")
         print("  medians so far: " + " | ".join(
