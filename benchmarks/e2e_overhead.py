@@ -17,15 +17,23 @@ everything else between ``Experiment.run()`` and its return is *outside*:
 - ``per job``: the gaps between one job's last batch and the next job's first batch
   (result recorded, checkpoint written, strategy asked, next job dispatched, model built);
   with ``workers=1`` and ``optimize=False`` each gap is one job's overhead (median and p90);
-- ``tail``: from the last batch to the return of ``run()`` (workers stopped, store closed).
+- ``tail``: from the last batch to the return of ``run()`` (workers stopped, store closed);
+- ``later fixed``: the same process then runs a second search (a new store and executor),
+  as a notebook or a script that searches several spaces does: its fixed cost, with the
+  workers' server already started (workers are forked from it, nothing imported again).
+
+It also times a fresh interpreter's ``import torch``: a first search's workers must import
+torch before their first batch (forking the driver instead is unsafe once torch has run an
+OpenMP-parallel operation), so that is the floor of a process's first search.
 
 Targets (issue #26): median per-job overhead <= 50 ms; fixed cost of a search (``to first
 batch`` + ``tail``) <= 1 s beyond the driver's own ``import retiarii``.
 
 Prints a table (median over ``--repeats`` processes per configuration) and writes
 ``benchmarks/out/e2e_overhead.csv``. ``--profile`` runs one more search of the first
-configuration under cProfile (the driver from ``Experiment()`` to the end of ``run()``, and
-its first worker from its first job to its last batch) and prints the top of both.
+configuration under cProfile (the driver from ``Experiment()`` to the end of its first
+``run()``, and its first worker from its first job to its last batch) and prints the top of
+both.
 
 Example::
 
@@ -159,13 +167,26 @@ def busy_union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def child(args) -> None:
-    folder = os.path.join(OUT, f"e2e-overhead-{os.getpid()}")
+    """Two searches in this fresh process: the first pays what a script's one search pays,
+    the second what each later search of a process pays (a notebook, a script that searches
+    several spaces, ``nas_rows.py``): the workers' server is already started then."""
+    first = one_search(args, "first")
+    later = one_search(args, "later")
+    first["later"] = {k: later[k] for k in ("experiment_s", "to_first_batch_s",
+                                            "worker_ready_s", "tail_s", "run_s")}
+    print(json.dumps(first))
+
+
+def one_search(args, tag: str) -> dict:
+    """One search of ``args.child``'s configuration; where its time went (see the module
+    docstring)."""
+    folder = os.path.join(OUT, f"e2e-overhead-{os.getpid()}-{tag}")
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
     log = os.path.join(folder, "batches.log")
     workers, optimize = CONFIGS[args.child]
     os.environ["E2E_DRIVER_PID"] = str(os.getpid())  # the trainer logs only in workers
-    profile = os.path.join(OUT, "e2e_overhead.prof") if args.profile else ""
+    profile = os.path.join(OUT, "e2e_overhead.prof") if args.profile and tag == "first" else ""
     profiler = None
     if profile:
         import cProfile
@@ -190,12 +211,11 @@ def child(args) -> None:
     busy = busy_union(spans)
     gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:])]
     shutil.rmtree(folder, ignore_errors=True)
-    print(json.dumps({
-        "import_s": T_IMPORTED - T_START, "experiment_s": t_run - t_made,
-        "to_first_batch_s": busy[0][0] - t_run, "worker_ready_s": ready - t_run,
-        "tail_s": t_end - busy[-1][1],
-        "gaps_s": gaps, "in_batches_s": sum(b - a for a, b in busy),
-        "run_s": t_end - t_run, "epochs": len(spans)}))
+    return {"import_s": T_IMPORTED - T_START, "experiment_s": t_run - t_made,
+            "to_first_batch_s": busy[0][0] - t_run, "worker_ready_s": ready - t_run,
+            "tail_s": t_end - busy[-1][1],
+            "gaps_s": gaps, "in_batches_s": sum(b - a for a, b in busy),
+            "run_s": t_end - t_run, "epochs": len(spans)}
 
 
 # ---- the orchestrator -------------------------------------------------------------------------
@@ -235,6 +255,7 @@ def main() -> None:
         return
     print(f"{args.models} models per search, {args.repeats} processes per configuration, "
           f"load {load()} before")
+    floor = torch_import_s()
     results: dict[str, list[dict]] = {c: [] for c in args.configs}
     for _ in range(args.repeats):  # interleaved: a busy neighbour hits every config alike
         for config in args.configs:
@@ -242,7 +263,7 @@ def main() -> None:
     rows = []
     print(f"{'config':<12}{'import s':>9}{'ready s':>8}{'1st batch s':>12}{'tail s':>8}"
           f"{'fixed s':>8}{'job ms med':>11}{'p90':>7}{'jobs':>6}{'outside s':>10}{'run s':>8}"
-          f"{'process s':>10}")
+          f"{'later fixed s':>14}{'process s':>10}")
     for config, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs)
                for k in ("import_s", "to_first_batch_s", "worker_ready_s", "tail_s", "run_s",
@@ -251,11 +272,12 @@ def main() -> None:
         job_ms = statistics.median(gaps) * 1000 if gaps else float("nan")
         p90_ms = percentile(gaps, 0.9) * 1000 if gaps else float("nan")
         fixed = med["to_first_batch_s"] + med["tail_s"] + med["experiment_s"]
+        later = statistics.median(fixed_s(r["later"]) for r in runs)
         outside = med["run_s"] - med["in_batches_s"]
         print(f"{config:<12}{med['import_s']:>9.2f}{med['worker_ready_s']:>8.2f}"
               f"{med['to_first_batch_s']:>12.2f}{med['tail_s']:>8.2f}{fixed:>8.2f}"
               f"{job_ms:>11.1f}{p90_ms:>7.1f}{len(gaps) // max(1, len(runs)):>6}"
-              f"{outside:>10.2f}{med['run_s']:>8.2f}{med['process_s']:>10.2f}")
+              f"{outside:>10.2f}{med['run_s']:>8.2f}{later:>14.2f}{med['process_s']:>10.2f}")
         for i, r in enumerate(runs):
             rows.append({"config": config, "repeat": i, "models": args.models,
                          "import_s": r["import_s"], "experiment_s": r["experiment_s"],
@@ -266,12 +288,31 @@ def main() -> None:
                          "p90_job_ms": percentile(r["gaps_s"], 0.9) * 1000 if r["gaps_s"] else "",
                          "jobs_gaps": len(r["gaps_s"]),
                          "in_batches_s": r["in_batches_s"], "run_s": r["run_s"],
-                         "process_s": r["process_s"]})
+                         "later_fixed_s": fixed_s(r["later"]),
+                         "later_worker_ready_s": r["later"]["worker_ready_s"],
+                         "torch_import_s": floor, "process_s": r["process_s"]})
     print(f"targets: median per-job <= {TARGET_JOB_MS:.0f} ms, fixed (Experiment() + to first "
           f"batch + tail) <= {TARGET_FIXED_S:.0f} s; load {load()} after")
+    print(f"a fresh interpreter's `import torch` (the floor of a first search's workers, which "
+          f"must import it before their first batch): {floor:.2f} s (median of 3)")
     print("wrote", write_csv(rows, "e2e_overhead"))
     if args.profile:
         show_profile(args.configs[0], args)
+
+
+def fixed_s(r: dict) -> float:
+    """A search's fixed cost: ``Experiment()``, ``run()`` to its first batch, and its tail."""
+    return r["experiment_s"] + r["to_first_batch_s"] + r["tail_s"]
+
+
+def torch_import_s(repeats: int = 3) -> float:
+    """Median wall seconds of ``import torch`` in a fresh interpreter."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
 
 
 def percentile(values: list[float], q: float) -> float:
