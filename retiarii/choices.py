@@ -38,6 +38,13 @@ from .mutator import Mutator, candidate_keys
 
 # ---- ValueChoice -----------------------------------------------------------------------------
 
+# torch.nn's constructors check their arguments in Python (``p < 0``, ``if bias``): a choice
+# reaching one of them was passed to the plain layer instead of its recording twin
+_TWIN_HINT = ("if a torch.nn layer's constructor raised this, give the choice to its "
+              "retiarii.nn twin instead (rt.nn.Dropout(p=rt.ValueChoice([0.1, 0.3])), "
+              "rt.nn.Linear(64, width)), which records it and builds the chosen layer")
+
+
 class Expr:
     """Arithmetic on ValueChoices (``ratio * channels``), evaluated once values are chosen."""
 
@@ -56,12 +63,19 @@ class Expr:
     __pow__ = _binary("pow")
 
     def __bool__(self):
-        raise TypeError("a ValueChoice has no truth value until a model is sampled; do not "
-                        "branch on it in __init__ (use a LayerChoice or a mutator instead)")
+        raise TypeError("a ValueChoice has no truth value until a model is sampled: do not "
+                        "branch on it in __init__ (use a LayerChoice or a mutator instead); "
+                        f"{_TWIN_HINT}")
 
     def __index__(self):
         raise TypeError("a ValueChoice is not an int until a model is sampled; pass it to a "
                         "retiarii.nn layer's constructor instead of using it in Python code")
+
+    def _order(self, other):
+        raise TypeError(f"a ValueChoice cannot be compared with {other!r} until a model is "
+                        f"sampled; {_TWIN_HINT}")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _order
 
 
 class ValueChoice(Expr):

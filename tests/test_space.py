@@ -362,6 +362,17 @@ def test_value_choice_refuses_python_control_flow():
         bool(rt.ValueChoice([1, 2]) > 1 if False else rt.ValueChoice([1, 2]))
     with pytest.raises(TypeError, match="not an int"):
         range(rt.ValueChoice([1, 2]))
+    with pytest.raises(TypeError, match="cannot be compared"):
+        rt.ValueChoice([1, 2]) * 2 >= 3
+
+
+def test_a_choice_given_to_a_plain_torch_layer_names_its_retiarii_twin():
+    # torch.nn.Dropout checks `p < 0` in Python: the error says to use rt.nn.Dropout
+    with pytest.raises(TypeError, match=r"retiarii\.nn twin"):
+        nn.Dropout(rt.ValueChoice([0.1, 0.3]))
+    with pytest.raises(TypeError, match=r"retiarii\.nn twin"):
+        nn.Dropout(rt.ValueChoice([0.1, 0.3]) * 2)  # arithmetic on it too
+    assert rt.nn.Dropout(rt.ValueChoice([0.1, 0.3])).p == 0.1  # the twin: its first value
 
 
 def test_build_gives_a_module_for_workers():
