@@ -102,11 +102,15 @@ def _trace_error(root: nn.Module, tracer: _Tracer, exc: Exception) -> TraceError
     leaf_name = type(root.get_submodule(scope)).__name__ if scope else "TheModule"
     frame = _user_frame(exc.__traceback__)
     line = f' at {frame.filename}:{frame.lineno}: "{(frame.line or "").strip()}"' if frame else ""
+    # the top-level module cannot be an opaque node of its own graph: the branch moves out
+    leaf = (f"mark that module a leaf (trace(model, leaf_modules=[{leaf_name}]) or decorate "
+            f"its class with @retiarii.leaf) so it is kept as one opaque node" if scope else
+            "move that code into a submodule of its own and mark the submodule a leaf "
+            "(decorate its class with @retiarii.leaf, or trace(model, leaf_modules=[TheClass])) "
+            "so it is kept as one opaque node")
     return TraceError(
         f"cannot trace {where}{line}: {type(exc).__name__}: {exc}\n"
-        f"How to fix: if the code branches on or iterates over a tensor's value, mark that "
-        f"module a leaf (trace(model, leaf_modules=[{leaf_name}]) "
-        f"or decorate its class with @retiarii.leaf) so it is kept as one opaque node; if it "
+        f"How to fix: if the code branches on or iterates over a tensor's value, {leaf}; if it "
         f"branches on a forward argument that is fixed for the whole search, pass "
         f"concrete_args={{'name': value}}.")
 

@@ -588,6 +588,52 @@ def test_untraceable_module_names_path_line_and_fix(block, marker):
     assert torch.equal(module(x), model(x))
 
 
+class _TopLevelBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.fc(x)
+        if x.sum() > 0:  # THE TOP LEVEL BRANCHES
+            return x.relu()
+        return -x
+
+
+class _Branch(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x.relu()
+        return -x
+
+
+class _TopLevelFixed(nn.Module):
+    """_TopLevelBranch as the error message says to write it: the branch in a leaf submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.branch = nn.Linear(4, 4), _Branch()
+
+    def forward(self, x):
+        return self.branch(self.fc(x))
+
+
+def test_a_top_level_branch_is_told_to_move_into_a_leaf_submodule():
+    with pytest.raises(TraceError) as info:
+        retiarii.trace(_TopLevelBranch())
+    msg = str(info.value)
+    assert "the top-level module (_TopLevelBranch)" in msg
+    assert f"{__file__}:{_line_of('THE TOP LEVEL BRANCHES')}" in msg
+    assert "move that code into a submodule" in msg and "@retiarii.leaf" in msg
+    # what it says works: the branch in a submodule traced as a leaf, outputs unchanged
+    model = _TopLevelFixed()
+    graph = retiarii.trace(model, leaf_modules=[_Branch])
+    module = graph.to_module()
+    module.load_state_dict(model.state_dict())
+    for x in (torch.randn(3, 4), -torch.ones(3, 4) * 5):
+        assert torch.equal(module(x), model(x))
+
+
 def test_branch_on_argument_is_fixed_by_concrete_args():
     model = zoo.Flagged()
     with pytest.raises(TraceError, match="concrete_args"):
