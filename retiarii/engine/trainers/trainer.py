@@ -185,12 +185,89 @@ def load_dataset(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _DATASETS[name]
 
 
+def _check_dataset(owner: str, dataset: Any) -> None:
+    """Refuse, when the trainer is made, a ``dataset`` no trial could read, naming the fix."""
+    if isinstance(dataset, (str, tuple, list, ValueChoice)) or (
+            isinstance(dataset, torch.utils.data.Dataset)
+            and not isinstance(dataset, torch.utils.data.IterableDataset)):
+        return
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        raise TypeError(
+            f"{owner}(dataset=...) got a DataLoader: the trainer makes its own batches (each "
+            f"epoch's order a function of the seed, so a killed trial resumes at its batch); "
+            f"give it the loader's data set, {owner}(dataset=loader.dataset, "
+            f"batch_size={dataset.batch_size}), or write your own loop as a FunctionTrainer "
+            f"(docs/function_trainer.md)")
+    if isinstance(dataset, torch.utils.data.IterableDataset) or (
+            hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"{owner}(dataset=...) got {type(dataset).__name__}, which can only be iterated: "
+            f"the trainer needs a name ('digits'), an (X, y) pair of tensors, or a map-style "
+            f"torch Dataset (__len__ and __getitem__) of (input, label) items; for a stream, "
+            f"write your own loop as a FunctionTrainer (docs/function_trainer.md)")
+    raise TypeError(
+        f"{owner}(dataset=...) got {type(dataset).__name__}: give a name ('digits'), an (X, y) "
+        f"pair of tensors, or a map-style torch Dataset of (input, label) items")
+
+
+def read_dataset(dataset: torch.utils.data.Dataset, owner: str = "ClassifierTrainer"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A map-style Dataset's items, ``(input, label)`` each, read in index order into an
+    ``(X, y)`` pair: inputs stacked (every input a tensor or array of one shape), labels as
+    int64. It is read once per trainer object and process, and must fit in memory (a folder
+    of images: :class:`~.image_trainer.ImageFolderTrainer` decodes them batch by batch).
+
+    Raises:
+        ValueError: an item is not an (input, label) pair, the inputs are not tensors of one
+            shape, or a label is not an integer class; the message names the item and the fix.
+    """
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(f"{owner}(dataset=...): the {type(dataset).__name__} is empty")
+    inputs, labels = [], []
+    for i in range(n):
+        item = dataset[i]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(
+                f"{owner}(dataset=...): item {i} of the {type(dataset).__name__} is "
+                f"{type(item).__name__}, not an (input, label) pair; return (x, y) from "
+                f"__getitem__, or train on other items with a Trainer subclass or a "
+                f"FunctionTrainer (docs/function_trainer.md)")
+        x, y = item
+        if not isinstance(x, (torch.Tensor, np.ndarray)):
+            raise ValueError(
+                f"{owner}(dataset=...): item {i}'s input is {type(x).__name__}, not a tensor; "
+                f"give the Dataset a transform to tensors (torchvision's ToTensor() for "
+                f"images), or use ImageFolderTrainer for a folder of images")
+        inputs.append(torch.as_tensor(x))
+        labels.append(y)
+    shapes = {tuple(x.shape) for x in inputs}
+    if len(shapes) > 1:
+        raise ValueError(f"{owner}(dataset=...): the {type(dataset).__name__}'s inputs have "
+                         f"several shapes ({sorted(shapes)[:3]}...): resize or pad them to one "
+                         f"in the Dataset, so that a batch stacks")
+    y = torch.as_tensor([int(torch.as_tensor(v).item()) if _is_class(v) else _bad_label(owner, i, v)
+                         for i, v in enumerate(labels)], dtype=torch.int64)
+    return torch.stack(inputs), y
+
+
+def _is_class(label: Any) -> bool:
+    t = torch.as_tensor(label) if isinstance(label, (int, np.integer, torch.Tensor)) else None
+    return t is not None and t.numel() == 1 and not t.is_floating_point() \
+        and not isinstance(label, bool)
+
+
+def _bad_label(owner: str, index: int, label: Any) -> int:
+    raise ValueError(f"{owner}(dataset=...): item {index}'s label is {label!r}, not an integer "
+                     f"class; ClassifierTrainer's cross-entropy needs class indices 0..C-1")
+
+
 @dataclass
 class ClassifierConfig:
     """Settings of :class:`ClassifierTrainer`. A trial's hparams override any field by name,
     which is how a ValueChoice over, say, the learning rate reaches the trainer."""
 
-    dataset: Any = "digits"  # a name for load_dataset, or an (X, y) pair of tensors
+    dataset: Any = "digits"  # a name for load_dataset, an (X, y) pair of tensors, or a Dataset
     batch_size: int = 64  # small: digits has 1437 training images, so ~23 steps per epoch
     epochs: int = 10  # steps of a full trial (the scheduler's max_t)
     optimizer: str = "adam"  # "adam", "adamw", "sgd", "nesterov" (SGD's); Adam needs the least tuning
@@ -231,6 +308,7 @@ class ClassifierTrainer(Trainer):
                             f"known: {sorted(names)}")
         self.config = dataclasses.replace(config or self.config_class(), **overrides)
         self._splits: dict[tuple, tuple] = {}
+        _check_dataset(type(self).__name__, self.config.dataset)
 
     @property
     def epochs(self) -> int:  # type: ignore[override]
@@ -239,8 +317,10 @@ class ClassifierTrainer(Trainer):
     def value(self, name: str, hparams: dict) -> Any:
         """Setting ``name``: the trial's ``hparams[name]`` when given, else the config's."""
         value = hparams.get(name, getattr(self.config, name))
-        plain = (str, int, float, type(None)) if name != "dataset" else (str, tuple, list)
-        if not isinstance(value, plain) or isinstance(value, bool):
+        plain = (str, int, float, type(None)) if name != "dataset" else (
+            str, tuple, list, torch.utils.data.Dataset)
+        if not isinstance(value, plain) or isinstance(
+                value, (bool, torch.utils.data.IterableDataset)):
             raise TypeError(
                 f"ClassifierTrainer setting {name}={value!r} is not a plain value; a ValueChoice "
                 f"must be sampled by the engine into the trial's hparams[{name!r}]")
@@ -281,6 +361,11 @@ class ClassifierTrainer(Trainer):
                     "int64; the model outputs 10 logits, the prediction is their argmax" + split)
         if isinstance(dataset, str):
             return f"the data set {dataset!r} as load_dataset gives it" + split
+        if isinstance(dataset, torch.utils.data.Dataset):
+            return (f"the (input, label) items of the {type(dataset).__name__} given to the "
+                    f"trainer, as its __getitem__ returns them (its own transforms applied), "
+                    f"fed to the model as given: prepare new inputs as that Dataset does; the "
+                    f"prediction is the argmax of the outputs" + split)
         return ("the (X, y) tensors given to the trainer, fed to the model as given (the "
                 "trainer applies no preprocessing): prepare new inputs as X was prepared; "
                 "the prediction is the argmax of the outputs" + split)
@@ -302,7 +387,8 @@ class ClassifierTrainer(Trainer):
                 or type(self)._split is not ClassifierTrainer._split:
             return None
         dataset = self.value("dataset", hparams)
-        parts = {"dataset": dataset if isinstance(dataset, str) else self._tensor_digest(dataset),
+        parts = {"dataset": dataset if isinstance(dataset, str) else self._tensor_digest(
+            self._tensors(dataset)),
                  **{k: self.value(k, hparams)
                     for k in ("val_fraction", "split_seed", "batch_size", "seed")}}
         return "ClassifierTrainer:" + json.dumps(parts, sort_keys=True)
@@ -319,6 +405,16 @@ class ClassifierTrainer(Trainer):
             cache[id(dataset)] = (dataset, "sha256:" + digest.hexdigest())
         return cache[id(dataset)][1]
 
+    def _tensors(self, dataset: Any) -> Any:
+        """A Dataset's items read once into an ``(X, y)`` pair of tensors (cached per object:
+        every trial of the process reads the same); any other dataset as it is."""
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            return dataset
+        cache = self.__dict__.setdefault("_read", {})
+        if id(dataset) not in cache:
+            cache[id(dataset)] = (dataset, read_dataset(dataset, type(self).__name__))
+        return cache[id(dataset)][1]
+
     def _split(self, hparams: dict) -> tuple[tuple, tuple]:
         dataset, fraction, seed = (self.value(k, hparams)
                                    for k in ("dataset", "val_fraction", "split_seed"))
@@ -327,9 +423,11 @@ class ClassifierTrainer(Trainer):
             if isinstance(dataset, str):
                 x, y = load_dataset(dataset)
             else:
+                dataset = self._tensors(dataset)
                 if len(dataset) != 2 or len(dataset[0]) != len(dataset[1]):
-                    raise ValueError("ClassifierTrainer(dataset=...) takes a name or an (X, y) "
-                                     "pair of tensors with one label per example")
+                    raise ValueError("ClassifierTrainer(dataset=...) takes a name, an (X, y) "
+                                     "pair of tensors with one label per example, or a "
+                                     "map-style torch Dataset of (input, label) items")
                 x, y = (torch.as_tensor(t) for t in dataset)
             order = np.random.default_rng(seed).permutation(len(x))
             n_val = int(round(len(x) * float(fraction)))
