@@ -317,3 +317,39 @@ def test_a_trainer_says_how_workers_rebuild_it():
                                          "config": {"lr": 0.5}}, {})
     with pytest.raises(rt.ExperimentError, match="module-level"):
         trainer_spec(rt.Trainer(dataset=(torch.zeros(4, 1, 8, 8), torch.zeros(4).long())))
+
+
+class _Scores(rt.strategies.GridSearch):
+    """Grid search that records what the experiment tells it, per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.told: dict[str, float | None] = {}
+
+    def tell(self, sample, score, *args, **kwargs):
+        self.told[json.dumps(sample, sort_keys=True)] = score
+        return super().tell(sample, score, *args, **kwargs)
+
+
+def test_a_trainer_choice_labelled_otherwise_than_its_setting_is_not_a_duplicate(tmp_path):
+    # Found by a search written as a new user does: batch_size=ValueChoice(..., label="bs").
+    # The dedup key read the sample by the setting's name, not by the choice's label, so every
+    # batch size of one architecture was "the same model": the search stopped at one model
+    # per architecture and told the strategy one model's score for the others.
+    labelled = rt.Trainer(dataset="digits", epochs=1, batch_size=rt.ValueChoice(
+        [64, 128], label="bs"), lr=rt.ValueChoice([0.01, 0.03], label="rate"))
+    strategy = _Scores()
+    db = tmp_path / "labels.db"
+    summary = rt.Experiment(space, strategy, labelled, store=str(db),
+                            executor=InProcessExecutor(), seed=0).run()
+    assert summary["models"] == 16  # 4 architectures x 2 batch sizes x 2 learning rates
+    with Store(str(db)) as store:
+        store.use_experiment(store.experiments()[-1]["id"])
+        trials = store.trials()
+        assert len({json.dumps(t["spec"]["choices"], sort_keys=True) for t in trials}) == 16
+        assert {(t["spec"]["hparams"]["batch_size"], t["spec"]["hparams"]["lr"])
+                for t in trials} == {(64, 0.01), (64, 0.03), (128, 0.01), (128, 0.03)}
+        # each sample's own score reached the strategy: its trial's last val_acc
+        for t in trials:
+            own = store.learning_curve(t["id"], "val_acc")[-1][1]
+            assert strategy.told[json.dumps(t["spec"]["choices"], sort_keys=True)] == own

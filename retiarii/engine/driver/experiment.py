@@ -424,8 +424,13 @@ class Experiment:
             store.set_experiment_status("done" if done else "stopped")
             if runner.stop_reason is not None:
                 raise stopped(self.path, runner.stop_reason)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:
             store.set_experiment_status("interrupted")
+            # shown under the traceback of a script's Ctrl-C (the CLI prints its own line)
+            note = (f"retiarii: the search in {self.path} was interrupted; nothing is lost: "
+                    f"continue it with Experiment.resume() or `retiarii resume {self.path}`")
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(note)
             raise
         finally:
             if executor is not self.executor:  # made here (None or "ray"): ours to close
