@@ -18,6 +18,8 @@ model once. ``test_experiment.py`` kills real driver processes with SIGKILL as w
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -111,6 +113,15 @@ def _outcome(path) -> dict:
         }
 
 
+def _files_and_rows(path) -> tuple[set, set]:
+    """(checkpoint files in the run folder, checkpoint names the store records)."""
+    folder = Path(str(path)[:-len(".db")] + ".checkpoints")
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} \
+        if folder.exists() else set()
+    with Store(path) as store:
+        return files, {r["path"] for r in store.db["checkpoints"].rows}
+
+
 def _run_dying(path, strategy, die_at, how, monkeypatch):
     """Run until the driver dies at write ``die_at`` (or the run ends first); True if it died."""
     monkeypatch.setattr("retiarii.engine.driver.experiment.Store", DyingStore)
@@ -164,6 +175,10 @@ def _torture(tmp_path, monkeypatch, strategy, how, points):
         assert got["trials"] == expected["trials"], where  # one trial per model, same curves
         assert got["told"] == expected["told"], where  # each model told once, same values
         assert got["status"] == "done", where
+        # every file a row, every row a file: a deletion cut short (file gone, row kept) is
+        # healed by the resume, and nothing is left that no row names
+        files, rows = _files_and_rows(path)
+        assert files == rows, (where, sorted(files ^ rows))
         checked += 1
     assert checked >= 1
 

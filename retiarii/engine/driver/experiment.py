@@ -402,6 +402,10 @@ class Experiment:
         try:
             if resume:
                 self.folder.remove_temporaries()  # half-written by workers killed with us
+                gone = store.forget_missing_checkpoints()  # a deletion cut short by a crash
+                if gone:
+                    _log.info("dropped %d checkpoint row(s) whose files a killed driver had "
+                              "already deleted: %s", len(gone), gone[:5])
                 runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
                 # groups reverted or failed before stay apart; layouts are not measured again
                 runner.planner.restore(PlanTable(store).memory())

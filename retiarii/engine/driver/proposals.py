@@ -335,6 +335,9 @@ class Proposals:
             checkpoints = [(trial.trial_id, step, path)
                            for step, path in sorted(trial.checkpoints.items())]
         doomed = self.scheduler.deletable_checkpoints(checkpoints, states)
+        # the file first, then its row: killed between the two, the driver leaves a row
+        # naming no file, which the resume drops (Store.forget_missing_checkpoints); the other
+        # order would leave a file no row names, which nothing would ever delete
         for trial_id, step, name in checkpoints:
             if name in doomed:
                 try:

@@ -486,6 +486,22 @@ class Store(StoreQueries):
         rows = self.checkpoints(trial_id)
         return rows[-1] if rows else None
 
+    def forget_missing_checkpoints(self) -> list[tuple[str, int]]:
+        """Drop the current experiment's checkpoint rows whose files are gone; returns them as
+        (trial, step). The driver deletes a checkpoint it no longer needs file first, row
+        second (``proposals._collect_garbage``: a crash between them must not leave a file no
+        row names, which nothing would ever delete), so a driver killed between the two leaves
+        a row naming nothing: a resume drops it before anything reads it."""
+        self.flush()
+        rows = self._resolved(self.db.query(
+            "SELECT c.trial_id, c.step, c.path FROM checkpoints c JOIN trials t "
+            "ON t.id = c.trial_id WHERE t.experiment_id = ? ORDER BY c.trial_id, c.step",
+            [self.experiment_id]))
+        gone = [(r["trial_id"], int(r["step"])) for r in rows if not os.path.exists(r["path"])]
+        for trial_id, step in gone:
+            self.forget_checkpoint(trial_id, step)
+        return gone
+
     def forget_checkpoint(self, trial_id: str, step: int) -> None:
         """Drop a checkpoint row (its file was deleted, or cannot be read); the trial's
         ``checkpoint`` and ``step`` columns fall back to its newest remaining one."""
