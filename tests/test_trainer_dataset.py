@@ -61,6 +61,22 @@ def test_a_dataset_trains_exactly_as_its_tensors():
     assert "Pairs" in as_dataset.preprocessing()
 
 
+def test_a_tensor_dataset_is_its_tensors():
+    x, y = _data(50)
+    got = read_dataset(torch.utils.data.TensorDataset(x, y.to(torch.int32)))
+    assert got[0] is x and torch.equal(got[1], y) and got[1].dtype == torch.int64
+    # the same as reading it item by item
+    class Items(Dataset):
+        def __len__(self):
+            return len(x)
+
+        def __getitem__(self, i):
+            return x[i], y[i]
+
+    by_items = read_dataset(Items())
+    assert torch.equal(by_items[0], got[0]) and torch.equal(by_items[1], got[1])
+
+
 def test_read_dataset_stacks_inputs_and_takes_integer_labels_of_any_kind():
     items = [(np.ones(3, dtype=np.float32) * i, lab)
              for i, lab in enumerate([1, np.int64(2), torch.tensor(0)])]

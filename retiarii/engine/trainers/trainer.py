@@ -224,6 +224,10 @@ def read_dataset(dataset: torch.utils.data.Dataset, owner: str = "ClassifierTrai
     n = len(dataset)
     if n == 0:
         raise ValueError(f"{owner}(dataset=...): the {type(dataset).__name__} is empty")
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(dataset, torch.utils.data.TensorDataset) and len(tensors) == 2 \
+            and not tensors[1].is_floating_point() and tensors[1].dim() == 1:
+        return tensors[0], tensors[1].to(torch.int64)  # its items are these rows: no loop
     inputs, labels = [], []
     for i in range(n):
         item = dataset[i]
