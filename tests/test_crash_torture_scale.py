@@ -153,7 +153,8 @@ def _check_trials_run(db: Path, tmp_path: Path, size: int, batch: int, log: str)
     folder = Path(str(db)[:-len(".db")] + ".checkpoints")
     on_disk = _files(folder)
     assert on_disk == {n for ns in names.values() for n in ns}, log
-    assert all(names[t] == [last[t]] for t in names), (log, names, last)
+    bad = {t: (names[t], last[t]) for t in names if names[t] != [last[t]]}
+    assert not bad, (log, "trial: (its checkpoint rows, its last)", bad)
 
 
 def test_a_small_search_survives_driver_and_worker_kills(tmp_path):

@@ -480,16 +480,23 @@ class Experiment:
     def _finish_half_ended(self, runner: TrialRunner) -> None:
         """Complete the end of trials whose ending the driver journaled but whose effects (the
         model's status, the strategy told) it died before writing: those are written in one
-        transaction (:meth:`.Proposals.on_trial_end`), so a model still ``training`` means none were."""
+        transaction (:meth:`.Proposals.on_trial_end`), so a model still ``training`` means none
+        were; and collect the finished trials' checkpoints the scheduler no longer needs."""
         training = {row["id"] for row in self.store.models("training")}
-        ended = [t for t in runner.trials.values()
-                 if t.config.get("model_id") in training
-                 and (t.state is TrialState.TERMINATED or t.state is TrialState.ERRORED)]
-        if not ended or self.scheduler.spawns_trials:
-            return  # PBT's trials share models: a model's status follows its last trial
-        order = {row["id"]: row["ended"] or 0.0 for row in self.store.trials()}
-        for trial in sorted(ended, key=lambda t: order.get(t.trial_id, 0.0)):
-            self.proposals.on_trial_end(trial, report=False)
+        finished = [t for t in runner.trials.values()
+                    if t.state is TrialState.TERMINATED or t.state is TrialState.ERRORED]
+        ended = [t for t in finished if t.config.get("model_id") in training]
+        if ended and not self.scheduler.spawns_trials:
+            # (PBT's trials share models: a model's status follows its last trial)
+            order = {row["id"]: row["ended"] or 0.0 for row in self.store.trials()}
+            for trial in sorted(ended, key=lambda t: order.get(t.trial_id, 0.0)):
+                self.proposals.on_trial_end(trial, report=False)
+        # An end's transaction commits before its checkpoints are collected: a driver killed
+        # between the two left a finished trial's older checkpoints on disk, which nothing
+        # else would delete. Collecting again is idempotent (what is left is what the
+        # scheduler keeps); a scheduler whose trials share checkpoints lists them all at once.
+        for trial in finished[:1] if self.scheduler.checkpoints_shared else finished:
+            self.proposals.collect_garbage(trial)
 
     def summary(self) -> dict:
         """Trials by state, the best finished models, models proposed, trials running now

@@ -321,7 +321,7 @@ class Proposals:
                     f"trained with the hyper-parameters {spawn.config}")
         return {**base, "hparams": {**base.get("hparams", {}), **spawn.config}}
 
-    def _collect_garbage(self, trial: Trial) -> None:
+    def collect_garbage(self, trial: Trial) -> None:
         """Delete the checkpoints the scheduler says nothing will read again (``trial``'s
         alone, unless the scheduler's trials share checkpoints)."""
         runner = self.runner
@@ -369,7 +369,7 @@ class Proposals:
         # ``training`` after a crash tells resume that this end has to be done again.
         with self.store.transaction():
             self._end_model(trial)
-        self._collect_garbage(trial)
+        self.collect_garbage(trial)
         if self._on_end is not None and report:
             self._on_end()
 

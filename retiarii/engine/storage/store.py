@@ -489,7 +489,7 @@ class Store(StoreQueries):
     def forget_missing_checkpoints(self) -> list[tuple[str, int]]:
         """Drop the current experiment's checkpoint rows whose files are gone; returns them as
         (trial, step). The driver deletes a checkpoint it no longer needs file first, row
-        second (``proposals._collect_garbage``: a crash between them must not leave a file no
+        second (``Proposals.collect_garbage``: a crash between them must not leave a file no
         row names, which nothing would ever delete), so a driver killed between the two leaves
         a row naming nothing: a resume drops it before anything reads it."""
         self.flush()
