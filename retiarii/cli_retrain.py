@@ -24,9 +24,10 @@ def _trainer(config: dict, epochs: int | None):
     if isinstance(spec, dict) and "class" in spec:
         cls = resolve_ref(spec["class"])
         settings = dict(spec.get("config") or {})
+        labels = (config.get("space") or {}).get("hparam_labels", {})
         for name, values in (config.get("space") or {}).get("hparams", {}).items():
-            if name in settings:  # searched: a choice again (its label is its name)
-                settings[name] = ValueChoice(list(values), label=name)
+            if name in settings:  # searched: a choice again, under the label it had
+                settings[name] = ValueChoice(list(values), label=labels.get(name, name))
         if epochs is not None:
             settings["epochs"] = epochs
         return cls(**settings)
@@ -64,8 +65,10 @@ def retrain_experiment(db: str, settings: dict):
     one_shot = is_one_shot(config)
     sample = dict(model["sample"])
     if one_shot:  # held at their defaults by the weight-sharing search: searched now
-        trainer_names = set((config.get("space") or {}).get("hparams", {}))
-        sample = {k: v for k, v in sample.items() if k not in trainer_names}
+        space = config.get("space") or {}
+        labels = space.get("hparam_labels", {})
+        trainer_labels = {labels.get(name, name) for name in space.get("hparams", {})}
+        sample = {k: v for k, v in sample.items() if k not in trainer_labels}
     trainer = _trainer(config, settings.get("epochs"))
     strategy = FixedArchitecture(sample, seed=settings.get("seed", 0))
     return Experiment(config["space"]["ref"], strategy, trainer, store=db,

@@ -94,8 +94,8 @@ def test_an_experiment_of_repeated_runs_needs_dedup_off_and_says_so(tmp_path):
     assert not db.exists()  # refused before anything is written
 
 
-def _run(tmp_path, *flags):
-    (tmp_path / "space.py").write_text(SPACE_FILE)
+def _run(tmp_path, *flags, lr_label="lr"):
+    (tmp_path / "space.py").write_text(SPACE_FILE.replace('label="lr"', f'label="{lr_label}"'))
     db = str(tmp_path / "r.db")
     assert cli.main(["run", str(tmp_path / "space.py"), "--store", db, "--workers", "1",
                      *flags]) == 0
@@ -108,8 +108,12 @@ def _experiment(db, eid):
         return store.get_experiment(), store.models(), store.trials()
 
 
-def test_retrain_a_multi_trial_model_as_a_new_experiment_linked_to_it(tmp_path, capsys):
-    db = _run(tmp_path, "--strategy", "grid", "--max-models", "2")
+# "rate": a trainer setting (lr) whose choice is labelled otherwise; retrain rebuilt it
+# under the setting's name and refused the model's own sample (found by a new user's search)
+@pytest.mark.parametrize("lr_label", ["lr", "rate"])
+def test_retrain_a_multi_trial_model_as_a_new_experiment_linked_to_it(tmp_path, capsys,
+                                                                       lr_label):
+    db = _run(tmp_path, "--strategy", "grid", "--max-models", "2", lr_label=lr_label)
     _, models, _ = _experiment(db, 1)
     source = models[1]
     capsys.readouterr()

@@ -106,6 +106,9 @@ def space_fingerprint(space) -> dict:
     out = {"bases": [g.structural_hash() for g, _ in space.bases],
            "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
            "hparams": {k: v.values for k, v in space.hparams.items()}}
+    labels = {k: v.label for k, v in space.hparams.items() if v.label not in (None, k)}
+    if labels:  # a setting whose choice is labelled otherwise (batch_size: "bs"): its samples
+        out["hparam_labels"] = labels  # hold it under that label (retrain rebuilds the choice)
     frozen = space.frozen_fingerprint()
     if frozen is not None:  # only spaces with frozen values: older stores still resume
         out["frozen"] = frozen
@@ -122,7 +125,10 @@ def comparable(config: dict) -> dict:
     for note in ("preprocessing", "chance"):  # descriptions of the data (trainer_notes)
         config.pop(note, None)
     if isinstance(config.get("space"), dict):
-        config["space"] = {k: v for k, v in config["space"].items() if k != "ref"}
+        # hparam_labels: recorded since the labels' fix, so a store of an older version, which
+        # lacks them, still resumes (the labels of the samples it holds are its own)
+        config["space"] = {k: v for k, v in config["space"].items()
+                           if k not in ("ref", "hparam_labels")}
     if isinstance(config.get("trainer"), str):  # a reference: its file may have moved
         config["trainer"] = config["trainer"].rsplit(":", 1)[-1]
     trainer = config.get("trainer")
