@@ -312,7 +312,8 @@ class ClassifierTrainer(Trainer):
                             f"known: {sorted(names)}")
         self.config = dataclasses.replace(config or self.config_class(), **overrides)
         self._splits: dict[tuple, tuple] = {}
-        _check_dataset(type(self).__name__, self.config.dataset)
+        if hasattr(self.config, "dataset"):  # (a subclass's own config may have none)
+            _check_dataset(type(self).__name__, self.config.dataset)
 
     @property
     def epochs(self) -> int:  # type: ignore[override]
