@@ -315,17 +315,36 @@ def _measured_job(tasks):
     return events, unit
 
 
+_FUSED_CALLS = [0]  # FusedLinear forwards since the test began (the fixture below)
+
+
+@pytest.fixture(autouse=True)
+def _count_fused_calls(monkeypatch):
+    from retiarii.optim.fused_ops import FusedLinear
+
+    forward = FusedLinear.forward
+
+    def counted(self, x):
+        _FUSED_CALLS[0] += 1
+        return forward(self, x)
+
+    _FUSED_CALLS[0] = 0
+    monkeypatch.setattr(FusedLinear, "forward", counted)
+
+
 def _close_to_alone(events, tasks, alone_tasks):
-    """Every metric within fused tolerance of training alone (1e-4 relative), and not equal
-    to it (something trained fused); every checkpoint within rtol 1e-4, atol 1e-6."""
+    """Every metric within fused tolerance of training alone (1e-4 relative), something
+    trained fused (fused linear layers ran: whether fused kernels round otherwise than
+    separate ones depends on the CPU, so the results' difference proves nothing), and every
+    checkpoint within rtol 1e-4, atol 1e-6."""
     from retiarii.engine.storage import checkpoint as ckpt
 
+    assert _FUSED_CALLS[0] > 0, "nothing trained fused"
     expected, got = g._alone(alone_tasks), g._results(events)
     assert got.keys() == expected.keys()
     for key, metrics in expected.items():
         for name, value in metrics.items():
             assert got[key][name] == pytest.approx(value, rel=1e-4), (key, name)
-    assert got != expected  # fused kernels round otherwise: else nothing trained fused
     for m, a in zip(tasks, alone_tasks):
         mine, theirs = ckpt.load(m.checkpoint_out), ckpt.load(a.checkpoint_out)
         for name, t in theirs["model"].items():

@@ -43,7 +43,7 @@ from .experiment_support import (EnvironmentFailure, ExperimentError, comparable
                                  experiment_config, object_ref, recorded_config, trainer_spec)
 from ..trainers.function_trainer import experiment_space
 from ..storage.lock import StoreLock, StoreLocked
-from . import one_shot_host as one_shot
+from . import crash_repair, one_shot_host as one_shot
 from ..storage import base_graphs
 from ..runner.planner import JobPlanner
 from ..runner.packer import Packer
@@ -56,7 +56,7 @@ from .run_summary import run_summary
 from ..errors import stopped
 from ..storage.store import Store
 from ..trainers.trainer import Trainer
-from ..runner.trial_runner import TrialRunner, TrialState
+from ..runner.trial_runner import TrialRunner
 
 __all__ = ["EnvironmentFailure", "Experiment", "ExperimentError", "SearchFailed", "object_ref",
            "trainer_spec"]
@@ -366,11 +366,7 @@ class Experiment:
         store = self.store
         eid = store.experiment_id
         if resume:
-            dropped = store.drop_untrained_orphans()
-            if dropped:
-                _log.warning("dropped models %s: recorded without their trial by a crash "
-                             "(they never trained; the strategy may propose them again)",
-                             dropped)
+            crash_repair.drop_untrained_orphans(store)
         self.proposals.restore()
         executor = self._executor()
         if self.one_shot:
@@ -401,18 +397,14 @@ class Experiment:
         store.set_experiment_status("running")
         try:
             if resume:
-                self.folder.remove_temporaries()  # half-written by workers killed with us
-                gone = store.forget_missing_checkpoints()  # a deletion cut short by a crash
-                if gone:
-                    _log.info("dropped %d checkpoint row(s) whose files a killed driver had "
-                              "already deleted: %s", len(gone), gone[:5])
+                crash_repair.repair_checkpoints(store, self.folder)
                 runner = TrialRunner.resume(executor, self.scheduler, store, **kwargs)
                 # groups reverted or failed before stay apart; layouts are not measured again
                 runner.planner.restore(PlanTable(store).memory())
                 self._rebind(runner)
                 self.runner = runner
                 proposals.attach(runner)
-                self._finish_half_ended(runner)
+                crash_repair.finish_half_ended(store, runner, proposals, self.scheduler)
             else:
                 runner = TrialRunner(executor, self.scheduler, store, **kwargs)
             self.runner = runner
@@ -476,27 +468,6 @@ class Experiment:
                 trial.config["space"] = self.space_ref
             if "trainer" in trial.config:
                 trial.config["trainer"] = self.trainer_spec
-
-    def _finish_half_ended(self, runner: TrialRunner) -> None:
-        """Complete the end of trials whose ending the driver journaled but whose effects (the
-        model's status, the strategy told) it died before writing: those are written in one
-        transaction (:meth:`.Proposals.on_trial_end`), so a model still ``training`` means none
-        were; and collect the finished trials' checkpoints the scheduler no longer needs."""
-        training = {row["id"] for row in self.store.models("training")}
-        finished = [t for t in runner.trials.values()
-                    if t.state is TrialState.TERMINATED or t.state is TrialState.ERRORED]
-        ended = [t for t in finished if t.config.get("model_id") in training]
-        if ended and not self.scheduler.spawns_trials:
-            # (PBT's trials share models: a model's status follows its last trial)
-            order = {row["id"]: row["ended"] or 0.0 for row in self.store.trials()}
-            for trial in sorted(ended, key=lambda t: order.get(t.trial_id, 0.0)):
-                self.proposals.on_trial_end(trial, report=False)
-        # An end's transaction commits before its checkpoints are collected: a driver killed
-        # between the two left a finished trial's older checkpoints on disk, which nothing
-        # else would delete. Collecting again is idempotent (what is left is what the
-        # scheduler keeps); a scheduler whose trials share checkpoints lists them all at once.
-        for trial in finished[:1] if self.scheduler.checkpoints_shared else finished:
-            self.proposals.collect_garbage(trial)
 
     def summary(self) -> dict:
         """Trials by state, the best finished models, models proposed, trials running now
