@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import retiarii as rt
 from engine_helpers import InProcessExecutor
@@ -327,3 +328,34 @@ def test_progress_best_counts_finished_trials_only(tmp_path):
     rt.Experiment(space, rt.strategies.Random(seed=0), FAST, store=str(tmp_path / "g.db"),
                   executor=InProcessExecutor(), max_models=4, progress=lines.append).run()
     assert [s["running"] for s in lines] == [3, 2, 1, 0]
+
+
+def test_epochs_as_a_choice_is_refused_naming_the_longest_and_a_scheduler(tmp_path):
+    # found by a new user's search: Trainer(epochs=ValueChoice) failed deep in the runner with
+    # "Object of type ValueChoice is not JSON serializable"
+    from exp_space import space as small_space
+
+    trainer = rt.Trainer(dataset="digits", epochs=rt.ValueChoice([1, 3, 2], label="ep"))
+    with pytest.raises(rt.ExperimentError, match=r"epochs=3, and let a scheduler.*ASHA"):
+        rt.Experiment(small_space, rt.strategies.GridSearch(), trainer,
+                      store=str(tmp_path / "e.db"))
+    assert not (tmp_path / "e.db").exists()  # refused before anything is written
+
+
+class _WithAux(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        logits = self.fc(x.flatten(1))
+        return logits, logits.mean()
+
+
+def test_a_model_returning_a_tuple_is_told_what_the_classifier_needs():
+    from retiarii.engine.trainers.trial_training import TrialRun
+
+    run = TrialRun(_WithAux, rt.Trainer(dataset="digits", epochs=1), {}, seed=0)
+    with pytest.raises(TypeError, match=r"returns tuple of 2: return the logits alone, or "
+                                        r"subclass rt.Trainer and override training_step"):
+        run.train_epoch()

@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from ... import registry
+from ...choices import Expr
 from ...optim.config import OptimizeConfig
 from ...strategies.multi_trial.base import Strategy
 from ...strategies.one_shot.base import OneShot
@@ -87,6 +88,15 @@ def check_arguments(*, trainer, store, workers, devices, max_models, max_time, s
     if not isinstance(trainer, Trainer):
         raise ExperimentError(f"trainer={trainer!r} is not a Trainer: give rt.Trainer(...) or "
                               f"a subclass of retiarii.Trainer")
+    epochs = getattr(trainer, "epochs", None)
+    if isinstance(epochs, Expr):  # the runner, schedulers and resume count steps against it
+        values = [v for v in getattr(epochs, "values", []) if isinstance(v, int)]
+        raise ExperimentError(
+            f"{type(trainer).__name__}(epochs={epochs!r}): a trial's length is one number for "
+            f"the whole search (trials, schedulers and resume count their steps against it), "
+            f"not a choice; give the longest, e.g. epochs={max(values) if values else 'N'}, "
+            f"and let a scheduler stop the weaker models early "
+            f"(scheduler=rt.strategies.ASHA(...) or Hyperband(...))")
     if not isinstance(store, (str, os.PathLike)) or not str(store):
         raise ExperimentError(f"store={store!r}: give the path of a SQLite file, e.g. "
                               f"'runs/exp.db'")

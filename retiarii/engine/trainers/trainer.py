@@ -266,6 +266,18 @@ def _bad_label(owner: str, index: int, label: Any) -> int:
                      f"class; ClassifierTrainer's cross-entropy needs class indices 0..C-1")
 
 
+def _logits(out: Any) -> torch.Tensor:
+    """The model's output as the classifier's logits, or a TypeError saying what to do."""
+    if isinstance(out, torch.Tensor):
+        return out
+    raise TypeError(
+        f"ClassifierTrainer trains a model whose forward returns its logits, one tensor of "
+        f"shape (batch, classes); this one returns {type(out).__name__}"
+        f"{f' of {len(out)}' if isinstance(out, (tuple, list, dict)) else ''}: return the "
+        f"logits alone, or subclass rt.Trainer and override training_step and "
+        f"validation_step to use the rest (an auxiliary head's loss)")
+
+
 @dataclass
 class ClassifierConfig:
     """Settings of :class:`ClassifierTrainer`. A trial's hparams override any field by name,
@@ -484,10 +496,10 @@ class ClassifierTrainer(Trainer):
 
     def training_step(self, model: nn.Module, batch: Any, hparams: dict) -> torch.Tensor:
         x, y = batch
-        return nn.functional.cross_entropy(model(x), y)
+        return nn.functional.cross_entropy(_logits(model(x)), y)
 
     def validation_step(self, model: nn.Module, batch: Any) -> dict[str, Any]:
         x, y = batch
-        logits = model(x)  # (B, classes)
+        logits = _logits(model(x))  # (B, classes)
         return {"val_loss": nn.functional.cross_entropy(logits, y),
                 "val_acc": (logits.argmax(dim=1) == y).float().mean()}
