@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import retiarii as rt
-from retiarii.engine.trainers.trainer import read_dataset
+from retiarii.engine.trainers.torch_datasets import read_dataset
 from retiarii.engine.trainers.trial_training import TrialRun
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -27,6 +27,7 @@ from ...choices import ValueChoice
 from ...codec import ref_of
 # One trial's training state lives in trial_run.py; imported from here too.
 from .trial_training import TrainingError, TrialRun, check_segment, train_trial
+from .torch_datasets import check_dataset, read_dataset
 
 __all__ = ["Trainer", "ClassifierConfig", "ClassifierTrainer", "TrialRun", "TrainingError",
            "chance_of_labels",
@@ -185,87 +186,6 @@ def load_dataset(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _DATASETS[name]
 
 
-def _check_dataset(owner: str, dataset: Any) -> None:
-    """Refuse, when the trainer is made, a ``dataset`` no trial could read, naming the fix."""
-    if isinstance(dataset, (str, tuple, list, ValueChoice)) or (
-            isinstance(dataset, torch.utils.data.Dataset)
-            and not isinstance(dataset, torch.utils.data.IterableDataset)):
-        return
-    if isinstance(dataset, torch.utils.data.DataLoader):
-        raise TypeError(
-            f"{owner}(dataset=...) got a DataLoader: the trainer makes its own batches (each "
-            f"epoch's order a function of the seed, so a killed trial resumes at its batch); "
-            f"give it the loader's data set, {owner}(dataset=loader.dataset, "
-            f"batch_size={dataset.batch_size}), or write your own loop as a FunctionTrainer "
-            f"(docs/function_trainer.md)")
-    if isinstance(dataset, torch.utils.data.IterableDataset) or (
-            hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")):
-        raise TypeError(
-            f"{owner}(dataset=...) got {type(dataset).__name__}, which can only be iterated: "
-            f"the trainer needs a name ('digits'), an (X, y) pair of tensors, or a map-style "
-            f"torch Dataset (__len__ and __getitem__) of (input, label) items; for a stream, "
-            f"write your own loop as a FunctionTrainer (docs/function_trainer.md)")
-    raise TypeError(
-        f"{owner}(dataset=...) got {type(dataset).__name__}: give a name ('digits'), an (X, y) "
-        f"pair of tensors, or a map-style torch Dataset of (input, label) items")
-
-
-def read_dataset(dataset: torch.utils.data.Dataset, owner: str = "ClassifierTrainer"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A map-style Dataset's items, ``(input, label)`` each, read in index order into an
-    ``(X, y)`` pair: inputs stacked (every input a tensor or array of one shape), labels as
-    int64. It is read once per trainer object and process, and must fit in memory (a folder
-    of images: :class:`~.image_trainer.ImageFolderTrainer` decodes them batch by batch).
-
-    Raises:
-        ValueError: an item is not an (input, label) pair, the inputs are not tensors of one
-            shape, or a label is not an integer class; the message names the item and the fix.
-    """
-    n = len(dataset)
-    if n == 0:
-        raise ValueError(f"{owner}(dataset=...): the {type(dataset).__name__} is empty")
-    tensors = getattr(dataset, "tensors", None)
-    if isinstance(dataset, torch.utils.data.TensorDataset) and len(tensors) == 2 \
-            and not tensors[1].is_floating_point() and tensors[1].dim() == 1:
-        return tensors[0], tensors[1].to(torch.int64)  # its items are these rows: no loop
-    inputs, labels = [], []
-    for i in range(n):
-        item = dataset[i]
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ValueError(
-                f"{owner}(dataset=...): item {i} of the {type(dataset).__name__} is "
-                f"{type(item).__name__}, not an (input, label) pair; return (x, y) from "
-                f"__getitem__, or train on other items with a Trainer subclass or a "
-                f"FunctionTrainer (docs/function_trainer.md)")
-        x, y = item
-        if not isinstance(x, (torch.Tensor, np.ndarray)):
-            raise ValueError(
-                f"{owner}(dataset=...): item {i}'s input is {type(x).__name__}, not a tensor; "
-                f"give the Dataset a transform to tensors (torchvision's ToTensor() for "
-                f"images), or use ImageFolderTrainer for a folder of images")
-        inputs.append(torch.as_tensor(x))
-        labels.append(y)
-    shapes = {tuple(x.shape) for x in inputs}
-    if len(shapes) > 1:
-        raise ValueError(f"{owner}(dataset=...): the {type(dataset).__name__}'s inputs have "
-                         f"several shapes ({sorted(shapes)[:3]}...): resize or pad them to one "
-                         f"in the Dataset, so that a batch stacks")
-    y = torch.as_tensor([int(torch.as_tensor(v).item()) if _is_class(v) else _bad_label(owner, i, v)
-                         for i, v in enumerate(labels)], dtype=torch.int64)
-    return torch.stack(inputs), y
-
-
-def _is_class(label: Any) -> bool:
-    t = torch.as_tensor(label) if isinstance(label, (int, np.integer, torch.Tensor)) else None
-    return t is not None and t.numel() == 1 and not t.is_floating_point() \
-        and not isinstance(label, bool)
-
-
-def _bad_label(owner: str, index: int, label: Any) -> int:
-    raise ValueError(f"{owner}(dataset=...): item {index}'s label is {label!r}, not an integer "
-                     f"class; ClassifierTrainer's cross-entropy needs class indices 0..C-1")
-
-
 def _logits(out: Any) -> torch.Tensor:
     """The model's output as the classifier's logits, or a TypeError saying what to do."""
     if isinstance(out, torch.Tensor):
@@ -325,7 +245,7 @@ class ClassifierTrainer(Trainer):
         self.config = dataclasses.replace(config or self.config_class(), **overrides)
         self._splits: dict[tuple, tuple] = {}
         if hasattr(self.config, "dataset"):  # (a subclass's own config may have none)
-            _check_dataset(type(self).__name__, self.config.dataset)
+            check_dataset(type(self).__name__, self.config.dataset)
 
     @property
     def epochs(self) -> int:  # type: ignore[override]
