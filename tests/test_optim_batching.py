@@ -206,8 +206,10 @@ def test_fuzz_batching_is_sound(program):
         torch.testing.assert_close(got[t], expected[t], **TOL)
         for (name, p), q in zip(built[t].named_parameters(), alone[t].parameters()):
             assert (p.grad is None) == (q.grad is None), name
-            if p.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, **TOL)
+            if p.grad is not None:  # a bias before a train-mode BatchNorm has a gradient of
+                # 0 in exact arithmetic: float32 leaves the noise of the terms it sums (~1e-6),
+                # which two summation orders (AVX-512 kernels batch otherwise) do not share
+                torch.testing.assert_close(p.grad, q.grad, rtol=TOL["rtol"], atol=1e-5)
 
 
 # ---- training: N models through the group equal each trained alone --------------------------
