@@ -175,6 +175,11 @@ class ModelSpace:
         # The module that built this space: where worker processes import it from.
         self.defined_in = sys._getframe(1).f_globals.get("__name__")
 
+    def hparam_labels(self) -> dict[str, str]:
+        """Each trainer setting's label in a sample: its choice's label, else the setting's
+        name (``batch_size=ValueChoice(..., label="bs")`` is ``sample["bs"]``)."""
+        return {name: choice.label or name for name, choice in self.hparams.items()}
+
     def with_hparams(self, hparams: dict) -> "ModelSpace":
         """This space plus trainer hyper-parameters (ValueChoices) as choices, explored like
         architecture choices; the chosen values land in ``Model.hparams``. Returns a new space

@@ -149,7 +149,7 @@ def _check_space(space) -> None:
                          f"{[b.mutator.label for b in space.mutators if b.mutator.open_ended]}"
                          f" grow it without bound); {_ADVICE}")
     if space.hparams:
-        labels = sorted(c.label or k for k, c in space.hparams.items())
+        labels = sorted(space.hparam_labels().values())
         raise RelaxError(f"labels {labels} are trainer hyper-parameters, which "
                          f"a relaxation cannot mix inside one model; search them with a "
                          f"multi-trial strategy (or remove them from the space)")

@@ -209,7 +209,7 @@ class Experiment:
         # The strategy searches the space plus the trainer's ValueChoices; workers rebuild from
         # the space itself, so those labels are kept out of the sample they get.
         self.search_space = self.space.with_hparams(hp)
-        trainer_labels = {self.search_space.hparams[k].label for k in hp}
+        trainer_labels = {self.search_space.hparam_labels()[k] for k in hp}
         self.path, self.workers, self.devices = str(store), workers, devices
         self.max_models, self.max_time, self.seed = max_models, max_time, seed
         self.scheduler = scheduler or Scheduler()

@@ -106,7 +106,7 @@ def space_fingerprint(space) -> dict:
     out = {"bases": [g.structural_hash() for g, _ in space.bases],
            "mutators": [[type(b.mutator).__name__, b.mutator.label] for b in space.mutators],
            "hparams": {k: v.values for k, v in space.hparams.items()}}
-    labels = {k: v.label for k, v in space.hparams.items() if v.label not in (None, k)}
+    labels = {k: label for k, label in space.hparam_labels().items() if label != k}
     if labels:  # a setting whose choice is labelled otherwise (batch_size: "bs"): its samples
         out["hparam_labels"] = labels  # hold it under that label (retrain rebuilds the choice)
     frozen = space.frozen_fingerprint()

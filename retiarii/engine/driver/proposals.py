@@ -160,9 +160,7 @@ class Proposals:
     def _dedup_key(self, structure_hash: str, sample: dict, spawned: dict | None = None) -> str:
         """The structure and every hyper-parameter the trial trains with: the sample's and a
         scheduler's own (``spawned``: a PBT trial's), which the documented rule counts too."""
-        # a trainer setting's value is in the sample under its choice's label, which may differ
-        # from the setting's name (batch_size=ValueChoice(..., label="bs"))
-        hp = {k: sample.get(c.label or k) for k, c in sorted(self.search_space.hparams.items())}
+        hp = {k: sample.get(label) for k, label in sorted(self.search_space.hparam_labels().items())}
         if spawned:
             hp.update({k: spawned[k] for k in sorted(spawned)})
         return hashlib.sha256(json.dumps([structure_hash, hp], default=str).encode()).hexdigest()

@@ -53,10 +53,10 @@ def read_dataset(dataset: torch.utils.data.Dataset, owner: str = "ClassifierTrai
     n = len(dataset)
     if n == 0:
         raise ValueError(f"{owner}(dataset=...): the {type(dataset).__name__} is empty")
-    tensors = getattr(dataset, "tensors", None)
-    if isinstance(dataset, torch.utils.data.TensorDataset) and len(tensors) == 2 \
-            and not tensors[1].is_floating_point() and tensors[1].dim() == 1:
-        return tensors[0], tensors[1].to(torch.int64)  # its items are these rows: no loop
+    if isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
+        x, y = dataset.tensors
+        if y.dim() == 1 and not y.is_floating_point():
+            return x, y.to(torch.int64)  # its items are these rows: no loop
     inputs, labels = [], []
     for i in range(n):
         item = dataset[i]
@@ -79,17 +79,12 @@ def read_dataset(dataset: torch.utils.data.Dataset, owner: str = "ClassifierTrai
         raise ValueError(f"{owner}(dataset=...): the {type(dataset).__name__}'s inputs have "
                          f"several shapes ({sorted(shapes)[:3]}...): resize or pad them to one "
                          f"in the Dataset, so that a batch stacks")
-    y = torch.as_tensor([int(torch.as_tensor(v).item()) if _is_class(v) else _bad_label(owner, i, v)
-                         for i, v in enumerate(labels)], dtype=torch.int64)
-    return torch.stack(inputs), y
-
-
-def _is_class(label: Any) -> bool:
-    t = torch.as_tensor(label) if isinstance(label, (int, np.integer, torch.Tensor)) else None
-    return t is not None and t.numel() == 1 and not t.is_floating_point() \
-        and not isinstance(label, bool)
-
-
-def _bad_label(owner: str, index: int, label: Any) -> int:
-    raise ValueError(f"{owner}(dataset=...): item {index}'s label is {label!r}, not an integer "
-                     f"class; ClassifierTrainer's cross-entropy needs class indices 0..C-1")
+    for i, label in enumerate(labels):  # an int, a NumPy integer or a one-element int tensor
+        whole = isinstance(label, (int, np.integer)) or (
+            isinstance(label, torch.Tensor) and label.numel() == 1
+            and not label.is_floating_point())
+        if isinstance(label, bool) or not whole:
+            raise ValueError(f"{owner}(dataset=...): item {i}'s label is {label!r}, not an "
+                             f"integer class; ClassifierTrainer's cross-entropy needs class "
+                             f"indices 0..C-1")
+    return torch.stack(inputs), torch.tensor([int(v) for v in labels], dtype=torch.int64)
